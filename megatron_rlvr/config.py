@@ -1,0 +1,271 @@
+"""Typed run configuration: plain dataclasses, loaded from YAML with dotted command-line overrides.
+
+Each section's dataclass lives beside the code it configures (``megatron_rlvr/<package>/config.py``) and holds
+plain data only; this module composes them into :class:`Config`, converts YAML/CLI values into those types with
+errors that name the key and what was expected, and checks the cross-section constraints (parallel sizes against
+the world size, model shapes against TP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.data.config import DataConfig
+from megatron_rlvr.eval.config import EvalConfig
+from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.rollout.config import RolloutConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or inconsistent; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    """Where the actor's weights come from: an HF directory (config.json + safetensors) or a dist checkpoint."""
+
+    hf_dir: str = ""
+    load: str | None = None  # megatron dist checkpoint; overrides hf_dir's weights when given
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    make_vocab_size_divisible_by: int = 128
+    use_transformer_engine: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass
+class ActorConfig:
+    """Megatron actor: parallel layout, optimizer and the memory knobs a large run needs."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
+    sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    micro_batch_size: int = 1
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    use_distributed_optimizer: bool = True
+    bf16: bool = False  # bf16 compute with fp32 main grads and params in the optimizer
+    stats_chunk_tokens: int = 4096  # token chunk of the fused statistics op (bounds its scratch memory)
+    max_nonfinite_in_a_row: int = 3
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: how many steps, prompts per step, and where outputs go."""
+
+    steps: int = 10
+    prompts_per_step: int = 8
+    mini_batches_per_step: int = 1
+    seed: int = 1234
+    output_dir: str = "outputs/run"
+    log_every: int = 1
+    eval_every: int = 0  # 0 = only at the end
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0  # 0 = never
+    keep_last: int = 2
+    resume: str | None = "latest"  # "latest", a step directory, or null for a fresh start
+
+
+@dataclass
+class Config:
+    """The whole run. Every knob has a default; a YAML recipe and CLI overrides change some of them."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self, world_size: int | None = None, model_shape: Mapping[str, int] | None = None) -> "Config":
+        """Cross-section checks. ``model_shape`` holds the HF config's head/vocab sizes when known."""
+        a = self.actor
+        for key in ("tp", "pp", "micro_batch_size"):
+            if getattr(a, key) < 1:
+                raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
+        if world_size is not None:
+            if world_size % (a.tp * a.pp) != 0:
+                raise ConfigError(
+                    f"actor.tp * actor.pp = {a.tp} * {a.pp} = {a.tp * a.pp} must divide the world size {world_size} "
+                    f"(tp * pp * dp == world size); allowed tp*pp: "
+                    f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+                )
+        if a.vpp is not None and a.pp < 2:
+            raise ConfigError(f"actor.vpp: virtual pipeline stages need actor.pp >= 2, got pp={a.pp}")
+        if a.sequence_parallel and a.tp < 2:
+            raise ConfigError("actor.sequence_parallel: needs actor.tp >= 2")
+        if model_shape:
+            for key in ("num_attention_heads", "num_key_value_heads"):
+                n = model_shape.get(key)
+                if n is not None and n % a.tp != 0:
+                    raise ConfigError(f"actor.tp={a.tp} must divide the model's {key}={n}")
+            layers = model_shape.get("num_hidden_layers")
+            if layers is not None and layers % (a.pp * (a.vpp or 1)) != 0:
+                raise ConfigError(
+                    f"actor.pp * actor.vpp = {a.pp * (a.vpp or 1)} must divide the model's num_hidden_layers={layers}"
+                )
+        if self.trainer.prompts_per_step % self.trainer.mini_batches_per_step != 0:
+            raise ConfigError(
+                f"trainer.mini_batches_per_step={self.trainer.mini_batches_per_step} must divide "
+                f"trainer.prompts_per_step={self.trainer.prompts_per_step}"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Typed construction from plain data
+
+
+def from_dict(cls: type, data: Mapping[str, Any] | None, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from nested plain data, checking every key and value type."""
+    data = {} if data is None else data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix or '<root>'}: expected a mapping of keys, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown key; allowed keys: {', '.join(sorted(fields))}")
+    kwargs = {name: _convert(hints[name], value, _join(prefix, name)) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _describe(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(option, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{key}: got {value!r}; allowed values: {', '.join(repr(a) for a in args)}")
+    if origin in (list, Sequence, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_tp,) = args[:1] or (Any,)
+        return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected bool (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected str, got {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {_describe(tp)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# YAML + dotted overrides
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"actor.tp=2"`` -> (["actor", "tp"], 2); the value is read as YAML (numbers, bools, null, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. actor.tp=2")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: the key must be dotted names, e.g. algo.alpha=0.05")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML recipe (or nothing: all defaults), apply ``key=value`` overrides, and type-check it all."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path}: not found")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, overrides)
+    return from_dict(Config, data)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

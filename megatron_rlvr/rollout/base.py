@@ -1,0 +1,51 @@
+"""The one rollout protocol: every engine (vLLM on GPU, vLLM on CPU, test fakes) implements `RolloutEngine`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Sampling:
+    """How to sample; `n` responses per prompt is passed to `generate` beside it."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = True  # return the sampled token's log-prob per generated token
+
+
+@dataclass
+class Completion:
+    """One sampled response: generated token ids (prompt excluded), their log-probs under the engine, and text."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+
+
+class EngineDiedError(RuntimeError):
+    """The engine process or its in-process state is gone; the trainer rebuilds it from the actor's weights."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
+        """`n` completions for each prompt, in prompt order."""
+
+    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Load a stream of (HF parameter name, tensor) into the engine's model."""
+
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory (weights and KV cache) while the actor trains."""
+
+    def wake(self) -> None:
+        """Undo `sleep`."""
