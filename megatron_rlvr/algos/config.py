@@ -1,37 +1,75 @@
-"""Configuration of advantages and the policy loss (see shared ALGORITHMS.md for every knob's meaning)."""
+"""Configuration of advantages and the policy loss (see shared ALGORITHMS.md for every knob's meaning).
+
+Plain data; ``__post_init__`` only checks ranges so a bad recipe fails at load time with the key's name.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 LossName = Literal[
     "grpo", "casp", "entropy_bonus", "entropy_adv", "kl_cov", "clip_cov", "w_reinforce", "psr", "nsr", "forking_tokens"
 ]
+LOSS_NAMES: tuple[str, ...] = get_args(LossName)
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 
 
 @dataclass
 class AlgoConfig:
     loss: LossName = "casp"
     # advantages
-    normalize_std: bool = True  # false = Dr.GRPO
+    normalize_std: bool = True  # false = Dr.GRPO (A = r - mean)
     adv_eps: float = 1e-6
-    drop_uniform_groups: bool = False
+    drop_uniform_groups: bool = False  # DAPO dynamic sampling: groups with all-equal rewards are marked for refill
     # PPO clip and aggregation
     eps_low: float = 0.2
     eps_high: float = 0.28
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    loss_agg: LossAgg = "token_mean"
     max_len_norm: int = 1024  # the constant of seq_mean_token_sum_norm
     kl_coef: float = 0.0  # k3 KL to a frozen reference; 0 = no reference model
-    # CaSP
+    # CaSP (also: tau_q is the high-entropy quantile of forking_tokens)
     top_n: int = 3
-    alpha: float = 0.05
-    lambda_top1: float = 0.5
-    tau_q: float = 0.8
+    alpha: float = 0.05  # label-smoothing share moved onto the top-N candidates (positive samples)
+    lambda_top1: float = 0.5  # extra penalty on wrong tokens that are rank 1 (negative samples)
+    tau_q: float = 0.8  # per-response entropy quantile; 0 = every response token
     weights: Literal["uniform", "softmax"] = "uniform"
     apply_to: Literal["both", "positive", "negative"] = "both"
     # baselines
     beta: float = 0.01  # entropy_bonus / entropy_adv / kl_cov coefficient
     kappa: float = 2.0  # entropy_adv cap |A| / kappa
-    cov_fraction: float = 0.002  # kl_cov / clip_cov: fraction k of tokens selected
-    lambda_pos: float = 0.1  # w_reinforce
+    cov_fraction: float = 0.002  # kl_cov / clip_cov: fraction k of the tokens selected (at least one)
+    lambda_pos: float = 0.1  # w_reinforce: weight of positive samples
+
+    def __post_init__(self) -> None:
+        def bad(key: str, expected: str) -> ValueError:
+            return ValueError(f"algo.{key}: expected {expected}, got {getattr(self, key)!r}")
+
+        if self.loss not in LOSS_NAMES:
+            raise ValueError(f"algo.loss: got {self.loss!r}; allowed values: {', '.join(LOSS_NAMES)}")
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"algo.loss_agg: got {self.loss_agg!r}; allowed values: {', '.join(LOSS_AGGS)}")
+        if self.weights not in ("uniform", "softmax"):
+            raise bad("weights", "'uniform' or 'softmax'")
+        if self.apply_to not in ("both", "positive", "negative"):
+            raise bad("apply_to", "'both', 'positive' or 'negative'")
+        if not self.adv_eps >= 0:
+            raise bad("adv_eps", ">= 0")
+        for key in ("eps_low", "eps_high", "kl_coef", "lambda_top1", "beta", "lambda_pos"):
+            if not getattr(self, key) >= 0:
+                raise bad(key, ">= 0")
+        if not self.eps_low < 1:
+            raise bad("eps_low", "< 1 (the ratio's lower clip bound 1 - eps_low must stay positive)")
+        if self.max_len_norm < 1:
+            raise bad("max_len_norm", ">= 1")
+        if self.top_n < 1:
+            raise bad("top_n", ">= 1")
+        if not 0 <= self.alpha <= 1:
+            raise bad("alpha", "a share in [0, 1]")
+        if not 0 <= self.tau_q < 1:
+            raise bad("tau_q", "a quantile in [0, 1)")
+        if not self.kappa > 0:
+            raise bad("kappa", "> 0")
+        if not 0 <= self.cov_fraction <= 1:
+            raise bad("cov_fraction", "a fraction in [0, 1]")

@@ -1,0 +1,261 @@
+"""Policy losses (GRPO, CaSP and the paper's baselines) on per-token statistics only, through one code path.
+
+Every loss is PPO-clip's detached-weight form ``-w[t] * target[t]`` with ``w = A_t * rho * keep`` (ALGORITHMS.md),
+and a loss name only chooses how its tokens are shaped (see ``_Shaping``):
+- the per-token advantage ``A_t`` (entropy_adv adds an entropy term),
+- a detached multiplier of ``w`` (CaSP's rank-1 penalty, w_reinforce, psr/nsr, forking_tokens, clip_cov),
+- CaSP's label-smoothed target on positive samples, and
+- extra per-token terms (kl_cov's penalty, the entropy bonus, the optional k3 KL to a reference).
+So ``grpo`` is ``casp`` with alpha = lambda_top1 = 0, by construction.
+
+The returned loss's value is the clipped surrogate ``-scale * min(rho * A, clip(rho) * A)`` (plus the extra terms),
+while its gradient is exactly that of the detached-weight form: ``value.detach() + (form - form.detach())``.
+For every loss but CaSP's smoothed positives the two have the same gradient anyway (PPO-clip equivalence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from megatron_rlvr.algos.aggregate import aggregate, response_counts
+from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.algos.metrics import loss_metrics
+from megatron_rlvr.algos.token_masks import high_entropy_mask, top_covariance_mask
+
+
+@dataclass
+class TokenView:
+    """What a loss's shaping may read: the statistics and inputs broadcast to [B, T] (top-N cut to cfg.top_n)."""
+
+    logp: Tensor
+    old_logp: Tensor
+    entropy: Tensor
+    topn_logp: Tensor  # [B, T, top_n]
+    is_top1: Tensor  # bool: the sampled token is the rank-1 candidate
+    advantages: Tensor  # A_i broadcast over the response's tokens
+    mask: Tensor  # bool: response tokens
+    high_entropy: Tensor  # bool: h[t], per-response quantile tau_q
+    positive: Tensor  # bool: response token of a sample with A_i > 0
+    negative: Tensor  # bool: response token of a sample with A_i < 0
+    cfg: AlgoConfig
+
+
+@dataclass
+class _Shaping:
+    advantages: Tensor  # the per-token advantages entering w and the clip condition
+    weight_scale: Tensor | None = None  # detached multiplier of w (None = 1)
+    smoothing: Tensor | None = None  # CaSP: the share alpha moved onto the top-N candidates, 0 elsewhere
+    penalty: Tensor | None = None  # extra per-token loss (kl_cov)
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * agg(entropy)
+
+
+def _grpo(v: TokenView) -> _Shaping:
+    return _Shaping(v.advantages)
+
+
+def _casp(v: TokenView) -> _Shaping:
+    cfg = v.cfg
+    shaping = _Shaping(v.advantages)
+    if cfg.apply_to in ("both", "positive"):
+        smoothed = v.positive & v.high_entropy
+        shaping.smoothing = torch.where(smoothed, cfg.alpha, 0.0).to(v.logp.dtype)
+    if cfg.apply_to in ("both", "negative"):
+        penalized = v.negative & v.high_entropy & v.is_top1
+        shaping.weight_scale = torch.where(penalized, 1.0 + cfg.lambda_top1, 1.0).to(v.logp.dtype)
+    return shaping
+
+
+def _entropy_bonus(v: TokenView) -> _Shaping:
+    return _Shaping(v.advantages, entropy_coef=v.cfg.beta)
+
+
+def _entropy_adv(v: TokenView) -> _Shaping:
+    # Capped at |A| / kappa so the shaping never flips the sign of a non-zero advantage (kappa > 1).
+    bonus = torch.minimum(v.cfg.beta * v.entropy.detach(), v.advantages.abs() / v.cfg.kappa)
+    return _Shaping(v.advantages + bonus)
+
+
+def _kl_cov(v: TokenView) -> _Shaping:
+    selected = top_covariance_mask(v.logp, v.advantages, v.mask, v.cfg.cov_fraction)
+    penalty = torch.where(selected, v.cfg.beta * (v.logp - v.old_logp).abs(), torch.zeros_like(v.logp))
+    return _Shaping(v.advantages, penalty=penalty)
+
+
+def _clip_cov(v: TokenView) -> _Shaping:
+    selected = top_covariance_mask(v.logp, v.advantages, v.mask, v.cfg.cov_fraction)
+    return _Shaping(v.advantages, weight_scale=(~selected).to(v.logp.dtype))
+
+
+def _w_reinforce(v: TokenView) -> _Shaping:
+    return _Shaping(v.advantages, weight_scale=torch.where(v.positive, v.cfg.lambda_pos, 1.0).to(v.logp.dtype))
+
+
+def _psr(v: TokenView) -> _Shaping:
+    return _Shaping(v.advantages, weight_scale=v.positive.to(v.logp.dtype))
+
+
+def _nsr(v: TokenView) -> _Shaping:
+    return _Shaping(v.advantages, weight_scale=v.negative.to(v.logp.dtype))
+
+
+def _forking_tokens(v: TokenView) -> _Shaping:
+    # The normalizer stays every response token, so the step size per token matches GRPO's.
+    return _Shaping(v.advantages, weight_scale=v.high_entropy.to(v.logp.dtype))
+
+
+LOSSES: dict[str, Callable[[TokenView], _Shaping]] = {
+    "grpo": _grpo,
+    "casp": _casp,
+    "entropy_bonus": _entropy_bonus,
+    "entropy_adv": _entropy_adv,
+    "kl_cov": _kl_cov,
+    "clip_cov": _clip_cov,
+    "w_reinforce": _w_reinforce,
+    "psr": _psr,
+    "nsr": _nsr,
+    "forking_tokens": _forking_tokens,
+}
+
+
+def candidate_weights(topn_logp: Tensor, weights: str) -> Tensor:
+    """CaSP's detached weights u over the top-N candidates: uniform 1/N, or softmax of their log-probs."""
+    if weights == "uniform":
+        return torch.full_like(topn_logp, 1.0 / topn_logp.shape[-1]).detach()
+    if weights == "softmax":
+        return torch.softmax(topn_logp.detach(), dim=-1)
+    raise ValueError(f"algo.weights: got {weights!r}; allowed values: 'uniform', 'softmax'")
+
+
+def policy_loss(
+    stats,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgoConfig,
+    *,
+    ref_logp: Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    target_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The loss ``cfg.loss`` of one (micro-)batch and its metrics (plain floats over this batch's response tokens).
+
+    ``stats`` is the fused op's TokenStats with [B, T] / [B, T, N] tensors (N >= cfg.top_n; the first cfg.top_n
+    columns enter the loss, up to three feed the rank metrics); ``old_logp`` [B, T]; ``advantages`` [B];
+    ``mask`` [B, T] marks response tokens (bool or 0/1). ``ref_logp`` [B, T] is required when cfg.kl_coef > 0.
+    ``num_tokens`` / ``num_seqs``: the whole mini-batch's response tokens / responses, so micro-batch losses sum to
+    the mini-batch loss; default this batch's own counts. kl_cov / clip_cov select their tokens within this batch.
+    ``target_ids`` [B, T], the sampled ids, make "y_t is rank 1" an id comparison (recommended); without them it is
+    read from the statistics (logp equal to the rank-1 log-prob up to rounding).
+    """
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"algo.loss: got {cfg.loss!r}; allowed values: {', '.join(LOSSES)}")
+    view = _token_view(stats, old_logp, advantages, mask, cfg, target_ids)
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp: algo.kl_coef = {cfg.kl_coef} > 0 needs the reference model's log-probs [B, T]")
+    if ref_logp is not None and ref_logp.shape != view.logp.shape:
+        raise ValueError(f"ref_logp: expected shape {tuple(view.logp.shape)} like stats.logp, got {tuple(ref_logp.shape)}")
+    local_tokens, local_seqs = response_counts(view.mask)
+    counts = dict(
+        num_tokens=local_tokens if num_tokens is None else float(num_tokens),
+        num_seqs=local_seqs if num_seqs is None else float(num_seqs),
+        max_len_norm=cfg.max_len_norm,
+    )
+
+    def agg(values: Tensor) -> Tensor:
+        return aggregate(values, view.mask, cfg.loss_agg, **counts)
+
+    shaping = LOSSES[cfg.loss](view)
+    adv = shaping.advantages.detach()
+    log_ratio = view.logp - view.old_logp
+    rho = torch.exp(log_ratio)
+    clipped = ((adv > 0) & (rho > 1 + cfg.eps_high)) | ((adv < 0) & (rho < 1 - cfg.eps_low))
+    scale = torch.ones_like(rho) if shaping.weight_scale is None else shaping.weight_scale.detach()
+    weight = (adv * rho * (~clipped).to(rho.dtype) * scale).detach()
+
+    target = view.logp
+    if shaping.smoothing is not None:
+        u = candidate_weights(view.topn_logp, cfg.weights)
+        s = shaping.smoothing.detach()
+        smoothed = (1 - s) * view.logp + s * (u * view.topn_logp).sum(dim=-1)
+        target = torch.where(s > 0, smoothed, view.logp)
+    pg_form = agg(-weight * target)
+    with torch.no_grad():
+        clipped_rho = rho.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+        pg_value = agg(-scale * torch.minimum(rho * adv, clipped_rho * adv))
+    loss = pg_value + (pg_form - pg_form.detach())
+
+    extras: dict[str, Tensor] = {}
+    if shaping.penalty is not None:
+        extras["cov_penalty"] = agg(shaping.penalty)
+        loss = loss + extras["cov_penalty"]
+    if shaping.entropy_coef:
+        extras["entropy_bonus"] = shaping.entropy_coef * agg(view.entropy)
+        loss = loss - extras["entropy_bonus"]
+    if ref_logp is not None:
+        delta = ref_logp.detach().to(view.logp.dtype) - view.logp
+        extras["kl_ref"] = agg(torch.exp(delta) - delta - 1)
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * extras["kl_ref"]
+
+    metrics = loss_metrics(view, rho=rho.detach(), clipped=clipped, top_ranks=stats.topn_logp)
+    metrics.update(loss=float(loss.detach()), pg_loss=float(pg_value), num_tokens=local_tokens)
+    metrics.update({name: float(value.detach()) for name, value in extras.items()})
+    return loss, metrics
+
+
+def _token_view(
+    stats, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig, target_ids: Tensor | None
+) -> TokenView:
+    """Check shapes (errors name the argument) and broadcast everything to [B, T]."""
+    logp = stats.logp
+    if logp.dim() != 2:
+        raise ValueError(f"stats.logp: expected [B, T], got shape {tuple(logp.shape)}")
+    shape = tuple(logp.shape)
+    for name, tensor in (("stats.entropy", stats.entropy), ("old_logp", old_logp), ("mask", mask)):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} like stats.logp, got {tuple(tensor.shape)}")
+    for name, tensor in (("stats.topn_logp", stats.topn_logp), ("stats.topn_ids", stats.topn_ids)):
+        if tensor.dim() != 3 or tuple(tensor.shape[:2]) != shape or tensor.shape[2] < cfg.top_n:
+            raise ValueError(
+                f"{name}: expected shape [B, T, N] = [{shape[0]}, {shape[1]}, N >= algo.top_n = {cfg.top_n}], "
+                f"got {tuple(tensor.shape)}"
+            )
+    if tuple(advantages.shape) != shape[:1]:
+        raise ValueError(f"advantages: expected shape [B] = [{shape[0]}] (one per response), got {tuple(advantages.shape)}")
+    mask = mask.to(torch.bool)
+    adv = advantages.detach().to(logp.dtype)[:, None].expand(shape)
+    is_top1 = _sampled_is_top1(stats, target_ids)
+    return TokenView(
+        logp=logp,
+        old_logp=old_logp.detach().to(logp.dtype),
+        entropy=stats.entropy,
+        topn_logp=stats.topn_logp[..., : cfg.top_n],
+        is_top1=is_top1,
+        advantages=adv,
+        mask=mask,
+        high_entropy=high_entropy_mask(stats.entropy, mask, cfg.tau_q),
+        positive=mask & (adv > 0),
+        negative=mask & (adv < 0),
+        cfg=cfg,
+    )
+
+
+def _sampled_is_top1(stats, target_ids: Tensor | None) -> Tensor:
+    """Whether y_t is the rank-1 candidate: by id when the caller passes the sampled ids, else by probability.
+
+    TokenStats carries no sampled ids; without them y_t counts as rank 1 when its log-prob equals the rank-1
+    log-prob up to float rounding (a token tied with rank 1 is as probable as rank 1, so it is penalized alike).
+    """
+    top1 = stats.topn_ids[..., 0]
+    if target_ids is not None:
+        if tuple(target_ids.shape) != tuple(top1.shape):
+            raise ValueError(f"target_ids: expected shape {tuple(top1.shape)} like stats.logp, got {tuple(target_ids.shape)}")
+        return top1 == target_ids.to(top1.device)
+    logp, best = stats.logp.detach(), stats.topn_logp[..., 0].detach()
+    tolerance = 8 * torch.finfo(logp.dtype).eps * (1 + best.abs())
+    return logp >= best - tolerance

@@ -1,0 +1,43 @@
+"""The metrics every policy loss reports: plain floats averaged over this batch's response tokens.
+
+Names: clip_frac, entropy, high_entropy_frac, rank{k}_prob and rank{k}_prob_high_entropy (k = 1..3, as far as the
+statistics hold top-k columns), neg_rank1_frac (negative-sample tokens whose sampled token was rank 1), kl_old (k3
+estimate of KL(old || new) on the sampled tokens). A mean over no tokens is 0. Averaging over micro-batches is the
+caller's: weight each by its ``num_tokens`` metric.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from megatron_rlvr.algos.losses import TokenView
+
+
+def _mean(values: Tensor, where: Tensor) -> float:
+    count = int(where.sum())
+    if count == 0:
+        return 0.0
+    return float(torch.where(where, values, torch.zeros_like(values)).sum() / count)
+
+
+@torch.no_grad()
+def loss_metrics(view: "TokenView", *, rho: Tensor, clipped: Tensor, top_ranks: Tensor) -> dict[str, float]:
+    mask, high = view.mask, view.high_entropy
+    one = torch.ones_like(rho)
+    metrics = {
+        "clip_frac": _mean(clipped.to(rho.dtype), mask),
+        "entropy": _mean(view.entropy.detach(), mask),
+        "entropy_high_entropy": _mean(view.entropy.detach(), high),
+        "high_entropy_frac": _mean(high.to(rho.dtype), mask),
+        "neg_rank1_frac": _mean(view.is_top1.to(rho.dtype), view.negative),
+        "kl_old": _mean(rho - one - torch.log(rho), mask),
+    }
+    probs = top_ranks.detach()[..., :3].exp()
+    for k in range(probs.shape[-1]):
+        metrics[f"rank{k + 1}_prob"] = _mean(probs[..., k], mask)
+        metrics[f"rank{k + 1}_prob_high_entropy"] = _mean(probs[..., k], high)
+    return metrics
