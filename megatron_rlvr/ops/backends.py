@@ -1,0 +1,112 @@
+"""Which implementation of the shard pass runs: the CUDA kernel, the C++ CPU kernel, or the torch reference.
+
+`resolve(device, requested, top_n)` picks one. "auto" (the default) means the CUDA kernel for CUDA tensors and the
+C++ kernel for CPU tensors; when the extension `megatron_rlvr._C` is missing (or was built without CUDA) the
+reference runs and a one-line warning says so, once. The environment variable MEGATRON_RLVR_TOKEN_STATS_IMPL
+(auto | reference | cpp | cuda) overrides the default, e.g. to test the fallback. All three write the same
+records (records.py) and the same gradient, through `shard_forward` / `shard_backward`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+
+import torch
+
+from megatron_rlvr.ops import reference
+
+IMPLEMENTATIONS = ("auto", "reference", "cpp", "cuda")
+ENV_VAR = "MEGATRON_RLVR_TOKEN_STATS_IMPL"
+CUDA_MAX_TOP_N = 32  # the CUDA kernel keeps the per-thread top-N in registers
+
+_warned: set[str] = set()
+
+
+def _load_extension() -> tuple[ModuleType | None, str]:
+    try:
+        from megatron_rlvr import _C
+    except ImportError as exc:
+        return None, str(exc)
+    return _C, ""
+
+
+_C, _C_IMPORT_ERROR = _load_extension()
+
+
+def extension() -> ModuleType | None:
+    """The compiled extension, or None when it is not built."""
+    return _C
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
+    """The implementation that will run: "reference", "cpp" or "cuda"."""
+    choice = requested or os.environ.get(ENV_VAR, "auto") or "auto"
+    if choice not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} (argument or ${ENV_VAR}), got {choice!r}")
+    if choice == "reference":
+        return choice
+    if choice == "cpp" and device.type != "cpu":
+        raise ValueError(f"implementation 'cpp' runs on CPU tensors; the logits are on {device}")
+    if choice == "cuda" and device.type != "cuda":
+        raise ValueError(f"implementation 'cuda' runs on CUDA tensors; the logits are on {device}")
+    wanted = "cuda" if device.type == "cuda" else "cpp" if device.type == "cpu" else None
+    if wanted is None:
+        _warn_once(f"vocab_parallel_token_stats: no kernel for device {device.type}; using the torch reference")
+        return "reference"
+    if _C is None:
+        if choice != "auto":
+            raise RuntimeError(f"implementation {choice!r} requested but megatron_rlvr._C is missing: {_C_IMPORT_ERROR}")
+        _warn_once(
+            "vocab_parallel_token_stats: megatron_rlvr._C is not built (pip install -e . builds it); using the "
+            "slower torch reference"
+        )
+        return "reference"
+    if wanted == "cuda" and not _C.has_cuda():
+        if choice != "auto":
+            raise RuntimeError("implementation 'cuda' requested but megatron_rlvr._C was built without CUDA")
+        _warn_once("vocab_parallel_token_stats: megatron_rlvr._C was built without CUDA; using the torch reference")
+        return "reference"
+    if wanted == "cuda" and top_n > CUDA_MAX_TOP_N:
+        _warn_once(f"vocab_parallel_token_stats: top_n > {CUDA_MAX_TOP_N} has no CUDA kernel; using the reference")
+        return "reference"
+    return wanted
+
+
+def shard_forward(
+    impl: str, logits: torch.Tensor, target_ids: torch.Tensor, records: torch.Tensor, *, top_n: int,
+    vocab_start: int, n_valid: int, inv_temperature: float, chunk_tokens: int | None,
+) -> None:
+    """Fill records [T, 4+2N] (float64) for logits [T, V_local] (contiguous) and target_ids [T] (int64)."""
+    if impl == "reference":
+        reference.shard_records(
+            logits, target_ids, records, top_n=top_n, vocab_start=vocab_start, n_valid=n_valid,
+            inv_temperature=inv_temperature, chunk_tokens=chunk_tokens,
+        )
+    else:
+        _C.token_stats_forward(logits, target_ids, records, top_n, vocab_start, n_valid, inv_temperature)
+
+
+def shard_backward(
+    impl: str, logits: torch.Tensor, grad_out: torch.Tensor, target_ids: torch.Tensor, topn_ids: torch.Tensor,
+    logz: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
+    grad_topn: torch.Tensor, *, vocab_start: int, n_valid: int, inv_temperature: float, chunk_tokens: int | None,
+) -> None:
+    """Write dL/dlogits into grad_out [T, V_local] (may alias logits); small inputs in the statistics' dtype."""
+    if impl == "reference":
+        reference.shard_backward(
+            logits, grad_out, target_ids, topn_ids, logz, entropy, grad_logp, grad_entropy, grad_topn,
+            vocab_start=vocab_start, n_valid=n_valid, inv_temperature=inv_temperature, chunk_tokens=chunk_tokens,
+        )
+    else:
+        _C.token_stats_backward(
+            logits, grad_out, target_ids, topn_ids, logz, entropy, grad_logp, grad_entropy, grad_topn,
+            vocab_start, n_valid, inv_temperature,
+        )
