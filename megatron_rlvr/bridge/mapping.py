@@ -1,0 +1,147 @@
+"""The one Megatron <-> HF name table for the Llama-family layout (Qwen2 and Llama), and the shapes on each side.
+
+Megatron names here are *global*: ``decoder.layers.{i}`` uses the global layer index, whatever pipeline stage or
+virtual chunk holds it. Each entry carries a ``kind`` saying how the tensor is laid out and sharded:
+
+- ``replicated``: the same on every TP rank (RMSNorm weights).
+- ``column`` / ``row``: TP-sharded along dim 0 / dim 1, same layout as HF (o_proj, down_proj are ``row``).
+- ``vocab``: dim 0 sharded and padded to ``padded_vocab_size`` rows; padding rows are zero and never exported.
+- ``qkv``: Megatron interleaves per query group ``[q_g (heads_per_group * d), k_g (d), v_g (d)]``; HF has q/k/v.
+- ``gate_up``: Megatron's fc1 shard r is ``[gate_r; up_r]``; HF has gate_proj and up_proj.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from megatron_rlvr.models.builder import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
+from megatron_rlvr.models.hf_config import family_of, head_dim, num_kv_heads
+
+KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes the layout conversions need, from the HF config."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    layers: int
+    tied: bool
+    qkv_bias: bool
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.groups
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelDims":
+        return cls(
+            hidden=hf["hidden_size"],
+            heads=hf["num_attention_heads"],
+            groups=num_kv_heads(hf),
+            head_dim=head_dim(hf),
+            ffn=hf["intermediate_size"],
+            vocab=hf["vocab_size"],
+            layers=hf["num_hidden_layers"],
+            tied=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family_of(hf).QKV_BIAS,
+        )
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+
+    @property
+    def tp_dim(self) -> int | None:
+        return None if self.kind == "replicated" else (1 if self.kind == "row" else 0)
+
+
+# Transformer Engine fuses the two RMSNorms into the following linear layer; the local spec keeps them apart.
+_LOCAL_NORM_NAMES = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
+_TE_NORM_NAMES = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+
+
+def mapping_table(dims: ModelDims, te_names: bool = False) -> list[ParamMapping]:
+    """Every Megatron parameter of the full model with its HF tensors, in HF checkpoint order.
+
+    ``output_layer.weight`` is listed even for tied embeddings (its HF name, ``lm_head.weight``, is what an
+    engine must receive); callers that write an HF checkpoint skip it when ``dims.tied``.
+    """
+    attn_norm, mlp_norm = _TE_NORM_NAMES if te_names else _LOCAL_NORM_NAMES
+    table = [ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    for i in range(dims.layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = h + "self_attn."
+        table.append(ParamMapping(m + attn_norm, (h + "input_layernorm.weight",), "replicated"))
+        table.append(
+            ParamMapping(
+                m + "self_attention.linear_qkv.weight",
+                (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                "qkv",
+            )
+        )
+        if dims.qkv_bias:
+            table.append(
+                ParamMapping(
+                    m + "self_attention.linear_qkv.bias",
+                    (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                    "qkv",
+                )
+            )
+        table.append(ParamMapping(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
+        table.append(ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated"))
+        table.append(
+            ParamMapping(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up")
+        )
+        table.append(ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"))
+    table.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+    table.append(ParamMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return table
+
+
+def hf_shapes(m: ParamMapping, dims: ModelDims) -> list[tuple[int, ...]]:
+    """The HF tensors' shapes for one entry, in the order of ``m.hf``."""
+    d, H = dims.head_dim, dims.hidden
+    bias = m.megatron.endswith(".bias")
+    if m.kind == "qkv":
+        rows = (dims.heads * d, dims.groups * d, dims.groups * d)
+        return [(r,) if bias else (r, H) for r in rows]
+    if m.kind == "gate_up":
+        return [(dims.ffn, H), (dims.ffn, H)]
+    if m.kind == "vocab":
+        return [(dims.vocab, H)]
+    if m.kind == "replicated":
+        return [(H,)]
+    if m.megatron.endswith("linear_proj.weight"):
+        return [(H, dims.heads * d)]
+    if m.megatron.endswith("linear_fc2.weight"):
+        return [(H, dims.ffn)]
+    raise KeyError(f"no HF shape rule for {m.megatron} ({m.kind})")
+
+
+def megatron_full_shape(m: ParamMapping, dims: ModelDims, tp: int, divisible_by: int) -> tuple[int, ...]:
+    """The unsharded Megatron tensor's shape (vocab rows padded for this TP size)."""
+    shapes = hf_shapes(m, dims)
+    if m.kind == "vocab":
+        return (padded_vocab_size(dims.vocab, tp, divisible_by), dims.hidden)
+    if m.kind in ("qkv", "gate_up"):
+        return (sum(s[0] for s in shapes),) + shapes[0][1:]
+    return shapes[0]
+
+
+def megatron_local_shape(
+    m: ParamMapping, dims: ModelDims, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+) -> tuple[int, ...]:
+    full = list(megatron_full_shape(m, dims, tp, divisible_by))
+    if m.tp_dim is not None:
+        full[m.tp_dim] //= tp
+    return tuple(full)

@@ -1,0 +1,152 @@
+"""HF config -> megatron-core ``TransformerConfig`` and ``GPTModel`` (local spec on CPU, TE spec when installed).
+
+The vocabulary is padded here, once, by :func:`padded_vocab_size`; the token-statistics op and the actor use the
+same function so every component agrees on which ids are padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from megatron_rlvr.models.hf_config import family_of, head_dim, num_kv_heads, rope_settings
+
+DEFAULT_VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron's convention: rows padded up to a multiple of ``divisible_by * tp`` (ids >= vocab_size are padding)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # an installed but broken TE (no CUDA) counts as absent
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config_from_hf(
+    hf: Mapping[str, Any],
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    **megatron_overrides: Any,
+):
+    """The megatron-core ``TransformerConfig`` reproducing ``hf``'s math, with the given parallel layout.
+
+    ``recompute``: ``"none"``, ``"selective"`` (core attention) or ``"full"`` (every layer, uniform).
+    ``megatron_overrides`` are passed to ``TransformerConfig`` last (e.g. ``variable_seq_lengths=True``).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    family = family_of(hf)
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}; expected 'none', 'selective' or 'full'")
+    for key in ("num_attention_heads",):
+        if hf[key] % tp:
+            raise ValueError(f"tp={tp} must divide the model's {key}={hf[key]}")
+    if num_kv_heads(hf) % tp:
+        raise ValueError(f"tp={tp} must divide the model's num_key_value_heads={num_kv_heads(hf)}")
+    if hf["num_hidden_layers"] % (pp * (vpp or 1)):
+        raise ValueError(f"pp*vpp={pp * (vpp or 1)} must divide num_hidden_layers={hf['num_hidden_layers']}")
+    on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=num_kv_heads(hf),
+        kv_channels=head_dim(hf),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Fusions are CUDA kernels; the unfused paths compute the same math.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        use_cpu_initialization=not on_gpu,
+    )
+    kwargs.update(family.megatron_kwargs(hf))
+    if recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    elif recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(megatron_overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(use_te: bool | None = None):
+    """Transformer Engine spec when TE is usable, else megatron-core's local (pure torch) spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(
+    hf: Mapping[str, Any],
+    tcfg,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    use_te: bool | None = None,
+    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+):
+    """One megatron-core ``GPTModel`` chunk for this rank (pipeline stage / virtual stage ``vp_stage``).
+
+    Needs megatron's parallel_state initialized (``megatron_rlvr.distributed.initialize_model_parallel``).
+    Weights are randomly initialized; fill them with ``megatron_rlvr.bridge.load_hf_weights``.
+    """
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    rope = rope_settings(hf)
+    llama3 = rope["rope_type"] == "llama3"
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=layer_spec(use_te),
+        vocab_size=padded_vocab_size(hf["vocab_size"], tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
+        max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,  # logits stay vocab-sharded: the token-statistics op consumes the shards
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=float(rope["rope_theta"]),
+        rope_scaling=llama3,
+        rope_scaling_factor=float(rope["factor"]) if llama3 else 8.0,
+        vp_stage=vp_stage,
+    )
+    # What the bridge needs to map this chunk to HF names without re-reading the config.
+    model.hf_vocab_size = int(hf["vocab_size"])
+    return model

@@ -1,0 +1,110 @@
+"""Tiny random HF checkpoints made locally with transformers (nothing downloaded), for tests and demos.
+
+``make_tiny_hf_model("qwen2" | "llama", out_dir, **config_overrides)`` writes config.json, safetensors (sharded
+when ``max_shard_size`` is given) and a byte-level tokenizer. Every parameter is random, biases and norm weights
+included, so a mapping bug in any tensor shows up in the logits. Head size defaults to 32, which vLLM-CPU supports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # GQA (4 query heads over 2 groups), qkv bias, untied, and a vocab that no TP size > 1 divides.
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=1001,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    # Tied embeddings and llama3 rope scaling with Llama-3.2's constants.
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=True,
+    ),
+}
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def make_tiny_hf_config(arch: str, **overrides: Any):
+    from transformers import LlamaConfig, Qwen2Config
+
+    if arch not in TINY_DEFAULTS:
+        raise ValueError(f"make_tiny_hf_model: arch={arch!r}; expected one of {sorted(TINY_DEFAULTS)}")
+    values = {**TINY_DEFAULTS[arch], **overrides}
+    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    values.setdefault("bos_token_id", 256)
+    values.setdefault("eos_token_id", 256)
+    return cls(**values)
+
+
+@torch.no_grad()
+def make_tiny_hf_model(
+    arch: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
+    with_tokenizer: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a random HF checkpoint of family ``arch`` to ``out_dir`` and return the directory."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_tiny_hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * torch.randn_like(param))
+        else:
+            param.copy_(0.05 * torch.randn_like(param))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    if with_tokenizer:
+        byte_level_tokenizer().save_pretrained(out)
+    return out
+
+
+def byte_level_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + EOS at id 256): encodes any text, small enough for any tiny vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab[EOS_TOKEN] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=EOS_TOKEN)
