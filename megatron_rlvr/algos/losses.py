@@ -53,6 +53,11 @@ class _Shaping:
     entropy_coef: float = 0.0  # entropy bonus: loss -= coef * agg(entropy)
 
 
+def _choose(condition: Tensor, if_true: float, if_false: float, like: Tensor) -> Tensor:
+    """Per-token constant in ``like``'s dtype (torch.where on Python floats would round them to float32)."""
+    return torch.where(condition, torch.full_like(like, if_true), torch.full_like(like, if_false))
+
+
 def _grpo(v: TokenView) -> _Shaping:
     return _Shaping(v.advantages)
 
@@ -62,10 +67,10 @@ def _casp(v: TokenView) -> _Shaping:
     shaping = _Shaping(v.advantages)
     if cfg.apply_to in ("both", "positive"):
         smoothed = v.positive & v.high_entropy
-        shaping.smoothing = torch.where(smoothed, cfg.alpha, 0.0).to(v.logp.dtype)
+        shaping.smoothing = _choose(smoothed, cfg.alpha, 0.0, v.logp)
     if cfg.apply_to in ("both", "negative"):
         penalized = v.negative & v.high_entropy & v.is_top1
-        shaping.weight_scale = torch.where(penalized, 1.0 + cfg.lambda_top1, 1.0).to(v.logp.dtype)
+        shaping.weight_scale = _choose(penalized, 1.0 + cfg.lambda_top1, 1.0, v.logp)
     return shaping
 
 
@@ -91,7 +96,7 @@ def _clip_cov(v: TokenView) -> _Shaping:
 
 
 def _w_reinforce(v: TokenView) -> _Shaping:
-    return _Shaping(v.advantages, weight_scale=torch.where(v.positive, v.cfg.lambda_pos, 1.0).to(v.logp.dtype))
+    return _Shaping(v.advantages, weight_scale=_choose(v.positive, v.cfg.lambda_pos, 1.0, v.logp))
 
 
 def _psr(v: TokenView) -> _Shaping:

@@ -1,0 +1,171 @@
+"""Test oracle: every loss written directly from ALGORITHMS.md on full-vocabulary float64 logits, token by token.
+
+Deliberately naive and independent of megatron_rlvr.algos: full log_softmax, a Python loop over tokens, per-row
+torch.quantile, explicit if/else per loss. Also a dense TokenStats builder (for tests that check the loss code on its
+own, without the fused op) and the random problem generator the gradient tests share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_rlvr.algos.config import AlgoConfig
+
+
+@dataclass
+class DenseStats:
+    """Same fields as the fused op's TokenStats, computed from full-vocab log_softmax."""
+
+    logp: Tensor
+    entropy: Tensor
+    topn_logp: Tensor
+    topn_ids: Tensor
+
+
+def dense_token_stats(logits: Tensor, targets: Tensor, top_n: int, temperature: float = 1.0) -> DenseStats:
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    logp = logprobs.gather(-1, targets[..., None])[..., 0]
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    # A stable descending sort keeps equal values in id order: ties go to the lower id, as the contract says.
+    ids = torch.sort(logprobs.detach(), dim=-1, descending=True, stable=True).indices[..., :top_n]
+    return DenseStats(logp, entropy, logprobs.gather(-1, ids), ids)
+
+
+@dataclass
+class Problem:
+    logits: Tensor  # [B, T, V] float64
+    targets: Tensor  # [B, T]
+    old_logp: Tensor  # [B, T]
+    advantages: Tensor  # [B]
+    mask: Tensor  # [B, T] bool
+    ref_logp: Tensor  # [B, T]
+
+
+def random_problem(seed: int, vocab_multiple: int = 2) -> Problem:
+    """Random shapes, right-padded responses (one row fully padded), advantages of both signs and zero, and old
+    log-probs perturbed enough that some tokens fall outside the clip range on both sides."""
+    g = torch.Generator().manual_seed(seed)
+    b = int(torch.randint(4, 8, (1,), generator=g))
+    t = int(torch.randint(4, 10, (1,), generator=g))
+    v = vocab_multiple * int(torch.randint(4, 9, (1,), generator=g))
+    logits = 2.0 * torch.randn(b, t, v, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (b, t), generator=g)
+    # Make some sampled tokens rank 1, as they often are in practice.
+    greedy = torch.rand(b, t, generator=g) < 0.4
+    targets = torch.where(greedy, logits.argmax(-1), targets)
+    lengths = torch.randint(2, t + 1, (b,), generator=g)
+    lengths[-1] = 0
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    with torch.no_grad():
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    old_logp = logp + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    ref_logp = logp + 0.5 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    advantages = torch.randn(b, generator=g, dtype=torch.float64)
+    advantages[0], advantages[1] = abs(advantages[0]) + 0.1, -abs(advantages[1]) - 0.1
+    advantages[2] = 0.0
+    return Problem(logits, targets, old_logp, advantages, mask, ref_logp)
+
+
+def reference_loss(
+    logits: Tensor,
+    targets: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgoConfig,
+    ref_logp: Tensor | None = None,
+    temperature: float = 1.0,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> Tensor:
+    """The loss of ALGORITHMS.md: value = clipped surrogate (+ extra terms), gradient = detached-weight form."""
+    B, T, _ = logits.shape
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    logp = logprobs.gather(-1, targets[..., None])[..., 0]
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    order = torch.sort(logprobs.detach(), dim=-1, descending=True, stable=True).indices
+    top_ids = order[..., : cfg.top_n]
+    top_logp = logprobs.gather(-1, top_ids)
+
+    # h[t]: entropy above the tau_q quantile of its own response's token entropies.
+    high = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        if mask[b].any():
+            if cfg.tau_q == 0:
+                high[b] = mask[b]
+            else:
+                threshold = torch.quantile(entropy[b][mask[b]].detach(), cfg.tau_q)
+                high[b] = (entropy[b].detach() > threshold) & mask[b]
+
+    # kl_cov / clip_cov: top cov_fraction of tokens by (logp - mean logp) * (A - mean A) over response tokens.
+    selected = torch.zeros(B, T, dtype=torch.bool)
+    if cfg.loss in ("kl_cov", "clip_cov"):
+        positions = [(b, t) for b in range(B) for t in range(T) if mask[b, t]]
+        lp = torch.stack([logp[b, t].detach() for b, t in positions])
+        ad = torch.stack([advantages[b].detach().to(lp.dtype) for b, t in positions])
+        cov = (lp - lp.mean()) * (ad - ad.mean())
+        k = max(1, int(len(positions) * cfg.cov_fraction))
+        for index in torch.argsort(cov, descending=True)[:k].tolist():
+            selected[positions[index]] = True
+
+    grad_terms = torch.zeros(B, T, dtype=logits.dtype)
+    value_terms = torch.zeros(B, T, dtype=logits.dtype)
+    extra_terms = torch.zeros(B, T, dtype=logits.dtype)
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            A = float(advantages[b])
+            if cfg.loss == "entropy_adv":
+                A = A + min(cfg.beta * float(entropy[b, t].detach()), abs(A) / cfg.kappa)
+            rho = float(torch.exp(logp[b, t].detach() - old_logp[b, t]))
+            clipped = (A > 0 and rho > 1 + cfg.eps_high) or (A < 0 and rho < 1 - cfg.eps_low)
+            scale = 1.0
+            target = logp[b, t]
+            if cfg.loss == "casp":
+                if A > 0 and high[b, t] and cfg.apply_to in ("both", "positive"):
+                    if cfg.weights == "uniform":
+                        u = torch.full((cfg.top_n,), 1.0 / cfg.top_n, dtype=logits.dtype)
+                    else:
+                        u = torch.softmax(top_logp[b, t].detach(), dim=-1)
+                    target = (1 - cfg.alpha) * logp[b, t] + cfg.alpha * (u * top_logp[b, t]).sum()
+                if A < 0 and high[b, t] and targets[b, t] == top_ids[b, t, 0] and cfg.apply_to in ("both", "negative"):
+                    scale = 1.0 + cfg.lambda_top1
+            elif cfg.loss == "w_reinforce" and A > 0:
+                scale = cfg.lambda_pos
+            elif cfg.loss == "psr" and not A > 0:
+                scale = 0.0
+            elif cfg.loss == "nsr" and not A < 0:
+                scale = 0.0
+            elif cfg.loss == "forking_tokens" and not high[b, t]:
+                scale = 0.0
+            elif cfg.loss == "clip_cov" and selected[b, t]:
+                scale = 0.0
+            w = 0.0 if clipped else A * rho * scale
+            grad_terms[b, t] = -w * target
+            clipped_rho = min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high)
+            value_terms[b, t] = -scale * min(rho * A, clipped_rho * A)
+            extra = torch.zeros((), dtype=logits.dtype)
+            if cfg.loss == "kl_cov" and selected[b, t]:
+                extra = extra + cfg.beta * (logp[b, t] - old_logp[b, t]).abs()
+            if cfg.loss == "entropy_bonus":
+                extra = extra - cfg.beta * entropy[b, t]
+            if ref_logp is not None and cfg.kl_coef > 0:
+                d = ref_logp[b, t] - logp[b, t]
+                extra = extra + cfg.kl_coef * (torch.exp(d) - d - 1)
+            extra_terms[b, t] = extra
+
+    def agg(x: Tensor) -> Tensor:
+        tokens = float(mask.sum()) if num_tokens is None else num_tokens
+        seqs = float(mask.any(-1).sum()) if num_seqs is None else num_seqs
+        if cfg.loss_agg == "token_mean":
+            return x.sum() / tokens
+        if cfg.loss_agg == "seq_mean_token_mean":
+            return sum(x[b].sum() / mask[b].sum() for b in range(B) if mask[b].any()) / seqs
+        return x.sum() / cfg.max_len_norm / seqs
+
+    grad_form = agg(grad_terms)
+    return agg(value_terms) + (grad_form - grad_form.detach()) + agg(extra_terms)
