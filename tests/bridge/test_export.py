@@ -1,0 +1,155 @@
+"""Streaming export: at (TP,PP) = (2,1), (1,2), (2,2) the gathered export equals the HF checkpoint exactly, on
+every rank, in buckets never over the bound (unless one tensor is larger); lm_head is always sent; the plan is
+built once; the no-gather shard path reassembles to the same tensors; a missing or mis-shaped tensor is refused
+on every rank before anything is yielded, naming the tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.mp_helpers import build_chunks
+
+pytestmark = pytest.mark.dist
+
+BUCKET_BYTES = 100_000  # smaller than the embedding (~512 KB): exercises both rules of the bound
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from megatron_rlvr.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("tiny_export")
+    return {
+        "qwen2": str(make_tiny_hf_model("qwen2", root / "qwen2", seed=3)),
+        # sharded input checkpoint: the loader must follow the index
+        "llama": str(make_tiny_hf_model("llama", root / "llama", seed=4, max_shard_size="300KB")),
+    }
+
+
+def _hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
+    from megatron_rlvr.bridge import HFCheckpointReader
+
+    with HFCheckpointReader(hf_dir) as reader:
+        return {n: reader.read(n) for n in reader.names()}
+
+
+def _export_worker(hf_dir: str, tp: int, pp: int, bucket_bytes: int):
+    from megatron_rlvr import distributed
+    from megatron_rlvr.bridge import export, export_hf_weights
+
+    try:
+        hf, chunks = build_chunks(hf_dir, tp, pp)
+        builds = export.PLAN_BUILDS
+        first = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes)]
+        second = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes)]
+        return {"buckets": first, "again_equal": _same(first, second), "plan_builds": export.PLAN_BUILDS - builds}
+    finally:
+        distributed.destroy_model_parallel()
+
+
+def _same(a, b) -> bool:
+    return [[n for n, _ in x] for x in a] == [[n for n, _ in x] for x in b] and all(
+        torch.equal(t, u) for x, y in zip(a, b) for (_, t), (_, u) in zip(x, y)
+    )
+
+
+def _check_export(results, hf_dir: str, bucket_bytes: int) -> None:
+    reference = _hf_state_dict(hf_dir)
+    tied = "lm_head.weight" not in reference
+    expected = dict(reference)
+    if tied:
+        expected["lm_head.weight"] = reference["model.embed_tokens.weight"]
+    for rank, r in enumerate(results):
+        assert r["plan_builds"] == 1, f"rank {rank}: export plan built {r['plan_builds']} times for two exports"
+        assert r["again_equal"], f"rank {rank}: a second export differs from the first"
+        got = {}
+        for bucket in r["buckets"]:
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            assert size <= bucket_bytes or len(bucket) == 1, f"rank {rank}: bucket of {size} B > {bucket_bytes} B"
+            for name, t in bucket:
+                assert name not in got, f"rank {rank}: {name} sent twice"
+                got[name] = t
+        assert sorted(got) == sorted(expected), f"rank {rank}: names differ: {set(got) ^ set(expected)}"
+        for name, t in expected.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"rank {rank}: {name} differs"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_gathered_export_is_exact(workers2, tiny_models, arch, tp, pp):
+    results = workers2.run(_export_worker, tiny_models[arch], tp, pp, BUCKET_BYTES)
+    _check_export(results, tiny_models[arch], BUCKET_BYTES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gathered_export_is_exact_tp2_pp2(workers4, tiny_models, arch):
+    results = workers4.run(_export_worker, tiny_models[arch], 2, 2, BUCKET_BYTES)
+    _check_export(results, tiny_models[arch], BUCKET_BYTES)
+
+
+def _local_shards_worker(hf_dir: str, tp: int, pp: int):
+    from megatron.core import parallel_state as ps
+
+    from megatron_rlvr import distributed
+    from megatron_rlvr.bridge import export_local_shards
+
+    try:
+        hf, chunks = build_chunks(hf_dir, tp, pp)
+        shards = [s for bucket in export_local_shards(chunks, hf, bucket_bytes=BUCKET_BYTES) for s in bucket]
+        return ps.get_tensor_model_parallel_rank(), shards
+    finally:
+        distributed.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_local_shards_reassemble_to_hf(workers2, tiny_models, arch):
+    reference = _hf_state_dict(tiny_models[arch])
+    if "lm_head.weight" not in reference:
+        reference["lm_head.weight"] = reference["model.embed_tokens.weight"]
+    results = workers2.run(_local_shards_worker, tiny_models[arch], 2, 1)
+    assert sorted(r for r, _ in results) == [0, 1]
+    for name, full in reference.items():
+        pieces = sorted(((r, s) for r, shards in results for s in shards if s.name == name), key=lambda x: x[0])
+        assert [r for r, _ in pieces] == [0, 1], f"{name}: shards from ranks {[r for r, _ in pieces]}"
+        for _, s in pieces:
+            assert s.full_shape == tuple(full.shape), name
+        if pieces[0][1].dim is None:
+            assert all(torch.equal(s.tensor, full) for _, s in pieces), name
+            continue
+        dim = pieces[0][1].dim
+        assert [(s.start, s.stop) for _, s in pieces] == [(0, pieces[0][1].stop), (pieces[0][1].stop, full.shape[dim])]
+        assert torch.equal(torch.cat([s.tensor for _, s in pieces], dim=dim), full), f"{name}: shards differ"
+
+
+def _broken_worker(hf_dir: str, how: str):
+    from megatron_rlvr import distributed
+    from megatron_rlvr.bridge import BridgeError, export_hf_weights
+
+    try:
+        hf, chunks = build_chunks(hf_dir, 2, 1)
+        if how == "warm":  # the plan is cached first: the per-call check must still catch the change
+            for _ in export_hf_weights(chunks, hf, bucket_bytes=BUCKET_BYTES):
+                pass
+        layer = chunks[0].decoder.layers[1]
+        if torch.distributed.get_rank() == 1:  # one rank only: the others must refuse too, not hang
+            layer.mlp.linear_fc2.weight = torch.nn.Parameter(torch.zeros(3, 3))
+        chunks[0].decoder.final_layernorm.weight = None  # missing on every rank
+        yielded = 0
+        try:
+            for _ in export_hf_weights(chunks, hf, bucket_bytes=BUCKET_BYTES):
+                yielded += 1
+        except BridgeError as e:
+            return yielded, str(e)
+        return yielded, None
+    finally:
+        distributed.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("how", ["cold", "warm"])
+def test_broken_model_is_refused_before_any_bucket(workers2, tiny_models, how):
+    for yielded, message in workers2.run(_broken_worker, tiny_models["qwen2"], how):
+        assert yielded == 0 and message is not None
+        assert "decoder.layers.1.mlp.linear_fc2.weight" in message
+        assert "decoder.final_layernorm.weight" in message
