@@ -1,13 +1,19 @@
-"""Configuration of the verifier pool."""
+"""Configuration of the verifiers and of the verifier pool the trainer scores responses with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
 class RewardConfig:
-    workers: int = 2
-    timeout_s: float = 10.0  # wall time per item
+    workers: int = 2  # verifier processes (math and code items; countdown and logic are scored in-process)
+    timeout_s: float = 10.0  # wall time per math item; a worker past it is killed and replaced
+    worker_memory_mb: int = 4096  # address-space limit of each verifier process (0 = none)
+    logic_match: Literal["normalized", "exact"] = "normalized"
+    code_cpu_s: float = 5.0  # per program run
+    code_wall_s: float = 10.0  # per program run; a code item's pool timeout is this times its runs, plus slack
     code_memory_mb: int = 1024
-    code_cpu_s: float = 5.0
+    code_file_size_mb: int = 16
+    code_nproc: int = 32  # processes of the program's own uid (fork bombs stop here)

@@ -1,0 +1,227 @@
+"""A pool of verifier processes that scores a batch and never stalls and never drops a sample.
+
+Math and code items go to worker processes (math-verify's timeouts use ``signal.alarm``, which only works in a
+process's main thread, so the pool holds processes, not threads); countdown and logic are scored in-process.
+Every item gets a reward: an item still running at its wall deadline has its worker SIGKILLed and replaced
+(reward 0, ``timeouts`` += 1); a worker that dies mid-item (segfault, OOM kill) is replaced (reward 0,
+``crashes`` += 1); a verifier exception is reward 0 and ``errors`` += 1. The deadline clock starts when the item is
+handed to a worker that has finished importing, so a slow worker start never counts against an item.
+
+Workers are started with the "spawn" method: forking a trainer that holds threads (torch, gloo) is unsafe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Mapping, Sequence
+
+from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.rewards.scoring import IN_PROCESS_TASKS, check_reference, score
+
+COUNTER_KEYS = ("items", "timeouts", "crashes", "errors")
+_CODE_SLACK_S = 5.0
+_MAX_START_FAILURES = 3  # consecutive workers dying before they are ready: a broken setup, not a bad item
+
+
+def _worker_main(conn: Connection, cfg: RewardConfig, extra_scorers: Mapping[str, Callable] | None) -> None:
+    if cfg.worker_memory_mb > 0:
+        import resource
+
+        limit = cfg.worker_memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import math_verify  # noqa: F401 - pay the sympy import before announcing readiness
+
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        item_id, task, response, reference = message
+        try:
+            if extra_scorers and task in extra_scorers:
+                reward = float(extra_scorers[task](response, reference))
+            else:
+                reward = score(task, response, reference, cfg)
+            conn.send((item_id, reward, None))
+        except Exception as exc:  # noqa: BLE001 - any verifier failure is reward 0 plus a counter, never a lost item
+            conn.send((item_id, 0.0, f"{type(exc).__name__}: {exc}"[:500]))
+
+
+@dataclass
+class _Worker:
+    process: mp.process.BaseProcess
+    conn: Connection
+    ready: bool = False
+    item: int | None = None
+    deadline: float = 0.0
+
+
+class RewardPool:
+    """Parallel scorer: ``with RewardPool(cfg) as pool: rewards, counters = pool.score_batch(tasks, responses, refs)``.
+
+    ``extra_scorers`` maps additional task names to picklable ``fn(response, reference) -> float`` (run in workers).
+    """
+
+    def __init__(self, cfg: RewardConfig | None = None, extra_scorers: Mapping[str, Callable] | None = None):
+        self.cfg = cfg or RewardConfig()
+        if self.cfg.workers < 1:
+            raise ValueError(f"reward.workers: must be >= 1, got {self.cfg.workers}")
+        self._extra = dict(extra_scorers or {})
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self.totals: Counter = Counter({key: 0 for key in COUNTER_KEYS})
+        self.last_errors: list[str] = []  # the messages of the last batch's verifier errors (for logs)
+        self._start_failures = 0
+        for _ in range(self.cfg.workers):
+            self._workers.append(self._start_worker())
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+
+    def _start_worker(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(child, self.cfg, self._extra or None), daemon=True)
+        process.start()
+        child.close()
+        return _Worker(process=process, conn=parent)
+
+    def _replace(self, index: int) -> None:
+        old = self._workers[index]
+        if old.process.is_alive():
+            old.process.kill()
+        old.process.join(timeout=5)
+        old.conn.close()
+        self._workers[index] = self._start_worker()
+
+    def close(self) -> None:
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=2)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout=5)
+            worker.conn.close()
+        self._workers = []
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_workers", None):
+            self.close()
+
+    # --- scoring ---------------------------------------------------------------------------------------------
+
+    def _item_timeout(self, task: str, reference: Any) -> float:
+        if task == "code":
+            runs = len(reference["io"]) if "io" in reference else 1
+            return self.cfg.code_wall_s * runs + _CODE_SLACK_S
+        return self.cfg.timeout_s
+
+    def score_batch(
+        self, tasks: Sequence[str], responses: Sequence[str], references: Sequence[Any]
+    ) -> tuple[list[float], dict[str, int]]:
+        """Rewards in input order and this batch's counters (items, timeouts, crashes, errors)."""
+        if not self._workers:
+            raise RuntimeError("RewardPool.score_batch: the pool is closed")
+        if not len(tasks) == len(responses) == len(references):
+            raise ValueError(
+                f"RewardPool.score_batch: tasks, responses and references differ in length "
+                f"({len(tasks)}, {len(responses)}, {len(references)})"
+            )
+        for i, (task, reference) in enumerate(zip(tasks, references)):
+            if task in self._extra:
+                continue
+            try:
+                check_reference(task, reference)
+            except ValueError as exc:
+                raise ValueError(f"RewardPool.score_batch: item {i}: {exc}") from None
+        rewards = [0.0] * len(tasks)
+        counters = Counter({key: 0 for key in COUNTER_KEYS})
+        counters["items"] = len(tasks)
+        self.last_errors = []
+        pending: deque[int] = deque()
+        for i, task in enumerate(tasks):
+            response = responses[i] if isinstance(responses[i], str) else ""
+            if task in IN_PROCESS_TASKS and task not in self._extra:
+                try:
+                    rewards[i] = score(task, response, references[i], self.cfg)
+                except Exception as exc:  # noqa: BLE001
+                    counters["errors"] += 1
+                    self.last_errors.append(f"item {i}: {type(exc).__name__}: {exc}"[:500])
+            else:
+                pending.append(i)
+        self._run_remote(pending, tasks, responses, references, rewards, counters)
+        self.totals.update(counters)
+        return rewards, dict(counters)
+
+    def _run_remote(self, pending, tasks, responses, references, rewards, counters) -> None:
+        outstanding = len(pending)
+        while outstanding:
+            now = time.monotonic()
+            for worker in self._workers:
+                if worker.ready and worker.item is None and pending:
+                    i = pending.popleft()
+                    response = responses[i] if isinstance(responses[i], str) else ""
+                    worker.item = i
+                    worker.deadline = now + self._item_timeout(tasks[i], references[i])
+                    worker.conn.send((i, tasks[i], response, references[i]))
+            busy = [w for w in self._workers if w.item is not None]
+            wait_s = max(0.0, min((w.deadline for w in busy), default=now + 1.0) - now)
+            ready = set(wait([w.conn for w in self._workers], timeout=min(wait_s, 1.0)))
+            for index, worker in enumerate(self._workers):
+                if worker.conn in ready:
+                    try:
+                        message = worker.conn.recv()
+                    except (EOFError, OSError):
+                        if worker.item is not None:
+                            counters["crashes"] += 1
+                            outstanding -= 1
+                        elif not worker.ready:
+                            self._note_start_failure(worker)
+                        self._replace(index)
+                        continue
+                    if message[0] == "ready":
+                        worker.ready = True
+                        self._start_failures = 0
+                        continue
+                    item_id, reward, error = message
+                    if item_id == worker.item:
+                        rewards[item_id] = reward
+                        if error is not None:
+                            counters["errors"] += 1
+                            self.last_errors.append(f"item {item_id}: {error}")
+                        worker.item = None
+                        outstanding -= 1
+                elif worker.item is not None and time.monotonic() >= worker.deadline:
+                    counters["timeouts"] += 1
+                    outstanding -= 1
+                    self._replace(index)
+                elif not worker.process.is_alive() and worker.item is None and not worker.ready:
+                    self._note_start_failure(worker)  # died while starting (e.g. the import failed)
+                    self._replace(index)
+
+    def _note_start_failure(self, worker: _Worker) -> None:
+        self._start_failures += 1
+        if self._start_failures >= _MAX_START_FAILURES:
+            code = worker.process.exitcode
+            self.close()
+            raise RuntimeError(
+                f"RewardPool: {self._start_failures} verifier workers in a row died while starting (last exit code "
+                f"{code}); check that math-verify imports and that the main module is guarded by "
+                f"`if __name__ == '__main__':` (workers are spawned)"
+            )

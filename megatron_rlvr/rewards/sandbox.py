@@ -1,0 +1,208 @@
+"""Run an untrusted Python program in a sandbox and return its exit status and (capped) output.
+
+What contains it (see `sandbox_launcher.py` for the inside half):
+- a new session/process group, and, when the kernel allows (root, or CAP_SYS_ADMIN), new mount, network, PID, IPC
+  and UTS namespaces: no network at all (a private loopback that is down), every host mount read-only, home
+  directories hidden, a private /proc; when the program ends or is killed, its PID namespace dies with everything in
+  it;
+- a fresh unprivileged uid per run (when we are root): it can neither write root's files nor signal any process
+  but its own, and RLIMIT_NPROC counts only its processes — a fork bomb stops at `nproc`;
+- rlimits: CPU seconds, address space, file size (also caps stdout/stderr), process count, open files, no core;
+- a throw-away working directory (the only writable place), removed afterwards;
+- a wall timeout, after which the whole process group is SIGKILLed and, when root, every process of the run's uid.
+Without namespaces the run still has rlimits (and the uid drop when root), but no network isolation and no
+read-only view: this is logged as a loud warning once per process, and `SandboxResult.isolation` says so.
+
+No extra package is needed: namespaces come from libc ``unshare`` via ctypes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+_SETUP_FAILED = 125
+_UID_BASE = 300_000
+_uid_counter = itertools.count()
+_uid_lock = threading.Lock()
+_probe_result: bool | None = None
+_warned = False
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not be set up (not the program's fault)."""
+
+
+@dataclass
+class SandboxLimits:
+    cpu_s: float = 5.0
+    wall_s: float = 10.0
+    memory_mb: int = 1024
+    file_size_mb: int = 16
+    nproc: int = 32
+    nofile: int = 64
+    output_chars: int = 1 << 20  # stdout/stderr returned to the caller, each
+
+
+@dataclass
+class SandboxResult:
+    returncode: int  # 128 + signal when killed by one
+    stdout: str
+    stderr: str
+    timed_out: bool
+    isolation: str  # "namespaces" or "rlimits-only"
+
+
+def _python_prefix() -> str:
+    return os.path.realpath(sys.base_prefix)
+
+
+def _python_executable() -> str:
+    """The base interpreter (not a venv shim, whose pyvenv.cfg may be unreachable inside the sandbox)."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    candidate = os.path.join(sys.base_prefix, "bin", version)
+    return os.path.realpath(candidate if os.path.exists(candidate) else sys.executable)
+
+
+def namespaces_available() -> bool:
+    """Whether this process may create the namespaces the sandbox uses (probed once, in a throw-away child)."""
+    global _probe_result
+    if _probe_result is None:
+        if os.geteuid() != 0:
+            _probe_result = False
+        else:
+            probe = (
+                "import ctypes,sys;l=ctypes.CDLL(None,use_errno=True);"
+                "sys.exit(0 if l.unshare(0x20000|0x40000000|0x20000000|0x8000000|0x4000000)==0 else 1)"
+            )
+            try:
+                _probe_result = subprocess.run([_python_executable(), "-I", "-S", "-c", probe], timeout=30).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                _probe_result = False
+    return _probe_result
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("!" * 20 + " %s " + "!" * 20, message)
+
+
+def _next_uid() -> int:
+    with _uid_lock:
+        # distinct per process and per run, so concurrent runs never share an RLIMIT_NPROC count or signal each other
+        return _UID_BASE + (os.getpid() % 20_000) * 64 + next(_uid_counter) % 64
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (it is ours alone): catches anything that left the process group."""
+    for _ in range(3):
+        found = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    uid_line = next(line for line in f if line.startswith("Uid:"))
+                if int(uid_line.split()[1]) == uid:
+                    found = True
+                    os.kill(int(entry), signal.SIGKILL)
+            except (OSError, StopIteration, ValueError):
+                continue
+        if not found:
+            return
+
+
+def _read_capped(path: Path, limit: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", errors="replace")
+
+
+def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run ``source`` as ``main.py`` with ``stdin`` in a fresh sandbox; never raises for the program's behaviour."""
+    limits = limits or SandboxLimits()
+    use_namespaces = namespaces_available()
+    is_root = os.geteuid() == 0
+    if not use_namespaces:
+        _warn_once(
+            "code sandbox WITHOUT namespaces: no network isolation and no read-only filesystem view "
+            + ("(uid drop and rlimits only)" if is_root else "(rlimits only: programs run as this user!)")
+        )
+    uid = _next_uid() if is_root else None
+    root = Path(tempfile.mkdtemp(prefix="rlvr-sandbox-"))
+    process = None
+    try:
+        os.chmod(root, 0o711)  # the program may traverse to its work dir but not list or read our files
+        work = root / "work"
+        staging = root / "python"
+        work.mkdir()
+        staging.mkdir()
+        (work / "main.py").write_text(source, encoding="utf-8")
+        if uid is not None:
+            os.chown(work, uid, uid)
+            os.chown(work / "main.py", uid, uid)
+        os.chmod(work, 0o700)
+        home = os.path.realpath(os.path.expanduser("~"))
+        cfg = {
+            "namespaces": use_namespaces,
+            "work_dir": str(work),
+            "python": _python_executable(),
+            "python_prefix": _python_prefix(),
+            "python_staging": str(staging),
+            "hide_dirs": sorted({home, "/root", "/home"}),
+            "uid": uid,
+            "limits": {
+                "cpu_s": max(1, int(limits.cpu_s + 0.999)),
+                "memory_mb": limits.memory_mb,
+                "file_size_mb": limits.file_size_mb,
+                "nproc": limits.nproc,
+                "nofile": limits.nofile,
+            },
+        }
+        config_path = root / "config.json"
+        config_path.write_text(json.dumps(cfg))
+        os.chmod(config_path, 0o600)
+        (root / "stdin").write_text(stdin, encoding="utf-8")
+        with open(root / "stdin", "rb") as f_in, open(root / "stdout", "wb") as f_out, open(root / "stderr", "wb") as f_err:
+            process = subprocess.Popen(
+                [_python_executable(), "-I", "-S", str(_LAUNCHER), str(config_path)],
+                stdin=f_in, stdout=f_out, stderr=f_err, start_new_session=True, close_fds=True, cwd=str(root),
+            )
+            timed_out = False
+            try:
+                returncode = process.wait(timeout=limits.wall_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                returncode = -signal.SIGKILL
+        stdout = _read_capped(root / "stdout", limits.output_chars)
+        stderr = _read_capped(root / "stderr", limits.output_chars)
+        if returncode == _SETUP_FAILED and stderr.startswith("sandbox setup failed"):
+            raise SandboxError(stderr.strip())
+        return SandboxResult(
+            returncode=returncode, stdout=stdout, stderr=stderr, timed_out=timed_out,
+            isolation="namespaces" if use_namespaces else "rlimits-only",
+        )
+    finally:
+        if process is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait()
+        if uid is not None:
+            _kill_uid(uid)
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,174 @@
+"""The code sandbox against hostile programs (each contained and scored 0, the host unaffected) and correct ones."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron_rlvr.rewards import score
+from megatron_rlvr.rewards.code import verify_code
+from megatron_rlvr.rewards.sandbox import SandboxLimits, namespaces_available, run_python
+
+# Hostile programs may kill(-1) or fork without end: only safe when each run gets a uid of its own (root).
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="hostile-program tests need root (per-run uid, namespaces)")
+
+LIMITS = SandboxLimits(cpu_s=2, wall_s=5, memory_mb=512, nproc=16)
+
+
+def sandbox_processes() -> list[int]:
+    """Host processes still running inside a sandbox work directory (there must be none after a run)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if "rlvr-sandbox-" in os.readlink(f"/proc/{entry}/cwd"):
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def io_reference(expected: str, stdin: str = "") -> dict:
+    return {"io": [{"input": stdin, "output": expected}]}
+
+
+def test_namespaces_are_used_here():
+    assert namespaces_available(), "this machine allows namespaces as root; the sandbox should use them"
+    assert run_python("print(1)", "", LIMITS).isolation == "namespaces"
+
+
+def test_correct_programs_pass():
+    humaneval = {
+        "tests": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+        "entry_point": "add",
+    }
+    response = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
+    assert score("code", response, humaneval) == 1.0
+    assert score("code", "```python\ndef add(a, b):\n    return a - b\n```", humaneval) == 0.0
+    asserts = {"tests": "assert square(3) == 9\nassert square(-2) == 4\n"}
+    assert score("code", "def square(x):\n    return x * x\n", asserts) == 1.0
+    livecodebench = {"io": [{"input": "3\n1 2 3\n", "output": "6\n"}, {"input": "2\n10 -4\n", "output": "6"}]}
+    program = "```py\nn = int(input())\nprint(sum(map(int, input().split())))\n```"
+    assert score("code", program, livecodebench) == 1.0
+    assert score("code", "print(6)\nprint('extra')", livecodebench) == 0.0
+    assert score("code", "", livecodebench) == 0.0
+
+
+def test_infinite_loop_is_stopped():
+    result = run_python("while True:\n    pass\n", "", LIMITS)
+    assert result.returncode != 0
+    assert verify_code("while True:\n    pass\nprint('done')", io_reference("done"), LIMITS) == 0.0
+    assert verify_code("import time\ntime.sleep(60)\nprint('done')", io_reference("done"), LIMITS) == 0.0
+    assert sandbox_processes() == []
+
+
+def test_fork_bomb_is_contained():
+    bomb = (
+        "import os\n"
+        "children = 0\n"
+        "for _ in range(100000):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            import time; time.sleep(30); os._exit(0)\n"
+        "        children += 1\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print(children)\n"
+    )
+    result = run_python(bomb, "", LIMITS)
+    assert result.returncode == 0 and int(result.stdout) < LIMITS.nproc, result
+    assert verify_code(bomb, io_reference("1000"), LIMITS) == 0.0
+    assert sandbox_processes() == []  # the sleeping children died with their PID namespace
+
+
+def test_memory_bomb_is_contained():
+    for bomb in ("x = bytearray(8 * 1024**3)\nprint('ok')", "chunks = []\nwhile True:\n    chunks.append(' ' * 10**7)\n"):
+        assert verify_code(bomb, io_reference("ok"), LIMITS) == 0.0
+    result = run_python("x = bytearray(8 * 1024**3)", "", LIMITS)
+    assert "MemoryError" in result.stderr
+
+
+def test_writing_outside_the_work_dir_fails(tmp_path):
+    targets = [tmp_path / "pwned", Path.home() / f".rlvr_pwned_{uuid.uuid4().hex}", Path("/tmp") / f"pwned_{uuid.uuid4().hex}",
+               Path("/dev/shm") / f"pwned_{uuid.uuid4().hex}", Path(__file__).with_name(f"pwned_{uuid.uuid4().hex}")]
+    program = "import sys\nfor path in sys.stdin.read().split():\n    open(path, 'w').write('x')\nprint('wrote')\n"
+    for target in targets:
+        assert verify_code(program, io_reference("wrote", str(target)), LIMITS) == 0.0
+        assert not target.exists(), target
+    # inside its own work dir it may write
+    assert verify_code("open('scratch.txt', 'w').write('x')\nprint(open('scratch.txt').read())", io_reference("x"), LIMITS) == 1.0
+
+
+def test_reading_a_file_from_the_home_directory_fails():
+    secret = uuid.uuid4().hex
+    path = Path.home() / f".rlvr_secret_{secret}"
+    path.write_text(secret)
+    try:
+        program = f"print(open({str(path)!r}).read())"
+        result = run_python(program, "", LIMITS)
+        assert secret not in result.stdout and result.returncode != 0
+        assert verify_code(program, io_reference(secret), LIMITS) == 0.0
+    finally:
+        path.unlink()
+
+
+def test_network_socket_cannot_reach_the_host():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    program = (
+        "import socket\n"
+        f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        "s.sendall(b'leak')\n"
+        "print('connected')\n"
+    )
+    try:
+        result = run_python(program, "", LIMITS)
+        assert "connected" not in result.stdout and result.returncode != 0
+        assert verify_code(program, io_reference("connected"), LIMITS) == 0.0
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+
+
+def test_killing_its_parent_and_everyone_fails():
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    program = (
+        "import os, signal\n"
+        "for target in (os.getppid(), -1, 1, " + str(os.getpid()) + ", " + str(bystander.pid) + "):\n"
+        "    try:\n"
+        "        os.kill(target, signal.SIGKILL)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os.kill(os.getppid(), 0)\n"
+        "print('parent survived')\n"
+    )
+    try:
+        result = run_python(program, "", LIMITS)
+        assert verify_code(program.replace("survived", "gone"), io_reference("parent gone"), LIMITS) == 0.0
+        assert bystander.poll() is None, "a host process was killed"
+        os.kill(os.getpid(), 0)
+        assert sandbox_processes() == []
+        assert result.stdout.strip() in ("", "parent survived")
+    finally:
+        bystander.send_signal(signal.SIGKILL)
+        bystander.wait()
+
+
+def test_output_flood_is_capped():
+    result = run_python("import sys\nwhile True:\n    sys.stdout.write('y' * 65536)\n", "", LIMITS)
+    assert result.returncode != 0 and len(result.stdout) <= LIMITS.output_chars
+
+
+def test_malformed_code_reference_is_a_clear_error():
+    for bad in ({"io": []}, {"io": [{"input": 1, "output": "x"}]}, {"tests": 3}, {"entry_point": "f"}, "assert 1"):
+        with pytest.raises(ValueError, match="code reference"):
+            verify_code("print(1)", bad, LIMITS)
