@@ -1,0 +1,26 @@
+"""Shared pytest fixtures: reusable gloo worker groups (spawning a process that imports megatron costs seconds)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests run with one intra-op thread per process: the machine has 2 cores and multi-process tests share them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from megatron_rlvr.testing import WorkerGroup  # noqa: E402
+
+_GROUP_TIMEOUT_S = float(os.environ.get("MEGATRON_RLVR_TEST_TIMEOUT", "300"))
+
+
+@pytest.fixture(scope="session")
+def workers2():
+    with WorkerGroup(2, timeout_s=_GROUP_TIMEOUT_S) as group:
+        yield group
+
+
+@pytest.fixture(scope="session")
+def workers4():
+    with WorkerGroup(4, timeout_s=_GROUP_TIMEOUT_S) as group:
+        yield group
