@@ -1,0 +1,39 @@
+"""Launch a checkpoint conversion (HF <-> megatron dist checkpoint) through nemo-run.
+
+Everything after `--` goes verbatim to `megatron-rlvr convert`, run by one process unless --nproc-per-node says
+otherwise, e.g. on a cluster (paths as the container sees them):
+
+    python launch/convert.py --executor slurm_h200 -- hf-to-mcore --hf-dir /models/Qwen2.5-32B --out /models/...
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` is a folder of the repo, not installed
+
+from launch.executors import LaunchError, add_launch_arguments, options_from_args, run_task  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="launch/convert.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_launch_arguments(parser)
+    parser.add_argument("convert_args", nargs=argparse.REMAINDER, help="-- then the `megatron-rlvr convert` arguments")
+    args = parser.parse_args(argv)
+    convert_args = args.convert_args[1:] if args.convert_args[:1] == ["--"] else args.convert_args
+    if not convert_args:
+        print("error: nothing to convert: give `-- hf-to-mcore ...` or `-- mcore-to-hf ...`", file=sys.stderr)
+        return 2
+    if args.nproc_per_node is None:
+        args.nproc_per_node = 1
+    try:
+        opts = options_from_args(args)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_task(f"convert_{convert_args[0]}".replace("-", "_"), ["convert", *convert_args], opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

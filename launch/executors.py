@@ -1,0 +1,342 @@
+"""Where a job runs: the local (torchrun) and Slurm H200 executors, and the one runner every launch script calls.
+
+`launch/train.py`, `eval.py` and `convert.py` differ only in the `megatron-rlvr` subcommand they start; this module
+turns their command-line options (with environment-variable defaults, so a cluster profile can live in a shell rc)
+into a nemo-run executor, runs the experiment, and converts the outcome into an exit status. nemo-run does not
+raise when a task fails, so `run_task` reads the task's final state and returns non-zero itself.
+
+nemo-run reads NEMORUN_HOME once, at import time (its schedulers keep job registries under it), so nothing here
+imports nemo_run before `_import_nemo_run` has put `--nemorun-home` into the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+EXECUTORS = ("local", "slurm_h200")
+H200_GPUS_PER_NODE = 8
+# The task's package: torchrun starts `python -m megatron_rlvr.cli <subcommand> ...` on every rank.
+CLI_MODULE = "megatron_rlvr.cli"
+# Where a Slurm job sees the nemo-run job directory (code/, configs/) inside its container; fixed by nemo-run.
+CONTAINER_RUN_DIR = "/nemo_run"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_PLACEHOLDER = "@shipped:"
+
+# Environment every H200 rank gets. Values are the usual megatron-core / NeMo settings on NVLink + InfiniBand
+# nodes; each can be overridden with --env KEY=VALUE.
+H200_ENV = {
+    # megatron's sequence-parallel / TP overlap needs kernels queued in issue order on one hardware queue
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    # frees NCCL buffers eagerly instead of through recordStream (lower peak memory with colocated vLLM)
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+    # NVLink SHARP buffers cost GPU memory that the colocated rollout engine needs more
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_DEBUG": "WARN",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # compute nodes have no internet: never wait on a hub
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class LaunchError(ValueError):
+    """A launch option is missing or inconsistent; the message names the option and what was expected."""
+
+
+@dataclass
+class LaunchOptions:
+    """Everything about where and how a job runs (not what it computes: that is the run config)."""
+
+    executor: str = "local"
+    nodes: int = 1
+    nproc_per_node: int | None = None  # default: 2 (local CPU demo) or 8 (one per H200)
+    job_name: str = ""
+    dryrun: bool = False
+    detach: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    nemorun_home: str | None = None
+    # Slurm
+    account: str | None = None
+    partition: str | None = None
+    time: str = "04:00:00"
+    container_image: str | None = None
+    mounts: list[str] = field(default_factory=list)
+    code: str = "git"  # git: ship the repo's committed HEAD; image: the container already has megatron-rlvr
+    tunnel: str = "local"  # local: we are on a login node; ssh: submit from a workstation
+    ssh_host: str | None = None
+    ssh_user: str | None = None
+    ssh_identity: str | None = None
+    remote_job_dir: str | None = None
+
+    @property
+    def procs_per_node(self) -> int:
+        if self.nproc_per_node is not None:
+            return self.nproc_per_node
+        return H200_GPUS_PER_NODE if self.executor == "slurm_h200" else 2
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by train/eval/convert. Slurm ones default to environment variables (see README)."""
+    env = os.environ.get
+    g = parser.add_argument_group("where it runs")
+    g.add_argument("--executor", choices=EXECUTORS, default=env("MEGATRON_RLVR_EXECUTOR", "local"))
+    g.add_argument("--nodes", type=int, default=1, help="nodes (Slurm); the local executor runs on this machine")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes per node (default: 8 = one per H200 on Slurm, 2 locally)")
+    g.add_argument("--name", default="", help="experiment name (default: derived from the recipe)")
+    g.add_argument("--dryrun", action="store_true", help="print the job script (sbatch for Slurm) and exit")
+    g.add_argument("--detach", action="store_true", help="Slurm: return after submission instead of waiting")
+    g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeat)")
+    g.add_argument("--nemorun-home", default=env("NEMORUN_HOME"),
+                   help="nemo-run's experiment store; on a cluster put it on the shared filesystem [$NEMORUN_HOME]")
+    s = parser.add_argument_group("Slurm (H200 nodes, pyxis containers)")
+    s.add_argument("--account", default=env("SBATCH_ACCOUNT"), help="[$SBATCH_ACCOUNT]")
+    s.add_argument("--partition", default=env("SBATCH_PARTITION"), help="[$SBATCH_PARTITION]")
+    s.add_argument("--time", default=env("SBATCH_TIMELIMIT", "04:00:00"), help="[$SBATCH_TIMELIMIT]")
+    s.add_argument("--container-image", default=env("MEGATRON_RLVR_CONTAINER"), help="[$MEGATRON_RLVR_CONTAINER]")
+    s.add_argument("--mount", action="append", default=None, metavar="SRC:DST",
+                   help="container mount (repeat) [$MEGATRON_RLVR_MOUNTS, comma-separated]")
+    s.add_argument("--code", choices=("git", "image"), default=env("MEGATRON_RLVR_CODE", "git"),
+                   help="git: ship this repo's committed HEAD with the job; image: use the container's install")
+    s.add_argument("--tunnel", choices=("local", "ssh"), default=env("MEGATRON_RLVR_TUNNEL", "local"),
+                   help="local: submit from this (login) node; ssh: submit through SSH")
+    s.add_argument("--ssh-host", default=env("MEGATRON_RLVR_SSH_HOST"), help="[$MEGATRON_RLVR_SSH_HOST]")
+    s.add_argument("--ssh-user", default=env("MEGATRON_RLVR_SSH_USER", env("USER")), help="[$MEGATRON_RLVR_SSH_USER]")
+    s.add_argument("--ssh-identity", default=env("MEGATRON_RLVR_SSH_IDENTITY"), help="private key file")
+    s.add_argument("--remote-job-dir", default=env("MEGATRON_RLVR_REMOTE_JOB_DIR"),
+                   help="ssh tunnel: job directory on the cluster's shared filesystem")
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """Turn parsed arguments into checked options; raises LaunchError naming the option at fault."""
+    mounts = args.mount
+    if mounts is None:
+        mounts = [m for m in os.environ.get("MEGATRON_RLVR_MOUNTS", "").split(",") if m.strip()]
+    opts = LaunchOptions(
+        executor=args.executor,
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        job_name=args.name,
+        dryrun=args.dryrun,
+        detach=args.detach,
+        env=parse_env(args.env),
+        nemorun_home=args.nemorun_home,
+        account=args.account,
+        partition=args.partition,
+        time=args.time,
+        container_image=args.container_image,
+        mounts=list(mounts),
+        code=args.code,
+        tunnel=args.tunnel,
+        ssh_host=args.ssh_host,
+        ssh_user=args.ssh_user,
+        ssh_identity=args.ssh_identity,
+        remote_job_dir=args.remote_job_dir,
+    )
+    check_options(opts)
+    return opts
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise LaunchError(f"--env {item!r}: expected KEY=VALUE, e.g. --env NCCL_DEBUG=INFO")
+        env[key.strip()] = value
+    return env
+
+
+def check_options(opts: LaunchOptions) -> None:
+    if opts.executor not in EXECUTORS:
+        raise LaunchError(f"--executor {opts.executor!r}: expected one of {', '.join(EXECUTORS)}")
+    if opts.nodes < 1:
+        raise LaunchError(f"--nodes: must be >= 1, got {opts.nodes}")
+    if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
+        raise LaunchError(f"--nproc-per-node: must be >= 1, got {opts.nproc_per_node}")
+    if opts.executor == "local":
+        if opts.nodes != 1:
+            raise LaunchError(f"--nodes {opts.nodes}: the local executor runs on this machine only; use 1")
+        return
+    if opts.procs_per_node > H200_GPUS_PER_NODE:
+        raise LaunchError(f"--nproc-per-node {opts.procs_per_node}: an H200 node has {H200_GPUS_PER_NODE} GPUs")
+    if not opts.account:
+        raise LaunchError("--account: the Slurm executor needs an account (or set $SBATCH_ACCOUNT)")
+    if not opts.container_image:
+        raise LaunchError(
+            "--container-image: the Slurm executor runs in a pyxis container; give an image with megatron-core, "
+            "vLLM and transformer-engine (or set $MEGATRON_RLVR_CONTAINER)"
+        )
+    for mount in opts.mounts:
+        if ":" not in mount:
+            raise LaunchError(f"--mount {mount!r}: expected SRC:DST (or SRC:DST:ro)")
+    if opts.tunnel == "ssh":
+        missing = [flag for flag, value in (("--ssh-host", opts.ssh_host), ("--ssh-user", opts.ssh_user),
+                                            ("--remote-job-dir", opts.remote_job_dir)) if not value]
+        if missing:
+            raise LaunchError(f"{', '.join(missing)}: needed with --tunnel ssh")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Executors
+
+
+def _import_nemo_run(opts: LaunchOptions) -> Any:
+    if opts.nemorun_home:
+        os.environ["NEMORUN_HOME"] = str(Path(opts.nemorun_home).expanduser().resolve())
+    import nemo_run
+
+    return nemo_run
+
+
+def local_executor(opts: LaunchOptions, run: Any) -> Any:
+    """torchrun on this machine, `procs_per_node` processes (gloo on CPU, NCCL on GPUs)."""
+    # nemo-run starts `torchrun` from PATH: make it this interpreter's, so ranks import this environment.
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+    env = {"PYTHONUNBUFFERED": "1", **opts.env}
+    return run.LocalExecutor(ntasks_per_node=opts.procs_per_node, launcher="torchrun", env_vars=env)
+
+
+def slurm_h200_executor(opts: LaunchOptions, run: Any) -> Any:
+    """`nodes` exclusive H200 nodes, one torchrun per node starting 8 ranks, inside a pyxis container."""
+    if opts.tunnel == "ssh":
+        tunnel = run.SSHTunnel(host=opts.ssh_host, user=opts.ssh_user, job_dir=opts.remote_job_dir,
+                               identity=opts.ssh_identity)
+    else:
+        # job_dir "" = under NEMORUN_HOME, which must then be on the filesystem the compute nodes share
+        tunnel = run.LocalTunnel(job_dir="")
+    # git: the job's working directory /nemo_run/code holds the shipped repo, and `python -m` puts the working
+    # directory first on sys.path, so it shadows any megatron-rlvr installed in the image; image: that dir is empty.
+    packager = run.GitArchivePackager() if opts.code == "git" else run.Packager()
+    return run.SlurmExecutor(
+        account=opts.account,
+        partition=opts.partition,
+        time=opts.time,
+        nodes=opts.nodes,
+        ntasks_per_node=opts.procs_per_node,
+        gpus_per_node=H200_GPUS_PER_NODE,
+        exclusive=True,
+        mem="0",  # all of the node's memory: colocated vLLM + megatron ranks share it
+        container_image=opts.container_image,
+        container_mounts=list(opts.mounts),
+        env_vars={**H200_ENV, **opts.env},
+        tunnel=tunnel,
+        packager=packager,
+        launcher="torchrun",
+        job_name_prefix="megatron-rlvr-",
+    )
+
+
+def make_executor(opts: LaunchOptions, run: Any) -> Any:
+    return local_executor(opts, run) if opts.executor == "local" else slurm_h200_executor(opts, run)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running
+
+
+def file_placeholder(name: str) -> str:
+    """A task argument that `run_task` replaces by the path of shipped file `name` as the ranks see it."""
+    return f"{_PLACEHOLDER}{name}"
+
+
+def _ship_locally(files: dict[str, str], name: str) -> dict[str, str]:
+    """Local jobs read this machine's files: write them under NEMORUN_HOME and return their paths."""
+    from nemo_run.config import get_nemorun_home
+
+    folder = Path(get_nemorun_home()) / "shipped" / f"{name}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for file_name, text in files.items():
+        (folder / file_name).write_text(text)
+        paths[file_name] = str(folder / file_name)
+    return paths
+
+
+def run_task(
+    name: str,
+    cli_args: Sequence[str],
+    opts: LaunchOptions,
+    ship: dict[str, str] | None = None,
+    module: str = CLI_MODULE,
+) -> int:
+    """Run `python -m <module> <cli_args>` (normally `megatron_rlvr.cli`) under torchrun on the chosen executor; 0 = success.
+
+    `ship` maps file names to contents the job needs (the resolved run config); an argument
+    `file_placeholder(name)` in `cli_args` becomes that file's path as the ranks see it. On Slurm the files travel
+    in the job directory (written by the packager, when nemo-run writes its own job files); locally they are
+    written under NEMORUN_HOME. With `opts.dryrun` the job script is printed instead of run.
+    """
+    run = _import_nemo_run(opts)
+    # the git packager archives the repository of the current directory, and local ranks start here too
+    os.chdir(REPO_ROOT)
+    ship = dict(ship or {})
+    executor = make_executor(opts, run)
+    if opts.executor == "local":
+        paths = _ship_locally(ship, name) if ship else {}
+    else:
+        from launch.shipping import with_shipped_files
+
+        executor.packager = with_shipped_files(executor.packager, ship)
+        paths = {n: f"{CONTAINER_RUN_DIR}/configs/{n}" for n in ship}
+    args = [paths[a[len(_PLACEHOLDER):]] if a.startswith(_PLACEHOLDER) else a for a in cli_args]
+    task = run.Script(path=module, m=True, entrypoint="python", args=args)
+    detach = opts.detach and opts.executor != "local"
+    with run.Experiment(opts.job_name or name, executor=executor, log_level="WARN") as exp:
+        exp.add(task, executor=executor, name=name)
+        if opts.dryrun:
+            exp.dryrun(log=False, delete_exp_dir=False)
+            print(dryrun_script(exp, opts, module))
+            return 0
+        exp.run(detach=detach, tail_logs=not detach)
+    # leaving the `with` block is where nemo-run waits for the tasks and records their final state
+    return exit_status(exp, detached=detach)
+
+
+def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE) -> str:
+    """The job script a dry run produced: nemo-run's sbatch file for Slurm, the torchrun line locally."""
+    job = exp.jobs[0]
+    if opts.executor == "slurm_h200":
+        path = Path(job.executor.experiment_dir) / f"{job.executor.job_name}_sbatch.sh"
+        if not path.is_file():
+            raise LaunchError(f"dry run: nemo-run wrote no sbatch script at {path}")
+        return f"# sbatch script: {path}\n{path.read_text()}"
+    args = " ".join(job.task.args)
+    return (f"# local executor: {opts.procs_per_node} processes\n"
+            f"torchrun --nnodes 1 --nproc-per-node {opts.procs_per_node} -m {module} {args}")
+
+
+_SUCCESS = "SUCCEEDED"
+_SUBMITTED_OK = ("SUBMITTED", "PENDING", "RUNNING", "SUCCEEDED")
+
+
+def exit_status(exp: Any, detached: bool = False) -> int:
+    """0 when every task succeeded (or, detached, was accepted by Slurm); 1 otherwise, naming the failed task."""
+    failed = []
+    for job in exp.jobs:
+        state = job.state.name if hasattr(job.state, "name") else str(job.state)
+        ok = state in _SUBMITTED_OK if detached else state == _SUCCESS
+        if not ok:
+            failed.append(f"{job.id}: {state}")
+    if failed:
+        print(f"[launch] task failed: {'; '.join(failed)} (logs: {exp._exp_dir})", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,122 @@
+"""Recipes: find one by name, load it with overrides, and validate it before anything is submitted.
+
+A recipe is a YAML file in configs/. Its `model.hf_dir` names the checkpoint as the job sees it (on a cluster,
+`/models/<Name>` inside the container). The HF `config.json` that validation reads comes from that directory when
+it is readable here, else from `configs/models/<Name>/config.json`, the architecture copy kept in this repo (so
+recipes validate on a login node or a laptop without the weights).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_rlvr.config import Config, ConfigError, dump_config, load_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS_DIR = REPO_ROOT / "configs"
+MODEL_CONFIGS_DIR = CONFIGS_DIR / "models"
+SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size", "hidden_size")
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe by name (`qwen2.5-32b_casp`) or by path; raises ConfigError listing the known names."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path.resolve()
+    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    raise ConfigError(f"recipe {name_or_path!r}: not found; known recipes: {', '.join(recipe_names())}")
+
+
+def hf_config_path(hf_dir: str) -> Path | None:
+    """The config.json describing `hf_dir`'s architecture, or None when neither copy exists."""
+    if not hf_dir:
+        return None
+    direct = Path(hf_dir)
+    if not direct.is_absolute():
+        direct = REPO_ROOT / direct
+    if (direct / "config.json").is_file():
+        return direct / "config.json"
+    kept = MODEL_CONFIGS_DIR / Path(hf_dir).name / "config.json"
+    return kept if kept.is_file() else None
+
+
+def load_hf_config(hf_dir: str) -> dict[str, Any] | None:
+    path = hf_config_path(hf_dir)
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.hf_dir={hf_dir!r}: {path} is not valid JSON: {e}") from e
+
+
+def model_shape(cfg: Config) -> dict[str, int] | None:
+    hf = load_hf_config(cfg.model.hf_dir)
+    if hf is None:
+        return None
+    return {k: hf[k] for k in SHAPE_KEYS if isinstance(hf.get(k), int)}
+
+
+def load_and_validate(recipe: str, overrides: list[str], world_size: int | None,
+                      require_model: bool = False) -> tuple[Path, Config]:
+    """Load recipe + overrides and run `Config.validate` against the world size and the model's shape.
+
+    `require_model`: fail when no config.json is found for `model.hf_dir` (the recipe tests use it, so every
+    paper recipe keeps its architecture copy in configs/models/).
+    """
+    path = find_recipe(recipe)
+    cfg = load_config(path, overrides)
+    shape = model_shape(cfg)
+    if shape is None and require_model:
+        raise ConfigError(
+            f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there or in "
+            f"{MODEL_CONFIGS_DIR / Path(cfg.model.hf_dir).name}"
+        )
+    cfg.validate(world_size=world_size, model_shape=shape)
+    return path, cfg
+
+
+def resolved_yaml(path: Path, cfg: Config, overrides: list[str]) -> str:
+    """The exact config a job runs, with where it came from, as the file shipped with the job."""
+    header = f"# resolved from {path.name}" + (f" with {' '.join(overrides)}" if overrides else "") + "\n"
+    return header + dump_config(cfg)
+
+
+def job_name(subcommand: str, recipe_path: Path) -> str:
+    return f"{subcommand}_{recipe_path.stem}".replace(".", "_")
+
+
+def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -> int:
+    """The whole of `launch/train.py` and `launch/eval.py`: parse, validate, ship the resolved config, run.
+
+    Overrides are validated here, through `load_config` and `Config.validate` with the job's world size, because
+    nemo-run would accept a bad one and fail only on the cluster.
+    """
+    import argparse
+    import sys
+
+    from launch.executors import LaunchError, add_launch_arguments, file_placeholder, options_from_args, run_task
+
+    parser = argparse.ArgumentParser(prog=f"launch/{subcommand}.py", description=description)
+    parser.add_argument("--recipe", required=True, help=f"name in configs/ or a YAML path; known: {', '.join(recipe_names())}")
+    add_launch_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. algo.alpha=0.05")
+    args = parser.parse_args(argv)
+    try:
+        opts = options_from_args(args)
+        path, cfg = load_and_validate(args.recipe, args.overrides, world_size=opts.world_size)
+    except (LaunchError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    shipped = "run_config.yaml"
+    cli_args = [subcommand, file_placeholder(shipped)]
+    ship = {shipped: resolved_yaml(path, cfg, args.overrides)}
+    return run_task(job_name(subcommand, path), cli_args, opts, ship=ship)

@@ -1,0 +1,14 @@
+"""Launch RLVR training of a recipe through nemo-run (local torchrun, or Slurm H200 nodes).
+
+    python launch/train.py --recipe qwen2.5-32b_casp --executor slurm_h200 --nodes 4 [--dryrun] [key=value ...]
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` is a folder of the repo, not installed
+
+from launch.recipes import recipe_job_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(recipe_job_main("train", sys.argv[1:], __doc__))

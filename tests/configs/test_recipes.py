@@ -1,0 +1,154 @@
+"""Every recipe in configs/ loads, validates at the world size its header documents, and names a real model.
+
+The models of the paper recipes are built on the meta device (no memory) through megatron_rlvr.models, and their
+parameter counts must match the published sizes within 1%.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from launch.recipes import CONFIGS_DIR, MODEL_CONFIGS_DIR, find_recipe, load_and_validate, load_hf_config, recipe_names
+from megatron_rlvr.config import ConfigError
+
+CPU_RECIPES = {"demo_cpu", "demo_cpu_grpo", "eval_cpu"}
+PAPER_RECIPES = sorted(set(recipe_names()) - CPU_RECIPES)
+
+# Published parameter counts: the model cards' "Number of Parameters" where they state one (Qwen2.5-7B 7.61B,
+# Qwen2.5-32B 32.5B, Llama-3.2-3B 3.21B); otherwise the Hugging Face hub's safetensors total (7.62B).
+KNOWN_SIZES = {
+    "Qwen2.5-Math-7B": 7.62e9,
+    "Qwen2.5-7B": 7.61e9,
+    "Qwen2.5-32B": 32.5e9,
+    "Llama-3.2-3B-Instruct": 3.21e9,
+    "DeepSeek-R1-Distill-Qwen-7B": 7.62e9,
+}
+
+
+def documented_world_size(name: str) -> int:
+    """The world size of the launch command in the recipe's header: --nodes N x 8 H200s, or local processes."""
+    text = find_recipe(name).read_text()
+    nodes = re.search(r"--executor slurm_h200 --nodes (\d+)", text)
+    if nodes:
+        return int(nodes.group(1)) * 8
+    nproc = re.search(r"--nproc-per-node (\d+)", text)
+    return int(nproc.group(1)) if nproc else 2  # the local executor's default: 2 processes
+
+
+def test_the_paper_and_cpu_recipes_are_all_there():
+    names = set(recipe_names())
+    assert CPU_RECIPES <= names
+    for model in KNOWN_SIZES:
+        assert any(load_hf_config_of(n).get("_name") == model for n in PAPER_RECIPES), f"no recipe trains/evals {model}"
+    assert "eval_k1024_qwen2.5-math-7b" in names
+
+
+def load_hf_config_of(name: str) -> dict:
+    _, cfg = load_and_validate(name, [], world_size=None)
+    hf = load_hf_config(cfg.model.hf_dir) or {}
+    return {**hf, "_name": Path(cfg.model.hf_dir).name}
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_loads_and_validates_at_its_documented_world_size(name):
+    world = documented_world_size(name)
+    _, cfg = load_and_validate(name, [], world_size=world, require_model=name not in CPU_RECIPES)
+    assert world % (cfg.actor.tp * cfg.actor.pp) == 0
+    if name not in CPU_RECIPES:
+        assert cfg.model.hf_dir.startswith("/models/"), "cluster recipes read checkpoints from the /models mount"
+        hf = load_hf_config(cfg.model.hf_dir)
+        assert cfg.rollout.max_model_len <= hf["max_position_embeddings"], "responses must fit the model's positions"
+        assert hf["num_attention_heads"] % cfg.rollout.tp == 0 and hf["num_key_value_heads"] % cfg.rollout.tp == 0
+
+
+@pytest.mark.parametrize("name", [n for n in PAPER_RECIPES if n.endswith("_casp")] + ["demo_cpu"])
+def test_casp_recipes_use_the_papers_candidate_count(name):
+    _, cfg = load_and_validate(name, [], world_size=None)
+    assert cfg.algo.loss == "casp" and cfg.algo.top_n == 3 and cfg.algo.apply_to == "both"
+    assert 0 < cfg.algo.alpha <= 0.1, "inside the paper's alpha sweep"
+
+
+def test_eval_recipes_use_the_papers_sample_counts():
+    counts = {n: load_and_validate(n, [], world_size=None)[1].eval.n_samples for n in PAPER_RECIPES if n.startswith("eval_")}
+    assert counts["eval_qwen2.5-32b_math"] == 128
+    assert counts["eval_k1024_qwen2.5-math-7b"] == 1024
+    others = {n: c for n, c in counts.items() if n not in ("eval_qwen2.5-32b_math", "eval_k1024_qwen2.5-math-7b")}
+    assert others and set(others.values()) <= {256, 300}, others
+
+
+def test_a_bad_override_or_layout_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match="algo.alpha"):
+        load_and_validate("qwen2.5-32b_math-l3to5_casp", ["algo.alpha=lots"], world_size=32)
+    with pytest.raises(ConfigError, match="actor.tp=8 must divide the model.s num_attention_heads=28"):
+        load_and_validate("qwen2.5-math-7b_math-l3to5_casp", ["actor.tp=8"], world_size=8)
+    with pytest.raises(ConfigError, match="world size 12"):
+        load_and_validate("qwen2.5-32b_math-l3to5_casp", [], world_size=12)
+    with pytest.raises(ConfigError, match="known recipes: .*demo_cpu"):
+        find_recipe("no_such_recipe")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameter counts
+
+
+def analytic_parameter_count(hf: dict) -> int:
+    """Embedding (+ untied output layer) + per layer (attention with Qwen2's q/k/v biases, SwiGLU MLP, 2 norms)
+    + final norm: the cross-check of the meta-device build, computed from config.json alone."""
+    h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf.get("head_dim") or h // heads
+    q, kv_width = heads * head_dim, kv * head_dim
+    attention = h * q + 2 * h * kv_width + q * h
+    if hf["architectures"] == ["Qwen2ForCausalLM"]:
+        attention += q + 2 * kv_width  # Qwen2 has biases on q, k, v
+    mlp = 3 * h * hf["intermediate_size"]
+    embeddings = vocab * h * (1 if hf["tie_word_embeddings"] else 2)
+    return embeddings + layers * (attention + mlp + 2 * h) + h
+
+
+@pytest.mark.parametrize("model", sorted(KNOWN_SIZES))
+def test_analytic_parameter_count_matches_the_published_size(model):
+    hf = load_hf_config(f"/models/{model}")
+    count = analytic_parameter_count(hf)
+    assert abs(count - KNOWN_SIZES[model]) / KNOWN_SIZES[model] < 0.01, (model, count)
+
+
+def _meta_parameter_counts(models: list[str]) -> dict[str, int]:
+    """Runs on a 1-process gloo worker: build each model on the meta device and count its parameters."""
+    import torch
+
+    from megatron_rlvr import distributed
+    from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
+
+    counts = {}
+    with distributed.model_parallel(tp=1, pp=1):
+        for model in models:
+            hf = load_hf_config(MODEL_CONFIGS_DIR / model)
+            tcfg = transformer_config_from_hf(hf, tp=1, pp=1, params_dtype=torch.bfloat16, perform_initialization=False)
+            with torch.device("meta"):
+                gpt = build_gpt_model(hf, tcfg)
+            assert {p.device.type for p in gpt.parameters()} == {"meta"}, f"{model}: parameters left the meta device"
+            counts[model] = sum(p.numel() for p in gpt.parameters())
+    return counts
+
+
+def test_megatron_model_on_meta_device_matches_the_published_size():
+    from megatron_rlvr.testing import WorkerGroup
+
+    with WorkerGroup(1, timeout_s=600) as group:
+        (counts,) = group.run(_meta_parameter_counts, sorted(KNOWN_SIZES))
+    for model, count in counts.items():
+        hf = load_hf_config(f"/models/{model}")
+        print(f"{model}: megatron meta build {count / 1e9:.3f}B params, published {KNOWN_SIZES[model] / 1e9:.2f}B")
+        assert count == analytic_parameter_count(hf), model
+        assert abs(count - KNOWN_SIZES[model]) / KNOWN_SIZES[model] < 0.01, (model, count)
+
+
+def test_every_kept_model_config_is_referenced_by_a_recipe():
+    kept = {p.parent.name for p in MODEL_CONFIGS_DIR.glob("*/config.json")}
+    used = {load_hf_config_of(n)["_name"] for n in PAPER_RECIPES}
+    assert kept == used == set(KNOWN_SIZES)
+    assert CONFIGS_DIR.is_dir()
