@@ -1,0 +1,50 @@
+"""`megatron-rlvr` command line: train | eval | convert | demo | toy-tree.
+
+Each subcommand imports its implementation lazily, so `megatron-rlvr --help` is instant and a failure in one
+component never breaks the others' commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+# subcommand -> (module, function taking argv and returning an exit code, one-line help)
+_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("megatron_rlvr.trainer", "main", "train with a YAML recipe and key=value overrides (under torchrun)"),
+    "eval": ("megatron_rlvr.eval.command", "main", "large-K pass@k evaluation of one or more HF models"),
+    "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
+    "demo": ("megatron_rlvr.demo.command", "main", "the CPU demo: CaSP on the countdown task, then a pass@k report"),
+    "toy-tree": ("megatron_rlvr.algos.toy_tree", "main", "the didactic tree MDP: GRPO vs entropy bonus vs CaSP"),
+}
+
+
+def _resolve(name: str) -> Callable[[list[str]], int]:
+    module_name, attr, _ = _COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (e.name == module_name or module_name.startswith(e.name + ".")):
+            raise SystemExit(f"megatron-rlvr {name}: not available in this build ({module_name} is missing)") from e
+        raise
+    return getattr(module, attr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="megatron-rlvr", description="RLVR training on megatron-core with CaSP.",
+        epilog="Run `megatron-rlvr COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("command", choices=sorted(_COMMANDS), help="; ".join(f"{k}: {v[2]}" for k, v in _COMMANDS.items()))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args, rest = parser.parse_known_args(argv[:1])
+    return int(_resolve(args.command)(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Config loading: YAML + dotted overrides, and one test per class of bad input asserting the message."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rlvr.config import Config, ConfigError, dump_config, load_config
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_overrides_are_typed(tmp_path):
+    path = _write(tmp_path, "actor:\n  tp: 2\nalgo:\n  loss: grpo\n")
+    cfg = load_config(path, ["algo.alpha=0.05", "actor.pp=1", 'rollout.stop=["\\n"]', "checkpoint.resume=null"])
+    assert cfg.actor.tp == 2 and cfg.algo.loss == "grpo"
+    assert cfg.algo.alpha == 0.05 and isinstance(cfg.algo.alpha, float)
+    assert cfg.rollout.stop == ["\n"]
+    assert cfg.checkpoint.resume is None
+    # an int given for a float field is accepted and converted
+    assert isinstance(load_config(None, ["algo.alpha=1"]).algo.alpha, float)
+
+
+def test_dump_then_load_roundtrips(tmp_path):
+    cfg = load_config(None, ["actor.tp=2", "algo.top_n=5"])
+    again = load_config(_write(tmp_path, dump_config(cfg)))
+    assert again == cfg
+
+
+def test_unknown_key_names_key_and_allowed(tmp_path):
+    with pytest.raises(ConfigError, match=r"algo\.alhpa: unknown key; allowed keys: .*alpha"):
+        load_config(None, ["algo.alhpa=0.1"])
+    with pytest.raises(ConfigError, match=r"^actorr: unknown key; allowed keys: actor, algo"):
+        load_config(_write(tmp_path, "actorr:\n  tp: 2\n"))
+
+
+def test_wrong_type_names_key_and_expected_type():
+    with pytest.raises(ConfigError, match=r"actor\.tp: expected int, got 'two'"):
+        load_config(None, ["actor.tp=two"])
+    with pytest.raises(ConfigError, match=r"actor\.sequence_parallel: expected bool \(true/false\), got 3"):
+        load_config(None, ["actor.sequence_parallel=3"])
+    with pytest.raises(ConfigError, match=r"algo\.loss: got 'ppo'; allowed values: 'grpo', 'casp'"):
+        load_config(None, ["algo.loss=ppo"])
+    with pytest.raises(ConfigError, match=r"actor: expected a mapping of keys, got int"):
+        load_config(None, ["actor=3"])
+
+
+def test_bad_parallel_sizes_name_the_constraint():
+    with pytest.raises(ConfigError, match=r"actor\.tp \* actor\.pp = 2 \* 2 = 4 must divide the world size 2"):
+        load_config(None, ["actor.tp=2", "actor.pp=2"]).validate(world_size=2)
+    with pytest.raises(ConfigError, match=r"actor\.tp=4 must divide the model's num_key_value_heads=2"):
+        load_config(None, ["actor.tp=4"]).validate(
+            world_size=4, model_shape={"num_attention_heads": 8, "num_key_value_heads": 2}
+        )
+    with pytest.raises(ConfigError, match=r"actor\.pp \* actor\.vpp = 3 must divide the model's num_hidden_layers=4"):
+        load_config(None, ["actor.pp=3"]).validate(world_size=3, model_shape={"num_hidden_layers": 4})
+    with pytest.raises(ConfigError, match=r"actor\.tp: must be >= 1, got 0"):
+        load_config(None, ["actor.tp=0"]).validate(world_size=1)
+    with pytest.raises(ConfigError, match=r"actor\.vpp: virtual pipeline stages need actor\.pp >= 2"):
+        load_config(None, ["actor.vpp=2"]).validate(world_size=1)
+
+
+def test_bad_files_and_overrides_name_the_thing(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*missing\.yaml: not found"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"not valid YAML"):
+        load_config(_write(tmp_path, "actor: [unclosed\n"))
+    with pytest.raises(ConfigError, match=r"expected a mapping of sections, got list"):
+        load_config(_write(tmp_path, "- 1\n- 2\n"))
+    with pytest.raises(ConfigError, match=r"override 'actor\.tp': expected KEY=VALUE"):
+        load_config(None, ["actor.tp"])
+    with pytest.raises(ConfigError, match=r"override 'actor\.tp\.x=1': tp is a value, not a section"):
+        load_config(None, ["actor.tp=2", "actor.tp.x=1"])
+
+
+def test_defaults_validate():
+    assert Config().validate(world_size=1)
