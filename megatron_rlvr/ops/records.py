@@ -105,9 +105,9 @@ def merge_records(gathered: torch.Tensor, top_n: int, out_dtype: torch.dtype) ->
     entropy = log_s - total_a / total_s
     logp = zy.amax(dim=0) - logz
 
-    num_tokens = rec.shape[1]
-    values = rec[..., 4 : 4 + top_n].permute(1, 0, 2).reshape(num_tokens, -1)
-    ids = rec[..., 4 + top_n : 4 + 2 * top_n].permute(1, 0, 2).reshape(num_tokens, -1)
+    num_shards, num_tokens = rec.shape[0], rec.shape[1]
+    values = rec[..., 4 : 4 + top_n].permute(1, 0, 2).reshape(num_tokens, num_shards * top_n)
+    ids = rec[..., 4 + top_n : 4 + 2 * top_n].permute(1, 0, 2).reshape(num_tokens, num_shards * top_n)
     # Ties go to the lower id: order by id first, then a stable sort by value keeps that order among equals.
     by_id = torch.argsort(ids, dim=-1, stable=True)
     values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)

@@ -1,0 +1,211 @@
+"""The fused token-statistics op in one process (TP = 1): values and gradients against the dense oracle for every
+implementation and dtype, gradcheck in fp64, ties, N = 0, T = 0, temperature, padding, in-place backward without a
+[T, V] allocation, the fallback warning and input validation. Multi-process TP is in test_token_stats_dist.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_rlvr.ops import backends, reference, vocab_parallel_token_stats
+from tests.ops.cases import compare_to_oracle, loss_of, make_case, upstream_grads
+
+IMPLS = ["reference"] + (["cpp"] if backends.extension() is not None else [])
+# fp32: the issue's bound on log-probs and entropy; bf16 inputs are exact in fp32, so the statistics match as well.
+VALUE_TOL = 1e-5
+
+
+def check(result: dict, logits_dtype: torch.dtype) -> None:
+    assert result["logp"] <= VALUE_TOL, result
+    assert result["entropy"] <= VALUE_TOL, result
+    assert result["topn_logp"] <= VALUE_TOL, result
+    assert result["ids_equal"], result
+    assert result["padding_grad_zero"], result
+    # bf16 gradients are rounded to bf16 (8 bits of mantissa): compare relative to the gradient's scale
+    grad_tol = 1e-5 if logits_dtype == torch.float32 else 8e-3 * max(result["grad_scale"], 1e-3)
+    assert result["grad"] <= grad_tol, result
+
+
+def test_cpp_extension_is_built():
+    """The C++ kernel is what runs by default on CPU; a missing build must not pass silently here."""
+    assert backends.extension() is not None, "megatron_rlvr._C is not built: pip install -e . builds it"
+    assert backends.resolve(torch.device("cpu"), None, 3) == "cpp"
+    assert backends.extension().cpu_isa() in ("avx512", "avx2", "generic")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_matches_dense_oracle(impl, dtype, temperature):
+    # 2100 columns: several 1024-column blocks plus a tail; 3 padding columns at the end
+    case = make_case(9, 2100, 2097, dtype, seed=1)
+    check(compare_to_oracle(case, 3, temperature=temperature, implementation=impl), dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ties_resolve_to_lower_id(impl, dtype):
+    case = make_case(12, 300, 290, dtype, seed=2, ties=True)
+    result = compare_to_oracle(case, 5, implementation=impl)
+    check(result, dtype)
+    stats = vocab_parallel_token_stats(case.logits, case.targets, 5, vocab_size=290, implementation=impl)
+    for row_ids, row_logits in zip(stats.topn_ids, case.logits):
+        best = row_logits[:290].max()
+        expected = torch.nonzero(row_logits[:290] == best).flatten()[:5]  # the lowest ids holding the max
+        assert torch.equal(row_ids[: len(expected)], expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_top_n_zero_and_no_tokens(impl):
+    check(compare_to_oracle(make_case(5, 40, 40, torch.float32, seed=3), 0, implementation=impl), torch.float32)
+    empty = torch.zeros(0, 40, requires_grad=True)
+    stats = vocab_parallel_token_stats(empty, torch.zeros(0, dtype=torch.long), 3, implementation=impl)
+    assert stats.logp.shape == (0,) and stats.topn_ids.shape == (0, 3) and stats.topn_logp.dtype == torch.float32
+    (grad,) = torch.autograd.grad(loss_of(stats, upstream_grads(0, 3, torch.float32, 0)), empty)
+    assert grad.shape == (0, 40)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_leading_dims_and_large_top_n(impl):
+    case = make_case(6, 64, 61, torch.float32, seed=4)
+    stats = vocab_parallel_token_stats(case.logits.view(2, 3, 64), case.targets.view(2, 3), 61, vocab_size=61,
+                                       implementation=impl)
+    dense = reference.dense_token_stats(case.logits, case.targets, 61, vocab_size=61)
+    assert stats.logp.shape == (2, 3) and stats.topn_ids.shape == (2, 3, 61)
+    assert torch.equal(stats.topn_ids.view(6, 61), dense.topn_ids)
+    torch.testing.assert_close(stats.topn_logp.view(6, 61), dense.topn_logp, atol=VALUE_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradcheck_float64(impl):
+    case = make_case(4, 23, 21, torch.float64, seed=5)
+    logits = case.logits.clone().requires_grad_()
+
+    def fn(x):
+        stats = vocab_parallel_token_stats(x, case.targets, 3, vocab_size=21, temperature=0.8, implementation=impl)
+        return stats.logp, stats.entropy, stats.topn_logp
+
+    assert torch.autograd.gradcheck(fn, (logits,))
+
+
+class _LargeAllocations(TorchDispatchMode):
+    """Records new buffers of at least `threshold` elements that ops create (how a [T, V] buffer would show);
+    views and in-place results share an input's storage and are not counted."""
+
+    def __init__(self, threshold: int):
+        super().__init__()
+        self.threshold, self.sizes = threshold, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        known = {a.untyped_storage().data_ptr() for a in inputs}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if (isinstance(t, torch.Tensor) and t.numel() >= self.threshold
+                    and t.untyped_storage().data_ptr() not in known):
+                self.sizes.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_backward_same_gradient_no_buffer(impl, dtype):
+    num_tokens, vocab = 16, 257
+    case = make_case(num_tokens, vocab, 250, dtype, seed=6)
+    weights = upstream_grads(num_tokens, 3, torch.float32, seed=6)
+    grads, allocations = {}, {}
+    for inplace in (False, True):
+        leaf = case.logits.clone().requires_grad_()
+        logits = leaf * 1  # a non-leaf buffer, as the output layer's logits are
+        stats = vocab_parallel_token_stats(logits, case.targets, 3, vocab_size=250, inplace_backward=inplace,
+                                           chunk_tokens=4, implementation=impl)
+        loss = loss_of(stats, weights)
+        with _LargeAllocations(num_tokens * vocab) as tracker:
+            (grads[inplace],) = torch.autograd.grad(loss, logits)
+        allocations[inplace] = tracker.sizes
+        if inplace:
+            assert grads[inplace].data_ptr() == logits.data_ptr()
+    assert allocations[False], "the tracker must see the out-of-place gradient buffer (else it proves nothing)"
+    assert allocations[True] == [], allocations[True]
+    assert torch.equal(grads[True], grads[False])
+
+
+def test_inplace_backward_twice_raises():
+    logits = make_case(3, 30, 30, torch.float32, seed=8).logits.requires_grad_() * 1
+    stats = vocab_parallel_token_stats(logits, torch.tensor([1, 2, 3]), 2, inplace_backward=True)
+    loss = stats.logp.sum()
+    torch.autograd.grad(loss, logits, retain_graph=True)
+    with pytest.raises(RuntimeError, match="already holds a gradient"):
+        torch.autograd.grad(loss, logits)
+
+
+def test_fallback_to_reference_warns_once(monkeypatch):
+    monkeypatch.setattr(backends, "_C", None)
+    monkeypatch.setattr(backends, "_warned", set())
+    case = make_case(3, 20, 20, torch.float32, seed=9)
+    with pytest.warns(RuntimeWarning, match="not built.*torch reference") as record:
+        vocab_parallel_token_stats(case.logits, case.targets, 2)
+        vocab_parallel_token_stats(case.logits, case.targets, 2)
+    assert len([w for w in record if "not built" in str(w.message)]) == 1
+    monkeypatch.setenv(backends.ENV_VAR, "cpp")
+    with pytest.raises(RuntimeError, match="_C is missing"):
+        vocab_parallel_token_stats(case.logits, case.targets, 2)
+
+
+def test_env_var_forces_reference(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "reference")
+    assert backends.resolve(torch.device("cpu"), None, 3) == "reference"
+    monkeypatch.setenv(backends.ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="implementation"):
+        backends.resolve(torch.device("cpu"), None, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(target_ids=torch.tensor([0, 1, 40])), "target_ids: expected ids in \\[0, 40\\)"),
+        (dict(target_ids=torch.tensor([0, 1])), "target_ids: expected shape"),
+        (dict(target_ids=torch.tensor([0.0, 1.0, 2.0])), "target_ids: expected an integer"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(top_n=-1), "top_n"),
+        (dict(top_n=41), "top_n: 41 exceeds"),
+        (dict(vocab_size=45), "vocab_size"),
+        (dict(vocab_start=40), "vocab_start: the shards must tile"),
+        (dict(logits=torch.zeros(3, 40, dtype=torch.float16)), "logits: expected dtype"),
+    ],
+)
+def test_bad_input_is_named(kwargs, message):
+    args = dict(logits=torch.zeros(3, 40), target_ids=torch.tensor([0, 1, 2]), top_n=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        vocab_parallel_token_stats(args.pop("logits"), args.pop("target_ids"), args.pop("top_n"), **args)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cuda_kernel_matches_oracle(dtype, ties, inplace):
+    assert backends.resolve(torch.device("cuda"), None, 3) == "cuda"
+    case = make_case(33, 5000, 4990, dtype, seed=10, ties=ties)
+    check(compare_to_oracle(case, 3, temperature=0.7, implementation="cuda", inplace_backward=inplace,
+                            device="cuda"), dtype)
+    check(compare_to_oracle(case, 0, implementation="cuda", device="cuda"), dtype)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_gradcheck_and_empty():
+    case = make_case(4, 23, 21, torch.float64, seed=11)
+    logits = case.logits.cuda().requires_grad_()
+    targets = case.targets.cuda()
+    fn = lambda x: tuple(vocab_parallel_token_stats(x, targets, 3, vocab_size=21, implementation="cuda")[:3])  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (logits,))
+    empty = vocab_parallel_token_stats(torch.zeros(0, 7, device="cuda"), torch.zeros(0, dtype=torch.long,
+                                       device="cuda"), 2, implementation="cuda")
+    assert empty.topn_ids.shape == (0, 2)
