@@ -1,0 +1,276 @@
+"""MegatronActor: a megatron-core policy (any TP/PP/VPP) with its optimizer; a no-grad statistics pass over rollouts
+and an update pass over micro-batches through megatron-core's pipeline schedule.
+
+The actor sees rollouts as `SequenceBatch` (prompt + response token ids, right-padded, a mask of the response
+positions, per-sequence advantages). Every loss reads only the fused op's per-token statistics, computed on the
+last pipeline stage from the vocab-sharded logits. Loss scaling: `policy_loss` normalizes by the global token /
+sequence counts of the whole mini-batch, and the schedule's `/ num_microbatches` and DDP's `/ dp` are undone here, so
+the gradient is exactly that of the mini-batch loss whatever the micro-batching and data parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlvr.algos import policy_loss
+from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.config import ActorConfig, ModelConfig
+from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
+
+MONITOR_TOP_N = 3  # rank-1/2/3 probabilities are always reported, whatever the loss's top_n
+
+
+@dataclass
+class SequenceBatch:
+    """Rollouts as the actor trains on them; position t of the statistics predicts token t + 1."""
+
+    tokens: torch.Tensor  # [B, S] int64, prompt + response, right-padded
+    response_mask: torch.Tensor  # [B, S - 1] bool: target position t+1 is a response token
+    advantages: torch.Tensor  # [B] float32
+    old_logp: torch.Tensor | None = None  # [B, S - 1] from the statistics pass
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> "SequenceBatch":
+        return SequenceBatch(
+            self.tokens[index], self.response_mask[index], self.advantages[index],
+            None if self.old_logp is None else self.old_logp[index],
+        )
+
+
+class MegatronActor:
+    def __init__(
+        self, model_cfg: ModelConfig, actor_cfg: ActorConfig, algo_cfg: AlgoConfig, *, temperature: float,
+        total_steps: int,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        from megatron_rlvr.bridge import load_hf_weights
+        from megatron_rlvr.models import build_gpt_model, load_hf_config, padded_vocab_size, transformer_config_from_hf
+
+        self.cfg, self.algo_cfg, self.temperature = actor_cfg, algo_cfg, temperature
+        self.hf = load_hf_config(model_cfg.hf_dir)
+        dtype = torch.bfloat16 if actor_cfg.bf16 else torch.float32
+        self.tcfg = transformer_config_from_hf(
+            self.hf, tp=actor_cfg.tp, pp=actor_cfg.pp, vpp=actor_cfg.vpp, params_dtype=dtype,
+            sequence_parallel=actor_cfg.sequence_parallel, recompute=actor_cfg.recompute,
+        )
+        # the schedules call it after the last backward: DP grad reduce(-scatter) and tied-embedding sync over PP
+        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        chunks = []
+        n_chunks = actor_cfg.vpp or 1
+        for vp in range(n_chunks):
+            vp_stage = vp if actor_cfg.vpp else None
+            chunks.append(build_gpt_model(
+                self.hf, self.tcfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage), vp_stage=vp_stage,
+                make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
+            ))
+        if model_cfg.load:
+            from megatron_rlvr.bridge.dist_ckpt import load_dist_checkpoint
+
+            load_dist_checkpoint(chunks, self.hf["vocab_size"], model_cfg.load)
+        else:
+            load_hf_weights(chunks, model_cfg.hf_dir)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=actor_cfg.use_distributed_optimizer,
+            overlap_grad_reduce=False,
+        )
+        self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=c) for c in chunks]
+        self.optimizer, self.scheduler = self._build_optimizer(total_steps)
+        self.vocab_size = int(self.hf["vocab_size"])
+        self.local_vocab = padded_vocab_size(
+            self.vocab_size, actor_cfg.tp, model_cfg.make_vocab_size_divisible_by
+        ) // actor_cfg.tp
+
+    # -----------------------------------------------------------------------------------------------------------
+    def _build_optimizer(self, total_steps: int):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        a = self.cfg
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.grad_clip, bf16=a.bf16, params_dtype=torch.float32,
+            use_distributed_optimizer=a.use_distributed_optimizer,
+        )
+        optimizer = get_megatron_optimizer(opt_cfg, self.model)
+        steps = max(1, total_steps)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if a.lr_warmup_steps else a.lr, max_lr=a.lr, min_lr=a.min_lr,
+            lr_warmup_steps=a.lr_warmup_steps, lr_decay_steps=steps, lr_decay_style=a.lr_decay_style,
+            start_wd=a.weight_decay, end_wd=a.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
+        )
+        return optimizer, scheduler
+
+    @property
+    def model_chunks(self) -> list[torch.nn.Module]:
+        return [m.module for m in self.model]
+
+    def _dp_slice(self, batch: SequenceBatch) -> SequenceBatch:
+        from megatron.core import parallel_state as ps
+
+        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        if len(batch) % dp:
+            raise ValueError(f"batch of {len(batch)} sequences does not split over data-parallel size {dp}")
+        return batch.select(slice(rank, None, dp))
+
+    def _micro_batches(self, batch: SequenceBatch) -> list[SequenceBatch]:
+        mbs = self.cfg.micro_batch_size
+        return [batch.select(slice(i, i + mbs)) for i in range(0, len(batch), mbs)]
+
+    def _token_stats(self, logits: torch.Tensor, tokens: torch.Tensor) -> TokenStats:
+        from megatron.core import parallel_state as ps
+
+        top_n = max(self.algo_cfg.top_n, MONITOR_TOP_N)
+        return vocab_parallel_token_stats(
+            logits[:, :-1], tokens[:, 1:], top_n, group=ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None,
+            vocab_start=ps.get_tensor_model_parallel_rank() * self.local_vocab, vocab_size=self.vocab_size,
+            temperature=self.temperature, chunk_tokens=self.cfg.stats_chunk_tokens,
+        )
+
+    def _forward(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+        return model(tokens, position_ids, attention_mask=causal)
+
+    def _run_schedule(self, micro_batches: list[SequenceBatch], loss_fn, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[SequenceBatch], model: torch.nn.Module):
+            mb = next(data_iterator)
+            return self._forward(model, mb.tokens), partial(loss_fn, mb)
+
+        seq_length = micro_batches[0].tokens.shape[1]
+        data = [iter(micro_batches) for _ in self.model] if len(self.model) > 1 else iter(micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data, model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=self.cfg.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    # -----------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_old_logp(self, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The behaviour log-probs of the whole batch [B, S - 1] on every rank, and the current policy's candidate
+        statistics (entropy, rank-k probabilities over response tokens) for monitoring."""
+        from megatron.core import parallel_state as ps
+
+        local = self._dp_slice(batch)
+        for m in self.model:
+            m.eval()
+
+        def collect(mb: SequenceBatch, logits: torch.Tensor):
+            stats = self._token_stats(logits, mb.tokens)
+            return torch.zeros(()), {"logp": stats.logp.float(), "entropy": stats.entropy.float(),
+                                     "topn_logp": stats.topn_logp[..., :MONITOR_TOP_N].float()}
+
+        outputs = self._run_schedule(self._micro_batches(local), collect, forward_only=True)
+        metrics: dict[str, float] = {}
+        if outputs:
+            logp = torch.cat([o["logp"] for o in outputs])
+            mask = local.response_mask.float()
+            probs = torch.cat([o["topn_logp"] for o in outputs]).exp()
+            # sums here, means after the sums of all DP ranks are in (DP slices hold different token counts)
+            metrics["tokens"] = float(mask.sum())
+            metrics["policy/entropy"] = float((torch.cat([o["entropy"] for o in outputs]) * mask).sum())
+            for k in range(probs.shape[-1]):
+                metrics[f"policy/rank{k + 1}_prob"] = float((probs[..., k] * mask).sum())
+        else:
+            logp = torch.empty(local.response_mask.shape, dtype=torch.float32)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            last = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
+            dist.broadcast(logp, src=last, group=group)
+        dp = ps.get_data_parallel_world_size()
+        if dp > 1:  # _dp_slice takes every dp-th sequence: interleave the slices back
+            parts = [torch.empty_like(logp) for _ in range(dp)]
+            dist.all_gather(parts, logp, group=ps.get_data_parallel_group())
+            logp = torch.stack(parts, dim=1).reshape(len(batch), *logp.shape[1:])
+        sums = _from_last_stage(_across_data_parallel(metrics, summed=tuple(metrics)))
+        tokens = max(sums.pop("tokens", 0.0), 1.0)
+        return logp, {k: v / tokens for k, v in sums.items()}
+
+    def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
+        """One optimizer step per mini-batch over the rollouts; returns averaged loss metrics (on every rank)."""
+        from megatron.core import parallel_state as ps
+
+        for m in self.model:
+            m.train()
+        dp = ps.get_data_parallel_world_size()
+        per_mini = len(batch) // mini_batches
+        totals: dict[str, list[float]] = {}
+        for i in range(mini_batches):
+            mini = batch.select(slice(i * per_mini, (i + 1) * per_mini))
+            local = self._dp_slice(mini)
+            micro = self._micro_batches(local)
+            scale = len(micro) * dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
+            num_tokens = float(mini.response_mask.sum())
+            num_seqs = float((mini.response_mask.sum(-1) > 0).sum())
+
+            def loss_fn(mb: SequenceBatch, logits: torch.Tensor):
+                stats = self._token_stats(logits, mb.tokens)
+                loss, metrics = policy_loss(
+                    stats, mb.old_logp, mb.advantages, mb.response_mask, self.algo_cfg,
+                    num_tokens=num_tokens, num_seqs=num_seqs,
+                )
+                return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
+                    "loss": loss.detach().clone()}
+
+            for m in self.model:
+                m.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outputs = self._run_schedule(micro, loss_fn, forward_only=False)
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=1)
+            step_metrics = {"actor/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                            "actor/skipped": float(not ok), "actor/lr": self.optimizer.param_groups[0]["lr"]}
+            if outputs:
+                step_metrics["actor/loss"] = sum(float(o.pop("loss")) for o in outputs)
+                for key in outputs[0]:
+                    step_metrics[f"loss/{key}"] = sum(float(o[key]) for o in outputs) / len(outputs)
+            for key, value in step_metrics.items():
+                totals.setdefault(key, []).append(value)
+        metrics = {k: sum(v) / len(v) for k, v in totals.items()}
+        return _from_last_stage(_across_data_parallel(metrics, summed=("actor/loss",)))
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        from megatron_rlvr.bridge import export_hf_weights
+
+        return export_hf_weights(self.model_chunks, self.hf, bucket_bytes=bucket_bytes)
+
+
+def _across_data_parallel(metrics: dict[str, float], summed: tuple[str, ...]) -> dict[str, float]:
+    """Each DP rank saw a slice of the mini-batch: sum the globally normalized loss, average the rest."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    if dp == 1 or not metrics:
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(values, group=ps.get_data_parallel_group())
+    return {k: float(v) if k in summed else float(v) / dp for k, v in zip(keys, values)}
+
+
+def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
+    """Loss metrics exist on the last pipeline stage; give every rank the same dict."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return metrics
+    box = [metrics if ps.is_pipeline_last_stage() else None]
+    src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size() - 1)
+    dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
+    return box[0]
