@@ -169,10 +169,10 @@ def _livecodebench_row(row: Row, i: int, bench: str) -> Problem:
 def _humanevalplus_row(row: Row, i: int, bench: str) -> Problem:
     prompt_code = row.get("prompt")
     entry = row.get("entry_point")
-    imports = "\n".join(l for l in str(prompt_code).splitlines() if re.match(r"\s*(import|from)\s", l))
-    tests = f"{imports}\n\n{row.get('test')}" if imports else str(row.get("test"))
+    imports = "\n".join(line for line in str(prompt_code).splitlines() if re.match(r"(import|from)\s", line))
     prompt = f"Complete the following Python function.\n\n```python\n{prompt_code}```{CODE_SUFFIX}"
-    return Problem(bench, _row_id(row, i, "task_id"), prompt, "code", {"tests": tests, "entry_point": entry})
+    reference = {"tests": str(row.get("test")), "entry_point": entry, "prelude": imports}
+    return Problem(bench, _row_id(row, i, "task_id"), prompt, "code", reference)
 
 
 def _countdown_row(row: Row, i: int, bench: str) -> Problem:

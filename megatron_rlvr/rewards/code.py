@@ -4,9 +4,10 @@ Program extraction: the last fenced block whose language tag is python/py/python
 whole response is the program.
 
 Two reference formats (a dict):
-- ``{"tests": str, "entry_point": str (optional)}`` — HumanEval(+)-style: the program, then the test code (asserts,
-  or a ``def check(candidate)``), then ``check(<entry_point>)`` when an entry point is given, run once; exit status
-  0 passes.
+- ``{"tests": str, "entry_point": str (optional), "prelude": str (optional)}`` — HumanEval(+)-style: the prelude
+  (e.g. the prompt's imports, which a model's function may rely on without repeating), the program, then the test
+  code (asserts, or a ``def check(candidate)``), then ``check(<entry_point>)`` when an entry point is given, run
+  once; exit status 0 passes.
 - ``{"io": [{"input": str, "output": str}, ...]}`` — LiveCodeBench-style stdin/stdout: the program runs once per
   case with ``input`` on stdin; it passes when its stdout equals ``output`` line by line after stripping trailing
   whitespace of each line and blank lines at the end. All cases must pass; the first failure stops the run.
@@ -31,12 +32,14 @@ def extract_program(response: str) -> str:
 
 def check_code_reference(reference: Any) -> None:
     """ValueError naming the field when a code reference is neither the tests nor the io format."""
-    expected = "a dict with 'tests' (str, optional 'entry_point') or 'io' (list of {'input': str, 'output': str})"
+    expected = "a dict with 'tests' (str, optional 'entry_point', 'prelude') or 'io' (list of {'input': str, 'output': str})"
     if not isinstance(reference, Mapping):
         raise ValueError(f"code reference: expected {expected}, got {type(reference).__name__}")
     if "tests" in reference:
         if not isinstance(reference["tests"], str):
             raise ValueError(f"code reference: 'tests' must be a string of Python test code; expected {expected}")
+        if not isinstance(reference.get("prelude", ""), str):
+            raise ValueError("code reference: 'prelude' must be a string of Python code")
         entry = reference.get("entry_point")
         if entry is not None and (not isinstance(entry, str) or not entry.isidentifier()):
             raise ValueError(f"code reference: 'entry_point' must be a Python identifier, got {entry!r:.100}")
@@ -63,7 +66,7 @@ def verify_code(response: str, reference: Mapping[str, Any], limits: SandboxLimi
     if not program.strip():
         return 0.0
     if "tests" in reference:
-        source = f"{program}\n\n{reference['tests']}\n"
+        source = f"{reference.get('prelude', '')}\n{program}\n\n{reference['tests']}\n"
         if reference.get("entry_point"):
             source += f"\ncheck({reference['entry_point']})\n"
         result = run_python(source, "", limits)
