@@ -175,6 +175,13 @@ def check_options(opts: LaunchOptions) -> None:
         return
     if opts.procs_per_node > H200_GPUS_PER_NODE:
         raise LaunchError(f"--nproc-per-node {opts.procs_per_node}: an H200 node has {H200_GPUS_PER_NODE} GPUs")
+    if opts.dryrun:
+        # a dry run only shows the script: missing site settings become visible placeholders
+        for key, flag, placeholder in (("account", "--account", "YOUR_ACCOUNT"),
+                                       ("container_image", "--container-image", "YOUR_CONTAINER_IMAGE")):
+            if not getattr(opts, key):
+                setattr(opts, key, placeholder)
+                print(f"[launch] dry run: {flag} not given, shown as {placeholder}", file=sys.stderr)
     if not opts.account:
         raise LaunchError("--account: the Slurm executor needs an account (or set $SBATCH_ACCOUNT)")
     if not opts.container_image:

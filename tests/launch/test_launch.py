@@ -81,8 +81,10 @@ def test_slurm_options_come_from_the_environment_too(tmp_path):
         (["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "algo.no_such_knob=1"], "no_such_knob"),
         (["--recipe", "qwen2.5-math-7b_math-l3to5_casp", *SLURM, "--nodes", "1", "--nproc-per-node", "6", "actor.tp=4"],
          "world size 6"),
-        (["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--container-image", IMAGE], "--account"),
-        (["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--account", "a"], "--container-image"),
+        (["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--container-image", IMAGE,
+          "--nodes", "4"], "--account"),
+        (["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--account", "a", "--nodes", "4"],
+         "--container-image"),
         (["--recipe", "nope"], "known recipes"),
     ],
 )
@@ -90,7 +92,8 @@ def test_bad_input_exits_nonzero_before_anything_is_submitted(tmp_path, monkeypa
     for key in [k for k in os.environ if k.startswith(("SBATCH_", "MEGATRON_RLVR_"))]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path))
-    rc = recipe_job_main("train", args, "")  # in-process: it must fail before nemo-run is even imported
+    dryrun = [] if message.startswith("--") else ["--dryrun"]  # a dry run shows placeholders for site settings
+    rc = recipe_job_main("train", [*args, *dryrun], "")  # in-process: it must fail before nemo-run is imported
     err = capsys.readouterr().err
     assert rc == 2 and message in err, (rc, err[-2000:])
     assert not (tmp_path / "experiments").exists(), "nothing may reach nemo-run"
@@ -167,3 +170,12 @@ def test_cpu_demo_recipe_trains_through_nemo_run(tmp_path):
     out = launch("train.py", ["--recipe", "demo_cpu", "trainer.steps=2", f"trainer.output_dir={tmp_path}/run",
                               "trainer.eval_every=0", "checkpoint.save_every=0"], tmp_path, timeout=1800)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+
+
+def test_the_bare_readme_dryrun_prints_an_sbatch_script_with_placeholders(tmp_path):
+    out = launch("train.py", ["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--nodes", "4",
+                              "--dryrun"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "#SBATCH --account=YOUR_ACCOUNT" in out.stdout and "--container-image YOUR_CONTAINER_IMAGE" in out.stdout
+    assert "--nnodes 4 --nproc-per-node 8" in out.stdout
+    assert "--account not given, shown as YOUR_ACCOUNT" in out.stderr
