@@ -16,7 +16,7 @@ For every loss but CaSP's smoothed positives the two have the same gradient anyw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -25,6 +25,9 @@ from megatron_rlvr.algos.aggregate import aggregate, response_counts
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.metrics import loss_metrics
 from megatron_rlvr.algos.token_masks import high_entropy_mask, top_covariance_mask
+
+if TYPE_CHECKING:
+    from megatron_rlvr.ops import TokenStats
 
 
 @dataclass
@@ -136,7 +139,7 @@ def candidate_weights(topn_logp: Tensor, weights: str) -> Tensor:
 
 
 def policy_loss(
-    stats,
+    stats: "TokenStats",
     old_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
@@ -180,7 +183,10 @@ def policy_loss(
     rho = torch.exp(log_ratio)
     clipped = ((adv > 0) & (rho > 1 + cfg.eps_high)) | ((adv < 0) & (rho < 1 - cfg.eps_low))
     scale = torch.ones_like(rho) if shaping.weight_scale is None else shaping.weight_scale.detach()
-    weight = (adv * rho * (~clipped).to(rho.dtype) * scale).detach()
+    # where, not products with 0/1 masks: an overflowing ratio (rho = inf) must give 0, not inf * 0 = NaN.
+    contributes = (adv != 0) & (scale != 0)
+    zero = torch.zeros_like(rho)
+    weight = torch.where(contributes & ~clipped, adv * rho * scale, zero).detach()
 
     target = view.logp
     if shaping.smoothing is not None:
@@ -191,7 +197,7 @@ def policy_loss(
     pg_form = agg(-weight * target)
     with torch.no_grad():
         clipped_rho = rho.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-        pg_value = agg(-scale * torch.minimum(rho * adv, clipped_rho * adv))
+        pg_value = agg(torch.where(contributes, -scale * torch.minimum(rho * adv, clipped_rho * adv), zero))
     loss = pg_value + (pg_form - pg_form.detach())
 
     extras: dict[str, Tensor] = {}
@@ -207,14 +213,14 @@ def policy_loss(
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * extras["kl_ref"]
 
-    metrics = loss_metrics(view, rho=rho.detach(), clipped=clipped, top_ranks=stats.topn_logp)
+    metrics = loss_metrics(view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp)
     metrics.update(loss=float(loss.detach()), pg_loss=float(pg_value), num_tokens=local_tokens)
     metrics.update({name: float(value.detach()) for name, value in extras.items()})
     return loss, metrics
 
 
 def _token_view(
-    stats, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig, target_ids: Tensor | None
+    stats: "TokenStats", old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig, target_ids: Tensor | None
 ) -> TokenView:
     """Check shapes (errors name the argument) and broadcast everything to [B, T]."""
     logp = stats.logp
@@ -250,7 +256,7 @@ def _token_view(
     )
 
 
-def _sampled_is_top1(stats, target_ids: Tensor | None) -> Tensor:
+def _sampled_is_top1(stats: "TokenStats", target_ids: Tensor | None) -> Tensor:
     """Whether y_t is the rank-1 candidate: by id when the caller passes the sampled ids, else by probability.
 
     TokenStats carries no sampled ids; without them y_t counts as rank 1 when its log-prob equals the rank-1

@@ -17,27 +17,28 @@ if TYPE_CHECKING:
     from megatron_rlvr.algos.losses import TokenView
 
 
-def _mean(values: Tensor, where: Tensor) -> float:
-    count = int(where.sum())
-    if count == 0:
-        return 0.0
-    return float(torch.where(where, values, torch.zeros_like(values)).sum() / count)
+def _mean(values: Tensor, where: Tensor) -> Tensor:
+    total = torch.where(where, values, torch.zeros_like(values)).sum()
+    return total / where.sum().clamp(min=1).to(values.dtype)
 
 
 @torch.no_grad()
-def loss_metrics(view: "TokenView", *, rho: Tensor, clipped: Tensor, top_ranks: Tensor) -> dict[str, float]:
+def loss_metrics(view: "TokenView", *, log_ratio: Tensor, clipped: Tensor, top_ranks: Tensor) -> dict[str, float]:
     mask, high = view.mask, view.high_entropy
-    one = torch.ones_like(rho)
-    metrics = {
+    log_ratio = log_ratio.detach()
+    rho = log_ratio.exp()
+    entropy = view.entropy.detach()
+    values = {
         "clip_frac": _mean(clipped.to(rho.dtype), mask),
-        "entropy": _mean(view.entropy.detach(), mask),
-        "entropy_high_entropy": _mean(view.entropy.detach(), high),
+        "entropy": _mean(entropy, mask),
+        "entropy_high_entropy": _mean(entropy, high),
         "high_entropy_frac": _mean(high.to(rho.dtype), mask),
         "neg_rank1_frac": _mean(view.is_top1.to(rho.dtype), view.negative),
-        "kl_old": _mean(rho - one - torch.log(rho), mask),
+        "kl_old": _mean(rho - 1 - log_ratio, mask),
     }
-    probs = top_ranks.detach()[..., :3].exp()
+    probs = top_ranks.detach()[..., :3].exp().to(rho.dtype)
     for k in range(probs.shape[-1]):
-        metrics[f"rank{k + 1}_prob"] = _mean(probs[..., k], mask)
-        metrics[f"rank{k + 1}_prob_high_entropy"] = _mean(probs[..., k], high)
-    return metrics
+        values[f"rank{k + 1}_prob"] = _mean(probs[..., k], mask)
+        values[f"rank{k + 1}_prob_high_entropy"] = _mean(probs[..., k], high)
+    # One device-to-host copy for all of them (each float() would be a separate sync on GPU).
+    return dict(zip(values, torch.stack(list(values.values())).tolist()))

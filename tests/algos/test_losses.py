@@ -174,3 +174,14 @@ def test_bad_inputs_are_named():
         AlgoConfig(loss="ppo")
     with pytest.raises(ValueError, match="algo.alpha"):
         AlgoConfig(alpha=1.5)
+
+
+def test_an_overflowing_ratio_gives_finite_gradients():
+    """rho = exp(logp - old_logp) = inf on a clipped or zero-advantage token must not turn the gradient into NaN."""
+    problem = random_problem(700)
+    problem.old_logp[0, 0] = -1e4  # A > 0 on row 0: clipped
+    problem.old_logp[2, 0] = -1e4  # A = 0 on row 2
+    for name in ("grpo", "casp", "psr"):
+        loss, grad, metrics = _grads(problem, AlgoConfig(loss=name, **BASE))
+        assert torch.isfinite(grad).all() and torch.isfinite(loss), name
+        assert metrics["kl_old"] == float("inf"), "the ratio overflowed: the KL estimate says so instead of NaN"
