@@ -6,7 +6,7 @@
 #include <ATen/Parallel.h>
 
 #ifdef WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -63,7 +63,7 @@ void token_stats_forward(const at::Tensor& logits, const at::Tensor& target_ids,
     TORCH_CHECK(top_n <= token_stats::kCudaMaxTopN, "top_n: the CUDA kernel supports up to ",
                 token_stats::kCudaMaxTopN, ", got ", top_n);
     const c10::cuda::CUDAGuard guard(logits.device());
-    token_stats::forward_cuda(args, at::cuda::getCurrentCUDAStream().stream());
+    token_stats::forward_cuda(args, c10::cuda::getCurrentCUDAStream().stream());
     return;
 #else
     TORCH_CHECK(false, "megatron_rlvr._C was built without CUDA");
@@ -98,7 +98,7 @@ void token_stats_backward(const at::Tensor& logits, const at::Tensor& grad_out, 
   if (logits.is_cuda()) {
 #ifdef WITH_CUDA
     const c10::cuda::CUDAGuard guard(logits.device());
-    token_stats::backward_cuda(args, at::cuda::getCurrentCUDAStream().stream());
+    token_stats::backward_cuda(args, c10::cuda::getCurrentCUDAStream().stream());
     return;
 #else
     TORCH_CHECK(false, "megatron_rlvr._C was built without CUDA");
