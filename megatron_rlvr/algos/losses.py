@@ -11,6 +11,13 @@ So ``grpo`` is ``casp`` with alpha = lambda_top1 = 0, by construction.
 The returned loss's value is the clipped surrogate ``-scale * min(rho * A, clip(rho) * A)`` (plus the extra terms),
 while its gradient is exactly that of the detached-weight form: ``value.detach() + (form - form.detach())``.
 For every loss but CaSP's smoothed positives the two have the same gradient anyway (PPO-clip equivalence).
+
+Choices where ALGORITHMS.md leaves room (each checked by tests/algos against a dense oracle):
+- CaSP's candidate weights u are detached (a target distribution, not a path for gradient).
+- The entropy bonus, k3 KL and kl_cov penalty are aggregated with the same ``loss_agg`` as the policy term.
+- kl_cov / clip_cov keep PPO-clip underneath and select the top ``cov_fraction`` tokens deterministically within
+  the tokens of this call (verl's clip_cov samples among a covariance band instead).
+- forking_tokens and psr / nsr zero the other tokens' weights but keep every response token in the normalizer.
 """
 
 from __future__ import annotations
