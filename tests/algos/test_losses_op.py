@@ -88,3 +88,23 @@ def test_every_loss_through_the_op_tp2(workers2):
 @pytest.mark.dist
 def test_every_loss_through_the_op_tp2_fp32(workers2):
     _check_against_reference(workers2.run(sharded_op_gradients, CASES, SEEDS, torch.float32), FP32)
+
+
+def _assert_casp_without_terms_is_grpo(per_rank: list[list[tuple[float, torch.Tensor]]]) -> None:
+    for results in per_rank:
+        half = len(results) // 2
+        for (loss_g, grad_g), (loss_c, grad_c) in zip(results[:half], results[half:]):
+            assert loss_g == loss_c
+            assert torch.equal(grad_g, grad_c)
+
+
+ZERO_CASP = [dict(loss="grpo"), dict(loss="casp", alpha=0.0, lambda_top1=0.0)]
+
+
+def test_casp_without_its_terms_is_grpo_through_the_op_tp1():
+    _assert_casp_without_terms_is_grpo([sharded_op_gradients(ZERO_CASP, SEEDS, torch.float32)])
+
+
+@pytest.mark.dist
+def test_casp_without_its_terms_is_grpo_through_the_op_tp2(workers2):
+    _assert_casp_without_terms_is_grpo(workers2.run(sharded_op_gradients, ZERO_CASP, SEEDS, torch.float32))
