@@ -1,0 +1,295 @@
+"""Benchmark of the fused token-statistics op against the composite that systems use today and the logsumexp floor.
+
+In ONE run, on every TP rank's logits shard [T, V/tp], side by side (median of repeats; peak extra memory measured
+in a separate untimed call):
+  floor       torch.logsumexp over the shard (no statistics, no communication: what one pass of exp costs)
+  ours        vocab_parallel_token_stats: log-prob, entropy, top-N (forward; forward+backward; in-place backward)
+  composite   megatron-core's vocab_parallel_cross_entropy for log-probs + an entropy with three all-reduces
+              (max, sum exp, sum p*z) + all-gather of the full vocabulary then top-N of its log-softmax
+Prints a table and, as its last line, one JSON object (fp32 figures at the top level, every dtype under "by_dtype").
+
+    python tools/bench_token_stats.py                  # T=4096, V=151936, TP=2 over gloo, fp32 and bf16
+    python tools/bench_token_stats.py --quick          # a smaller shape, under a minute
+    python tools/bench_token_stats.py --device cuda --tp 1 --tokens 16384   # the GPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    tokens: int = 4096
+    vocab: int = 151936
+    tp: int = 2
+    top_n: int = 3
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    repeats: int = 5
+    device: str = "cpu"
+    threads_per_rank: int = 1
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages that ops create while active and that are still alive (CPU memory accounting)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # views and in-place results share an input's storage: only storages no input has are new memory
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self._seen and key not in inputs and storage.nbytes() > 0:
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._release, key, storage.nbytes())
+        return out
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated while fn runs (its results included), beyond what existed before."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        del result
+        return torch.cuda.max_memory_allocated() - before
+    with _LiveBytes() as tracker:
+        result = fn()
+        del result
+    return tracker.peak
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device, setup=None) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for i in range(repeats + 1):  # the first call warms up
+        state = setup() if setup else None
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = fn(state) if setup else fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+        del result, state
+    return statistics.median(times)
+
+
+def composite_stats(shard: torch.Tensor, targets: torch.Tensor, top_n: int):
+    """What systems compute today: megatron's vocab-parallel CE, a three-all-reduce entropy, gather-then-top-N."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    # megatron subtracts the max in place from fp32 logits; the clone keeps the shard intact for the rest
+    logp = -vocab_parallel_cross_entropy(shard.clone() if shard.dtype == torch.float32 else shard, targets)
+    z = shard.float()
+    z_max = z.detach().amax(dim=-1, keepdim=True)
+    dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    exp_z = torch.exp(z - z_max)
+    sum_exp = reduce_from_tensor_model_parallel_region(exp_z.sum(dim=-1, keepdim=True))
+    probs = exp_z / sum_exp
+    sum_pz = reduce_from_tensor_model_parallel_region((probs * z).sum(dim=-1, keepdim=True))
+    entropy = (z_max + torch.log(sum_exp) - sum_pz).squeeze(-1)
+    full = gather_from_tensor_model_parallel_region(shard)
+    top = torch.log_softmax(full.float(), dim=-1).topk(top_n, dim=-1)
+    return logp, entropy, top.values, top.indices
+
+
+def _loss(stats) -> torch.Tensor:
+    return stats[0].sum() + stats[1].sum() + stats[2].sum()
+
+
+def bench_rank(cfg: BenchConfig) -> dict:
+    """Runs on every TP rank (world size == tp); returns this rank's figures per dtype."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rlvr import distributed
+    from megatron_rlvr.ops import backends, vocab_parallel_token_stats
+
+    distributed.initialize_model_parallel(tp=cfg.tp)
+    try:
+        device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        group = parallel_state.get_tensor_model_parallel_group() if cfg.tp > 1 else None
+        rank, vocab_local = parallel_state.get_tensor_model_parallel_rank(), cfg.vocab // cfg.tp
+        gen = torch.Generator().manual_seed(1234 + rank)
+        targets = torch.randint(0, cfg.vocab, (cfg.tokens,), generator=gen).to(device)
+        impl = backends.resolve(device, None, cfg.top_n)
+        out: dict = {"impl": impl, "cpu_isa": backends.extension().cpu_isa() if backends.extension() else None}
+        for dtype_name in cfg.dtypes:
+            dtype = getattr(torch, dtype_name)
+            shard = (torch.randn(cfg.tokens, vocab_local, generator=gen) * 2).to(dtype).to(device)
+            ours_kw = dict(group=group, vocab_start=rank * vocab_local, vocab_size=cfg.vocab)
+
+            def ours_fwd():
+                with torch.no_grad():
+                    return vocab_parallel_token_stats(shard, targets, cfg.top_n, **ours_kw)
+
+            def ours_fwdbwd(inplace: bool = False, logits=None):
+                leaf = (shard if logits is None else logits).detach().requires_grad_()
+                stats = vocab_parallel_token_stats(leaf, targets, cfg.top_n, inplace_backward=inplace, **ours_kw)
+                return torch.autograd.grad(_loss(stats), leaf)
+
+            def composite_fwd():
+                with torch.no_grad():
+                    return composite_stats(shard, targets, cfg.top_n)
+
+            def composite_fwdbwd():
+                leaf = shard.detach().requires_grad_()
+                return torch.autograd.grad(_loss(composite_stats(leaf, targets, cfg.top_n)), leaf)
+
+            runs = {
+                "floor_logsumexp": lambda: torch.logsumexp(shard, dim=-1),
+                "ours_fwd": ours_fwd,
+                "composite_fwd": composite_fwd,
+                "ours_fwdbwd": ours_fwdbwd,
+                "composite_fwdbwd": composite_fwdbwd,
+            }
+            fig = {name: median_seconds(fn, cfg.repeats, device) for name, fn in runs.items()}
+            # in place: each repeat needs its own copy of the logits (made outside the timed region)
+            fig["ours_fwdbwd_inplace"] = median_seconds(
+                lambda logits: ours_fwdbwd(True, logits), cfg.repeats, device, setup=lambda: shard.clone()
+            )
+            logits_bytes = shard.numel() * shard.element_size()
+            for name in ("ours_fwd", "composite_fwd", "ours_fwdbwd", "composite_fwdbwd"):
+                dist.barrier()
+                fig[f"{name}_peak_extra_bytes"] = peak_extra_bytes(runs[name], device)
+            inplace_copy = shard.clone()
+            dist.barrier()
+            fig["ours_fwdbwd_inplace_peak_extra_bytes"] = peak_extra_bytes(
+                lambda: ours_fwdbwd(True, inplace_copy), device
+            )
+            del inplace_copy
+            fig["logits_bytes"] = logits_bytes
+            out[dtype_name] = fig
+            del shard
+        return out
+    finally:
+        distributed.destroy_model_parallel()
+
+
+def summarize(per_rank: list[dict], cfg: BenchConfig) -> dict:
+    """Across ranks: the slowest rank's median and the largest peak (a step waits for its slowest rank)."""
+    summary: dict = {"impl": per_rank[0]["impl"], "cpu_isa": per_rank[0]["cpu_isa"], "by_dtype": {}}
+    for dtype_name in cfg.dtypes:
+        fig = {key: max(r[dtype_name][key] for r in per_rank) for key in per_rank[0][dtype_name]}
+        floor, logits_bytes = fig["floor_logsumexp"], fig["logits_bytes"]
+        summary["by_dtype"][dtype_name] = {
+            **{k: round(v, 5) if isinstance(v, float) else v for k, v in fig.items()},
+            "fwd_over_floor": round(fig["ours_fwd"] / floor, 3),
+            "fwdbwd_over_floor": round(fig["ours_fwdbwd"] / floor, 3),
+            "composite_fwd_over_floor": round(fig["composite_fwd"] / floor, 3),
+            "composite_fwdbwd_over_floor": round(fig["composite_fwdbwd"] / floor, 3),
+            "fwd_speedup_vs_composite": round(fig["composite_fwd"] / fig["ours_fwd"], 2),
+            "fwdbwd_speedup_vs_composite": round(fig["composite_fwdbwd"] / fig["ours_fwdbwd"], 2),
+            "fwdbwd_inplace_speedup_vs_composite": round(fig["composite_fwdbwd"] / fig["ours_fwdbwd_inplace"], 2),
+            "fwd_peak_extra_mem_frac": round(fig["ours_fwd_peak_extra_bytes"] / logits_bytes, 5),
+            "composite_fwd_peak_extra_mem_frac": round(fig["composite_fwd_peak_extra_bytes"] / logits_bytes, 3),
+            "fwdbwd_peak_extra_mem_frac": round(fig["ours_fwdbwd_peak_extra_bytes"] / logits_bytes, 3),
+            "fwdbwd_inplace_peak_extra_mem_frac": round(fig["ours_fwdbwd_inplace_peak_extra_bytes"] / logits_bytes, 5),
+            "composite_fwdbwd_peak_extra_mem_frac": round(fig["composite_fwdbwd_peak_extra_bytes"] / logits_bytes, 3),
+        }
+    return summary
+
+
+def print_table(summary: dict, cfg: BenchConfig) -> None:
+    print(f"token stats: T={cfg.tokens} V={cfg.vocab} TP={cfg.tp} N={cfg.top_n} device={cfg.device} "
+          f"impl={summary['impl']} cpu_isa={summary['cpu_isa']} repeats={cfg.repeats} (median; slowest rank)")
+    rows = [("floor: torch.logsumexp", "floor_logsumexp", None), ("ours forward", "ours_fwd", "ours_fwd"),
+            ("composite forward", "composite_fwd", "composite_fwd"),
+            ("ours forward+backward", "ours_fwdbwd", "ours_fwdbwd"),
+            ("ours fwd+bwd, in-place", "ours_fwdbwd_inplace", "ours_fwdbwd_inplace"),
+            ("composite forward+backward", "composite_fwdbwd", "composite_fwdbwd")]
+    for dtype_name, fig in summary["by_dtype"].items():
+        print(f"\n[{dtype_name}] logits shard {fig['logits_bytes'] / 2**20:.0f} MiB per rank")
+        print(f"  {'':30s} {'seconds':>9s} {'x floor':>8s} {'peak extra MiB':>15s} {'x logits':>9s}")
+        for label, key, mem in rows:
+            seconds = fig[key]
+            extra = fig.get(f"{mem}_peak_extra_bytes") if mem else None
+            mem_txt = f"{extra / 2**20:15.1f} {extra / fig['logits_bytes']:9.4f}" if extra is not None else ""
+            print(f"  {label:30s} {seconds:9.4f} {seconds / fig['floor_logsumexp']:8.2f} {mem_txt}")
+        print(f"  forward speedup vs composite {fig['fwd_speedup_vs_composite']:.2f}x; forward+backward "
+              f"{fig['fwdbwd_speedup_vs_composite']:.2f}x (in-place {fig['fwdbwd_inplace_speedup_vs_composite']:.2f}x)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=None, help="T (default 4096; --quick: 128)")
+    parser.add_argument("--vocab", type=int, default=151936, help="V, padded up to a multiple of --tp")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--top-n", type=int, default=3)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; --quick: 3)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads-per-rank", type=int, default=None,
+                        help="intra-op threads per rank (default: the CPU cores shared out, at least 1)")
+    parser.add_argument("--quick", action="store_true", help="T=128, V=32768, 3 repeats: under a minute")
+    args = parser.parse_args(argv)
+    import os
+
+    tokens = args.tokens or (128 if args.quick else 4096)
+    vocab = 32768 if args.quick and args.vocab == 151936 else args.vocab
+    vocab = (vocab + args.tp - 1) // args.tp * args.tp
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.tp)
+    cfg = BenchConfig(tokens=tokens, vocab=vocab, tp=args.tp, top_n=args.top_n,
+                      dtypes=tuple(d.strip() for d in args.dtypes.split(",")),
+                      repeats=args.repeats or (3 if args.quick else 5), device=args.device, threads_per_rank=threads)
+    if cfg.tp == 1:
+        torch.set_num_threads(threads)
+        per_rank = [bench_rank(cfg)]
+    else:
+        from megatron_rlvr.testing import WorkerGroup
+
+        env = {"MEGATRON_RLVR_WORKER_THREADS": str(threads)}
+        with WorkerGroup(cfg.tp, timeout_s=3600, env=env) as group:
+            per_rank = group.run(bench_rank, cfg)
+    summary = summarize(per_rank, cfg)
+    print_table(summary, cfg)
+    fp32 = summary["by_dtype"].get("float32") or next(iter(summary["by_dtype"].values()))
+    headline = {key: fp32[key] for key in ("fwd_over_floor", "fwdbwd_speedup_vs_composite", "fwd_peak_extra_mem_frac",
+                                           "fwd_speedup_vs_composite", "fwdbwd_inplace_speedup_vs_composite")}
+    result = {**headline, "tokens": cfg.tokens, "vocab": cfg.vocab, "tp": cfg.tp, "device": cfg.device,
+              "impl": summary["impl"], "cpu_isa": summary["cpu_isa"], "by_dtype": summary["by_dtype"]}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
