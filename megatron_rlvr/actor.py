@@ -161,9 +161,8 @@ class MegatronActor:
 
     # -----------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_old_logp(self, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """The behaviour log-probs of the whole batch [B, S - 1] on every rank, and the current policy's candidate
-        statistics (entropy, rank-k probabilities over response tokens) for monitoring."""
+    def compute_old_logp(self, batch: SequenceBatch) -> torch.Tensor:
+        """The behaviour log-probs of the whole batch [B, S - 1], on every rank."""
         from megatron.core import parallel_state as ps
 
         local = self._dp_slice(batch)
@@ -171,22 +170,12 @@ class MegatronActor:
             m.eval()
 
         def collect(mb: SequenceBatch, logits: torch.Tensor):
-            stats = self._token_stats(logits, mb.tokens)
-            return torch.zeros(()), {"logp": stats.logp.float(), "entropy": stats.entropy.float(),
-                                     "topn_logp": stats.topn_logp[..., :MONITOR_TOP_N].float()}
+            return torch.zeros(()), {"logp": self._token_stats(logits, mb.tokens).logp.float()}
 
         outputs = self._run_schedule(self._micro_batches(local), collect, forward_only=True)
-        metrics: dict[str, float] = {}
         if outputs:
             logp = torch.cat([o["logp"] for o in outputs])
-            mask = local.response_mask.float()
-            probs = torch.cat([o["topn_logp"] for o in outputs]).exp()
-            # sums here, means after the sums of all DP ranks are in (DP slices hold different token counts)
-            metrics["tokens"] = float(mask.sum())
-            metrics["policy/entropy"] = float((torch.cat([o["entropy"] for o in outputs]) * mask).sum())
-            for k in range(probs.shape[-1]):
-                metrics[f"policy/rank{k + 1}_prob"] = float((probs[..., k] * mask).sum())
-        else:
+        else:  # not the last pipeline stage: filled by the broadcast below
             logp = torch.empty(local.response_mask.shape, dtype=torch.float32)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             group = ps.get_pipeline_model_parallel_group()
@@ -197,9 +186,7 @@ class MegatronActor:
             parts = [torch.empty_like(logp) for _ in range(dp)]
             dist.all_gather(parts, logp, group=ps.get_data_parallel_group())
             logp = torch.stack(parts, dim=1).reshape(len(batch), *logp.shape[1:])
-        sums = _from_last_stage(_across_data_parallel(metrics, summed=tuple(metrics)))
-        tokens = max(sums.pop("tokens", 0.0), 1.0)
-        return logp, {k: v / tokens for k, v in sums.items()}
+        return logp
 
     def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
         """One optimizer step per mini-batch over the rollouts; returns averaged loss metrics (on every rank)."""
@@ -231,11 +218,14 @@ class MegatronActor:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
             outputs = self._run_schedule(micro, loss_fn, forward_only=False)
-            ok, grad_norm, _ = self.optimizer.step()
+            if self._all_finite(outputs):
+                ok, grad_norm, _ = self.optimizer.step()
+            else:  # a non-finite loss or gradient anywhere: every rank skips this step (the trainer counts them)
+                ok, grad_norm = False, math.nan
             if ok:
                 self.scheduler.step(increment=1)
             step_metrics = {"actor/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                            "actor/skipped": float(not ok), "actor/lr": self.optimizer.param_groups[0]["lr"]}
+                            "actor/nonfinite": float(not ok), "actor/lr": self.optimizer.param_groups[0]["lr"]}
             if outputs:
                 step_metrics["actor/loss"] = sum(float(o.pop("loss")) for o in outputs)
                 for key in outputs[0]:
@@ -244,6 +234,18 @@ class MegatronActor:
                 totals.setdefault(key, []).append(value)
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}
         return _from_last_stage(_across_data_parallel(metrics, summed=("actor/loss",)))
+
+    def _all_finite(self, outputs: list[dict]) -> bool:
+        bad = any(not math.isfinite(float(o["loss"])) for o in outputs)
+        for m in self.model:
+            for p in m.module.parameters():
+                grad = getattr(p, "main_grad", None)
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    bad = True
+                    break
+        flag = torch.tensor([int(bad)])
+        dist.all_reduce(flag)
+        return int(flag) == 0
 
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         from megatron_rlvr.bridge import export_hf_weights

@@ -151,7 +151,10 @@ def from_dict(cls: type, data: Mapping[str, Any] | None, prefix: str = "") -> An
         where = f"{prefix}." if prefix else ""
         raise ConfigError(f"{where}{unknown[0]}: unknown key; allowed keys: {', '.join(sorted(fields))}")
     kwargs = {name: _convert(hints[name], value, _join(prefix, name)) for name, value in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own range checks (__post_init__) name their key already
+        raise ConfigError(str(e)) from e
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -207,6 +210,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected float, got {value!r}")
     if tp is str:
         if isinstance(value, str):

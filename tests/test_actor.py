@@ -35,11 +35,10 @@ def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: s
             AlgoConfig(loss=loss, tau_q=0.5), temperature=0.9, total_steps=2,
         )
         batch = _batch(actor.vocab_size)
-        old_logp, monitor = actor.compute_old_logp(batch)
+        old_logp = actor.compute_old_logp(batch)
         batch.old_logp = old_logp
         metrics = actor.update(batch, mini_batches=1)
-        new_logp, _ = actor.compute_old_logp(batch)
-        return old_logp, new_logp, monitor, metrics
+        return old_logp, actor.compute_old_logp(batch), metrics
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +56,11 @@ def reference(workers2, tiny_qwen):
 
 @pytest.mark.parametrize("tp,pp,mbs", [(2, 1, 2), (1, 2, 1)])
 def test_update_matches_reference_layout(workers2, tiny_qwen, reference, tp, pp, mbs):
-    ref_old, ref_new, ref_monitor, ref_metrics = reference
-    old, new, monitor, metrics = workers2.run(_actor_numbers, tiny_qwen, tp, pp, mbs)[0]
+    ref_old, ref_new, ref_metrics = reference
+    old, new, metrics = workers2.run(_actor_numbers, tiny_qwen, tp, pp, mbs)[0]
     torch.testing.assert_close(old, ref_old, rtol=0, atol=1e-5)
     assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-4)
     assert metrics["actor/loss"] == pytest.approx(ref_metrics["actor/loss"], rel=1e-4, abs=1e-6)
     torch.testing.assert_close(new, ref_new, rtol=0, atol=1e-4)
-    assert monitor["policy/rank1_prob"] == pytest.approx(ref_monitor["policy/rank1_prob"], rel=1e-5)
     # the update moved the policy
     assert (new - old).abs()[_batch(10).response_mask].max() > 1e-4

@@ -1,0 +1,163 @@
+"""The RLVR loop: generate -> reward -> advantages -> statistics -> update -> sync weights -> log / checkpoint.
+
+Run under torchrun (one process per GPU, or per CPU worker with gloo): `megatron-rlvr train RECIPE.yaml k=v ...`.
+Every rank runs the same loop; rank 0 alone writes metrics and the progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import math
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megatron_rlvr import checkpoint, distributed
+from megatron_rlvr.actor import MegatronActor
+from megatron_rlvr.config import Config, dump_config, load_config
+from megatron_rlvr.data import PromptLoader, load_items
+from megatron_rlvr.experience import collect
+from megatron_rlvr.rollout import EngineDiedError, make_engine
+
+
+class Timer:
+    """Per-step wall-time breakdown: ``with timer("rollout"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[f"time/{name}"] = self.seconds.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+def sync_weights(actor: MegatronActor, engine, bucket_bytes: int) -> None:
+    """Stream the actor's weights (HF names) into this rank's engine; a collective over the model-parallel group."""
+    engine.update_weights(itertools.chain.from_iterable(actor.export_weights(bucket_bytes)))
+
+
+def build_engine(cfg: Config, actor: MegatronActor, seed: int):
+    engine = make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype="bfloat16" if cfg.actor.bf16 else "float32")
+    sync_weights(actor, engine, cfg.rollout.bucket_bytes)
+    return engine
+
+
+def train(cfg: Config) -> list[dict[str, float]]:
+    """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlvr.models import load_hf_config
+    from megatron_rlvr.monitor import MetricLogger
+    from megatron_rlvr.rewards import RewardPool
+
+    distributed.init_process_group()
+    cfg.validate(distributed.world_size(), load_hf_config(cfg.model.hf_dir))
+    t = cfg.trainer
+    distributed.initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed)
+    rank0 = distributed.rank() == 0
+    out = Path(t.output_dir)
+    ckpt_root = out / "checkpoints"
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_config(cfg))
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    items, stats = load_items(cfg.data, tokenizer, "train")
+    loader = PromptLoader(items, t.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature, total_steps=t.steps)
+
+    start_step, nonfinite_in_a_row, history = 0, 0, []
+    resume_from = checkpoint.resolve(ckpt_root, cfg.checkpoint.resume)
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, actor)
+        loader.load_state_dict(state["loader"])
+        start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
+    engine = build_engine(cfg, actor, seed=t.seed + distributed.rank())
+    logger = MetricLogger(str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project) if rank0 else None
+    progress = _progress(rank0, start_step, t.steps)
+
+    with RewardPool(cfg.reward) as pool:
+        for step in range(start_step, t.steps):
+            timer = Timer()
+            prompts = loader.next_batch()
+            with timer("rollout+reward"):
+                try:
+                    exp = collect(engine, pool, prompts, cfg.rollout, cfg.algo, pad_id=pad_id, run_seed=t.seed, step=step)
+                except EngineDiedError:  # rebuild from the actor's weights (the actor's state is untouched) and retry
+                    engine = build_engine(cfg, actor, seed=t.seed + distributed.rank())
+                    exp = collect(engine, pool, prompts, cfg.rollout, cfg.algo, pad_id=pad_id, run_seed=t.seed, step=step)
+            with timer("statistics"):
+                exp.batch.old_logp = actor.compute_old_logp(exp.batch)
+            with timer("update"):
+                update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
+            nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0
+            if nonfinite_in_a_row > cfg.actor.max_nonfinite_in_a_row:
+                raise NonFiniteError(
+                    f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
+                    f"(actor.max_nonfinite_in_a_row={cfg.actor.max_nonfinite_in_a_row}); stopping at step {step}"
+                )
+            with timer("sync"):
+                sync_weights(actor, engine, cfg.rollout.bucket_bytes)
+            metrics = {"step": step + 1, **_rollout_metrics(exp), **update_metrics, **timer.seconds}
+            history.append(metrics)
+            if logger is not None:
+                logger.log(step + 1, metrics)
+                progress.update(1)
+                progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
+            if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
+                checkpoint.save(ckpt_root, step + 1, actor, {
+                    "loader": loader.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row}, cfg.checkpoint.keep_last)
+    if logger is not None:
+        logger.close()
+        progress.close()
+    return history
+
+
+def _rollout_metrics(exp) -> dict[str, float]:
+    batch, r = exp.batch, exp.rewards
+    lengths = [len(c.token_ids) for group in exp.completions for c in group]
+    mask = batch.response_mask
+    mismatch = ((exp.engine_logp - batch.old_logp).abs() * mask).sum() / mask.sum().clamp_min(1)
+    metrics = {
+        "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
+        "response/length": sum(lengths) / max(1, len(lengths)),
+        "response/tokens_trained": float(mask.sum()),
+        # |engine log-prob - actor log-prob| on sampled tokens: the train/inference mismatch
+        "rollout/logp_mismatch": float(mismatch),
+    }
+    metrics.update({f"reward/{k}": float(v) for k, v in exp.reward_counters.items()})
+    return metrics
+
+
+def _progress(enabled: bool, start: int, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", disable=not enabled, dynamic_ncols=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-rlvr train", description=__doc__)
+    parser.add_argument("config", help="YAML recipe (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2 algo.alpha=0.05")
+    parser.add_argument("--resume", default=None, help="'latest' (default from the recipe), a checkpoint dir, or 'none'")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={'null' if args.resume == 'none' else args.resume}")
+    cfg = load_config(args.config, overrides)
+    history = train(cfg)
+    if distributed.rank() == 0 and history:
+        last = history[-1]
+        print(f"done: {len(history)} steps, final reward {last['reward/mean']:.3f}", flush=True)
+    return 0 if all(math.isfinite(h.get("actor/loss", 0.0)) for h in history) else 1

@@ -1,0 +1,98 @@
+"""The training loop end to end on CPU: 2 steps at (TP, PP) = (2, 1) and (1, 2) with vLLM rollouts; resume after a
+checkpoint repeats an uninterrupted run's metrics exactly; a failed checkpoint write leaves the previous intact."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
+
+_COMPARED = ("reward/mean", "actor/loss", "actor/grad_norm", "loss/entropy", "loss/rank1_prob")
+
+
+def _config(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
+    from megatron_rlvr.config import load_config
+
+    return load_config(None, [
+        f"model.hf_dir={hf_dir}", f"actor.tp={tp}", f"actor.pp={pp}", "actor.micro_batch_size=4", "actor.lr=1e-3",
+        "algo.loss=casp", "algo.alpha=0.1", "rollout.group_size=4", "rollout.max_new_tokens=6",
+        "rollout.max_model_len=64", "rollout.kv_cache_memory_bytes=16777216", "data.max_prompt_tokens=48",
+        "reward.workers=1", f"trainer.steps={steps}", "trainer.prompts_per_step=2", "trainer.tensorboard=false",
+        f"trainer.output_dir={out_dir}", *extra,
+    ])
+
+
+def _train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
+    from megatron_rlvr import distributed
+    from megatron_rlvr.trainer import train
+
+    try:
+        return train(_config(hf_dir, out_dir, tp, pp, steps, extra))
+    finally:
+        distributed.destroy_model_parallel()
+
+
+def _failing_checkpoint(hf_dir: str, out_dir: str):
+    """Train 2 steps saving every step, with the disk 'full' on the second save."""
+    import errno
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_rlvr import checkpoint
+
+    real_save, calls = dist_checkpointing.save, []
+
+    def save(sharded_state_dict, ckpt_dir, *args, **kwargs):
+        calls.append(ckpt_dir)
+        if len(calls) == 2:
+            (checkpoint.Path(ckpt_dir) / "partial.distcp").write_bytes(b"\0" * 16)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(sharded_state_dict, ckpt_dir, *args, **kwargs)
+
+    dist_checkpointing.save = save
+    try:
+        _train(hf_dir, out_dir, 2, 1, 2, ["checkpoint.save_every=1"])
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    finally:
+        dist_checkpointing.save = real_save
+    return None
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from megatron_rlvr.models.tiny import make_tiny_hf_model
+
+    return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen"), seed=5))
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp):
+    histories = workers2.run(_train, tiny_model, str(tmp_path / "run"), tp, pp, 2)
+    assert [len(h) for h in histories] == [2, 2]
+    for metrics in histories[0]:
+        assert 0.0 <= metrics["reward/mean"] <= 1.0
+        assert metrics["response/tokens_trained"] > 0
+        assert metrics["actor/grad_norm"] >= 0
+    assert histories[0] == histories[1]  # every rank reports the same step metrics
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):
+    full = workers2.run(_train, tiny_model, str(tmp_path / "full"), 2, 1, 3)[0]
+    # an interrupted run: stops after step 2 with a checkpoint at step 2, then the same command resumes
+    workers2.run(_train, tiny_model, str(tmp_path / "cut"), 2, 1, 2, ["checkpoint.save_every=2"])
+    resumed = workers2.run(_train, tiny_model, str(tmp_path / "cut"), 2, 1, 3, ["checkpoint.save_every=2"])[0]
+    assert [m["step"] for m in resumed] == [3]
+    for key in _COMPARED:
+        assert resumed[0][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-7), key
+
+
+def test_failed_checkpoint_keeps_previous(workers2, tiny_model, tmp_path):
+    out = tmp_path / "disk"
+    errors = workers2.run(_failing_checkpoint, tiny_model, str(out))
+    assert errors[0] and "No space left on device" in errors[0] and "previous checkpoints are intact" in errors[0]
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-000001"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
+    assert (root / "step-000001" / "trainer_state.json").is_file()
