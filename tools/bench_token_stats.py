@@ -149,13 +149,13 @@ def bench_rank(cfg: BenchConfig) -> dict:
         device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         group = parallel_state.get_tensor_model_parallel_group() if cfg.tp > 1 else None
         rank, vocab_local = parallel_state.get_tensor_model_parallel_rank(), cfg.vocab // cfg.tp
-        gen = torch.Generator().manual_seed(1234 + rank)
-        targets = torch.randint(0, cfg.vocab, (cfg.tokens,), generator=gen).to(device)
+        gen = torch.Generator(device=device).manual_seed(1234 + rank)
+        targets = torch.randint(0, cfg.vocab, (cfg.tokens,), generator=gen, device=device)
         impl = backends.resolve(device, None, cfg.top_n)
         out: dict = {"impl": impl, "cpu_isa": backends.extension().cpu_isa() if backends.extension() else None}
         for dtype_name in cfg.dtypes:
             dtype = getattr(torch, dtype_name)
-            shard = (torch.randn(cfg.tokens, vocab_local, generator=gen) * 2).to(dtype).to(device)
+            shard = (torch.randn(cfg.tokens, vocab_local, generator=gen, device=device) * 2).to(dtype)
             ours_kw = dict(group=group, vocab_start=rank * vocab_local, vocab_size=cfg.vocab)
 
             def ours_fwd():
