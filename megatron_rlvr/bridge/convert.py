@@ -277,6 +277,11 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
+    # VmHWM is this process image's own high-water mark; getrusage's ru_maxrss survives exec and can report the
+    # parent's peak instead.
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

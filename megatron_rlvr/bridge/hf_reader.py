@@ -1,30 +1,72 @@
 """Reading HF safetensors checkpoints (one file, or shards with ``model.safetensors.index.json``) slice by slice.
 
-Only the requested rows/columns are read; at most one file is open (memory-mapped) at a time, so resident memory
-stays near the tensors being converted, not the checkpoint. Every failure names the file and tensor.
+The safetensors header is parsed here and data is read with plain file reads of exactly the bytes needed (no
+memory map: a mapped file's touched pages count as resident memory until it is closed, which would make a
+converter's footprint grow with the file). A dim-0 slice is one contiguous read; other slices read the whole
+tensor. Every failure names the file and tensor.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
 
 class HFCheckpointError(ValueError):
     """An HF checkpoint is missing a file or tensor, is truncated, or holds a tensor of the wrong shape."""
 
 
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(header entries by tensor name, byte offset of the data section); checks the file holds all the data."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise HFCheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > size - 8:
+                raise HFCheckpointError(f"{path}: truncated safetensors file (header of {header_len} B, file {size} B)")
+            header = json.loads(f.read(header_len))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFCheckpointError(f"{path}: cannot read safetensors header: {e}") from e
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    for name, entry in header.items():
+        if entry.get("dtype") not in DTYPES:
+            raise HFCheckpointError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
+        end = entry["data_offsets"][1]
+        if data_start + end > size:
+            raise HFCheckpointError(
+                f"{path}: truncated safetensors file: tensor {name} ends at byte {data_start + end}, file has {size}"
+            )
+    return header, data_start
+
+
 class HFCheckpointReader:
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
-        self._open_file: str | None = None
-        self._handle = None
+        self._headers: dict[str, tuple[dict[str, Any], int]] = {}
         self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
@@ -47,23 +89,22 @@ class HFCheckpointReader:
             raise HFCheckpointError(f"{self.dir}: no {INDEX_NAME} and no *.safetensors file")
         if len(files) > 1:
             raise HFCheckpointError(f"{self.dir}: {len(files)} safetensors files but no {INDEX_NAME} to say which is which")
-        return {name: files[0].name for name in self._open(files[0].name).keys()}
+        return {name: files[0].name for name in self._header(files[0].name)[0]}
 
-    def _open(self, file: str):
-        if self._open_file != file:
-            self.close()
-            from safetensors import safe_open
+    def _header(self, file: str) -> tuple[dict[str, Any], int]:
+        if file not in self._headers:
+            self._headers[file] = read_header(self.dir / file)
+        return self._headers[file]
 
-            path = self.dir / file
-            try:
-                self._handle = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-                raise HFCheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from e
-            self._open_file = file
-        return self._handle
+    def _entry(self, name: str) -> tuple[Path, dict[str, Any], int]:
+        file = self.file_of(name)
+        header, data_start = self._header(file.name)
+        if name not in header:
+            raise HFCheckpointError(f"{file}: tensor {name} (listed in {INDEX_NAME}) is not in the file")
+        return file, header[name], data_start
 
     def close(self) -> None:
-        self._handle, self._open_file = None, None
+        self._headers.clear()
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -74,13 +115,10 @@ class HFCheckpointReader:
         return self.dir / self.weight_map[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        file = self.file_of(name)
-        try:
-            return tuple(self._open(file.name).get_slice(name).get_shape())
-        except HFCheckpointError:
-            raise
-        except Exception as e:
-            raise HFCheckpointError(f"{file}: cannot read tensor {name}: {e}") from e
+        return tuple(self._entry(name)[1]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self._entry(name)[1]["dtype"]]
 
     def check_shapes(self, expected: Mapping[str, tuple[int, ...]]) -> None:
         """Every tensor present with the expected shape (header reads only), before anything is converted."""
@@ -92,18 +130,30 @@ class HFCheckpointReader:
                 )
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
-        """The tensor, or its ``[start, stop)`` slice along ``dim``; data is checked to be fully present."""
-        file = self.file_of(name)
-        try:
-            if dim is None:
-                return self._open(file.name).get_tensor(name)
-            sl = self._open(file.name).get_slice(name)
-            index = tuple([slice(None)] * dim + [slice(start, stop)])
-            return sl[index].contiguous()
-        except HFCheckpointError:
-            raise
-        except Exception as e:
-            raise HFCheckpointError(f"{file}: cannot read tensor {name}: {e}") from e
+        """The tensor, or its ``[start, stop)`` slice along ``dim``."""
+        file, entry, data_start = self._entry(name)
+        shape, dtype = list(entry["shape"]), DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        if dim not in (None, 0):
+            if not 0 <= start <= stop <= shape[dim]:
+                raise HFCheckpointError(f"{file}: tensor {name}: slice [{start}, {stop}) of dim {dim} out of {shape}")
+            return self.read(name).narrow(dim, start, stop - start).contiguous()
+        if dim == 0:
+            if not 0 <= start <= stop <= shape[0]:
+                raise HFCheckpointError(f"{file}: tensor {name}: rows [{start}, {stop}) out of {shape}")
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            begin, end = begin + start * row_bytes, begin + stop * row_bytes
+            shape[0] = stop - start
+        out = torch.empty(shape, dtype=dtype)
+        buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
+        if buf is not None:
+            if buf.nbytes != end - begin:
+                raise HFCheckpointError(f"{file}: tensor {name}: {end - begin} B of data for shape {shape} {dtype}")
+            with open(file, "rb") as f:
+                f.seek(data_start + begin)
+                if f.readinto(buf) != buf.nbytes:
+                    raise HFCheckpointError(f"{file}: truncated while reading tensor {name}")
+        return out
 
     def names(self) -> Iterable[str]:
         return self.weight_map.keys()

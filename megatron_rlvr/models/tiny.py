@@ -108,3 +108,42 @@ def byte_level_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=EOS_TOKEN)
+
+
+@torch.no_grad()
+def write_random_hf_checkpoint(
+    arch: str,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int = 2 * 10**9,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """A random HF checkpoint of any size written one tensor at a time (never the whole model in memory), for
+    benchmarks and memory tests of conversion and weight sync. Loads with ``AutoModelForCausalLM``."""
+    from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes, mapping_table
+    from megatron_rlvr.bridge.safetensors_writer import plan_shards, write_sharded
+
+    cfg = make_tiny_hf_config(arch, **overrides)
+    cfg.dtype = dtype
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(out)
+    hf = cfg.to_dict()
+    hf["architectures"] = list(cfg.architectures)
+    dims = ModelDims.from_hf(hf)
+    specs = [
+        (name, tuple(shape), dtype)
+        for m in mapping_table(dims)
+        if not (m.megatron == "output_layer.weight" and dims.tied)
+        for name, shape in zip(m.hf, hf_shapes(m, dims))
+    ]
+    gen = torch.Generator().manual_seed(seed)
+
+    def tensors():
+        for name, shape, _ in specs:
+            t = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.1 if name.endswith("norm.weight") else 0.02)
+            yield name, (t.add_(1.0) if name.endswith("norm.weight") else t)
+
+    write_sharded(out, plan_shards(specs, max_shard_size), tensors())
+    return out
