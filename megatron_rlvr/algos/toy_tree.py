@@ -28,6 +28,7 @@ import torch
 from megatron_rlvr.algos.advantages import compute_advantages
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.losses import policy_loss
+from megatron_rlvr.ops import vocab_parallel_token_stats
 
 METHODS = ("grpo", "entropy_bonus", "casp")
 MODE_THRESHOLD = 0.01
@@ -73,8 +74,9 @@ class Schedule:
     lr: float = 1.0
 
 
-# Each method's coefficient, chosen once by `sweep` (see its rule) and never per seed. The tree's responses are two
-# tokens long, both forks, so CaSP's per-response entropy quantile is off (tau_q = 0: every token is a fork).
+# Each method's coefficient, chosen once by `sweep` (rule: most rewarding modes kept on the sweep seeds, ties broken
+# by accuracy) and never per seed; `--sweep` reprints that table. CaSP's other knobs stay fixed: top_n = 3,
+# lambda_top1 = 0.5, and tau_q = 0 because the tree's responses are two tokens long and both are forks.
 CHOSEN = {"grpo": {}, "entropy_bonus": {"beta": 0.3}, "casp": {"alpha": 0.6}}
 SWEEP_GRID = {"grpo": [{}], "entropy_bonus": [{"beta": b} for b in (0.03, 0.1, 0.3, 1.0)],
               "casp": [{"alpha": a} for a in (0.1, 0.3, 0.6, 0.9)]}
@@ -91,8 +93,6 @@ def method_config(method: str, coefficients: dict[str, float]) -> AlgoConfig:
 
 def train(tree: Tree, schedule: Schedule, cfg: AlgoConfig, seed: int) -> torch.Tensor:
     """Train the tabular policy; returns the final logits [num_nodes, branching]."""
-    from megatron_rlvr.ops import vocab_parallel_token_stats  # heavy-ish import only when training
-
     generator = torch.Generator().manual_seed(seed)
     logits_table = tree.initial_logits().to(torch.float32).requires_grad_(True)
     rewarding = tree.rewarding()
@@ -124,7 +124,9 @@ def evaluate(tree: Tree, logits: torch.Tensor) -> dict[str, float]:
             "entropy": float(entropy)}
 
 
-def run_methods(tree: Tree, schedule: Schedule, coefficients: dict[str, dict[str, float]], seeds: tuple[int, ...]):
+def run_methods(
+    tree: Tree, schedule: Schedule, coefficients: dict[str, dict[str, float]], seeds: tuple[int, ...]
+) -> tuple[dict[str, list[dict]], dict[tuple[str, int], torch.Tensor]]:
     """{method: [{"seed", "accuracy", "modes", "entropy"}, ...]} and the final logits per (method, seed)."""
     results: dict[str, list[dict]] = {}
     finals: dict[tuple[str, int], torch.Tensor] = {}
