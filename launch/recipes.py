@@ -25,7 +25,7 @@ def recipe_names() -> list[str]:
 
 
 def find_recipe(name_or_path: str) -> Path:
-    """A recipe by name (`qwen2.5-32b_casp`) or by path; raises ConfigError listing the known names."""
+    """A recipe by name (`qwen2.5-32b_math-l3to5_casp`) or by path; raises ConfigError listing the known names."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path.resolve()
@@ -90,6 +90,25 @@ def resolved_yaml(path: Path, cfg: Config, overrides: list[str]) -> str:
     return header + dump_config(cfg)
 
 
+PATH_KEYS = ("model.hf_dir", "model.load", "data.path", "trainer.output_dir", "eval.data_dir", "eval.output_dir")
+
+
+def unmounted_paths(cfg: Config, mounts: list[str]) -> list[str]:
+    """Absolute paths of the config that no container mount provides (`key=path` strings).
+
+    Found before submission, a forgotten `--mount` costs a warning instead of a queue wait and a failed job.
+    """
+    targets = [m.split(":")[1].rstrip("/") for m in mounts if m.count(":") >= 1]
+    missing = []
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if isinstance(value, str) and value.startswith("/"):
+            if not any(value == t or value.startswith(t + "/") for t in targets):
+                missing.append(f"{key}={value}")
+    return missing
+
+
 def job_name(subcommand: str, recipe_path: Path) -> str:
     return f"{subcommand}_{recipe_path.stem}".replace(".", "_")
 
@@ -113,9 +132,12 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
     try:
         opts = options_from_args(args)
         path, cfg = load_and_validate(args.recipe, args.overrides, world_size=opts.world_size)
-    except (LaunchError, ConfigError) as e:
+    except (LaunchError, ValueError) as e:  # ConfigError, and range errors from section __post_init__
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if opts.executor == "slurm_h200":
+        for item in unmounted_paths(cfg, opts.mounts):
+            print(f"[launch] warning: {item} is under no --mount; the container must provide it", file=sys.stderr)
     shipped = "run_config.yaml"
     cli_args = [subcommand, file_placeholder(shipped)]
     ship = {shipped: resolved_yaml(path, cfg, args.overrides)}

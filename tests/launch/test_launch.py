@@ -41,6 +41,7 @@ def test_slurm_dryrun_writes_the_sbatch_script(tmp_path):
     out = launch("train.py", ["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "--dryrun",
                               "algo.alpha=0.01", "trainer.steps=7"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "warning: model.hf_dir" not in out.stderr and "warning: data.path=/data/" in out.stderr
     path = sbatch_file(out.stdout)
     script = path.read_text()
     assert script in out.stdout, "the dry run prints the script it wrote"
@@ -85,6 +86,7 @@ def test_slurm_options_come_from_the_environment_too(tmp_path):
           "--nodes", "4"], "--account"),
         (["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--account", "a", "--nodes", "4"],
          "--container-image"),
+        (["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "rollout.top_p=2"], "rollout.top_p"),
         (["--recipe", "nope"], "known recipes"),
     ],
 )
@@ -179,3 +181,4 @@ def test_the_bare_readme_dryrun_prints_an_sbatch_script_with_placeholders(tmp_pa
     assert "#SBATCH --account=YOUR_ACCOUNT" in out.stdout and "--container-image YOUR_CONTAINER_IMAGE" in out.stdout
     assert "--nnodes 4 --nproc-per-node 8" in out.stdout
     assert "--account not given, shown as YOUR_ACCOUNT" in out.stderr
+    assert "warning: model.hf_dir=/models/Qwen2.5-32B is under no --mount" in out.stderr
