@@ -285,7 +285,7 @@ def run_task(
     ship: dict[str, str] | None = None,
     module: str = CLI_MODULE,
 ) -> int:
-    """Run `python -m <module> <cli_args>` (normally `megatron_rlvr.cli`) under torchrun on the chosen executor; 0 = success.
+    """Run `python -m <module> <cli_args>` (normally megatron_rlvr.cli) under torchrun; 0 = success.
 
     `ship` maps file names to contents the job needs (the resolved run config); an argument
     `file_placeholder(name)` in `cli_args` becomes that file's path as the ranks see it. On Slurm the files travel
@@ -344,6 +344,7 @@ def exit_status(exp: Any, detached: bool = False) -> int:
         if not ok:
             failed.append(f"{job.id}: {state}")
     if failed:
-        print(f"[launch] task failed: {'; '.join(failed)} (logs: {exp._exp_dir})", file=sys.stderr)
+        logs = exp.jobs[0].executor.job_dir if exp.jobs else "?"
+        print(f"[launch] task failed: {'; '.join(failed)} (logs: {logs})", file=sys.stderr)
         return 1
     return 0

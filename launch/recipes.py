@@ -125,7 +125,8 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
     from launch.executors import LaunchError, add_launch_arguments, file_placeholder, options_from_args, run_task
 
     parser = argparse.ArgumentParser(prog=f"launch/{subcommand}.py", description=description)
-    parser.add_argument("--recipe", required=True, help=f"name in configs/ or a YAML path; known: {', '.join(recipe_names())}")
+    parser.add_argument("--recipe", required=True,
+                        help=f"name in configs/ or a YAML path; known: {', '.join(recipe_names())}")
     add_launch_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. algo.alpha=0.05")
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """Launch RLVR training of a recipe through nemo-run (local torchrun, or Slurm H200 nodes).
 
-    python launch/train.py --recipe qwen2.5-32b_math-l3to5_casp --executor slurm_h200 --nodes 4 [--dryrun] [key=value ...]
+    python launch/train.py --recipe qwen2.5-32b_math-l3to5_casp --executor slurm_h200 --nodes 4 [--dryrun] \
+        [key=value ...]
 """
 
 import sys

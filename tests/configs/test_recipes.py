@@ -72,7 +72,8 @@ def test_casp_recipes_use_the_papers_candidate_count(name):
 
 
 def test_eval_recipes_use_the_papers_sample_counts():
-    counts = {n: load_and_validate(n, [], world_size=None)[1].eval.n_samples for n in PAPER_RECIPES if n.startswith("eval_")}
+    evals = [n for n in PAPER_RECIPES if n.startswith("eval_")]
+    counts = {n: load_and_validate(n, [], world_size=None)[1].eval.n_samples for n in evals}
     assert counts["eval_qwen2.5-32b_math"] == 128
     assert counts["eval_k1024_qwen2.5-math-7b"] == 1024
     others = {n: c for n, c in counts.items() if n not in ("eval_qwen2.5-32b_math", "eval_k1024_qwen2.5-math-7b")}

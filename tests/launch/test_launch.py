@@ -107,7 +107,8 @@ def test_convert_dryrun_starts_the_convert_subcommand(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     script = sbatch_file(out.stdout).read_text()
     assert "--nnodes 1 --nproc-per-node 1" in script
-    assert "-m megatron_rlvr.cli convert hf-to-mcore --hf-dir /models/Qwen2.5-32B --out /models/Qwen2.5-32B-mcore" in script
+    expected = "-m megatron_rlvr.cli convert hf-to-mcore --hf-dir /models/Qwen2.5-32B --out /models/Qwen2.5-32B-mcore"
+    assert expected in script
 
 
 def test_local_eval_dryrun_ships_the_resolved_config(tmp_path):
