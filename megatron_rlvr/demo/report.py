@@ -1,0 +1,163 @@
+"""The demo's report folder: report.md (pass@k table, distinct correct answers per prompt), results.json and PNGs.
+
+Inputs are plain data, so the demo command (or anyone) can call it after training and evaluation:
+
+    write_report("outputs/demo/report",
+                 samples={"base": base_results, "trained": trained_results},   # [{prompt_id, sample, response, reward}]
+                 metrics={"casp": "outputs/demo/metrics.jsonl"})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from megatron_rlvr.eval import pass_at_k
+from megatron_rlvr.monitor import plots
+from megatron_rlvr.monitor.sinks import HISTOGRAMS_FILE, read_metrics
+
+SAMPLE_KEYS = ("prompt_id", "sample", "response", "reward")
+
+
+def answer_key(response: str) -> str:
+    """What makes two answers the same: the first line without whitespace."""
+    return "".join(response.split("\n", 1)[0].split())
+
+
+def per_prompt(samples: Sequence[Mapping[str, Any]], label: str = "samples") -> dict[str, dict[str, Any]]:
+    """prompt_id -> {n, correct, distinct_correct, distinct}; each sample must hold SAMPLE_KEYS."""
+    groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        missing = [k for k in SAMPLE_KEYS if k not in s]
+        if missing:
+            raise ValueError(f"{label}[{i}]: missing {', '.join(missing)}; each sample needs {', '.join(SAMPLE_KEYS)}")
+        groups[str(s["prompt_id"])].append(s)
+    out = {}
+    for pid, group in groups.items():
+        correct = [s for s in group if float(s["reward"]) > 0.5]
+        out[pid] = {
+            "n": len(group),
+            "correct": len(correct),
+            "distinct_correct": len({answer_key(s["response"]) for s in correct}),
+            "distinct": len({answer_key(s["response"]) for s in group}),
+        }
+    return out
+
+
+def k_values(n: int) -> list[int]:
+    """1, 2, 4, ... up to n (n itself last when it is not a power of two)."""
+    ks = [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
+    return ks if ks[-1] == n else ks + [n]
+
+
+def pass_at_k_curve(stats: Mapping[str, Mapping[str, Any]], ks: Sequence[int]) -> dict[int, float]:
+    n = np.array([s["n"] for s in stats.values()])
+    c = np.array([s["correct"] for s in stats.values()])
+    return {k: float(np.mean(pass_at_k(n, c, np.full_like(n, k)))) for k in ks}
+
+
+def summarize(samples: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """Per model: the pass@k curve over the common k values, distinct-answer counts, and the per-prompt rows."""
+    if not samples:
+        raise ValueError("write_report: no sample sets given")
+    stats = {label: per_prompt(rows, label) for label, rows in samples.items()}
+    for label, per in stats.items():
+        if not per:
+            raise ValueError(f"write_report: sample set {label!r} is empty")
+    n_min = min(s["n"] for per in stats.values() for s in per.values())
+    ks = k_values(n_min)
+    models = {}
+    for label, per in stats.items():
+        models[label] = {
+            "prompts": len(per),
+            "samples_per_prompt": n_min,
+            "pass_at_k": pass_at_k_curve(per, ks),
+            "mean_distinct_correct": float(np.mean([s["distinct_correct"] for s in per.values()])),
+            "mean_distinct": float(np.mean([s["distinct"] for s in per.values()])),
+            "per_prompt": per,
+        }
+    return {"ks": ks, "models": models}
+
+
+def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: Sequence[str]) -> str:
+    ks, models = summary["ks"], summary["models"]
+    lines = [f"# {title}", ""]
+    lines += [f"- {note}" for note in notes]
+    if notes:
+        lines.append("")
+    lines += ["## pass@k", "", "| model | prompts | n | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+              "|---|---|---|" + "---|" * len(ks)]
+    for label, m in models.items():
+        cells = " | ".join(f"{100 * m['pass_at_k'][k]:.1f}" for k in ks)
+        lines.append(f"| {label} | {m['prompts']} | {m['samples_per_prompt']} | {cells} |")
+    lines += ["", "pass@k in percent: the unbiased estimator 1 - C(n-c, k)/C(n, k), averaged over prompts.", ""]
+    lines += ["## Distinct answers per prompt", "",
+              "| model | mean distinct correct answers | mean distinct answers |", "|---|---|---|"]
+    for label, m in models.items():
+        lines.append(f"| {label} | {m['mean_distinct_correct']:.2f} | {m['mean_distinct']:.2f} |")
+    labels = list(models)
+    prompt_ids = sorted({pid for m in models.values() for pid in m["per_prompt"]})
+    lines += ["", "Per prompt: correct samples / distinct correct answers.", "",
+              "| prompt | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for pid in prompt_ids:
+        cells = []
+        for label in labels:
+            s = models[label]["per_prompt"].get(pid)
+            cells.append(f"{s['correct']}/{s['n']} · {s['distinct_correct']}" if s else "-")
+        lines.append(f"| {pid} | " + " | ".join(cells) + " |")
+    if figures:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in figures]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(
+    out_dir: str | os.PathLike,
+    samples: Mapping[str, Sequence[Mapping[str, Any]]],
+    metrics: Mapping[str, str | os.PathLike] | str | os.PathLike | None = None,
+    title: str = "megatron-rlvr demo: countdown",
+    notes: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Write report.md, results.json and the plots into ``out_dir``; return the summary (with ``files``).
+
+    ``samples``: model label -> per-sample results; ``metrics``: run label -> metrics.jsonl path (a bare path is
+    labelled "train"); a histograms.jsonl beside a metrics file is plotted too.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(samples)
+    if metrics is not None and not isinstance(metrics, Mapping):
+        metrics = {"train": metrics}
+    runs, hists = {}, []
+    for label, path in (metrics or {}).items():
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"write_report: metrics file {path} (run {label!r}) not found")
+        runs[label] = read_metrics(path)
+        hist_path = path.parent / HISTOGRAMS_FILE
+        if hist_path.is_file():
+            hists += [dict(h, label=f"{label}: {h.get('name', 'entropy')} @ step {h.get('step')}")
+                      for h in read_metrics(hist_path)]
+    curves = {label: m["pass_at_k"] for label, m in summary["models"].items()}
+    figures = [
+        plots.plot_pass_at_k(curves, out / "pass_at_k.png"),
+        plots.plot_runs(runs, "reward", "mean reward", out / "reward.png") if runs else None,
+        plots.plot_rank_probs(runs, out / "rank_probs.png") if runs else None,
+        plots.plot_entropy(runs, out / "entropy.png") if runs else None,
+        plots.plot_entropy_histograms(hists, out / "entropy_hist.png"),
+    ]
+    figures = [f for f in figures if f is not None]
+    (out / "report.md").write_text(_markdown(summary, figures, title, notes))
+    results = {
+        "ks": summary["ks"],
+        "models": {label: {k: v for k, v in m.items() if k != "per_prompt"} for label, m in summary["models"].items()},
+        "per_prompt": {label: m["per_prompt"] for label, m in summary["models"].items()},
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    summary["files"] = [out / "report.md", out / "results.json"] + figures
+    return summary
