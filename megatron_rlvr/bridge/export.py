@@ -172,8 +172,9 @@ def export_hf_weights(
     """Buckets of ``(hf_name, full tensor)`` in HF layout, vocab padding stripped, yielded on every rank of the
     model-parallel group. A bucket exceeds ``bucket_bytes`` only when it is one tensor larger than that.
 
-    ``include_lm_head``: always send ``lm_head.weight``, also for tied embeddings (an engine keeps its own copy);
-    pass False to write an HF checkpoint, where a tied model has no lm_head. ``dtype``: cast (e.g. bf16 engine).
+    ``include_lm_head``: for tied embeddings, also send ``lm_head.weight`` (= the embedding; an engine keeps its own
+    copy and would otherwise keep a stale output layer). Pass False to write an HF checkpoint, where a tied model
+    has no lm_head. Untied models always send their own lm_head. ``dtype``: cast (e.g. for a bf16 engine).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -183,8 +184,8 @@ def export_hf_weights(
     def stream():
         for pe in plan.entries:
             m = pe.mapping
-            if m.megatron == "output_layer.weight" and (plan.dims.tied or not include_lm_head):
-                continue
+            if m.megatron == "output_layer.weight" and plan.dims.tied:
+                continue  # sent as a copy of the embedding below (the master copy, whatever the PP layout)
             names, shapes = list(m.hf), [tuple(s) for s in hf_shapes(m, plan.dims)]
             tensors = _broadcast_from_owner(
                 pe, plan, pp_group, lambda: _gathered_hf(pe, by_name[m.megatron], plan, tp_group), shapes, names
@@ -223,8 +224,8 @@ def export_local_shards(
     def stream():
         for pe in plan.entries:
             m = pe.mapping
-            if m.megatron == "output_layer.weight" and (dims.tied or not include_lm_head):
-                continue
+            if m.megatron == "output_layer.weight" and dims.tied:
+                continue  # sent as a copy of the embedding's shard below
             if len(plan.pp_ranks) == 1 or plan.pp_rank == pe.owner_stage:
                 shard = by_name[m.megatron].detach().clone()
             else:

@@ -147,6 +147,4 @@ def build_gpt_model(
         rope_scaling_factor=float(rope["factor"]) if llama3 else 8.0,
         vp_stage=vp_stage,
     )
-    # What the bridge needs to map this chunk to HF names without re-reading the config.
-    model.hf_vocab_size = int(hf["vocab_size"])
     return model
