@@ -113,11 +113,32 @@ def job_name(subcommand: str, recipe_path: Path) -> str:
     return f"{subcommand}_{recipe_path.stem}".replace(".", "_")
 
 
+def eval_cli_args(cfg: Config) -> list[str]:
+    """`megatron-rlvr eval` takes flags, not a config file: the recipe's eval, rollout and reward knobs as flags."""
+    e = cfg.eval
+    if not e.benchmarks:
+        raise ConfigError("eval.benchmarks: empty; name at least one benchmark, e.g. eval.benchmarks=[math500]")
+    args = ["eval", "--model", cfg.model.hf_dir, "--benchmarks", *e.benchmarks, "--data-dir", e.data_dir,
+            "--n", str(e.n_samples), "--chunk", str(e.chunk), "--out", e.output_dir,
+            "--temperature", str(e.temperature), "--top-p", str(e.top_p), "--max-new-tokens", str(e.max_new_tokens),
+            "--seed", str(e.seed), "--limit", str(e.limit), "--max-model-len", str(cfg.rollout.max_model_len),
+            "--tp", str(cfg.rollout.tp), "--workers", str(cfg.reward.workers)]
+    if e.stop:
+        args += ["--stop", *e.stop]
+    if e.chat_template:
+        args.append("--chat-template")
+    if not e.save_text:
+        args.append("--no-text")
+    return args
+
+
 def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -> int:
-    """The whole of `launch/train.py` and `launch/eval.py`: parse, validate, ship the resolved config, run.
+    """The whole of `launch/train.py` and `launch/eval.py`: parse, validate, run.
 
     Overrides are validated here, through `load_config` and `Config.validate` with the job's world size, because
-    nemo-run would accept a bad one and fail only on the cluster.
+    nemo-run would accept a bad one and fail only on the cluster. Training gets the resolved config as a file
+    shipped with the job; evaluation gets it as `megatron-rlvr eval` flags, on one node with one process per GPU of
+    its single vLLM engine (vLLM's external launcher: world size = rollout.tp).
     """
     import argparse
     import sys
@@ -131,15 +152,23 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. algo.alpha=0.05")
     args = parser.parse_args(argv)
     try:
+        if subcommand == "eval":
+            cfg = load_config(find_recipe(args.recipe), args.overrides)
+            if args.nproc_per_node is None:
+                args.nproc_per_node = cfg.rollout.tp if args.executor == "slurm_h200" else 1
+            if args.nodes != 1:
+                raise LaunchError(f"--nodes {args.nodes}: megatron-rlvr eval runs one vLLM engine; use --nodes 1")
         opts = options_from_args(args)
         path, cfg = load_and_validate(args.recipe, args.overrides, world_size=opts.world_size)
+        if subcommand == "eval" and opts.executor == "slurm_h200" and opts.world_size != cfg.rollout.tp:
+            raise LaunchError(f"--nproc-per-node {opts.procs_per_node}: the eval engine's ranks are its "
+                              f"rollout.tp={cfg.rollout.tp} GPUs; give --nproc-per-node {cfg.rollout.tp}")
+        cli_args = eval_cli_args(cfg) if subcommand == "eval" else [subcommand, file_placeholder("run_config.yaml")]
     except (LaunchError, ValueError) as e:  # ConfigError, and range errors from section __post_init__
         print(f"error: {e}", file=sys.stderr)
         return 2
     if opts.executor == "slurm_h200":
         for item in unmounted_paths(cfg, opts.mounts):
             print(f"[launch] warning: {item} is under no --mount; the container must provide it", file=sys.stderr)
-    shipped = "run_config.yaml"
-    cli_args = [subcommand, file_placeholder(shipped)]
-    ship = {shipped: resolved_yaml(path, cfg, args.overrides)}
+    ship = {} if subcommand == "eval" else {"run_config.yaml": resolved_yaml(path, cfg, args.overrides)}
     return run_task(job_name(subcommand, path), cli_args, opts, ship=ship)

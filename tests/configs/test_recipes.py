@@ -29,8 +29,11 @@ KNOWN_SIZES = {
 
 
 def documented_world_size(name: str) -> int:
-    """The world size of the launch command in the recipe's header: --nodes N x 8 H200s, or local processes."""
+    """The world size of the launch command in the recipe's header: --nodes N x 8 H200s, or local processes.
+    Evaluation runs one vLLM engine: its rollout.tp ranks on a cluster, one process on CPU."""
     text = find_recipe(name).read_text()
+    if name.startswith("eval_"):
+        return 1 if name in CPU_RECIPES else load_and_validate(name, [], world_size=None)[1].rollout.tp
     nodes = re.search(r"--executor slurm_h200 --nodes (\d+)", text)
     if nodes:
         return int(nodes.group(1)) * 8
@@ -153,3 +156,13 @@ def test_every_kept_model_config_is_referenced_by_a_recipe():
     used = {load_hf_config_of(n)["_name"] for n in PAPER_RECIPES}
     assert kept == used == set(KNOWN_SIZES)
     assert CONFIGS_DIR.is_dir()
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_benchmarks_are_ones_the_eval_runner_knows(name):
+    from megatron_rlvr.eval.benchmarks import BENCHMARKS
+
+    _, cfg = load_and_validate(name, [], world_size=None)
+    assert set(cfg.eval.benchmarks) <= set(BENCHMARKS), sorted(set(cfg.eval.benchmarks) - set(BENCHMARKS))
+    if name.startswith("eval_"):
+        assert cfg.eval.benchmarks, "an eval recipe names its benchmarks"

@@ -111,13 +111,23 @@ def test_convert_dryrun_starts_the_convert_subcommand(tmp_path):
     assert expected in script
 
 
-def test_local_eval_dryrun_ships_the_resolved_config(tmp_path):
-    out = launch("eval.py", ["--recipe", "eval_cpu", "--nproc-per-node", "1", "--dryrun"], tmp_path)
+def test_k1024_eval_dryrun_runs_one_engine_with_the_recipes_flags(tmp_path):
+    out = launch("eval.py", ["--recipe", "eval_k1024_qwen2.5-math-7b", *SLURM, "--dryrun",
+                             "model.hf_dir=/results/casp_hf"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    line = out.stdout.strip().splitlines()[-1]
-    assert line.startswith("torchrun --nnodes 1 --nproc-per-node 1 -m megatron_rlvr.cli eval "), line
-    shipped = Path(line.split()[-1])
-    assert yaml.safe_load(shipped.read_text())["eval"]["n_samples"] == 64
+    script = sbatch_file(out.stdout).read_text()
+    assert "#SBATCH --nodes=1" in script and "--nnodes 1 --nproc-per-node 4" in script  # the engine's TP=4 ranks
+    srun = next(l for l in script.splitlines() if l.startswith("srun ") and "torchrun" in l)
+    command = srun[srun.index("-m megatron_rlvr.cli eval "):]
+    for flags in ("--model /results/casp_hf", "--benchmarks aime24 aime25 amc23", "--n 1024",
+                  "--out /results/eval/eval_k1024_qwen2.5-math-7b", "--temperature 0.6", "--top-p 0.95",
+                  "--max-new-tokens 3072", "--max-model-len 4096", "--tp 4"):
+        assert f" {flags} " in f"{command} ", flags
+
+
+def test_eval_refuses_more_than_one_node(capsys):
+    assert recipe_job_main("eval", ["--recipe", "eval_k1024_qwen2.5-math-7b", *SLURM, "--nodes", "2"], "") == 2
+    assert "megatron-rlvr eval runs one vLLM engine; use --nodes 1" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------
