@@ -34,12 +34,12 @@ def _hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
         return {n: reader.read(n) for n in reader.names()}
 
 
-def _export_worker(hf_dir: str, tp: int, pp: int, bucket_bytes: int):
+def _export_worker(hf_dir: str, tp: int, pp: int, bucket_bytes: int, vpp: int | None = None):
     from megatron_rlvr import distributed
     from megatron_rlvr.bridge import export, export_hf_weights
 
     try:
-        hf, chunks = build_chunks(hf_dir, tp, pp)
+        hf, chunks = build_chunks(hf_dir, tp, pp, vpp=vpp)
         builds = export.PLAN_BUILDS
         first = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes)]
         second = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes)]
@@ -82,6 +82,13 @@ def test_gathered_export_is_exact(workers2, tiny_models, arch, tp, pp):
     _check_export(results, tiny_models[arch], BUCKET_BYTES)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gathered_export_is_exact_with_virtual_pipeline(workers2, tiny_models, arch):
+    # PP=2 x VPP=2 over 4 layers: each rank holds two non-adjacent one-layer chunks
+    results = workers2.run(_export_worker, tiny_models[arch], 1, 2, BUCKET_BYTES, 2)
+    _check_export(results, tiny_models[arch], BUCKET_BYTES)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_gathered_export_is_exact_tp2_pp2(workers4, tiny_models, arch):
@@ -103,16 +110,21 @@ def _local_shards_worker(hf_dir: str, tp: int, pp: int):
         distributed.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_local_shards_reassemble_to_hf(workers2, tiny_models, arch):
-    reference = _hf_state_dict(tiny_models[arch])
+def _check_local_shards(results, hf_dir: str) -> None:
+    """Every rank with TP rank r holds shard r of every HF tensor; shards 0 and 1 concatenate to the HF tensor."""
+    reference = _hf_state_dict(hf_dir)
     if "lm_head.weight" not in reference:
         reference["lm_head.weight"] = reference["model.embed_tokens.weight"]
-    results = workers2.run(_local_shards_worker, tiny_models[arch], 2, 1)
-    assert sorted(r for r, _ in results) == [0, 1]
+    by_tp_rank = {}
+    for tp_rank, shards in results:
+        names = {s.name: s for s in shards}
+        assert sorted(names) == sorted(reference), f"TP rank {tp_rank}: names differ"
+        if tp_rank in by_tp_rank:  # another pipeline stage of the same TP rank: identical shards
+            assert all(torch.equal(names[n].tensor, by_tp_rank[tp_rank][n].tensor) for n in names)
+        by_tp_rank[tp_rank] = names
+    assert sorted(by_tp_rank) == [0, 1]
     for name, full in reference.items():
-        pieces = sorted(((r, s) for r, shards in results for s in shards if s.name == name), key=lambda x: x[0])
-        assert [r for r, _ in pieces] == [0, 1], f"{name}: shards from ranks {[r for r, _ in pieces]}"
+        pieces = [(r, by_tp_rank[r][name]) for r in (0, 1)]
         for _, s in pieces:
             assert s.full_shape == tuple(full.shape), name
         if pieces[0][1].dim is None:
@@ -121,6 +133,17 @@ def test_local_shards_reassemble_to_hf(workers2, tiny_models, arch):
         dim = pieces[0][1].dim
         assert [(s.start, s.stop) for _, s in pieces] == [(0, pieces[0][1].stop), (pieces[0][1].stop, full.shape[dim])]
         assert torch.equal(torch.cat([s.tensor for _, s in pieces], dim=dim), full), f"{name}: shards differ"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_local_shards_reassemble_to_hf(workers2, tiny_models, arch):
+    _check_local_shards(workers2.run(_local_shards_worker, tiny_models[arch], 2, 1), tiny_models[arch])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_local_shards_reassemble_to_hf_tp2_pp2(workers4, tiny_models, arch):
+    _check_local_shards(workers4.run(_local_shards_worker, tiny_models[arch], 2, 2), tiny_models[arch])
 
 
 def _broken_worker(hf_dir: str, how: str):

@@ -8,26 +8,32 @@ import torch
 import torch.distributed as dist
 
 
-def build_chunks(hf_dir: str, tp: int, pp: int, seed: int = 1234, load: bool = True):
-    """initialize_model_parallel(tp, pp) and this rank's model chunk (HF weights loaded when ``load``)."""
-    from megatron.core import parallel_state
+def build_chunks(hf_dir: str, tp: int, pp: int, seed: int = 1234, load: bool = True, vpp: int | None = None):
+    """initialize_model_parallel(tp, pp, vpp) and this rank's model chunks (HF weights loaded when ``load``)."""
+    from megatron.core import parallel_state as ps
 
     from megatron_rlvr import distributed
     from megatron_rlvr.bridge import load_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
 
-    distributed.initialize_model_parallel(tp=tp, pp=pp, seed=seed)
+    distributed.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed)
     hf = load_hf_config(hf_dir)
-    tcfg = transformer_config_from_hf(hf, tp=tp, pp=pp)
-    model = build_gpt_model(
-        hf,
-        tcfg,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    )
+    tcfg = transformer_config_from_hf(hf, tp=tp, pp=pp, vpp=vpp)
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        chunks.append(
+            build_gpt_model(
+                hf,
+                tcfg,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage,
+            )
+        )
     if load:
-        load_hf_weights([model], hf_dir)
-    return hf, [model]
+        load_hf_weights(chunks, hf_dir)
+    return hf, chunks
 
 
 @torch.no_grad()
