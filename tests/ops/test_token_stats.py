@@ -209,3 +209,47 @@ def test_cuda_gradcheck_and_empty():
     empty = vocab_parallel_token_stats(torch.zeros(0, 7, device="cuda"), torch.zeros(0, dtype=torch.long,
                                        device="cuda"), 2, implementation="cuda")
     assert empty.topn_ids.shape == (0, 2)
+
+
+def test_inplace_backward_fails_loudly_when_another_node_saved_the_logits():
+    leaf = make_case(4, 30, 30, torch.float32, seed=12).logits.requires_grad_()
+    logits = torch.tanh(leaf)  # tanh saves its output for its own backward
+    stats = vocab_parallel_token_stats(logits, torch.tensor([1, 2, 3, 4]), 2, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stats.logp.sum().backward()
+
+
+_ISA_SCRIPT = """
+import json, torch
+from tests.ops.cases import compare_to_oracle, make_case
+from megatron_rlvr.ops import backends
+out = {"isa": backends.extension().cpu_isa(), "results": []}
+for dtype in (torch.float32, torch.bfloat16):
+    for ties in (False, True):
+        case = make_case(7, 2100, 2090, dtype, seed=13, ties=ties)
+        out["results"].append((str(dtype), compare_to_oracle(case, 3, temperature=0.9, implementation="cpp")))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(backends.extension() is None, reason="needs megatron_rlvr._C")
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_every_cpu_instruction_set_matches_oracle(isa):
+    """The AVX2 and baseline builds of the row kernels (the default run uses the widest the CPU has)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MEGATRON_RLVR_CPU_ISA": isa, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if out["isa"] != isa and isa == "avx2":
+        pytest.skip("this CPU has no AVX2 (the kernels fell back to the baseline build)")
+    assert out["isa"] == isa
+    for dtype_name, result in out["results"]:
+        check(result, getattr(torch, dtype_name.split(".")[-1]))
