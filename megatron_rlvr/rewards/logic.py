@@ -6,7 +6,8 @@ with "So the answer is X."), up to the end of that line, less the sentence's fin
 
 Normalized match (the default) compares both sides after: removing markdown emphasis, surrounding quotes/``$`` and a
 trailing period; lower-casing; collapsing whitespace and dropping it around ``, ; : [ ] ( ) { }``; and reducing a
-multiple-choice letter in any of the forms "(A)", "A)", "A.", "option A" to "a" when the gold is such a letter.
+multiple-choice letter in any of the forms "(A)", "A)", "A.", "option A", also followed by the option's text
+("(A) Monday"), to "a" when the gold is such a letter.
 "True"/"Yes"/"valid" are not conflated with each other: BBH's tasks each use one vocabulary, and the gold names it.
 Exact match compares the extracted answer, stripped, with the gold, stripped.
 """
@@ -18,6 +19,8 @@ import re
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 _ANSWER_IS = re.compile(r"the answer is", re.IGNORECASE)
 _CHOICE = re.compile(r"^(?:option\s+|choice\s+)?\(?([a-z])\)?[.:]?$")
+# an answer that starts with the letter and goes on with the option's text: "(A) Monday", "B. 12 apples"
+_LEADING_CHOICE = re.compile(r"^(?:option\s+|choice\s+)?(?:\(([a-z])\)|([a-z])[.):])(?:\s|$)")
 MAX_LOGIC_ANSWER_CHARS = 4096
 
 
@@ -54,7 +57,10 @@ def normalize_logic_answer(answer: str) -> str:
 
 def _choice_letter(text: str) -> str | None:
     match = _CHOICE.match(text)
-    return match.group(1) if match else None
+    if match:
+        return match.group(1)
+    match = _LEADING_CHOICE.match(text)
+    return (match.group(1) or match.group(2)) if match else None
 
 
 def verify_logic(response: str, gold: str, mode: str = "normalized") -> float:
@@ -73,5 +79,7 @@ def verify_logic(response: str, gold: str, mode: str = "normalized") -> float:
         return 1.0
     gold_letter = _choice_letter(norm_gold)
     if gold_letter is not None:
-        return 1.0 if _choice_letter(norm_answer) == gold_letter else 0.0
+        # read the letter before spaces around brackets are dropped: "(C) 05/01" must not become "(c)05/01"
+        light = re.sub(r"\s+", " ", answer.replace("**", "").strip().strip("`'\"$ ").lower())
+        return 1.0 if gold_letter in (_choice_letter(norm_answer), _choice_letter(light)) else 0.0
     return 0.0

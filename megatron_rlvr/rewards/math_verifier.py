@@ -26,6 +26,7 @@ be equal.
 from __future__ import annotations
 
 import re
+import threading
 
 MAX_ANSWER_CHARS = 512
 MAX_NESTING = 24
@@ -129,6 +130,9 @@ def verify_math(response: str, gold: str) -> float:
     answer = _normalize_plain(answer)
     if not answer or is_pathological(answer):
         return 0.0
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("verify_math: math-verify times out with signal.alarm, so it must run in a process's main "
+                           "thread; score math through RewardPool (worker processes) instead of threads")
     from math_verify import parse, verify  # heavy (sympy): imported by the worker that needs it
 
     gold_text = gold if "\\boxed" in gold else f"${_normalize_plain(gold)}$"

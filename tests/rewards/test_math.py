@@ -106,3 +106,21 @@ def test_pathological_answers_score_zero_without_stalling_the_pool():
         # the pool still works afterwards
         rewards, _ = pool.score_batch(["math", "math"], ["\\boxed{4}", "\\boxed{5}"], ["4", "4"])
         assert rewards == [1.0, 0.0]
+
+
+def test_math_refuses_to_run_in_a_thread():
+    import threading
+
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_catch(lambda: verify_math("\\boxed{1}", "1"))))
+    thread.start()
+    thread.join()
+    assert "main thread" in errors[0]
+
+
+def _catch(fn):
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
