@@ -38,9 +38,9 @@ def write_header(records: torch.Tensor, vocab_start: int, vocab_local: int, n_va
 
 def all_gather_records(records: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The op's only collective: every rank's [T+1, R] records -> [P, T+1, R] in rank order (P = 1 without group)."""
-    if group is None:
+    world = 1 if group is None else dist.get_world_size(group)
+    if world == 1:
         return records.unsqueeze(0)
-    world = dist.get_world_size(group)
     gathered = torch.empty((world,) + tuple(records.shape), dtype=records.dtype, device=records.device)
     dist.all_gather_into_tensor(gathered.view(-1, records.shape[-1]), records, group=group)
     return gathered

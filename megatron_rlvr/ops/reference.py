@@ -40,7 +40,8 @@ def dense_token_stats(
     z = logits[..., :vocab_size].to(accumulate_dtype(logits.dtype)) / temperature
     logprobs = torch.log_softmax(z, dim=-1)
     probs = logprobs.exp()
-    entropy = -torch.where(probs > 0, probs * logprobs, torch.zeros_like(probs)).sum(-1)
+    # p log p -> 0 where p = 0 (masked -inf logits); masking log p, not the product, keeps the gradient finite
+    entropy = -(probs * torch.where(probs > 0, logprobs, torch.zeros_like(logprobs))).sum(-1)
     logp = logprobs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     # A stable descending sort keeps the lower id first among equal values.
     order = torch.sort(z.detach(), dim=-1, descending=True, stable=True).indices[..., :top_n]

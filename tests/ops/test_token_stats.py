@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_rlvr.ops import backends, reference, vocab_parallel_token_stats
-from tests.ops.cases import compare_to_oracle, loss_of, make_case, upstream_grads
+from tests.ops.cases import Case, compare_to_oracle, loss_of, make_case, upstream_grads
 
 IMPLS = ["reference"] + (["cpp"] if backends.extension() is not None else [])
 # fp32: the issue's bound on log-probs and entropy; bf16 inputs are exact in fp32, so the statistics match as well.
@@ -253,3 +253,17 @@ def test_every_cpu_instruction_set_matches_oracle(isa):
     assert out["isa"] == isa
     for dtype_name, result in out["results"]:
         check(result, getattr(torch, dtype_name.split(".")[-1]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_minus_inf_logits(impl, dtype):
+    """-inf logits (masked tokens) have p = 0: finite entropy and gradients, -inf log-probs where sampled."""
+    logits = make_case(6, 2100, 2090, torch.float64, seed=14).logits
+    logits[:, ::3] = -float("inf")
+    logits[0, :2090] = -float("inf")
+    logits[0, [5, 7]] = 1.0  # a row with two live tokens: the other top-N slots hold -inf, ties -> lower ids
+    targets = make_case(6, 2100, 2090, torch.float64, seed=14).targets
+    targets[1] = 3  # a masked token was sampled
+    result = compare_to_oracle(Case(logits.to(dtype), targets, 2090), 4, implementation=impl)
+    check(result, dtype)
