@@ -10,8 +10,9 @@ Layout of a checkpoint directory::
 
 One deviation from megatron's default state dict: vocabulary tensors (``embedding.word_embeddings.weight``, and
 ``output_layer.weight`` when untied) are stored *unpadded*, ``[vocab_size, hidden]``, because the padded row count
-depends on the TP size; ``checkpoint_sharded_state_dict`` / ``load_dist_checkpoint`` handle that, so always save and
-load model weights through them.
+depends on the TP size; ``checkpoint_sharded_state_dict`` / ``save_dist_checkpoint`` write that form.
+``load_dist_checkpoint`` and ``mcore-to-hf`` read both it and megatron's default (rows padded for the saving TP),
+since they only use the first ``vocab_size`` rows.
 
 ``save_lazily`` writes such a checkpoint without holding the model: the model is built on the meta device, and each
 tensor is produced (read from the HF files, re-laid out) only when the writer reaches it.
@@ -55,12 +56,13 @@ def _vocab_sharded_tensor(original, full: torch.Tensor, tp_rank: int):
     return ShardedTensor.from_rank_offsets(original.key, full, replica_id=replica)
 
 
-def checkpoint_sharded_state_dict(model_chunks, hf_vocab_size: int, for_load: bool = False) -> dict[str, Any]:
-    """The sharded state dict to save (or to load into) for these chunks; see the module docstring.
-
-    Saving gathers the vocab shards over TP (one vocab tensor per rank, transiently); loading allocates the
-    unpadded tensor, which ``load_dist_checkpoint`` slices back into this rank's padded shard.
-    """
+def checkpoint_sharded_state_dict(
+    model_chunks, hf_vocab_size: int, load_rows: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """The sharded state dict to save (or, with ``load_rows``, to load into) for these chunks; see the module
+    docstring. Saving gathers the vocab shards over TP (one vocab tensor per rank, transiently); loading allocates
+    the whole stored vocab tensor (``load_rows[key]`` rows), which ``load_dist_checkpoint`` slices into this
+    rank's padded shard."""
     from megatron.core import parallel_state as ps
 
     from megatron_rlvr.bridge.local_params import as_chunks
@@ -74,7 +76,9 @@ def checkpoint_sharded_state_dict(model_chunks, hf_vocab_size: int, for_load: bo
             if name not in VOCAB_KEYS:
                 continue
             local = sh.data
-            if for_load or local.is_meta:
+            if load_rows is not None:
+                full = torch.empty(load_rows[sh.key], local.shape[1], dtype=local.dtype)
+            elif local.is_meta:
                 full = torch.empty(hf_vocab_size, local.shape[1], dtype=local.dtype, device=local.device)
             elif tp == 1:
                 full = local.detach()[:hf_vocab_size]
@@ -103,7 +107,16 @@ def load_dist_checkpoint(model_chunks, hf_vocab_size: int, ckpt_dir: str | Path)
     from megatron_rlvr.bridge.local_params import as_chunks
 
     chunks = as_chunks(model_chunks)
-    request = checkpoint_sharded_state_dict(chunks, hf_vocab_size, for_load=True)
+    stored = DistCheckpointReader(ckpt_dir)
+    load_rows = {}
+    for key in VOCAB_KEYS:
+        if key in stored.keys():
+            load_rows[key] = stored.shape(key)[0]
+            if load_rows[key] < hf_vocab_size:
+                raise ValueError(
+                    f"dist checkpoint {ckpt_dir}: {key} has {load_rows[key]} rows, fewer than vocab_size={hf_vocab_size}"
+                )
+    request = checkpoint_sharded_state_dict(chunks, hf_vocab_size, load_rows=load_rows)
     loaded = dist_checkpointing.load(request, str(ckpt_dir))
     tp_rank = ps.get_tensor_model_parallel_rank()
     for key, chunk in zip(_chunk_keys(len(chunks)), chunks):

@@ -23,10 +23,11 @@ def models(tmp_path_factory):
     return {arch: str(make_tiny_hf_model(arch, root / arch, seed=21)) for arch in ("qwen2", "llama")}
 
 
-def _save_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int):
+def _save_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int, megatron_default: bool = False):
     import os
 
     import torch.distributed as dist
+    from megatron.core import dist_checkpointing
 
     from megatron_rlvr import distributed
     from megatron_rlvr.bridge.dist_ckpt import save_dist_checkpoint
@@ -36,7 +37,10 @@ def _save_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int):
         if dist.get_rank() == 0:
             os.makedirs(ckpt_dir, exist_ok=True)
         dist.barrier()
-        save_dist_checkpoint(chunks, hf["vocab_size"], ckpt_dir)
+        if megatron_default:  # as an actor checkpoint saves it: vocab rows padded for this TP
+            dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, ckpt_dir)
+        else:
+            save_dist_checkpoint(chunks, hf["vocab_size"], ckpt_dir)
     finally:
         distributed.destroy_model_parallel()
 
@@ -103,3 +107,27 @@ def test_tp2_checkpoint_converts_back_bit_exact(workers2, models, tmp_path, arch
         assert sorted(a.names()) == sorted(b.names())
         for name in a.names():
             assert torch.equal(a.read(name), b.read(name)), name
+
+
+def test_megatron_default_padded_checkpoint_loads_and_converts(workers2, models, tmp_path):
+    """An actor checkpoint (megatron's own state dict: 1001 vocab rows padded to 1024 at TP=2) loads at TP=1 and
+    PP=2 and converts to the HF tensors bit-exactly."""
+    from megatron_rlvr.bridge import HFCheckpointReader
+    from megatron_rlvr.bridge.convert import main as convert
+    from megatron_rlvr.bridge.dist_ckpt import DistCheckpointReader
+    from megatron_rlvr.models import load_hf_config
+
+    hf_dir, ckpt = models["qwen2"], str(tmp_path / "ckpt")
+    workers2.run(_save_worker, hf_dir, ckpt, 2, 1, True)
+    assert DistCheckpointReader(ckpt).shape("embedding.word_embeddings.weight") == (1024, 128)
+    vocab = load_hf_config(hf_dir)["vocab_size"]
+    ids = varied_batch(vocab, LENGTHS, seed=8)
+    reference = hf_logits(hf_dir, ids, LENGTHS)
+    for tp, pp in [(1, 1), (1, 2)]:
+        diff = _max_diff(workers2.run(_load_worker, hf_dir, ckpt, tp, pp, ids), reference, vocab)
+        assert diff <= TOL, (tp, pp, diff)
+    out = tmp_path / "hf"
+    assert convert(["mcore-to-hf", "--mcore-dir", ckpt, "--hf-config", hf_dir, "--out", str(out)]) == 0
+    with HFCheckpointReader(hf_dir) as a, HFCheckpointReader(out) as b:
+        assert sorted(a.names()) == sorted(b.names())
+        assert all(torch.equal(a.read(n), b.read(n)) for n in a.names())
