@@ -26,6 +26,7 @@ from megatron_rlvr.rewards.scoring import IN_PROCESS_TASKS, check_reference, sco
 COUNTER_KEYS = ("items", "timeouts", "crashes", "errors")
 _CODE_SLACK_S = 5.0
 _MAX_START_FAILURES = 3  # consecutive workers dying before they are ready: a broken setup, not a bad item
+_START_TIMEOUT_S = 300.0  # a worker not ready by then (imports stuck) counts as a failed start
 
 
 def _worker_main(conn: Connection, cfg: RewardConfig, extra_scorers: Mapping[str, Callable] | None) -> None:
@@ -62,6 +63,7 @@ class _Worker:
     ready: bool = False
     item: int | None = None
     deadline: float = 0.0
+    started: float = 0.0
 
 
 class RewardPool:
@@ -90,7 +92,7 @@ class RewardPool:
         process = self._ctx.Process(target=_worker_main, args=(child, self.cfg, self._extra or None), daemon=True)
         process.start()
         child.close()
-        return _Worker(process=process, conn=parent)
+        return _Worker(process=process, conn=parent, started=time.monotonic())
 
     def _replace(self, index: int) -> None:
         old = self._workers[index]
@@ -122,7 +124,10 @@ class RewardPool:
 
     def __del__(self) -> None:
         if getattr(self, "_workers", None):
-            self.close()
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down what close() needs
+                pass
 
     # --- scoring ---------------------------------------------------------------------------------------------
 
@@ -211,8 +216,10 @@ class RewardPool:
                     counters["timeouts"] += 1
                     outstanding -= 1
                     self._replace(index)
-                elif not worker.process.is_alive() and worker.item is None and not worker.ready:
-                    self._note_start_failure(worker)  # died while starting (e.g. the import failed)
+                elif not worker.ready and (
+                    not worker.process.is_alive() or time.monotonic() - worker.started > _START_TIMEOUT_S
+                ):
+                    self._note_start_failure(worker)  # died or hung while starting (e.g. the import failed)
                     self._replace(index)
 
     def _note_start_failure(self, worker: _Worker) -> None:
@@ -222,6 +229,6 @@ class RewardPool:
             self.close()
             raise RuntimeError(
                 f"RewardPool: {self._start_failures} verifier workers in a row died while starting (last exit code "
-                f"{code}); check that math-verify imports and that the main module is guarded by "
+                f"{code} or none: hung); check that math-verify imports and that the main module is guarded by "
                 f"`if __name__ == '__main__':` (workers are spawned)"
             )

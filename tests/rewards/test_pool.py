@@ -47,3 +47,11 @@ def test_closed_pool_refuses_work():
     p.close()
     with pytest.raises(RuntimeError, match="closed"):
         p.score_batch(["math"], ["1"], ["1"])
+
+
+def test_workers_that_cannot_start_are_an_error_not_a_respawn_loop():
+    # 16 MB of address space is too little to import sympy: every worker dies while starting
+    p = RewardPool(RewardConfig(workers=1, worker_memory_mb=16))
+    with pytest.raises(RuntimeError, match="died while starting"):
+        p.score_batch(["math"], ["\\boxed{1}"], ["1"])
+    p.close()
