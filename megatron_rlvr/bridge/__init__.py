@@ -10,6 +10,9 @@ Cross-team API::
         ...                                      # [HFShard(name, tensor, dim, start, stop, full_shape)], no gather
 
 ``mapping.mapping_table`` is the one name table (Qwen2 and Llama share the layout; Qwen2 adds q/k/v biases).
+``dist_ckpt``: megatron dist checkpoints that reload at any (TP, PP, VPP) (``save_dist_checkpoint``,
+``load_dist_checkpoint``; layout in its docstring). ``convert``: ``tools/convert.py`` / ``megatron-rlvr convert``
+(``convert.main(argv) -> int``). Figures: ``tools/bench_export.py``, ``tools/bench_convert_memory.py``.
 """
 
 from megatron_rlvr.bridge.export import HFShard, export_hf_weights, export_local_shards
