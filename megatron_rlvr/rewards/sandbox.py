@@ -10,8 +10,9 @@ What contains it (see `sandbox_launcher.py` for the inside half):
 - rlimits: CPU seconds, address space, file size (also caps stdout/stderr), process count, open files, no core;
 - a throw-away working directory (the only writable place), removed afterwards;
 - a wall timeout, after which the whole process group is SIGKILLed and, when root, every process of the run's uid.
-Without namespaces the run still has rlimits (and the uid drop when root), but no network isolation and no
-read-only view: this is logged as a loud warning once per process, and `SandboxResult.isolation` says so.
+Without namespaces the run still has rlimits, and the uid drop when we are root and the interpreter is reachable
+by other users (not under a 0700 home), but no network isolation and no read-only view: this is logged as a loud
+warning once per process, and `SandboxResult.isolation` says which ("uid+rlimits" or "rlimits-only").
 
 No extra package is needed: namespaces come from libc ``unshare`` via ctypes.
 """
@@ -63,7 +64,7 @@ class SandboxResult:
     stdout: str
     stderr: str
     timed_out: bool
-    isolation: str  # "namespaces" or "rlimits-only"
+    isolation: str  # "namespaces", "uid+rlimits" or "rlimits-only" (see the module docstring)
 
 
 def _python_prefix() -> str:
@@ -93,6 +94,22 @@ def namespaces_available() -> bool:
             except (OSError, subprocess.TimeoutExpired):
                 _probe_result = False
     return _probe_result
+
+
+def _interpreter_reachable_by_others() -> bool:
+    """Whether an unprivileged uid could exec the interpreter and read its library (every directory o+x)."""
+    import stat
+
+    paths = [Path(_python_executable()), Path(_python_prefix()) / "lib"]
+    for path in paths:
+        for directory in [*path.parents, path]:
+            try:
+                mode = os.stat(directory).st_mode
+            except OSError:
+                return False
+            if not mode & stat.S_IXOTH:
+                return False
+    return True
 
 
 def _warn_once(message: str) -> None:
@@ -136,13 +153,15 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
     """Run ``source`` as ``main.py`` with ``stdin`` in a fresh sandbox; never raises for the program's behaviour."""
     limits = limits or SandboxLimits()
     use_namespaces = namespaces_available()
-    is_root = os.geteuid() == 0
+    # without namespaces a dropped uid must reach the interpreter on the host's own filesystem view
+    drop_uid = os.geteuid() == 0 and (use_namespaces or _interpreter_reachable_by_others())
     if not use_namespaces:
         _warn_once(
             "code sandbox WITHOUT namespaces: no network isolation and no read-only filesystem view "
-            + ("(uid drop and rlimits only)" if is_root else "(rlimits only: programs run as this user!)")
+            + ("(a per-run uid and rlimits only)" if drop_uid else
+               "(rlimits only: programs run as THIS user and can touch its files and processes!)")
         )
-    uid = _next_uid() if is_root else None
+    uid = _next_uid() if drop_uid else None
     root = Path(tempfile.mkdtemp(prefix="rlvr-sandbox-"))
     process = None
     try:
@@ -194,7 +213,7 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
             raise SandboxError(stderr.strip())
         return SandboxResult(
             returncode=returncode, stdout=stdout, stderr=stderr, timed_out=timed_out,
-            isolation="namespaces" if use_namespaces else "rlimits-only",
+            isolation="namespaces" if use_namespaces else ("uid+rlimits" if drop_uid else "rlimits-only"),
         )
     finally:
         if process is not None:

@@ -172,3 +172,22 @@ def test_malformed_code_reference_is_a_clear_error():
     for bad in ({"io": []}, {"io": [{"input": 1, "output": "x"}]}, {"tests": 3}, {"entry_point": "f"}, "assert 1"):
         with pytest.raises(ValueError, match="code reference"):
             verify_code("print(1)", bad, LIMITS)
+
+
+def test_without_namespaces_it_warns_loudly_and_says_what_is_left(monkeypatch, tmp_path, caplog):
+    import megatron_rlvr.rewards.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_probe_result", False)  # as on a kernel that refuses new namespaces
+    monkeypatch.setattr(sandbox, "_warned", False)
+    with caplog.at_level("WARNING", logger="megatron_rlvr.rewards.sandbox"):
+        result = run_python("import os\nprint(os.getuid())", "", LIMITS)
+    assert any("WITHOUT namespaces" in r.message for r in caplog.records)
+    assert verify_code("print(input()[::-1])", io_reference("cba", "abc"), LIMITS) == 1.0
+    if sandbox._interpreter_reachable_by_others():
+        assert result.isolation == "uid+rlimits" and int(result.stdout) != 0
+        target = tmp_path / "pwned"
+        assert verify_code(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')", io_reference("wrote"), LIMITS) == 0.0
+        assert not target.exists()
+    else:  # e.g. Python under a 0700 /root: no uid could exec it, so the program keeps ours
+        assert result.isolation == "rlimits-only" and int(result.stdout) == os.getuid()
+        assert any("THIS user" in r.message for r in caplog.records)
