@@ -20,6 +20,7 @@ import os
 # Must be set before vllm is imported anywhere in the process: it keeps the engine core in this process.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
@@ -64,8 +65,10 @@ class VLLMEngine:
         # vLLM's CPU worker pins torch to 1 thread and replaces torch.set_num_threads with a no-op for the whole
         # process; the actor trains in this process too, so both are put back once the engine is up.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        private_world = contextlib.nullcontext() if self.on_gpu else _vllm_private_world()
         try:
-            llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype))
+            with private_world:
+                llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype))
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
@@ -74,15 +77,34 @@ class VLLMEngine:
         return llm
 
     def close(self) -> None:
-        """Release the engine; any later call raises EngineDiedError."""
-        if self._llm is not None:
-            try:
-                self._llm.llm_engine.engine_core.shutdown()
-            except Exception as e:  # the engine may already be broken; closing must still succeed
-                logger.warning("vLLM engine shutdown raised %r", e)
-        self._llm = None
+        """Release the engine; any later call raises EngineDiedError. Idempotent."""
+        llm, self._llm = self._llm, None
         self._death = self._death or "the engine was closed"
+        if llm is None:
+            return
+        # vLLM's engine-core shutdown ends with destroy_process_group() on "the" torch.distributed world. On CPU that
+        # must be vLLM's private world, never the actor's. On GPU (external_launcher) vLLM's world IS the actor's:
+        # there the shutdown is skipped, its GC finalizer detached, and the memory goes with the last reference.
+        client = llm.llm_engine.engine_core
+        try:
+            if self.on_gpu:
+                client._finalizer.detach()
+            else:
+                with _vllm_private_world():
+                    client.shutdown()  # runs once: it detaches the client's GC finalizer
+        except Exception as e:  # the engine may already be broken; closing must still succeed
+            logger.warning("vLLM engine shutdown raised %r", e)
+        del llm, client
         gc.collect()
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    def __del__(self) -> None:
+        # Without this, the vLLM client's own GC finalizer would shut the engine down outside _vllm_private_world.
+        try:
+            self.close()
+        except Exception:  # interpreter teardown: modules may already be gone
+            pass
 
     @property
     def alive(self) -> bool:
@@ -127,7 +149,9 @@ class VLLMEngine:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         except Exception as e:
             raise self._die("generate", e) from e
-        return [[_completion(c, sampling.logprobs) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        return [
+            [_completion(c, sampling.logprobs) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs
+        ]
 
     def _check_prompts(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> None:
         if not isinstance(n, int) or n < 1:
@@ -165,11 +189,21 @@ class VLLMEngine:
     # ---------------------------------------------------------------------------------------------- weights
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load a full set of HF weights. With ``sync_staging="full"`` a bad stream raises WeightSyncError and the
-        engine keeps its old weights; a failure inside vLLM leaves the engine dead (EngineDiedError)."""
-        llm = self._require_alive()
-        staged = self.cfg.sync_staging == "full"
-        stream = self.manifest.staged(weights) if staged else self.manifest.iter_checked(weights)
+        """Load a full set of HF weights (a flat stream of pairs; chain the bridge's buckets).
+
+        ``sync_staging="full"``: a bad stream raises WeightSyncError naming every bad tensor and the engine keeps its
+        old weights. ``"streaming"``: a bad tensor after others were loaded leaves the engine dead. Either way the
+        stream is drained to its end, because the bridge's export is a collective every rank must finish. A
+        failure inside vLLM leaves the engine dead (EngineDiedError)."""
+        source = iter(weights)
+        if self._death is not None:
+            _drain(source)
+            self._require_alive()
+        llm = self._llm
+        if self.cfg.sync_staging == "full":
+            stream = iter(self.manifest.staged(source))
+        else:
+            stream = self.manifest.iter_checked(source)
         if self.on_gpu and self._asleep:
             llm.wake_up(tags=["weights"])  # the KV cache stays released until generation needs it
         kept: dict[str, torch.Tensor] | None = {} if self.cfg.check_sync else None
@@ -183,10 +217,10 @@ class VLLMEngine:
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed()})
             llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        except WeightSyncError as e:  # streaming mode: a bad tensor after some were loaded
-            raise self._die("update_weights (a bad tensor arrived after others were loaded)", e) from e
         except Exception as e:
-            raise self._die("update_weights", e) from e
+            _drain(source)
+            what = "update_weights (a bad tensor after others were loaded)" if isinstance(e, WeightSyncError) else None
+            raise self._die(what or "update_weights", e) from e
         if kept is not None:
             mismatches = self.compare_weights(kept)
             if mismatches:
@@ -233,6 +267,41 @@ def make_engine(model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dty
     return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype)
 
 
+# Process-group names vLLM's private groups take (torch names unnamed groups by a per-process counter; see below).
+_private_group_count = 1 << 20
+
+
+@contextlib.contextmanager
+def _vllm_private_world():
+    """Let an in-process CPU engine set up its own one-rank torch.distributed world beside the actor's.
+
+    vLLM builds its process groups on top of torch.distributed's default group when one exists; in a trainer rank of
+    a multi-rank gloo group (rank 0 holds the engine) that makes vLLM's group creation a collective the other ranks
+    never join, and the engine start hangs. With the default group hidden, vLLM initializes a private one-rank world
+    (a file store); its groups stay valid after the actor's default group is put back. torch names new groups by a
+    per-process counter that must advance alike on every actor rank, so vLLM's groups take numbers from a range of
+    their own and the actor's counter is restored. A TP=1 engine runs no collectives, and vLLM's CPU shutdown
+    destroys no process group.
+    """
+    global _private_group_count
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    actor_world = c10d.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None
+    if actor_world is None:
+        yield
+        return
+    actor_group_count = c10d._world.group_count
+    c10d._world.group_count = _private_group_count
+    c10d._update_default_pg(None)
+    try:
+        yield
+    finally:
+        _private_group_count = c10d._world.group_count
+        c10d._world.group_count = actor_group_count
+        c10d._update_default_pg(actor_world)
+
+
 def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
@@ -272,6 +341,11 @@ def _completion(output: Any, with_logprobs: bool) -> Completion:
     if output.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a completion with reason {output.finish_reason!r}")
     return Completion(token_ids=token_ids, logprobs=logprobs, text=output.text, finish_reason=output.finish_reason)
+
+
+def _drain(source) -> None:
+    for _ in source:
+        pass
 
 
 def _read_hf_config(model_dir: str) -> dict[str, Any]:

@@ -54,7 +54,7 @@ class WeightManifest:
         return cls(shapes=shapes, tied_embeddings=tied)
 
     def check_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """Raise WeightSyncError unless ``tensor`` is a floating tensor of the shape this engine expects for ``name``."""
+        """Raise WeightSyncError unless ``tensor`` is a floating tensor of the shape the engine expects for ``name``."""
         if not isinstance(name, str):
             raise WeightSyncError(f"weight stream: expected (str name, tensor) pairs, got a name of type {type(name)}")
         expected = self.shapes.get(name)
@@ -65,45 +65,73 @@ class WeightManifest:
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"weight stream: {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
         if tuple(tensor.shape) != expected:
-            raise WeightSyncError(f"weight stream: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            got = tuple(tensor.shape)
+            raise WeightSyncError(f"weight stream: tensor {name!r} has shape {got}, expected {expected}")
         if not tensor.is_floating_point():
             raise WeightSyncError(f"weight stream: tensor {name!r} has dtype {tensor.dtype}, expected a floating dtype")
 
     def iter_checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield the stream's pairs after checking each one; after the last, check that nothing was missing."""
-        seen: set[str] = set()
-        embed: torch.Tensor | None = None
-        lm_head: torch.Tensor | None = None
+        """Yield the stream's pairs after checking each one (raising at the first bad one); after the last, check
+        that nothing was missing."""
+        checker = _StreamChecker(self)
         for item in weights:
-            if not (isinstance(item, tuple) and len(item) == 2):
-                raise WeightSyncError(f"weight stream: expected (hf_name, tensor) pairs, got {type(item).__name__}")
-            name, tensor = item
-            self.check_tensor(name, tensor)
-            if name in seen:
-                raise WeightSyncError(f"weight stream: tensor {name!r} was sent twice")
-            seen.add(name)
-            if self.tied_embeddings and name == EMBED_NAME:
-                embed = tensor
-            if self.tied_embeddings and name == LM_HEAD_NAME:
-                lm_head = tensor
-            if embed is not None and lm_head is not None:
-                _check_tied_pair(embed, lm_head)
-                embed = lm_head = None  # checked once; drop the references
-            yield name, tensor
-        missing = sorted(set(self.shapes) - seen)
+            yield checker.check(item)
+        checker.finish()
+
+    def staged(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The whole stream, checked. Always drains the stream (a collective producer such as the bridge's export
+        must run to its end on every rank), then raises one WeightSyncError naming every problem, if any."""
+        checker = _StreamChecker(self)
+        items: list[tuple[str, torch.Tensor]] = []
+        problems: list[str] = []
+        for item in weights:
+            try:
+                items.append(checker.check(item))
+            except WeightSyncError as e:
+                problems.append(str(e))
+        try:
+            checker.finish()
+        except WeightSyncError as e:
+            problems.append(str(e))
+        if problems:
+            more = f"\n(and {len(problems) - 5} more problems)" if len(problems) > 5 else ""
+            raise WeightSyncError("\n".join(problems[:5]) + more)
+        return items
+
+
+class _StreamChecker:
+    """Checks one stream's pairs in order: known name, right shape, not sent twice, tied lm_head == embedding."""
+
+    def __init__(self, manifest: WeightManifest) -> None:
+        self.manifest = manifest
+        self.seen: set[str] = set()
+        self.tied: dict[str, torch.Tensor] = {}
+
+    def check(self, item: object) -> tuple[str, torch.Tensor]:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise WeightSyncError(f"weight stream: expected (hf_name, tensor) pairs, got {type(item).__name__}")
+        name, tensor = item
+        self.manifest.check_tensor(name, tensor)
+        if name in self.seen:
+            raise WeightSyncError(f"weight stream: tensor {name!r} was sent twice")
+        self.seen.add(name)
+        if self.manifest.tied_embeddings and name in (EMBED_NAME, LM_HEAD_NAME):
+            self.tied[name] = tensor
+            if len(self.tied) == 2:
+                _check_tied_pair(self.tied.pop(EMBED_NAME), self.tied.pop(LM_HEAD_NAME))
+        return name, tensor
+
+    def finish(self) -> None:
+        missing = sorted(set(self.manifest.shapes) - self.seen)
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             why = (
                 " (tied embeddings: lm_head.weight must be sent too, equal to the embedding, or the engine's output "
                 "layer stays stale)"
-                if LM_HEAD_NAME in missing and self.tied_embeddings
+                if LM_HEAD_NAME in missing and self.manifest.tied_embeddings
                 else ""
             )
             raise WeightSyncError(f"weight stream: missing tensors {missing[:5]}{more}{why}")
-
-    def staged(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The whole stream, checked; raises before anything is returned if any tensor is bad or missing."""
-        return list(self.iter_checked(weights))
 
 
 def _check_tied_pair(embed: torch.Tensor, lm_head: torch.Tensor) -> None:

@@ -28,7 +28,9 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def perturbed(sd: dict[str, torch.Tensor], seed: int, scale: float = 0.05, tied: bool = False) -> dict[str, torch.Tensor]:
+def perturbed(
+    sd: dict[str, torch.Tensor], seed: int, scale: float = 0.05, tied: bool = False
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in sd.items()}
     if tied:

@@ -205,11 +205,18 @@ def test_dead_engine_is_reported_and_a_rebuilt_engine_takes_the_actor_weights(ll
     with pytest.raises(EngineDiedError, match="make_engine"):
         engine.update_weights(new.items())  # stays dead: its state is unknown after a crash
     engine.close()
-    rebuilt = make_engine(model_dir, _cfg(), seed=0)
+    cfg = _cfg()
+    cfg.sync_staging = "streaming"  # the rebuilt engine also covers the no-staging path
+    rebuilt = make_engine(model_dir, cfg, seed=0)
     try:
         rebuilt.update_weights(new.items())  # the trainer's actor weights, not the directory's
         load_into_hf(hf, new)
         assert _max_diff(rebuilt, hf) <= TOL
+        # streaming: a bad tensor after others were loaded leaves a half-updated engine, reported dead
+        late_bad = list(original.items()) + [("model.layers.0.mlp.up_proj.weight", torch.zeros(1))]
+        with pytest.raises(EngineDiedError, match="a bad tensor after others were loaded.*up_proj"):
+            rebuilt.update_weights(late_bad)
+        assert not rebuilt.alive
     finally:
         load_into_hf(hf, original)
         rebuilt.close()
