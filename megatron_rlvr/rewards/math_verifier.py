@@ -10,6 +10,7 @@ Final-answer extraction rules, applied to the response in this order (the first 
 4. Else the last number in the text: an optional sign, digits with optional thousands commas, an optional decimal
    part, optionally ``a/b``.
 Nothing found scores 0. Thousands separators ("1,000") are removed from a plain number before it is compared.
+Only the last ``MAX_RESPONSE_CHARS`` characters (after ``</think>``) are read, so megabytes of text cost little.
 
 Guards (so pathological answers score 0 fast instead of stalling a worker): an extracted answer longer than
 ``MAX_ANSWER_CHARS`` or nested deeper than ``MAX_NESTING`` (braces, brackets, parentheses or ``^``) scores 0 before
@@ -29,6 +30,8 @@ import re
 import threading
 
 MAX_ANSWER_CHARS = 512
+MAX_RESPONSE_CHARS = 100_000  # only the response's tail is read: the final answer is at the end
+_LAST_NUMBER_WINDOW = 4096
 MAX_NESTING = 24
 PARSE_TIMEOUT_S = 3
 VERIFY_TIMEOUT_S = 3
@@ -81,16 +84,20 @@ def extract_answer(response: str) -> str | None:
     think_end = response.rfind("</think>")
     if think_end >= 0:
         response = response[think_end + len("</think>") :]
+    response = response[-MAX_RESPONSE_CHARS:]
     boxed = _last_boxed(response)
     if boxed is not None:
         return boxed.strip() or None
     found = _after_phrase(response)
     if found is not None and found.strip():
         return found.strip()
-    last = None
-    for last in _NUMBER.finditer(response):
-        pass
-    return last.group(0).strip() if last else None
+    for window in (response[-_LAST_NUMBER_WINDOW:], response):  # the last number is almost always near the end
+        last = None
+        for last in _NUMBER.finditer(window):
+            pass
+        if last is not None:
+            return last.group(0).strip()
+    return None
 
 
 def _nesting_depth(text: str) -> int:

@@ -124,3 +124,13 @@ def _catch(fn):
     except RuntimeError as exc:
         return str(exc)
     return "no error"
+
+
+@pytest.mark.parametrize("name", ["deep nesting", "deep parentheses", "10k-digit number", "10k-digit last number",
+                                  "megabytes of text", "megabytes of numbers"])
+def test_oversized_answers_are_rejected_before_parsing(name):
+    from megatron_rlvr.rewards.math_verifier import is_pathological
+
+    answer = extract_answer(PATHOLOGICAL[name])
+    assert answer is None or is_pathological(answer) or len(answer) < 5  # the guard, or a tiny harmless answer
+    assert verify_math(PATHOLOGICAL[name], "4") == 0.0
