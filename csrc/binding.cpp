@@ -7,6 +7,7 @@
 
 #ifdef WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -64,6 +65,7 @@ void token_stats_forward(const at::Tensor& logits, const at::Tensor& target_ids,
                 token_stats::kCudaMaxTopN, ", got ", top_n);
     const c10::cuda::CUDAGuard guard(logits.device());
     token_stats::forward_cuda(args, c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
 #else
     TORCH_CHECK(false, "megatron_rlvr._C was built without CUDA");
@@ -99,6 +101,7 @@ void token_stats_backward(const at::Tensor& logits, const at::Tensor& grad_out, 
 #ifdef WITH_CUDA
     const c10::cuda::CUDAGuard guard(logits.device());
     token_stats::backward_cuda(args, c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
 #else
     TORCH_CHECK(false, "megatron_rlvr._C was built without CUDA");
