@@ -171,6 +171,10 @@ def mcore_to_hf(
     from megatron_rlvr.bridge.safetensors_writer import plan_shards, write_sharded
 
     side = Path(hf_config) if hf_config else mcore_dir / HF_SUBDIR
+    if not (side / "config.json").is_file():
+        raise ConversionError(
+            f"{side / 'config.json'}: not found; a checkpoint saved without its HF config needs --hf-config DIR"
+        )
     hf = load_hf_config(side)
     dims = ModelDims.from_hf(hf)
     if not (mcore_dir / "metadata.json").is_file():

@@ -206,7 +206,7 @@ class _LazyTorchDistStrategy(_lazy_strategy_base()):
                 index = write_item.index
                 name, part, n_parts = producers[(index.fqn, tuple(index.offset))]
                 data = produce(name, part, n_parts).reshape(tuple(write_item.tensor_data.chunk.sizes))
-                if on_tensor is not None:
+                if on_tensor is not None and part == n_parts - 1:  # one tick per state-dict entry
                     on_tensor(name)
                 return data
 
