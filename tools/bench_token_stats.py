@@ -249,6 +249,25 @@ def print_table(summary: dict, cfg: BenchConfig) -> None:
               f"{fig['fwdbwd_speedup_vs_composite']:.2f}x (in-place {fig['fwdbwd_inplace_speedup_vs_composite']:.2f}x)")
 
 
+# The composite's forward+backward holds about 9-10x the fp32 shard (bf16: 20x its bf16 shard) beside the shard.
+_COMPOSITE_FP32_SHARDS = 12
+
+
+def check_memory(cfg: BenchConfig) -> None:
+    """Refuse a shape whose composite would not fit in this machine's free memory (shared machines OOM badly)."""
+    if cfg.device != "cpu":
+        return
+    import psutil
+
+    need = cfg.tp * cfg.tokens * (cfg.vocab // cfg.tp) * 4 * _COMPOSITE_FP32_SHARDS
+    available = psutil.virtual_memory().available
+    if need > 0.8 * available:
+        raise SystemExit(
+            f"bench_token_stats: T={cfg.tokens}, V={cfg.vocab} needs about {need / 2**30:.1f} GiB for the composite "
+            f"baseline but {available / 2**30:.1f} GiB is free; pass a smaller --tokens"
+        )
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=None, help="T (default 4096; --quick: 128)")
@@ -271,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = BenchConfig(tokens=tokens, vocab=vocab, tp=args.tp, top_n=args.top_n,
                       dtypes=tuple(d.strip() for d in args.dtypes.split(",")),
                       repeats=args.repeats or (3 if args.quick else 5), device=args.device, threads_per_rank=threads)
+    check_memory(cfg)
     if cfg.tp == 1:
         torch.set_num_threads(threads)
         per_rank = [bench_rank(cfg)]
