@@ -3,8 +3,8 @@ slices its own shards need, one tensor at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -27,24 +27,17 @@ def load_hf_weights(model_chunks, hf_dir: str | Path) -> None:
     entries, problems = local_entries(model_chunks, dims, tp)
     if problems:
         raise BridgeError(f"model does not match {hf_dir}/config.json: " + "; ".join(problems))
+    # What to read for each local parameter; a tied output layer reads the embedding.
+    todo = []
+    for e in entries:
+        if e.param is None:
+            continue
+        m = e.mapping
+        if dims.tied and m.megatron == "output_layer.weight":
+            m = dataclasses.replace(m, hf=("model.embed_tokens.weight",))
+        todo.append((m, e.param))
     with HFCheckpointReader(hf_dir) as reader:
-        sources = {}
-        for e in entries:
-            if e.param is None:
-                continue
-            names = e.mapping.hf
-            if dims.tied and e.mapping.megatron == "output_layer.weight":
-                names = ("model.embed_tokens.weight",)
-            sources[e.mapping.megatron] = names
-        reader.check_shapes(
-            {n: s for e in entries if e.param is not None
-             for n, s in zip(sources[e.mapping.megatron], hf_shapes(e.mapping, dims))}
-        )
-        for e in entries:
-            if e.param is None:
-                continue
-            m = e.mapping
-            if sources[m.megatron] != m.hf:
-                m = type(m)(m.megatron, sources[m.megatron], m.kind)
-            shard = load_shard(m, reader.read, dims, tp_rank, tp, tuple(e.param.shape))
-            e.param.copy_(shard.to(e.param.dtype))
+        reader.check_shapes({n: s for m, _ in todo for n, s in zip(m.hf, hf_shapes(m, dims))})
+        for m, param in todo:
+            shard = load_shard(m, reader.read, dims, tp_rank, tp, tuple(param.shape))
+            param.copy_(shard.to(param.dtype))
