@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.config import ActorConfig, ModelConfig
+from megatron_rlvr.monitor.dynamics import token_weighted_mean
 from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
 
 MONITOR_TOP_N = 3  # rank-1/2/3 probabilities are always reported, whatever the loss's top_n
@@ -209,7 +210,7 @@ class MegatronActor:
                 stats = self._token_stats(logits, mb.tokens)
                 loss, metrics = policy_loss(
                     stats, mb.old_logp, mb.advantages, mb.response_mask, self.algo_cfg,
-                    num_tokens=num_tokens, num_seqs=num_seqs,
+                    num_tokens=num_tokens, num_seqs=num_seqs, target_ids=mb.tokens[:, 1:],
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()}
@@ -228,8 +229,8 @@ class MegatronActor:
                             "actor/nonfinite": float(not ok), "actor/lr": self.optimizer.param_groups[0]["lr"]}
             if outputs:
                 step_metrics["actor/loss"] = sum(float(o.pop("loss")) for o in outputs)
-                for key in outputs[0]:
-                    step_metrics[f"loss/{key}"] = sum(float(o[key]) for o in outputs) / len(outputs)
+                parts = [{k: float(v) for k, v in o.items()} for o in outputs]
+                step_metrics.update({f"loss/{k}": v for k, v in token_weighted_mean(parts).items()})
             for key, value in step_metrics.items():
                 totals.setdefault(key, []).append(value)
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}

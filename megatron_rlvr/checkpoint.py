@@ -31,13 +31,18 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def _sharded_state_dict(actor) -> dict[str, Any]:
+# Each rank saves its own distributed-optimizer buffers with no gather: resume may change DP, not TP/PP (a
+# TP/PP change goes through the model-only dist checkpoint of tools/convert.py).
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _sharded_state_dict(actor, is_loading: bool = False) -> dict[str, Any]:
     chunks = actor.model_chunks
     if len(chunks) == 1:
         model_sd: dict[str, Any] = {"model": chunks[0].sharded_state_dict()}
     else:
         model_sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    model_sd["optimizer"] = actor.optimizer.sharded_state_dict(model_sd)
+    model_sd["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)
     return model_sd
 
 
@@ -130,7 +135,12 @@ def load(path: str | Path, actor) -> dict[str, Any]:
 
     path = Path(path)
     state = json.loads((path / "trainer_state.json").read_text())
-    loaded = dist_checkpointing.load(_sharded_state_dict(actor), str(path))
+    # A fresh distributed optimizer has no Adam state yet, and its state_dict() (used to build the load request)
+    # needs one: fill it with placeholders first, as megatron's own loading path does.
+    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+    loaded = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), str(path))
     chunks = actor.model_chunks
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
@@ -141,3 +151,39 @@ def load(path: str | Path, actor) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: no RNG state for rank {_rank()} (saved with another world size?)")
     _set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+def save_hf(actor, hf_src_dir: str | Path, out_dir: str | Path, bucket_bytes: int = 1 << 30) -> Path | None:
+    """Write the actor's current weights as an HF checkpoint (a collective; rank 0 writes). Each export bucket
+    becomes one safetensors file, so memory stays at one bucket whatever the model size; config and tokenizer
+    files are copied from ``hf_src_dir``. Written to a temp dir and renamed: never half a checkpoint."""
+    from safetensors.torch import save_file
+
+    from megatron_rlvr.bridge.dist_ckpt import HF_SIDE_FILES
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    files = []
+    for i, bucket in enumerate(actor.export_weights(bucket_bytes)):
+        if _rank() == 0:
+            name = f"model-{i + 1:05d}.safetensors"
+            save_file({n: t.contiguous() for n, t in bucket}, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({n: name for n, _ in bucket})
+            files.append(name)
+    if _rank() == 0:
+        if len(files) == 1:
+            os.replace(tmp / files[0], tmp / "model.safetensors")
+        else:
+            index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        for name in HF_SIDE_FILES:
+            if (Path(hf_src_dir) / name).is_file():
+                shutil.copy2(Path(hf_src_dir) / name, tmp / name)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    _barrier()
+    return out_dir if _rank() == 0 else None

@@ -77,6 +77,7 @@ class TrainerConfig:
     eval_every: int = 0  # 0 = only at the end
     tensorboard: bool = True
     wandb_project: str | None = None
+    save_hf: bool = True  # write the final weights as an HF checkpoint to <output_dir>/hf
 
 
 @dataclass
