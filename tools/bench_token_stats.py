@@ -268,6 +268,50 @@ def check_memory(cfg: BenchConfig) -> None:
         )
 
 
+_ISA_WORKER = """
+import json, statistics, sys, time, torch
+from megatron_rlvr.ops import backends, vocab_parallel_token_stats
+tokens, vocab, repeats = map(int, sys.argv[1:4])
+torch.set_num_threads(1)
+x = torch.randn(tokens, vocab) * 2
+y = torch.randint(0, vocab, (tokens,))
+def fwdbwd():
+    buf = x.clone().requires_grad_()
+    s = vocab_parallel_token_stats(buf, y, 3, inplace_backward=True)
+    torch.autograd.grad(s.logp.sum() + s.entropy.sum() + s.topn_logp.sum(), buf)
+def median(fn):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter(); fn(); times.append(time.perf_counter() - start)
+    return statistics.median(times)
+with torch.no_grad():
+    floor = median(lambda: torch.logsumexp(x, dim=-1))
+    fwd = median(lambda: vocab_parallel_token_stats(x, y, 3))
+print(json.dumps({"isa": backends.extension().cpu_isa(), "floor": floor, "fwd": fwd, "fwdbwd": median(fwdbwd)}))
+"""
+
+
+def isa_sweep(tokens: int, vocab: int, repeats: int) -> None:
+    """Our CPU kernel built for each instruction set, against torch.logsumexp (ATen's vectorized exp), one thread."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    print(f"CPU instruction sets: T={tokens} V={vocab} fp32, one thread, TP=1 (median of {repeats})")
+    print(f"  {'isa':8s} {'logsumexp s':>12s} {'ours fwd s':>11s} {'fwd/floor':>10s} {'fwd+bwd s':>10s} (fwd+bwd: "
+          "in place, includes a clone of the logits)")
+    for isa in ("generic", "avx2", "avx512"):
+        env = {**os.environ, "MEGATRON_RLVR_CPU_ISA": isa}
+        done = subprocess.run([sys.executable, "-c", _ISA_WORKER, str(tokens), str(vocab), str(repeats)], cwd=repo,
+                              env=env, capture_output=True, text=True, check=True)
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        if r["isa"] != isa:
+            print(f"  {isa:8s} not supported by this CPU")
+            continue
+        print(f"  {isa:8s} {r['floor']:12.4f} {r['fwd']:11.4f} {r['fwd'] / r['floor']:10.2f} {r['fwdbwd']:10.4f}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=None, help="T (default 4096; --quick: 128)")
@@ -280,7 +324,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads-per-rank", type=int, default=None,
                         help="intra-op threads per rank (default: the CPU cores shared out, at least 1)")
     parser.add_argument("--quick", action="store_true", help="T=128, V=32768, 3 repeats: under a minute")
+    parser.add_argument("--isa-sweep", action="store_true",
+                        help="only compare the CPU kernel's AVX-512 / AVX2 / baseline builds (TP=1, fp32, one thread)")
     args = parser.parse_args(argv)
+    if args.isa_sweep:
+        isa_sweep(args.tokens or 256, args.vocab, args.repeats or 5)
+        return {}
     import os
 
     tokens = args.tokens or (128 if args.quick else 4096)
