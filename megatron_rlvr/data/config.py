@@ -8,11 +8,16 @@ from dataclasses import dataclass
 @dataclass
 class DataConfig:
     path: str = ""  # JSONL or Parquet; empty = the embedded countdown demo task
+    eval_path: str = ""  # held-out prompts for eval; empty with an empty path = the demo task's eval split
     problem_key: str = "problem"
-    answer_key: str = "answer"
+    answer_key: str = "answer"  # the reference: a string or any JSON value (e.g. {"numbers": [...], "target": 24})
+    task_key: str = "task"  # a row's reward task when the column is present; else `task` below
+    id_key: str = "id"  # a row's stable id when the column is present; else "<file name>:<line>"
     task: str = "countdown"  # reward task type: countdown | math | code | logic
     chat_template: bool = False  # wrap the problem with the tokenizer's chat template
-    max_prompt_tokens: int = 256
+    max_prompt_tokens: int = 256  # longer prompts are skipped (counted, with a warning), never truncated
     shuffle: bool = True
     skip_bad_rows: bool = False  # false: a malformed row is an error naming file and line
     seed: int = 1234
+    demo_train_problems: int = 4096  # size of the embedded task's train split
+    demo_eval_problems: int = 32  # size of the embedded task's eval split
