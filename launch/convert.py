@@ -1,7 +1,7 @@
 """Launch a checkpoint conversion (HF <-> megatron dist checkpoint) through nemo-run.
 
-Everything after `--` goes verbatim to `megatron-rlvr convert`, run by one process unless --nproc-per-node says
-otherwise, e.g. on a cluster (paths as the container sees them):
+Everything after `--` goes verbatim to `megatron-rlvr convert`, run as one plain process (no torchrun) on one node,
+e.g. on a cluster (paths as the container sees them):
 
     python launch/convert.py --executor slurm_h200 -- hf-to-mcore --hf-dir /models/Qwen2.5-32B --out /models/...
 """
@@ -25,14 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     if not convert_args:
         print("error: nothing to convert: give `-- hf-to-mcore ...` or `-- mcore-to-hf ...`", file=sys.stderr)
         return 2
-    if args.nproc_per_node is None:
-        args.nproc_per_node = 1
     try:
+        if args.nodes != 1 or args.nproc_per_node not in (None, 1):
+            raise LaunchError("--nodes/--nproc-per-node: megatron-rlvr convert runs as one process on one node")
+        args.nproc_per_node = 1
         opts = options_from_args(args)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run_task(f"convert_{convert_args[0]}".replace("-", "_"), ["convert", *convert_args], opts)
+    # no torchrun: the converter makes its own world of one process (under torchrun it would wait for the agent)
+    name = f"convert_{convert_args[0]}".replace("-", "_")
+    return run_task(name, ["convert", *convert_args], opts, launcher=None)
 
 
 if __name__ == "__main__":

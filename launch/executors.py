@@ -211,19 +211,20 @@ def _import_nemo_run(opts: LaunchOptions) -> Any:
     return nemo_run
 
 
-def local_executor(opts: LaunchOptions, run: Any) -> Any:
-    """torchrun on this machine, `procs_per_node` processes (gloo on CPU, NCCL on GPUs)."""
+def local_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun") -> Any:
+    """torchrun on this machine, `procs_per_node` processes (gloo on CPU, NCCL on GPUs); or one plain process."""
     # nemo-run starts `torchrun` from PATH: make it this interpreter's, so ranks import this environment.
     bin_dir = str(Path(sys.executable).parent)
     path = os.environ.get("PATH", "")
     if bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
     env = {"PYTHONUNBUFFERED": "1", **opts.env}
-    return run.LocalExecutor(ntasks_per_node=opts.procs_per_node, launcher="torchrun", env_vars=env)
+    return run.LocalExecutor(ntasks_per_node=opts.procs_per_node, launcher=launcher, env_vars=env)
 
 
-def slurm_h200_executor(opts: LaunchOptions, run: Any) -> Any:
-    """`nodes` exclusive H200 nodes, one torchrun per node starting 8 ranks, inside a pyxis container."""
+def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun") -> Any:
+    """`nodes` exclusive H200 nodes, one torchrun per node starting 8 ranks, inside a pyxis container
+    (without a launcher: srun starts `procs_per_node` plain processes per node)."""
     if opts.tunnel == "ssh":
         tunnel = run.SSHTunnel(host=opts.ssh_host, user=opts.ssh_user, job_dir=opts.remote_job_dir,
                                identity=opts.ssh_identity)
@@ -247,13 +248,14 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any) -> Any:
         env_vars={**H200_ENV, **opts.env},
         tunnel=tunnel,
         packager=packager,
-        launcher="torchrun",
+        launcher=launcher,
         job_name_prefix="megatron-rlvr-",
     )
 
 
-def make_executor(opts: LaunchOptions, run: Any) -> Any:
-    return local_executor(opts, run) if opts.executor == "local" else slurm_h200_executor(opts, run)
+def make_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun") -> Any:
+    build = local_executor if opts.executor == "local" else slurm_h200_executor
+    return build(opts, run, launcher)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -284,19 +286,21 @@ def run_task(
     opts: LaunchOptions,
     ship: dict[str, str] | None = None,
     module: str = CLI_MODULE,
+    launcher: str | None = "torchrun",
 ) -> int:
     """Run `python -m <module> <cli_args>` (normally megatron_rlvr.cli) under torchrun; 0 = success.
 
     `ship` maps file names to contents the job needs (the resolved run config); an argument
     `file_placeholder(name)` in `cli_args` becomes that file's path as the ranks see it. On Slurm the files travel
     in the job directory (written by the packager, when nemo-run writes its own job files); locally they are
-    written under NEMORUN_HOME. With `opts.dryrun` the job script is printed instead of run.
+    written under NEMORUN_HOME. With `opts.dryrun` the job script is printed instead of run. `launcher=None`
+    starts the module as plain processes (single-process tools such as convert).
     """
     run = _import_nemo_run(opts)
     # the git packager archives the repository of the current directory, and local ranks start here too
     os.chdir(REPO_ROOT)
     ship = dict(ship or {})
-    executor = make_executor(opts, run)
+    executor = make_executor(opts, run, launcher)
     if opts.executor == "local":
         paths = _ship_locally(ship, name) if ship else {}
     else:
@@ -311,14 +315,14 @@ def run_task(
         exp.add(task, executor=executor, name=name)
         if opts.dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
-            print(dryrun_script(exp, opts, module))
+            print(dryrun_script(exp, opts, module, launcher))
             return 0
         exp.run(detach=detach, tail_logs=not detach)
     # leaving the `with` block is where nemo-run waits for the tasks and records their final state
     return exit_status(exp, detached=detach)
 
 
-def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE) -> str:
+def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE, launcher: str | None = "torchrun") -> str:
     """The job script a dry run produced: nemo-run's sbatch file for Slurm, the torchrun line locally."""
     job = exp.jobs[0]
     if opts.executor == "slurm_h200":
@@ -327,6 +331,8 @@ def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE) -> st
             raise LaunchError(f"dry run: nemo-run wrote no sbatch script at {path}")
         return f"# sbatch script: {path}\n{path.read_text()}"
     args = " ".join(job.task.args)
+    if launcher is None:
+        return f"# local executor: one process\npython -m {module} {args}"
     return (f"# local executor: {opts.procs_per_node} processes\n"
             f"torchrun --nnodes 1 --nproc-per-node {opts.procs_per_node} -m {module} {args}")
 

@@ -27,6 +27,7 @@ SLURM = ["--executor", "slurm_h200", "--account", "rl_acct", "--partition", "bat
 def launch(script: str, args: list[str], home: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "MEGATRON_RLVR_"))}
     env["NEMORUN_HOME"] = str(home)
+    home.mkdir(parents=True, exist_ok=True)
     return subprocess.run([PY, str(REPO_ROOT / "launch" / script), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=home)  # not the repo: the launcher must find it itself
 
@@ -106,9 +107,12 @@ def test_convert_dryrun_starts_the_convert_subcommand(tmp_path):
                                 "--out", "/models/Qwen2.5-32B-mcore"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     script = sbatch_file(out.stdout).read_text()
-    assert "--nnodes 1 --nproc-per-node 1" in script
-    expected = "-m megatron_rlvr.cli convert hf-to-mcore --hf-dir /models/Qwen2.5-32B --out /models/Qwen2.5-32B-mcore"
-    assert expected in script
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --ntasks-per-node=1" in script
+    srun = next(l for l in script.splitlines() if l.startswith("srun ") and "megatron_rlvr.cli" in l)
+    assert "torchrun" not in srun, "the converter is one plain process"
+    expected = ("python -m megatron_rlvr.cli convert hf-to-mcore --hf-dir /models/Qwen2.5-32B "
+                "--out /models/Qwen2.5-32B-mcore")
+    assert srun.endswith(expected), srun
 
 
 def test_k1024_eval_dryrun_runs_one_engine_with_the_recipes_flags(tmp_path):
@@ -165,6 +169,18 @@ def test_a_failing_task_makes_the_launcher_exit_nonzero(tmp_path):
     assert out.returncode == 1, (out.stdout + out.stderr)[-3000:]
     assert "[launch] task failed: rank_task: FAILED" in out.stderr
     assert result.read_text() == "world=2 sum=3\n", "the job ran; only the last rank's exit status 3 failed it"
+
+
+@pytest.mark.slow
+def test_local_executor_converts_a_tiny_checkpoint_through_the_real_cli(tmp_path):
+    from megatron_rlvr.models.tiny import make_tiny_hf_model
+
+    hf_dir = make_tiny_hf_model("qwen2", tmp_path / "tiny_hf")
+    out = launch("convert.py", ["--", "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "mcore")],
+                 tmp_path / "home", timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert f"convert: wrote {tmp_path / 'mcore'}" in out.stdout
+    assert (tmp_path / "mcore" / "metadata.json").is_file()
 
 
 def _demo_ready() -> str | None:
