@@ -9,8 +9,9 @@ Two reference formats (a dict):
   code (asserts, or a ``def check(candidate)``), then ``check(<entry_point>)`` when an entry point is given, run
   once; exit status 0 passes.
 - ``{"io": [{"input": str, "output": str}, ...]}`` — LiveCodeBench-style stdin/stdout: the program runs once per
-  case with ``input`` on stdin; it passes when its stdout equals ``output`` line by line after stripping trailing
-  whitespace of each line and blank lines at the end. All cases must pass; the first failure stops the run.
+  case with ``input`` on stdin (all cases in one sandbox, a fresh process and limits per case); it passes when its
+  stdout equals ``output`` line by line after stripping trailing whitespace of each line and blank lines at the end.
+  All cases must pass; a crash or timeout stops the runs.
 Any crash, timeout, limit hit or wrong output scores 0.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python
+from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python, run_python_many
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"", "python", "py", "python3"}
@@ -71,8 +72,11 @@ def verify_code(response: str, reference: Mapping[str, Any], limits: SandboxLimi
             source += f"\ncheck({reference['entry_point']})\n"
         result = run_python(source, "", limits)
         return 1.0 if result.returncode == 0 and not result.timed_out else 0.0
-    for case in reference["io"]:
-        result = run_python(program, case["input"], limits)
+    cases = reference["io"]
+    results = run_python_many(program, [case["input"] for case in cases], limits)  # one sandbox for all cases
+    if len(results) != len(cases):
+        return 0.0
+    for case, result in zip(cases, results):
         if result.returncode != 0 or result.timed_out:
             return 0.0
         if _normalize_output(result.stdout) != _normalize_output(case["output"]):

@@ -151,6 +151,16 @@ def _read_capped(path: Path, limit: int) -> str:
 
 def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
     """Run ``source`` as ``main.py`` with ``stdin`` in a fresh sandbox; never raises for the program's behaviour."""
+    return run_python_many(source, [stdin], limits)[0]
+
+
+def run_python_many(source: str, stdins: list[str], limits: SandboxLimits | None = None) -> list[SandboxResult]:
+    """Run ``source`` once per stdin in one sandbox (one setup), stopping after the first nonzero exit or timeout.
+
+    Returns one result per run made (fewer than ``stdins`` when it stopped early); ``limits`` apply to each run.
+    """
+    if not stdins:
+        raise ValueError("run_python_many: give at least one stdin")
     limits = limits or SandboxLimits()
     use_namespaces = namespaces_available()
     # without namespaces a dropped uid must reach the interpreter on the host's own filesystem view
@@ -161,24 +171,33 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
             + ("(a per-run uid and rlimits only)" if drop_uid else
                "(rlimits only: programs run as THIS user and can touch its files and processes!)")
         )
+    isolation = "namespaces" if use_namespaces else ("uid+rlimits" if drop_uid else "rlimits-only")
     uid = _next_uid() if drop_uid else None
     root = Path(tempfile.mkdtemp(prefix="rlvr-sandbox-"))
     process = None
     try:
         os.chmod(root, 0o711)  # the program may traverse to its work dir but not list or read our files
-        work = root / "work"
-        staging = root / "python"
-        work.mkdir()
-        staging.mkdir()
+        work, io_dir, staging = root / "work", root / "io", root / "python"
+        for d in (work, io_dir, staging):
+            d.mkdir()
+        os.chmod(io_dir, 0o700)
         (work / "main.py").write_text(source, encoding="utf-8")
         if uid is not None:
             os.chown(work, uid, uid)
             os.chown(work / "main.py", uid, uid)
         os.chmod(work, 0o700)
+        runs = []
+        for i, stdin in enumerate(stdins):
+            (io_dir / f"stdin-{i}").write_text(stdin, encoding="utf-8")
+            runs.append({name: str(io_dir / f"{name}-{i}") for name in ("stdin", "stdout", "stderr")})
         home = os.path.realpath(os.path.expanduser("~"))
         cfg = {
             "namespaces": use_namespaces,
             "work_dir": str(work),
+            "io_dir": str(io_dir),
+            "results": str(io_dir / "results.json"),
+            "runs": runs,
+            "wall_s": limits.wall_s,
             "python": _python_executable(),
             "python_prefix": _python_prefix(),
             "python_staging": str(staging),
@@ -192,29 +211,41 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
                 "nofile": limits.nofile,
             },
         }
-        config_path = root / "config.json"
+        config_path = io_dir / "config.json"
         config_path.write_text(json.dumps(cfg))
-        os.chmod(config_path, 0o600)
-        (root / "stdin").write_text(stdin, encoding="utf-8")
-        with open(root / "stdin", "rb") as f_in, open(root / "stdout", "wb") as f_out, open(root / "stderr", "wb") as f_err:
+        with open(io_dir / "launcher.err", "wb") as launcher_err:
             process = subprocess.Popen(
                 [_python_executable(), "-I", "-S", str(_LAUNCHER), str(config_path)],
-                stdin=f_in, stdout=f_out, stderr=f_err, start_new_session=True, close_fds=True, cwd=str(root),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=launcher_err,
+                start_new_session=True, close_fds=True, cwd=str(root),
             )
-            timed_out = False
-            try:
-                returncode = process.wait(timeout=limits.wall_s)
+            backstop_hit = False
+            try:  # the launcher enforces each run's wall time; this only backs it up
+                launcher_status = process.wait(timeout=limits.wall_s * len(stdins) + 2.0)
             except subprocess.TimeoutExpired:
-                timed_out = True
-                returncode = -signal.SIGKILL
-        stdout = _read_capped(root / "stdout", limits.output_chars)
-        stderr = _read_capped(root / "stderr", limits.output_chars)
-        if returncode == _SETUP_FAILED and stderr.startswith("sandbox setup failed"):
-            raise SandboxError(stderr.strip())
-        return SandboxResult(
-            returncode=returncode, stdout=stdout, stderr=stderr, timed_out=timed_out,
-            isolation="namespaces" if use_namespaces else ("uid+rlimits" if drop_uid else "rlimits-only"),
-        )
+                backstop_hit = True
+                launcher_status = None
+        setup_error = _read_capped(io_dir / "launcher.err", limits.output_chars)
+        if launcher_status == _SETUP_FAILED and "sandbox setup failed" in setup_error:
+            raise SandboxError(setup_error.strip())
+        try:
+            statuses = json.loads((io_dir / "results.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            statuses = []
+        results = []
+        for i, status in enumerate(statuses):
+            stderr = _read_capped(io_dir / f"stderr-{i}", limits.output_chars)
+            if status["returncode"] == _SETUP_FAILED and stderr.startswith("sandbox setup failed"):
+                raise SandboxError(stderr.strip())
+            results.append(SandboxResult(
+                returncode=status["returncode"], stdout=_read_capped(io_dir / f"stdout-{i}", limits.output_chars),
+                stderr=stderr, timed_out=status["timed_out"], isolation=isolation,
+            ))
+        if backstop_hit or not results or (len(results) < len(stdins) and results[-1].returncode == 0 and not results[-1].timed_out):
+            # the launcher died or overran before reporting this run: it counts as a timeout
+            results.append(SandboxResult(returncode=-signal.SIGKILL, stdout="", stderr=setup_error, timed_out=True,
+                                         isolation=isolation))
+        return results
     finally:
         if process is not None:
             try:

@@ -191,3 +191,22 @@ def test_without_namespaces_it_warns_loudly_and_says_what_is_left(monkeypatch, t
     else:  # e.g. Python under a 0700 /root: no uid could exec it, so the program keeps ours
         assert result.isolation == "rlimits-only" and int(result.stdout) == os.getuid()
         assert any("THIS user" in r.message for r in caplog.records)
+
+
+def test_many_inputs_share_one_sandbox_with_limits_per_run():
+    from megatron_rlvr.rewards.sandbox import run_python_many
+
+    program = (
+        "import os, time\n"
+        "line = input()\n"
+        "if line == 'loop':\n"
+        "    while True: pass\n"
+        "if line == 'orphan' and os.fork() == 0:\n"
+        "    time.sleep(60)\n"
+        "print(line.upper())\n"
+    )
+    results = run_python_many(program, ["a", "orphan", "b", "loop", "never"], LIMITS)
+    assert [r.stdout.strip() for r in results[:3]] == ["A", "ORPHAN", "B"]
+    assert all(r.returncode == 0 and not r.timed_out for r in results[:3])
+    assert len(results) == 4 and results[3].returncode != 0  # the loop was stopped; "never" was not run
+    assert sandbox_processes() == []  # the orphan of run 2 did not outlive its run
