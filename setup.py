@@ -24,17 +24,22 @@ def _extensions():
     if not cpp_sources:
         return [], {}
     cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
+    # headers and the per-instruction-set row kernels (included, not compiled on their own): a change rebuilds
+    depends = sorted(glob.glob("csrc/*.h") + glob.glob("csrc/*.inc"))
     with_cuda = torch.cuda.is_available() or os.environ.get("MEGATRON_RLVR_FORCE_CUDA") == "1"
     if with_cuda and torch.version.cuda is not None:
         ext = CUDAExtension(
             "megatron_rlvr._C",
             cpp_sources + sorted(glob.glob("csrc/*.cu")),
             define_macros=[("WITH_CUDA", None)],
+            depends=depends,
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math", "-std=c++17"]},
             extra_link_args=["-fopenmp"],
         )
     else:
-        ext = CppExtension("megatron_rlvr._C", cpp_sources, extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"])
+        ext = CppExtension(
+            "megatron_rlvr._C", cpp_sources, depends=depends, extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"]
+        )
     return [ext], {"build_ext": BuildExtension}
 
 
