@@ -40,10 +40,11 @@ def extension() -> ModuleType | None:
     return _C
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str, stacklevel: int = 4) -> None:
+    """One line, once per process (these fire on every training step otherwise)."""
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
@@ -59,12 +60,12 @@ def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
         raise ValueError(f"implementation 'cuda' runs on CUDA tensors; the logits are on {device}")
     wanted = "cuda" if device.type == "cuda" else "cpp" if device.type == "cpu" else None
     if wanted is None:
-        _warn_once(f"vocab_parallel_token_stats: no kernel for device {device.type}; using the torch reference")
+        warn_once(f"vocab_parallel_token_stats: no kernel for device {device.type}; using the torch reference")
         return "reference"
     if _C is None:
         if choice != "auto":
             raise RuntimeError(f"implementation {choice!r} requested but megatron_rlvr._C is missing: {_C_IMPORT_ERROR}")
-        _warn_once(
+        warn_once(
             "vocab_parallel_token_stats: megatron_rlvr._C is not built (pip install -e . builds it); using the "
             "slower torch reference"
         )
@@ -72,10 +73,10 @@ def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
     if wanted == "cuda" and not _C.has_cuda():
         if choice != "auto":
             raise RuntimeError("implementation 'cuda' requested but megatron_rlvr._C was built without CUDA")
-        _warn_once("vocab_parallel_token_stats: megatron_rlvr._C was built without CUDA; using the torch reference")
+        warn_once("vocab_parallel_token_stats: megatron_rlvr._C was built without CUDA; using the torch reference")
         return "reference"
     if wanted == "cuda" and top_n > CUDA_MAX_TOP_N:
-        _warn_once(f"vocab_parallel_token_stats: top_n > {CUDA_MAX_TOP_N} has no CUDA kernel; using the reference")
+        warn_once(f"vocab_parallel_token_stats: top_n > {CUDA_MAX_TOP_N} has no CUDA kernel; using the reference")
         return "reference"
     return wanted
 

@@ -267,3 +267,13 @@ def test_masked_minus_inf_logits(impl, dtype):
     targets[1] = 3  # a masked token was sampled
     result = compare_to_oracle(Case(logits.to(dtype), targets, 2090), 4, implementation=impl)
     check(result, dtype)
+
+
+def test_non_contiguous_logits_warn_about_the_copy(monkeypatch):
+    monkeypatch.setattr(backends, "_warned", set())
+    logits = make_case(8, 40, 40, torch.float32, seed=15).logits.view(2, 4, 40)
+    targets = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.warns(RuntimeWarning, match="not contiguous, so they are copied"):
+        stats = vocab_parallel_token_stats(logits[:, :-1], targets, 2)
+    dense = reference.dense_token_stats(logits[:, :-1], targets, 2)
+    torch.testing.assert_close(stats.logp, dense.logp, atol=VALUE_TOL, rtol=0)
