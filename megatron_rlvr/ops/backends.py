@@ -40,10 +40,11 @@ def extension() -> ModuleType | None:
     return _C
 
 
-def warn_once(message: str, stacklevel: int = 4) -> None:
-    """One line, once per process (these fire on every training step otherwise)."""
-    if message not in _warned:
-        _warned.add(message)
+def warn_once(message: str, stacklevel: int = 4, key: str | None = None) -> None:
+    """One line, once per process per `key` (default: the message); these would fire on every step otherwise."""
+    key = message if key is None else key
+    if key not in _warned:
+        _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 

@@ -127,7 +127,7 @@ def vocab_parallel_token_stats(
             f"vocab_parallel_token_stats: logits {tuple(logits.shape)} with strides {logits.stride()} are not "
             f"contiguous, so they are copied ({logits.numel() * logits.element_size() / 2**20:.0f} MiB) and an in-place "
             "backward only reuses the copy; pass contiguous logits (e.g. whole sequences and mask the last target)",
-            stacklevel=3,
+            stacklevel=3, key="non-contiguous logits",
         )
     flat_logits = logits.reshape(-1, vocab_local).contiguous()
     flat_targets = target_ids.reshape(-1).to(torch.int64).contiguous()
