@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -330,7 +331,7 @@ def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE, launc
         if not path.is_file():
             raise LaunchError(f"dry run: nemo-run wrote no sbatch script at {path}")
         return f"# sbatch script: {path}\n{path.read_text()}"
-    args = " ".join(job.task.args)
+    args = shlex.join(job.task.args)
     if launcher is None:
         return f"# local executor: one process\npython -m {module} {args}"
     return (f"# local executor: {opts.procs_per_node} processes\n"

@@ -171,4 +171,6 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
         for item in unmounted_paths(cfg, opts.mounts):
             print(f"[launch] warning: {item} is under no --mount; the container must provide it", file=sys.stderr)
     ship = {} if subcommand == "eval" else {"run_config.yaml": resolved_yaml(path, cfg, args.overrides)}
-    return run_task(job_name(subcommand, path), cli_args, opts, ship=ship)
+    # an eval of one process runs without torchrun: nothing to rendezvous, and the engine builds its own world
+    launcher = None if subcommand == "eval" and opts.world_size == 1 else "torchrun"
+    return run_task(job_name(subcommand, path), cli_args, opts, ship=ship, launcher=launcher)

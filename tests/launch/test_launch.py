@@ -129,6 +129,14 @@ def test_k1024_eval_dryrun_runs_one_engine_with_the_recipes_flags(tmp_path):
         assert f" {flags} " in f"{command} ", flags
 
 
+def test_local_one_process_eval_dryrun_runs_without_torchrun(tmp_path):
+    out = launch("eval.py", ["--recipe", "eval_cpu", "--dryrun", "eval.n_samples=32"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.split("# local executor: one process\n", 1)[1].strip()  # one shell command (stop: a newline)
+    assert line.startswith("python -m megatron_rlvr.cli eval --model megatron_rlvr/demo/model --benchmarks countdown ")
+    assert " --n 32 " in line and line.endswith(" --stop '\n'")
+
+
 def test_eval_refuses_more_than_one_node(capsys):
     assert recipe_job_main("eval", ["--recipe", "eval_k1024_qwen2.5-math-7b", *SLURM, "--nodes", "2"], "") == 2
     assert "megatron-rlvr eval runs one vLLM engine; use --nodes 1" in capsys.readouterr().err
