@@ -19,5 +19,5 @@ class DataConfig:
     shuffle: bool = True
     skip_bad_rows: bool = False  # false: a malformed row is an error naming file and line
     seed: int = 1234
-    demo_train_problems: int = 4096  # size of the embedded task's train split
+    demo_train_problems: int = 1024  # size of the embedded task's train split (it holds ~5000 in all)
     demo_eval_problems: int = 32  # size of the embedded task's eval split

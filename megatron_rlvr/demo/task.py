@@ -24,8 +24,8 @@ Split = Literal["train", "eval"]
 # Difficulty. A warm-started tiny model should solve some but not all of these (see tools/make_demo_model.py).
 NUM_COUNT = 4  # numbers given per problem
 NUM_MIN, NUM_MAX = 1, 9  # each number is drawn from this range (repeats allowed)
-TARGET_MIN, TARGET_MAX = 10, 60  # targets are reachable values inside this range
-MIN_SOLUTIONS = 4  # a problem is kept only if it has at least this many distinct solutions
+TARGET_MIN, TARGET_MAX = 10, 40  # targets are reachable values inside this range
+MIN_SOLUTIONS = 12  # a target is kept only if it has at least this many distinct solutions: many ways to be right
 EVAL_FRACTION_PER_MILLE = 100  # ~10% of all possible problems belong to the eval split
 
 
@@ -119,7 +119,7 @@ def solutions(numbers: tuple[int, ...] | list[int], target: int, cap: int = 256)
     return sorted(e for e in found if not e.isdigit())  # a bare given number is not an answer
 
 
-def reachable_targets(numbers: tuple[int, ...], cap: int = MIN_SOLUTIONS) -> dict[int, int]:
+def reachable_targets(numbers: tuple[int, ...], cap: int) -> dict[int, int]:
     """target -> distinct solutions found (at most about ``cap`` per sub-multiset), for targets in
     [TARGET_MIN, TARGET_MAX] that need 2 or more numbers. A small cap keeps the generator fast: it only has to
     tell whether a target has at least MIN_SOLUTIONS answers."""
@@ -148,17 +148,20 @@ def generate(seed: int, count: int, split: Split) -> list[CountdownProblem]:
 def iter_problems(seed: int, split: Split) -> Iterator[CountdownProblem]:
     rng = random.Random(f"countdown:{seed}")
     seen: set[tuple[tuple[int, ...], int]] = set()
-    misses = 0
+    misses = 0  # consecutive draws that gave no new problem: the split is (nearly) exhausted
     while True:
         numbers = tuple(rng.randint(NUM_MIN, NUM_MAX) for _ in range(NUM_COUNT))
-        targets = {t: c for t, c in reachable_targets(numbers).items() if c >= MIN_SOLUTIONS}
+        targets = {t: c for t, c in reachable_targets(numbers, cap=MIN_SOLUTIONS).items() if c >= MIN_SOLUTIONS}
         key = tuple(sorted(numbers))  # the same numbers in another order are the same problem
         candidates = sorted(t for t in targets if split_of(numbers, t) == split and (key, t) not in seen)
         if not candidates:
             misses += 1
-            if misses > 100_000:
-                raise RuntimeError(f"countdown generator: no new {split} problems left (seed {seed})")
+            if misses > 2_000:
+                raise RuntimeError(
+                    f"countdown generator: no new {split} problems after {len(seen)} (the {split} split holds only "
+                    f"about that many with these difficulty settings); ask for fewer")
             continue
+        misses = 0
         target = rng.choice(candidates)
         seen.add((key, target))
         yield CountdownProblem(numbers, target, problem_id(numbers, target))
