@@ -129,15 +129,20 @@ class MegatronActor:
         mbs = self.cfg.micro_batch_size
         return [batch.select(slice(i, i + mbs)) for i in range(0, len(batch), mbs)]
 
-    def _token_stats(self, logits: torch.Tensor, tokens: torch.Tensor) -> TokenStats:
+    def _token_stats(self, logits: torch.Tensor, tokens: torch.Tensor, inplace_backward: bool = False) -> TokenStats:
+        """Statistics at positions 0..S-2 (position t predicts token t + 1). The op runs on the whole contiguous
+        logits with the targets shifted (the last position's target is a dummy), so no [B, S, V/tp] copy is made
+        and the backward may write the gradient into the logits buffer itself."""
         from megatron.core import parallel_state as ps
 
-        top_n = max(self.algo_cfg.top_n, MONITOR_TOP_N)
-        return vocab_parallel_token_stats(
-            logits[:, :-1], tokens[:, 1:], top_n, group=ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None,
+        targets = torch.roll(tokens, shifts=-1, dims=1)
+        stats = vocab_parallel_token_stats(
+            logits, targets, max(self.algo_cfg.top_n, MONITOR_TOP_N),
+            group=ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None,
             vocab_start=ps.get_tensor_model_parallel_rank() * self.local_vocab, vocab_size=self.vocab_size,
-            temperature=self.temperature, chunk_tokens=self.cfg.stats_chunk_tokens,
+            temperature=self.temperature, chunk_tokens=self.cfg.stats_chunk_tokens, inplace_backward=inplace_backward,
         )
+        return TokenStats(*(t[:, :-1] for t in stats))
 
     def _forward(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
@@ -207,7 +212,8 @@ class MegatronActor:
             num_seqs = float((mini.response_mask.sum(-1) > 0).sum())
 
             def loss_fn(mb: SequenceBatch, logits: torch.Tensor):
-                stats = self._token_stats(logits, mb.tokens)
+                # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
+                stats = self._token_stats(logits, mb.tokens, inplace_backward=True)
                 loss, metrics = policy_loss(
                     stats, mb.old_logp, mb.advantages, mb.response_mask, self.algo_cfg,
                     num_tokens=num_tokens, num_seqs=num_seqs, target_ids=mb.tokens[:, 1:],
@@ -248,10 +254,12 @@ class MegatronActor:
         dist.all_reduce(flag)
         return int(flag) == 0
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(
+        self, bucket_bytes: int, include_lm_head: bool = True
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         from megatron_rlvr.bridge import export_hf_weights
 
-        return export_hf_weights(self.model_chunks, self.hf, bucket_bytes=bucket_bytes)
+        return export_hf_weights(self.model_chunks, self.hf, bucket_bytes=bucket_bytes, include_lm_head=include_lm_head)
 
 
 def _across_data_parallel(metrics: dict[str, float], summed: tuple[str, ...]) -> dict[str, float]:

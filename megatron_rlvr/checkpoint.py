@@ -144,7 +144,8 @@ def load(path: str | Path, actor) -> dict[str, Any]:
     chunks = actor.model_chunks
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
-    actor.optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+        actor.optimizer.load_state_dict(loaded["optimizer"])
     actor.scheduler.load_state_dict(state.pop("scheduler"))
     rng_file = path / "rng" / f"rank-{_rank():05d}.pt"
     if not rng_file.is_file():
@@ -168,7 +169,8 @@ def save_hf(actor, hf_src_dir: str | Path, out_dir: str | Path, bucket_bytes: in
         tmp.mkdir(parents=True)
     weight_map: dict[str, str] = {}
     files = []
-    for i, bucket in enumerate(actor.export_weights(bucket_bytes)):
+    # an HF checkpoint of a tied model has no lm_head (an engine sync does send it)
+    for i, bucket in enumerate(actor.export_weights(bucket_bytes, include_lm_head=False)):
         if _rank() == 0:
             name = f"model-{i + 1:05d}.safetensors"
             save_file({n: t.contiguous() for n, t in bucket}, str(tmp / name), metadata={"format": "pt"})

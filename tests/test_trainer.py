@@ -17,7 +17,7 @@ def _config(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list
         f"model.hf_dir={hf_dir}", f"actor.tp={tp}", f"actor.pp={pp}", "actor.micro_batch_size=4", "actor.lr=1e-3",
         "algo.loss=entropy_bonus", "algo.beta=0.05", "rollout.group_size=4", "rollout.max_new_tokens=6",
         "rollout.max_model_len=64", "rollout.kv_cache_memory_bytes=16777216", "data.max_prompt_tokens=48",
-        "reward.workers=1", f"trainer.steps={steps}", "trainer.prompts_per_step=2", "trainer.tensorboard=false",
+        "reward.workers=1", "data.demo_train_problems=64", f"trainer.steps={steps}", "trainer.prompts_per_step=2", "trainer.tensorboard=false",
         f"trainer.output_dir={out_dir}", *extra,
     ])
 
