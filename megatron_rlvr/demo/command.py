@@ -42,10 +42,12 @@ def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
     os.replace(tmp, data_dir / "countdown.jsonl")
 
 
-def _evaluate(out: Path, models: list[str], n: int, prompts: int) -> Path:
+def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[str, list[dict]]:
+    """Sample ``n`` answers per eval prompt from each model (resumable) and return label -> per-sample results."""
     from megatron_rlvr.config import load_config
-    from megatron_rlvr.eval.command import evaluate, hf_encoder_factory, vllm_engine_factory
+    from megatron_rlvr.eval.command import evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
+    from megatron_rlvr.eval.store import load_records
     from megatron_rlvr.rewards.config import RewardConfig
 
     recipe = load_config(RECIPE)
@@ -56,8 +58,16 @@ def _evaluate(out: Path, models: list[str], n: int, prompts: int) -> Path:
         stop=list(recipe.rollout.stop), benchmarks=["countdown"], data_dir=str(data_dir), output_dir=str(out / "eval"),
     )
     factory = vllm_engine_factory(recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes)
-    evaluate(models, cfg, RewardConfig(workers=1), factory, hf_encoder_factory)
-    return out / "eval"
+    paths = list(models.values())
+    evaluate(paths, cfg, RewardConfig(workers=1), factory, hf_encoder_factory)
+    results = {}
+    for label, tag in zip(models, model_tags(paths)):
+        records = load_records(out / "eval" / tag).values()
+        results[label] = [
+            {"prompt_id": r["problem_id"], "sample": r["sample"], "response": r.get("text") or "", "reward": r["reward"]}
+            for r in records
+        ]
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()
-    recipe = RECIPE
     base_model = str((REPO / "megatron_rlvr" / "demo" / "model").resolve())
     start = time.perf_counter()
     _train(out, args.algo, args.overrides, args.nproc)
@@ -79,12 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     if not (trained / "config.json").is_file():
         raise SystemExit(f"megatron-rlvr demo: training finished without writing {trained}")
     train_s = time.perf_counter() - start
-    eval_dir = _evaluate(out, [base_model, str(trained)], args.eval_n, args.eval_prompts)
-    from megatron_rlvr.demo.report import write_demo_report
+    samples = _evaluate(out, {"base": base_model, f"trained ({args.algo})": str(trained)}, args.eval_n, args.eval_prompts)
+    from megatron_rlvr.demo.report import write_report
 
-    report = write_demo_report(
-        out / "report", eval_dir=eval_dir, metrics_path=out / "train" / "metrics.jsonl", algo=args.algo,
-        recipe=recipe, seconds={"train": train_s, "total": time.perf_counter() - start},
+    minutes = (time.perf_counter() - start) / 60
+    summary = write_report(
+        out / "report", samples, metrics={args.algo: out / "train" / "metrics.jsonl"},
+        notes=[f"training {train_s / 60:.1f} min, total {minutes:.1f} min on this machine ({os.cpu_count()} cores)"],
     )
-    print(f"report: {report}")
+    print((out / "report" / "report.md").read_text())
+    print(f"report: {out / 'report'} ({len(summary.get('files', []))} files)")
     return 0
