@@ -11,7 +11,9 @@ run); the comparison table goes to ``<out>/table.md`` and ``<out>/table.csv`` an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -91,23 +93,39 @@ def evaluate(
     if not cfg.benchmarks:
         raise ValueError(f"--benchmarks: give at least one of {sorted(BENCHMARKS)}")
     problems = [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
+    rank = _join_world()
     out = Path(cfg.output_dir)
     counts: dict[str, dict] = {}
-    with RewardPool(reward_cfg) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(RewardPool(reward_cfg)) if rank == 0 else None
         for model, tag in zip(models, model_tags(models)):
             run_dir = out / tag
             engine = engine_factory(model, cfg)
             try:
-                runner = EvalRunner(engine, encoder_factory(model, cfg), cfg, pool, run_dir, model=str(Path(model).resolve()))
+                runner = EvalRunner(engine, encoder_factory(model, cfg), cfg, pool, run_dir,
+                                    model=str(Path(model).resolve()), rank=rank)
                 runner.run(problems)
             finally:
                 close = getattr(engine, "close", None)
                 if callable(close):
                     close()
             log.info("%s: %d chunks drawn, reward counters %s", tag, runner.chunks_drawn, dict(runner.reward_counters))
-            counts[tag] = problem_counts(load_records(run_dir), problems, cfg.n_samples)
+            if rank == 0:
+                counts[tag] = problem_counts(load_records(run_dir), problems, cfg.n_samples)
+    if rank != 0:
+        return [], [], []
     ks, rows = pass_at_k_rows(counts)
     return ks, rows, write_reports(ks, rows, out)
+
+
+def _join_world() -> int:
+    """This process's rank: under torchrun (a TP>1 engine) every rank joins torch.distributed first."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0
+    from megatron_rlvr.distributed import init_process_group, rank
+
+    init_process_group()
+    return rank()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"megatron-rlvr eval: error: {exc}", file=sys.stderr)
         return 2
-    print(markdown_table(ks, rows))
-    print("wrote " + ", ".join(str(p) for p in written))
+    if rows:  # rank 0 only
+        print(markdown_table(ks, rows))
+        print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -6,6 +6,10 @@ is scored with the `RewardPool` and its records appended to the `SampleStore` at
 stored is skipped. So a killed run, rerun with the same settings, draws exactly the missing chunks and its final
 table equals an uninterrupted run's. The engine is whatever the caller passes (vLLM, or a test fake): swapping it is
 one line.
+
+Several ranks (a TP>1 vLLM engine under torchrun, where every rank must make the same generate calls): rank 0 reads
+the store and decides which chunks to draw, the plan is broadcast, every rank draws them, and only rank 0 scores and
+writes. With one process the broadcast is the identity.
 """
 
 from __future__ import annotations
@@ -52,68 +56,102 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         raise ValueError(f"eval.max_new_tokens: must be >= 1, got {cfg.max_new_tokens}")
 
 
+def torch_broadcast(obj):
+    """Rank 0's ``obj`` on every rank of the default torch.distributed group (the identity for one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class EvalRunner:
-    """Samples, verifies and stores; ``counts`` then gives per-problem (n, c) for the pass@k table."""
+    """Samples, verifies and stores; `problem_counts` on the stored records then gives (n, c) for pass@k.
+
+    ``rank`` > 0 (a follower of a multi-rank engine) draws what rank 0's plan says and writes nothing; it needs no
+    pool. ``broadcast`` sends rank 0's plan to every rank.
+    """
 
     def __init__(
         self,
         engine: RolloutEngine,
         encode: Callable[[str], list[int]],
         cfg: EvalConfig,
-        pool: RewardPool,
+        pool: RewardPool | None,
         run_dir: str | Path,
         model: str,
+        rank: int = 0,
+        broadcast: Callable = torch_broadcast,
     ):
         validate_eval_config(cfg)
+        if rank == 0 and pool is None:
+            raise ValueError("EvalRunner: rank 0 scores the samples and needs a RewardPool")
         self.engine, self.encode, self.cfg, self.pool, self.model = engine, encode, cfg, pool, model
         self.run_dir = Path(run_dir)
+        self.rank, self.broadcast = rank, broadcast
         self.reward_counters: dict[str, int] = defaultdict(int)
         self.chunks_drawn = 0
 
     def _chunks(self, n: int) -> list[range]:
         return [range(start, min(start + self.cfg.chunk, n)) for start in range(0, n, self.cfg.chunk)]
 
+    def _plan(self, problems: Sequence[Problem], store: SampleStore) -> list[tuple[int, int]]:
+        """(problem index, chunk index) of every chunk with a sample not yet stored, in order."""
+        return [
+            (i, j)
+            for i, problem in enumerate(problems)
+            for j, samples in enumerate(self._chunks(self.cfg.n_samples))
+            if any(not store.has((problem.benchmark, problem.problem_id, s)) for s in samples)
+        ]
+
     def run(self, problems: Sequence[Problem]) -> None:
+        store = SampleStore(self.run_dir, run_settings(self.cfg, self.model)) if self.rank == 0 else None
+        try:
+            plan = self.broadcast(self._plan(problems, store) if store is not None else None)
+            self._draw(problems, plan, store)
+        finally:
+            if store is not None:
+                store.close()
+
+    def _draw(self, problems: Sequence[Problem], plan: list[tuple[int, int]], store: SampleStore | None) -> None:
         cfg = self.cfg
-        with SampleStore(self.run_dir, run_settings(cfg, self.model)) as store:
-            started = time.monotonic()
-            for p_index, problem in enumerate(problems):
-                prompt_ids: list[int] | None = None
-                for j, samples in enumerate(self._chunks(cfg.n_samples)):
-                    missing = [s for s in samples if not store.has((problem.benchmark, problem.problem_id, s))]
-                    if not missing:
-                        continue
-                    if prompt_ids is None:
-                        prompt_ids = self.encode(problem.prompt)
-                    # the whole chunk is drawn even when some of it is stored, so its seed gives the same samples
-                    sampling = Sampling(
-                        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
-                        stop=list(cfg.stop), seed=chunk_seed(cfg.seed, problem.benchmark, problem.problem_id, j),
-                        logprobs=False,
-                    )
-                    completions = self.engine.generate([prompt_ids], len(samples), sampling)
-                    if len(completions) != 1 or len(completions[0]) != len(samples):
-                        raise RuntimeError(
-                            f"engine returned {[len(c) for c in completions]} completions for 1 prompt x {len(samples)}"
-                        )
-                    by_sample = dict(zip(samples, completions[0]))
-                    texts = [by_sample[s].text for s in missing]
-                    rewards, counters = self.pool.score_batch(
-                        [problem.task] * len(missing), texts, [problem.reference] * len(missing)
-                    )
-                    for key, value in counters.items():
-                        self.reward_counters[key] += value
-                    store.append(
-                        {
-                            "benchmark": problem.benchmark, "problem_id": problem.problem_id, "sample": s, "chunk": j,
-                            "reward": reward, "finish_reason": by_sample[s].finish_reason,
-                            "num_tokens": len(by_sample[s].token_ids), "text": by_sample[s].text if cfg.save_text else None,
-                        }
-                        for s, reward in zip(missing, rewards)
-                    )
-                    self.chunks_drawn += 1
-                log.info("%s %s/%s: %d/%d problems (%.0f s)", self.model, problem.benchmark, problem.problem_id,
-                         p_index + 1, len(problems), time.monotonic() - started)
+        chunks = self._chunks(cfg.n_samples)
+        started, encoded = time.monotonic(), {}
+        for step, (i, j) in enumerate(plan):
+            problem, samples = problems[i], chunks[j]
+            if i not in encoded:
+                encoded = {i: self.encode(problem.prompt)}
+            # the whole chunk is drawn even when some of it is stored, so its seed gives the same samples
+            sampling = Sampling(
+                temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
+                seed=chunk_seed(cfg.seed, problem.benchmark, problem.problem_id, j), logprobs=False,
+            )
+            completions = self.engine.generate([encoded[i]], len(samples), sampling)
+            if len(completions) != 1 or len(completions[0]) != len(samples):
+                raise RuntimeError(f"engine returned {[len(c) for c in completions]} completions for 1 prompt x {len(samples)}")
+            self.chunks_drawn += 1
+            if store is None:
+                continue
+            by_sample = dict(zip(samples, completions[0]))
+            missing = [s for s in samples if not store.has((problem.benchmark, problem.problem_id, s))]
+            rewards, counters = self.pool.score_batch(
+                [problem.task] * len(missing), [by_sample[s].text for s in missing], [problem.reference] * len(missing)
+            )
+            for key, value in counters.items():
+                self.reward_counters[key] += value
+            store.append(
+                {
+                    "benchmark": problem.benchmark, "problem_id": problem.problem_id, "sample": s, "chunk": j,
+                    "reward": reward, "finish_reason": by_sample[s].finish_reason,
+                    "num_tokens": len(by_sample[s].token_ids), "text": by_sample[s].text if cfg.save_text else None,
+                }
+                for s, reward in zip(missing, rewards)
+            )
+            if step + 1 == len(plan) or plan[step + 1][0] != i:
+                log.info("%s %s/%s done: %d/%d chunks drawn (%.0f s)", self.model, problem.benchmark,
+                         problem.problem_id, step + 1, len(plan), time.monotonic() - started)
 
 
 def problem_counts(records: dict, problems: Sequence[Problem], n_samples: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:

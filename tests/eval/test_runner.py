@@ -13,7 +13,7 @@ import pytest
 from megatron_rlvr.eval import pass_at_k
 from megatron_rlvr.eval.benchmarks import load_benchmark
 from megatron_rlvr.eval.config import EvalConfig
-from megatron_rlvr.eval.runner import EvalRunner, problem_counts
+from megatron_rlvr.eval.runner import EvalRunner, problem_counts, run_settings
 from megatron_rlvr.eval.store import RunSettingsMismatch, SampleStore, load_records
 from megatron_rlvr.rewards import RewardConfig, RewardPool
 from tests.eval.fake_engine import FakeEngine, encode
@@ -130,3 +130,38 @@ def test_table_rows_are_mean_pass_at_k(tmp_path):
     assert "| b | m | 2 | 8 | 25.0 |" in markdown_table(ks, rows)
     paths = write_reports(ks, rows, tmp_path)
     assert [p.name for p in paths] == ["table.md", "table.csv", "passk_b.png"]
+
+
+class RecordingEngine(FakeEngine):
+    def __init__(self):
+        super().__init__(0.5)
+        self.seeds = []
+
+    def generate(self, prompt_token_ids, n, sampling):
+        self.seeds.append((sampling.seed, n))
+        return super().generate(prompt_token_ids, n, sampling)
+
+
+def test_follower_ranks_draw_rank_zeros_plan_and_write_nothing(tmp_path):
+    data = tmp_path / "data"
+    write_data(data)
+    problems = load_benchmark("countdown", data)
+    cfg = EvalConfig(n_samples=20, chunk=8)
+    plans = []
+
+    def capture(plan):
+        plans.append(plan)
+        return plan
+
+    leader = RecordingEngine()
+    with RewardPool(RewardConfig(workers=1)) as pool:
+        with SampleStore(tmp_path / "run", run_settings(cfg, "m")) as store:
+            store.append([{"benchmark": "countdown", "problem_id": "c0", "sample": s, "chunk": 0, "reward": 0.0} for s in range(8)])
+        EvalRunner(leader, encode, cfg, pool, tmp_path / "run", model="m", broadcast=capture).run(problems)
+    assert plans == [[(0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]]  # c0's first chunk was already stored
+
+    follower = RecordingEngine()
+    EvalRunner(follower, encode, cfg, None, tmp_path / "follower", model="m", rank=1, broadcast=lambda _: plans[0]).run(problems)
+    assert follower.seeds == leader.seeds and not (tmp_path / "follower").exists()
+    with pytest.raises(ValueError, match="needs a RewardPool"):
+        EvalRunner(follower, encode, cfg, None, tmp_path / "x", model="m")
