@@ -5,7 +5,10 @@ Device-specific choices live in `_engine_kwargs` and in `sleep`/`wake` only:
   eager mode; sleep/wake are no-ops (vLLM's CPU worker has no sleep mode).
 - GPU: one engine per rollout-DP group, colocated with the actor ranks through the "external_launcher" executor
   (every rank of the torch.distributed world builds its engine at the same time; vLLM cuts the world into TP groups
-  of `cfg.tp` ranks), sleep mode between rollout and training.
+  of `cfg.tp` consecutive ranks), sleep mode between rollout and training. The ranks of one engine's TP group run
+  in lockstep: they must build it with the same seed and pass the same prompts and sampling to every `generate`.
+  Not run here (no GPU on the development machine); written from vLLM 0.32's code.
+- CPU beside a multi-rank actor: `_vllm_private_world` (see there).
 
 Weights arrive as HF (name, tensor) pairs and go through the model's own `load_weights` (vLLM's in-place
 `reload_weights` worker method), so vLLM's packing (qkv, gate_up) and TP slicing are its own. Log-probs are those of
@@ -51,6 +54,7 @@ class VLLMEngine:
         if not self.on_gpu:
             _check_cpu_model(self._hf_config, cfg)
         self._asleep = False
+        self._weights_discarded = False  # sleep level 2 dropped them: only update_weights brings weights back
         self._llm = self._start(dtype)
 
     # ---------------------------------------------------------------------------------------------- lifecycle
@@ -79,25 +83,17 @@ class VLLMEngine:
         self._death = self._death or "the engine was closed"
         if llm is None:
             return
-        # vLLM's engine-core shutdown ends with destroy_process_group() on "the" torch.distributed world. On CPU that
-        # must be vLLM's private world, never the actor's. On GPU (external_launcher) vLLM's world IS the actor's:
-        # there the shutdown is skipped, its GC finalizer detached, and the memory goes with the last reference.
-        client = llm.llm_engine.engine_core
         try:
-            if self.on_gpu:
-                client._finalizer.detach()
-            else:
-                with _vllm_private_world():
-                    client.shutdown()  # runs once: it detaches the client's GC finalizer
+            _shutdown_keeping_vllm_parallel_state(llm.llm_engine.engine_core)
         except Exception as e:  # the engine may already be broken; closing must still succeed
             logger.warning("vLLM engine shutdown raised %r", e)
-        del llm, client
+        del llm
         gc.collect()
         if self.on_gpu:
             torch.cuda.empty_cache()
 
     def __del__(self) -> None:
-        # Without this, the vLLM client's own GC finalizer would shut the engine down outside _vllm_private_world.
+        # Without this, the vLLM client's own GC finalizer would run vLLM's full shutdown (see close()).
         try:
             self.close()
         except Exception:  # interpreter teardown: modules may already be gone
@@ -127,6 +123,10 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
         llm = self._require_alive()
         self._check_prompts(prompt_token_ids, n, sampling)
+        if self._weights_discarded:
+            raise RuntimeError(
+                "generate: rollout.sleep_level=2 discarded the engine's weights at sleep(); call update_weights first"
+            )
         if self._asleep:
             self.wake()
         from vllm import SamplingParams
@@ -214,6 +214,7 @@ class VLLMEngine:
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed()})
             llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            self._weights_discarded = False
         except Exception as e:
             _drain(source)
             what = "update_weights (a bad tensor after others were loaded)" if isinstance(e, WeightSyncError) else None
@@ -247,6 +248,7 @@ class VLLMEngine:
         llm.reset_prefix_cache()
         llm.sleep(level=self.cfg.sleep_level)
         self._asleep = True
+        self._weights_discarded = self.cfg.sleep_level == 2
 
     def wake(self) -> None:
         llm = self._require_alive()
@@ -277,8 +279,8 @@ def _vllm_private_world():
     never join, and the engine start hangs. With the default group hidden, vLLM initializes a private one-rank world
     (a file store); its groups stay valid after the actor's default group is put back. torch names new groups by a
     per-process counter that must advance alike on every actor rank, so vLLM's groups take numbers from a range of
-    their own and the actor's counter is restored. A TP=1 engine runs no collectives, and vLLM's CPU shutdown
-    destroys no process group.
+    their own and the actor's counter is restored. A TP=1 engine runs no collectives, and `close()` destroys no
+    process group (see `_shutdown_keeping_vllm_parallel_state`).
     """
     global _private_group_count
     import torch.distributed as dist
@@ -338,6 +340,24 @@ def _completion(output: Any, with_logprobs: bool) -> Completion:
     if output.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a completion with reason {output.finish_reason!r}")
     return Completion(token_ids=token_ids, logprobs=logprobs, text=output.text, finish_reason=output.finish_reason)
+
+
+def _shutdown_keeping_vllm_parallel_state(client: Any) -> None:
+    """vLLM's `EngineCore.shutdown()` without its last step, `cleanup_dist_env_and_memory()`.
+
+    That step destroys vLLM's parallel state, which is process-global and shared by every engine in the process
+    (closing one engine broke another: "pipeline model parallel group is not initialized", measured), and then
+    calls destroy_process_group() on the default group, which beside an actor is the actor's world (on GPU with
+    external_launcher always). Kept, the state is reused by the next engine built in this process.
+    """
+    client._finalizer.detach()  # the in-process client's GC finalizer would otherwise run the full shutdown
+    core = client.engine_core
+    core.structured_output_manager.clear_backend()
+    if core.model_executor:
+        core.model_executor.shutdown()
+    if core.scheduler:
+        core.scheduler.shutdown()
+    gc.unfreeze()  # EngineCore froze its start-up objects; unfrozen, the weights and KV cache can be collected
 
 
 def _drain(source) -> None:

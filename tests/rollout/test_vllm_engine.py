@@ -190,7 +190,7 @@ def test_tied_lm_head_must_equal_the_embedding(llama_tied):
     assert _max_diff(engine, hf) <= TOL
 
 
-def test_dead_engine_is_reported_and_a_rebuilt_engine_takes_the_actor_weights(llama_tied, monkeypatch):
+def test_dead_engine_is_reported_and_a_rebuilt_engine_takes_the_actor_weights(llama_tied, qwen, monkeypatch):
     engine, hf, original, model_dir = llama_tied
     new = perturbed(original, seed=6, tied=True)
 
@@ -220,3 +220,25 @@ def test_dead_engine_is_reported_and_a_rebuilt_engine_takes_the_actor_weights(ll
     finally:
         load_into_hf(hf, original)
         rebuilt.close()
+    # vLLM's parallel state is shared by every engine in the process: closing two engines must not break a third
+    other, other_hf, _ = qwen
+    assert _max_diff(other, other_hf) <= TOL
+
+
+def test_top_p_logprobs_are_of_the_truncated_renormalized_distribution(qwen):
+    """With top_p < 1 vLLM's processed log-probs are of the nucleus renormalized, not of softmax(logits / T): a
+    trainer comparing them with its own logits / T statistics must sample with top_p = 1 (or account for it)."""
+    engine, hf, _ = qwen
+    prompt, temperature, top_p = [5, 17, 99, 200, 3], 1.0, 0.5
+    c = engine.generate([prompt], 1, Sampling(temperature=temperature, top_p=top_p, max_tokens=6, seed=1))[0][0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1] / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    outside = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= top_p  # mass before it already reaches top_p
+    nucleus = torch.log_softmax(sorted_logp.masked_fill(outside, float("-inf")), dim=-1)
+    nucleus = torch.empty_like(nucleus).scatter(1, order, nucleus)
+    ids = torch.tensor(c.token_ids)[:, None]
+    got = torch.tensor(c.logprobs)
+    assert (got - nucleus.gather(1, ids)[:, 0]).abs().max().item() <= TOL
+    assert (got - logp.gather(1, ids)[:, 0]).abs().max().item() > 100 * TOL
