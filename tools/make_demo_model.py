@@ -1,6 +1,10 @@
 """Build the demo's tokenizer and tiny Qwen2 model, warm-started by supervised training on correct countdown answers.
 
-    python tools/make_demo_model.py [--out megatron_rlvr/demo/model] [--seed 0] [--steps 600]
+    python tools/make_demo_model.py [--out megatron_rlvr/demo/model] [--seed 0] [--steps 300]
+    python tools/make_demo_model.py --init-from DIR --out DIR2 --seed 1 ...   # continue SFT from a checkpoint
+
+The defaults rebuild the first stage of the committed model; its training_info.json records every stage's arguments
+(``continued_from`` holds the earlier stage's record) and the measured base pass@1 / pass@64.
 
 Writes an HF checkpoint (config.json, model.safetensors, tokenizer files, generation_config.json) that both
 transformers and vLLM load, plus training_info.json with the settings and the base model's measured pass@k.
@@ -147,16 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "megatron_rlvr/demo/model"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--train-problems", type=int, default=6000)
-    ap.add_argument("--answers-per-problem", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--train-problems", type=int, default=2500)
+    ap.add_argument("--answers-per-problem", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=384)
+    ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--tokenizer-vocab", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--init-from", default="", help="continue SFT from this checkpoint (its tokenizer and shape)")
+    ap.add_argument("--eval-seed", type=int, default=0, help="seed of the eval problems the base model is measured on")
     ap.add_argument("--eval-problems", type=int, default=32)
     ap.add_argument("--eval-samples", type=int, default=64)
     args = ap.parse_args(argv)
@@ -168,16 +174,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     problems = task.generate(args.seed, args.train_problems, "train")
     examples = training_examples(problems, args.answers_per_problem, rng)
-    # Prompts and answers apart: the actor feeds prompt ids then generated ids, so no merge may span the seam.
-    texts = [t for pair in examples[:5000] for t in pair]
-    tokenizer = build_tokenizer(texts, args.tokenizer_vocab)
-    vocab = 8 * math.ceil(len(tokenizer) / 8)  # padded: a multiple of 8 (and so of TP=2)
-    model = build_model(vocab, args.layers, args.hidden, args.intermediate, tokenizer, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(out)  # AutoTokenizer picks the tokenizer class from config.json's model_type
-    tokenizer.save_pretrained(out)
-    tokenizer = reload_tokenizer(out, tokenizer, texts[:2000] + [p + a for p, a in examples[:500]])
+    previous = None
+    if args.init_from:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.init_from)
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        vocab = model.config.vocab_size
+        info_path = Path(args.init_from) / "training_info.json"
+        previous = json.loads(info_path.read_text()) if info_path.is_file() else None
+    else:
+        # Prompts and answers apart: the actor feeds prompt ids then generated ids, so no merge may span the seam.
+        texts = [t for pair in examples[:5000] for t in pair]
+        tokenizer = build_tokenizer(texts, args.tokenizer_vocab)
+        vocab = 8 * math.ceil(len(tokenizer) / 8)  # padded: a multiple of 8 (and so of TP=2)
+        model = build_model(vocab, args.layers, args.hidden, args.intermediate, tokenizer, args.seed)
+        model.config.save_pretrained(out)  # AutoTokenizer picks the tokenizer class from config.json's model_type
+        tokenizer.save_pretrained(out)
+        tokenizer = reload_tokenizer(out, tokenizer, texts[:2000] + [p + a for p, a in examples[:500]])
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{len(problems)} problems, {len(examples)} answers, tokenizer {len(tokenizer)} -> vocab {vocab}, "
           f"{n_params / 1e6:.2f}M parameters ({time.time() - t0:.0f}s)", flush=True)
@@ -185,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ids, labels = encode(tokenizer, examples)
     train(model, ids, labels, args.steps, args.batch, args.lr, args.seed)
 
-    eval_problems = task.generate(args.seed, args.eval_problems, "eval")
+    eval_problems = task.generate(args.eval_seed, args.eval_problems, "eval")
     torch.manual_seed(args.seed + 1)
     results = measure_pass_at_k(model, tokenizer, eval_problems, args.eval_samples, temperature=1.0)
     print(json.dumps(results["summary"]), flush=True)
@@ -196,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     info = {"args": vars(args) | {"out": None}, "parameters": n_params, "vocab_size": vocab,
-            "base_eval": results["summary"], "seconds": round(time.time() - t0)}
+            "base_eval": results["summary"], "seconds": round(time.time() - t0), "continued_from": previous}
     (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"wrote {out} in {time.time() - t0:.0f}s", flush=True)
     return 0
