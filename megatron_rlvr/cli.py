@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from typing import Callable
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
@@ -34,6 +35,8 @@ def _resolve(name: str) -> Callable[[list[str]], int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # megatron-core announces at import, once per process, that optional GPU libraries are missing on CPU
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     parser = argparse.ArgumentParser(
         prog="megatron-rlvr", description="RLVR training on megatron-core with CaSP.",
         epilog="Run `megatron-rlvr COMMAND --help` for a command's options.",
