@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from launch.executors import REPO_ROOT
 from megatron_rlvr.config import Config, ConfigError, dump_config, load_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS_DIR = REPO_ROOT / "configs"
 MODEL_CONFIGS_DIR = CONFIGS_DIR / "models"
 SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size", "hidden_size")
