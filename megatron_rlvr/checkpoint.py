@@ -74,9 +74,14 @@ def _agree_ok(ok: bool) -> bool:
     return int(flag) == 0
 
 
-def save(root: str | Path, step: int, actor, trainer_state: dict[str, Any], keep_last: int = 2) -> Path:
-    """Write checkpoint ``step`` (a collective over all ranks). Returns its directory."""
+def save(
+    root: str | Path, step: int, actor, trainer_state: dict[str, Any], keep_last: int = 2, hf_dir: str | None = None
+) -> Path:
+    """Write checkpoint ``step`` (a collective over all ranks). Returns its directory. With ``hf_dir``, the HF
+    config and tokenizer files are copied into it too, so `convert mcore-to-hf` can export the step directly."""
     from megatron.core import dist_checkpointing
+
+    from megatron_rlvr.bridge.dist_ckpt import write_hf_side_files
 
     root = Path(root)
     tmp, final = root / f".tmp-step-{step:06d}", _step_dir(root, step)
@@ -94,6 +99,8 @@ def save(root: str | Path, step: int, actor, trainer_state: dict[str, Any], keep
             if _rank() == 0:
                 state = dict(trainer_state, step=step, scheduler=actor.scheduler.state_dict())
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=float))
+                if hf_dir:
+                    write_hf_side_files(hf_dir, tmp)
         except BaseException as e:  # noqa: BLE001 - any failure must leave the previous checkpoint intact
             error = e
     if not _agree_ok(error is None):

@@ -117,7 +117,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
             if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
                 checkpoint.save(ckpt_root, step + 1, actor, {
-                    "loader": loader.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row}, cfg.checkpoint.keep_last)
+                    "loader": loader.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row},
+                    cfg.checkpoint.keep_last, hf_dir=cfg.model.hf_dir)
     if t.save_hf:
         checkpoint.save_hf(actor, cfg.model.hf_dir, out / "hf", cfg.rollout.bucket_bytes)
     if logger is not None:

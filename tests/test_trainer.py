@@ -3,6 +3,8 @@ checkpoint repeats an uninterrupted run's metrics exactly; a failed checkpoint w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
@@ -59,6 +61,24 @@ def _failing_checkpoint(hf_dir: str, out_dir: str):
     return None
 
 
+def _assert_step_exports_like_final_hf(step_dir, final_hf):
+    """A trainer checkpoint converts to HF with tools/convert.py, equal to the run's own HF export."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    out = step_dir.parent.parent / "step2_hf"
+    subprocess.run([sys.executable, "tools/convert.py", "mcore-to-hf", "--mcore-dir", str(step_dir), "--out", str(out)],
+                   check=True, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    ours, theirs = load_file(final_hf / "model.safetensors"), {}
+    for f in out.glob("*.safetensors"):
+        theirs.update(load_file(f))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from megatron_rlvr.models.tiny import make_tiny_hf_model
@@ -88,6 +108,7 @@ def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):
     full = workers2.run(_train, tiny_model, str(tmp_path / "full"), 2, 1, 3, timeout_s=900)[0]
     # an interrupted run: stops after step 2 with a checkpoint at step 2, then the same command resumes
     workers2.run(_train, tiny_model, str(tmp_path / "cut"), 2, 1, 2, ["checkpoint.save_every=2"], timeout_s=900)
+    _assert_step_exports_like_final_hf(tmp_path / "cut" / "checkpoints" / "step-000002", tmp_path / "cut" / "hf")
     resumed = workers2.run(
         _train, tiny_model, str(tmp_path / "cut"), 2, 1, 3, ["checkpoint.save_every=2"], timeout_s=900
     )[0]
