@@ -17,7 +17,7 @@ from megatron_rlvr.actor import SequenceBatch
 from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.data import PromptItem
-from megatron_rlvr.rollout import Completion, RolloutConfig, RolloutEngine, Sampling
+from megatron_rlvr.rollout import Completion, EngineDiedError, RolloutConfig, RolloutEngine, Sampling
 
 
 @dataclass
@@ -37,7 +37,8 @@ def sampling_seed(run_seed: int, step: int, rollout_rank: int) -> int:
 def generate(
     engine: RolloutEngine, items: list[PromptItem], cfg: RolloutConfig, *, run_seed: int, step: int
 ) -> list[list[Completion]]:
-    """Every rank of a rollout group generates its share of the prompts; all ranks get every completion."""
+    """Every rank of a rollout group generates its share of the prompts; all ranks get every completion. An engine
+    that died on any rank raises EngineDiedError on every rank."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     rollout_dp, rollout_rank = world // cfg.tp, rank // cfg.tp
     mine = list(range(rollout_rank, len(items), rollout_dp))
@@ -45,14 +46,21 @@ def generate(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
         seed=sampling_seed(run_seed, step, rollout_rank), logprobs=True,
     )
-    produced = engine.generate([list(items[i].prompt_ids) for i in mine], cfg.group_size, sampling) if mine else []
+    died = ""
+    try:
+        produced = engine.generate([list(items[i].prompt_ids) for i in mine], cfg.group_size, sampling) if mine else []
+    except EngineDiedError as e:  # tell every rank (they are about to wait for this one), then fail together
+        produced, died = [], f"rank {rank}: {e}"
     shares: list[Any] = [None] * world
     if world > 1:
-        dist.all_gather_object(shares, (mine, produced) if rank % cfg.tp == 0 else ([], []))
+        dist.all_gather_object(shares, (mine, produced, died) if rank % cfg.tp == 0 else ([], [], died))
     else:
-        shares = [(mine, produced)]
+        shares = [(mine, produced, died)]
+    deaths = [d for _, _, d in shares if d]
+    if deaths:
+        raise EngineDiedError("rollout engine died: " + "; ".join(deaths))
     completions: list[list[Completion] | None] = [None] * len(items)
-    for indices, outputs in shares:
+    for indices, outputs, _ in shares:
         for i, out in zip(indices, outputs):
             completions[i] = out
     missing = [items[i].id for i, c in enumerate(completions) if c is None]

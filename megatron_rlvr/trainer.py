@@ -46,10 +46,21 @@ def sync_weights(actor: MegatronActor, engine, bucket_bytes: int) -> None:
     engine.update_weights(itertools.chain.from_iterable(actor.export_weights(bucket_bytes)))
 
 
-def build_engine(cfg: Config, actor: MegatronActor, seed: int):
+def build_engine(cfg: Config, actor: MegatronActor):
+    """This rank's engine, with the actor's current weights. The ranks of one engine's TP group share its seed."""
+    seed = cfg.trainer.seed + distributed.rank() // cfg.rollout.tp
     engine = make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype="bfloat16" if cfg.actor.bf16 else "float32")
     sync_weights(actor, engine, cfg.rollout.bucket_bytes)
     return engine
+
+
+def revive_engine(cfg: Config, actor: MegatronActor, engine):
+    """After an engine died somewhere (every rank learns it together): dead engines are rebuilt, live ones re-synced,
+    since the weight export is a collective every rank joins. The actor's state is untouched."""
+    if getattr(engine, "alive", True):
+        sync_weights(actor, engine, cfg.rollout.bucket_bytes)
+        return engine
+    return build_engine(cfg, actor)
 
 
 def train(cfg: Config) -> list[dict[str, float]]:
@@ -83,7 +94,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
         state = checkpoint.load(resume_from, actor)
         loader.load_state_dict(state["loader"])
         start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
-    engine = build_engine(cfg, actor, seed=t.seed + distributed.rank())
+    engine = build_engine(cfg, actor)
     logger = MetricLogger(str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project) if rank0 else None
     progress = _progress(rank0, start_step, t.steps)
 
@@ -94,8 +105,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
             with timer("rollout+reward"):
                 try:
                     exp = collect(engine, pool, prompts, cfg.rollout, cfg.algo, pad_id=pad_id, run_seed=t.seed, step=step)
-                except EngineDiedError:  # rebuild from the actor's weights (the actor's state is untouched) and retry
-                    engine = build_engine(cfg, actor, seed=t.seed + distributed.rank())
+                except EngineDiedError:  # raised on every rank together: revive the engines, retry the step once
+                    engine = revive_engine(cfg, actor, engine)
                     exp = collect(engine, pool, prompts, cfg.rollout, cfg.algo, pad_id=pad_id, run_seed=t.seed, step=step)
             with timer("statistics"):
                 exp.batch.old_logp = actor.compute_old_logp(exp.batch)

@@ -34,6 +34,27 @@ def _train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[
         distributed.destroy_model_parallel()
 
 
+def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
+    """Rank 1's engine is closed (dead) just before the second step's rollout; the run must still finish."""
+    import torch.distributed as dist
+
+    from megatron_rlvr import trainer
+
+    real_collect, calls = trainer.collect, []
+
+    def collect(engine, *args, **kwargs):
+        calls.append(kwargs["step"])
+        if kwargs["step"] == 1 and calls.count(1) == 1 and dist.get_rank() == 1:
+            engine.close()
+        return real_collect(engine, *args, **kwargs)
+
+    trainer.collect = collect
+    try:
+        return _train(hf_dir, out_dir, 2, 1, 2), calls
+    finally:
+        trainer.collect = real_collect
+
+
 def _failing_checkpoint(hf_dir: str, out_dir: str):
     """Train 2 steps saving every step, with the disk 'full' on the second save."""
     import errno
@@ -115,6 +136,15 @@ def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):
     assert [m["step"] for m in resumed] == [3]
     for key in _COMPARED:
         assert resumed[0][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-7), key
+
+
+def test_dead_engine_is_rebuilt_and_training_goes_on(workers2, tiny_model, tmp_path):
+    (history, calls), (other_history, other_calls) = workers2.run(
+        _engine_dies_at_step_two, tiny_model, str(tmp_path / "dies"), timeout_s=900
+    )
+    assert calls == other_calls == [0, 1, 1]  # step 1 was collected twice: once failing on every rank, once after
+    assert [m["step"] for m in history] == [1, 2]
+    assert history[1]["rollout/logp_mismatch"] < 1e-4  # the rebuilt engine holds the actor's weights
 
 
 def test_failed_checkpoint_keeps_previous(workers2, tiny_model, tmp_path):
