@@ -55,6 +55,37 @@ def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
         trainer.collect = real_collect
 
 
+def _nonfinite_losses(hf_dir: str, out_dir: str):
+    """Every loss is NaN: each step must be skipped on every rank (weights untouched) and the run must stop once
+    more than actor.max_nonfinite_in_a_row steps in a row were skipped."""
+    import torch
+
+    from megatron_rlvr import actor as actor_module
+    from megatron_rlvr import trainer
+
+    real_loss, real_update, seen = actor_module.policy_loss, actor_module.MegatronActor.update, []
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = real_loss(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    def update(self, *args, **kwargs):
+        before = [p.detach().clone() for p in self.model_chunks[0].parameters()]
+        metrics = real_update(self, *args, **kwargs)
+        seen.append((metrics["actor/nonfinite"], all(torch.equal(a, b) for a, b in
+                                                     zip(before, self.model_chunks[0].parameters()))))
+        return metrics
+
+    actor_module.policy_loss, actor_module.MegatronActor.update = nan_loss, update
+    try:
+        _train(hf_dir, out_dir, 2, 1, 5, ["actor.max_nonfinite_in_a_row=2"])
+    except trainer.NonFiniteError as e:
+        return str(e), seen
+    finally:
+        actor_module.policy_loss, actor_module.MegatronActor.update = real_loss, real_update
+    return None, seen
+
+
 def _failing_checkpoint(hf_dir: str, out_dir: str):
     """Train 2 steps saving every step, with the disk 'full' on the second save."""
     import errno
@@ -145,6 +176,12 @@ def test_dead_engine_is_rebuilt_and_training_goes_on(workers2, tiny_model, tmp_p
     assert calls == other_calls == [0, 1, 1]  # step 1 was collected twice: once failing on every rank, once after
     assert [m["step"] for m in history] == [1, 2]
     assert history[1]["rollout/logp_mismatch"] < 1e-4  # the rebuilt engine holds the actor's weights
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(workers2, tiny_model, tmp_path):
+    for error, seen in workers2.run(_nonfinite_losses, tiny_model, str(tmp_path / "nan"), timeout_s=900):
+        assert error and "3 steps in a row had a non-finite loss or gradient" in error and "stopping at step 2" in error
+        assert seen == [(1.0, True)] * 3  # skipped, weights untouched, three times, then the stop
 
 
 def test_failed_checkpoint_keeps_previous(workers2, tiny_model, tmp_path):
