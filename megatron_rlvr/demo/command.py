@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -81,14 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()
-    base_model = str((REPO / "megatron_rlvr" / "demo" / "model").resolve())
+    # the base model is copied first: the evaluation compares against exactly the weights training started from
+    base_model = out / "base_model"
+    if not (base_model / "config.json").is_file():
+        shutil.copytree(REPO / "megatron_rlvr" / "demo" / "model", base_model, dirs_exist_ok=True)
     start = time.perf_counter()
-    _train(out, args.algo, args.overrides, args.nproc)
+    _train(out, args.algo, [f"model.hf_dir={base_model}", *args.overrides], args.nproc)
     trained = out / "train" / "hf"
     if not (trained / "config.json").is_file():
         raise SystemExit(f"megatron-rlvr demo: training finished without writing {trained}")
     train_s = time.perf_counter() - start
-    samples = _evaluate(out, {"base": base_model, f"trained ({args.algo})": str(trained)}, args.eval_n, args.eval_prompts)
+    samples = _evaluate(out, {"base": str(base_model), f"trained ({args.algo})": str(trained)}, args.eval_n, args.eval_prompts)
     from megatron_rlvr.demo.report import write_report
 
     minutes = (time.perf_counter() - start) / 60
