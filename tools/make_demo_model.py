@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.init_from)
         model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
         vocab = model.config.vocab_size
+        # the shape comes from the checkpoint: record that, not the (ignored) shape flags
+        args.layers, args.hidden = model.config.num_hidden_layers, model.config.hidden_size
+        args.intermediate = model.config.intermediate_size
         info_path = Path(args.init_from) / "training_info.json"
         previous = json.loads(info_path.read_text()) if info_path.is_file() else None
     else:
