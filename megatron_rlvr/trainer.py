@@ -95,7 +95,9 @@ def train(cfg: Config) -> list[dict[str, float]]:
         loader.load_state_dict(state["loader"])
         start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
     engine = build_engine(cfg, actor)
-    logger = MetricLogger(str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project) if rank0 else None
+    logger = MetricLogger(
+        str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project, resume_step=start_step or None
+    ) if rank0 else None
     progress = _progress(rank0, start_step, t.steps)
 
     with RewardPool(cfg.reward) as pool:
