@@ -86,6 +86,9 @@ def train(cfg: Config) -> list[dict[str, float]]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     items, stats = load_items(cfg.data, tokenizer, "train")
     loader = PromptLoader(items, t.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    if rank0:
+        print(f"[data] {len(items)} prompts from {stats.rows} rows ({stats.bad_rows} bad rows skipped, "
+              f"{stats.too_long} over data.max_prompt_tokens skipped)", flush=True)
     actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature, total_steps=t.steps)
 
     start_step, nonfinite_in_a_row, history = 0, 0, []
