@@ -272,12 +272,13 @@ def init_process_group(timeout_s: float = 600.0) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:  # a plain single process: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group(backend=backend(), timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now (for a rendezvous on this machine)."""
     import socket
 
     with socket.socket() as s:

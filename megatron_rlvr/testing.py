@@ -13,13 +13,14 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 import psutil
+
+from megatron_rlvr.distributed import free_port
 
 
 class WorkerError(RuntimeError):
@@ -65,12 +66,6 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, env: d
             conn.send(("error", traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class WorkerGroup:
     """`world_size` gloo worker processes that run importable functions on request."""
 
@@ -89,7 +84,7 @@ class WorkerGroup:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             # Not daemonic: megatron's dist checkpointing starts a multiprocessing Manager inside workers, which

@@ -108,11 +108,15 @@ def train(cfg: Config) -> list[dict[str, float]]:
             timer = Timer()
             prompts = loader.next_batch()
             with timer("rollout+reward"):
-                try:
-                    exp = collect(engine, pool, prompts, cfg.rollout, cfg.algo, pad_id=pad_id, run_seed=t.seed, step=step)
-                except EngineDiedError:  # raised on every rank together: revive the engines, retry the step once
-                    engine = revive_engine(cfg, actor, engine)
-                    exp = collect(engine, pool, prompts, cfg.rollout, cfg.algo, pad_id=pad_id, run_seed=t.seed, step=step)
+                for attempt in range(2):
+                    try:
+                        exp = collect(engine, pool, prompts, cfg.rollout, cfg.algo, pad_id=pad_id, run_seed=t.seed,
+                                      step=step)
+                        break
+                    except EngineDiedError:  # raised on every rank together: revive the engines, retry once
+                        if attempt:
+                            raise
+                        engine = revive_engine(cfg, actor, engine)
             with timer("statistics"):
                 exp.batch.old_logp = actor.compute_old_logp(exp.batch)
             with timer("update"):

@@ -84,7 +84,7 @@ def _single_process_megatron() -> Iterator[None]:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConversionError("convert runs as one process; do not launch it with torchrun / WORLD_SIZE > 1")
         # A world of one on a fresh port: a parent's leftover MASTER_PORT may still be bound.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(distributed._free_port()), RANK="0",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(distributed.free_port()), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
     elif dist.get_world_size() != 1:
         raise ConversionError("convert runs in a world of one process")
