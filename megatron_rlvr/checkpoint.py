@@ -153,12 +153,33 @@ def load(path: str | Path, actor) -> dict[str, Any]:
         chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
     with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
         actor.optimizer.load_state_dict(loaded["optimizer"])
+    _restore_torch_adam_steps(actor.optimizer)
     actor.scheduler.load_state_dict(state.pop("scheduler"))
     rng_file = path / "rng" / f"rank-{_rank():05d}.pt"
     if not rng_file.is_file():
         raise CheckpointError(f"checkpoint {path}: no RNG state for rank {_rank()} (saved with another world size?)")
     _set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+def _restore_torch_adam_steps(optimizer) -> None:
+    """Give every parameter its saved Adam step count back, as a tensor of its own.
+
+    With torch's Adam as the inner optimizer (no Transformer Engine or Apex), megatron-core 0.16 saves the step
+    count in the param groups, restores it into ONE tensor shared by every parameter's state, and then its
+    dp-reshardable parameter-state load copies the load request's placeholder step (1) into that tensor. Resumed
+    training would then use the wrong bias correction from the second step on (and a shared step tensor would be
+    incremented once per parameter). A no-op for fused optimizers, which keep the step in the param groups only.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state is not None and torch.is_tensor(state.get("step")):
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
 def save_hf(actor, hf_src_dir: str | Path, out_dir: str | Path, bucket_bytes: int = 1 << 30) -> Path | None:
