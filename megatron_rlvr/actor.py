@@ -166,9 +166,17 @@ class MegatronActor:
         )
 
     # -----------------------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def compute_old_logp(self, batch: SequenceBatch) -> torch.Tensor:
         """The behaviour log-probs of the whole batch [B, S - 1], on every rank."""
+        return self._per_token(batch, "logp")
+
+    def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
+        """The policy's entropy at every position of the whole batch [B, S - 1], on every rank."""
+        return self._per_token(batch, "entropy")
+
+    @torch.no_grad()
+    def _per_token(self, batch: SequenceBatch, field: str) -> torch.Tensor:
+        """One per-token statistic of the fused op over the whole batch, no grad, gathered to every rank."""
         from megatron.core import parallel_state as ps
 
         local = self._dp_slice(batch)
@@ -176,23 +184,23 @@ class MegatronActor:
             m.eval()
 
         def collect(mb: SequenceBatch, logits: torch.Tensor):
-            return torch.zeros(()), {"logp": self._token_stats(logits, mb.tokens).logp.float()}
+            return torch.zeros(()), {field: getattr(self._token_stats(logits, mb.tokens), field).float()}
 
         outputs = self._run_schedule(self._micro_batches(local), collect, forward_only=True)
         if outputs:
-            logp = torch.cat([o["logp"] for o in outputs])
+            values = torch.cat([o[field] for o in outputs])
         else:  # not the last pipeline stage: filled by the broadcast below
-            logp = torch.empty(local.response_mask.shape, dtype=torch.float32)
+            values = torch.empty(local.response_mask.shape, dtype=torch.float32)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             group = ps.get_pipeline_model_parallel_group()
             last = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
-            dist.broadcast(logp, src=last, group=group)
+            dist.broadcast(values, src=last, group=group)
         dp = ps.get_data_parallel_world_size()
         if dp > 1:  # _dp_slice takes every dp-th sequence: interleave the slices back
-            parts = [torch.empty_like(logp) for _ in range(dp)]
-            dist.all_gather(parts, logp, group=ps.get_data_parallel_group())
-            logp = torch.stack(parts, dim=1).reshape(len(batch), *logp.shape[1:])
-        return logp
+            parts = [torch.empty_like(values) for _ in range(dp)]
+            dist.all_gather(parts, values, group=ps.get_data_parallel_group())
+            values = torch.stack(parts, dim=1).reshape(len(batch), *values.shape[1:])
+        return values
 
     def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
         """One optimizer step per mini-batch over the rollouts; returns averaged loss metrics (on every rank)."""

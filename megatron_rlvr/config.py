@@ -74,7 +74,7 @@ class TrainerConfig:
     seed: int = 1234
     output_dir: str = "outputs/run"
     log_every: int = 1
-    eval_every: int = 0  # 0 = only at the end
+    eval_every: int = 0  # validate before training, every N steps and after the last (0 = never); see validation.py
     tensorboard: bool = True
     wandb_project: str | None = None
     save_hf: bool = True  # write the final weights as an HF checkpoint to <output_dir>/hf

@@ -1,4 +1,5 @@
-"""The RLVR loop: generate -> reward -> advantages -> statistics -> update -> sync weights -> log / checkpoint.
+"""The RLVR loop: generate -> reward -> advantages -> statistics -> update -> sync weights -> validate / log /
+checkpoint.
 
 Run under torchrun (one process per GPU, or per CPU worker with gloo): `megatron-rlvr train RECIPE.yaml k=v ...`.
 Every rank runs the same loop; rank 0 alone writes metrics and the progress bar.
@@ -22,6 +23,7 @@ from megatron_rlvr.config import Config, dump_config, load_config
 from megatron_rlvr.data import PromptLoader, load_items
 from megatron_rlvr.experience import collect
 from megatron_rlvr.rollout import EngineDiedError, make_engine
+from megatron_rlvr.validation import load_validation_items, validate
 
 
 class Timer:
@@ -102,8 +104,20 @@ def train(cfg: Config) -> list[dict[str, float]]:
         str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project, resume_step=start_step or None
     ) if rank0 else None
     progress = _progress(rank0, start_step, t.steps)
+    val_items = load_validation_items(cfg, tokenizer) if t.eval_every else []
+
+    def run_validation(step: int, timer: Timer | None = None) -> dict[str, float]:
+        with timer("eval") if timer else contextlib.nullcontext():
+            metrics, entropy = validate(engine, pool, actor, val_items, cfg, pad_id)
+        if logger is not None:
+            logger.log_histogram(step, "val/entropy", entropy)
+        return metrics
 
     with RewardPool(cfg.reward) as pool:
+        if val_items and start_step == 0:  # the base model's numbers, the reference every later validation meets
+            base = run_validation(0)
+            if logger is not None:
+                logger.log(0, base)
         for step in range(start_step, t.steps):
             timer = Timer()
             prompts = loader.next_batch()
@@ -129,6 +143,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 )
             with timer("sync"):
                 sync_weights(actor, engine, cfg.rollout.bucket_bytes)
+            if val_items and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                update_metrics |= run_validation(step + 1, timer)
             metrics = {"step": step + 1, **_rollout_metrics(exp), **update_metrics, **timer.seconds}
             history.append(metrics)
             if logger is not None:

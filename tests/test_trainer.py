@@ -138,9 +138,12 @@ def tiny_model(tmp_path_factory):
     return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen"), seed=5))
 
 
+_VALIDATION = ["trainer.eval_every=2", "eval.n_samples=2", "eval.limit=3", "eval.max_new_tokens=6"]
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp):
-    histories = workers2.run(_train, tiny_model, str(tmp_path / "run"), tp, pp, 2, timeout_s=900)
+    histories = workers2.run(_train, tiny_model, str(tmp_path / "run"), tp, pp, 2, _VALIDATION, timeout_s=900)
     assert [len(h) for h in histories] == [2, 2]
     for metrics in histories[0]:
         assert 0.0 <= metrics["reward/mean"] <= 1.0
@@ -154,6 +157,25 @@ def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf") is not None
+    _assert_validated_before_and_at_step_two(tmp_path / "run", histories[0])
+
+
+def _assert_validated_before_and_at_step_two(run_dir: Path, history: list[dict]) -> None:
+    """eval_every=2: validation of the base model (step 0) and at step 2, each with its entropy histogram."""
+    import math
+
+    from megatron_rlvr.monitor import read_metrics
+
+    assert "val/pass@1" not in history[0] and {"val/pass@1", "val/pass@2", "time/eval"} <= history[1].keys()
+    logged = read_metrics(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in logged if "val/pass@1" in m] == [0, 2]
+    for m in (m for m in logged if "val/pass@1" in m):
+        assert 0.0 <= m["val/pass@1"] <= m["val/pass@2"] <= 1.0
+        assert m["val/reward_mean"] == pytest.approx(m["val/pass@1"])  # 0/1 rewards: the mean is pass@1
+        assert math.log(1) < m["val/entropy"] <= math.log(1001)  # a random model over a 1001-token vocabulary
+    hists = read_metrics(run_dir / "histograms.jsonl")
+    assert [(h["step"], h["name"]) for h in hists] == [(0, "val/entropy"), (2, "val/entropy")]
+    assert all(sum(h["counts"]) > 0 for h in hists)
 
 
 def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):

@@ -8,8 +8,11 @@ resumable, seeded order.
 """
 
 from megatron_rlvr.data.config import DataConfig
-from megatron_rlvr.data.dataset import LoadStats, PromptItem, load_items
+from megatron_rlvr.data.dataset import LoadStats, PromptItem, items_from_rows, load_items
 from megatron_rlvr.data.loader import PromptLoader
 from megatron_rlvr.data.sources import DataError, Row, read_rows
 
-__all__ = ["DataConfig", "DataError", "LoadStats", "PromptItem", "PromptLoader", "Row", "load_items", "read_rows"]
+__all__ = [
+    "DataConfig", "DataError", "LoadStats", "PromptItem", "PromptLoader", "Row", "items_from_rows", "load_items",
+    "read_rows",
+]

@@ -47,7 +47,7 @@ def load_items(cfg: DataConfig, tokenizer, split: Split = "train") -> tuple[list
         raise DataError(f"data.eval_path: empty while data.path={cfg.path!r} is set; give the eval prompts' file")
     else:
         rows = read_rows(path)
-    items, stats = _to_items(rows, cfg, tokenizer)
+    items, stats = items_from_rows(rows, cfg, tokenizer)
     if not items:
         raise DataError(f"dataset {path or 'demo task'} ({split}): no usable prompts ({_describe(stats, cfg)})")
     return items, stats
@@ -69,7 +69,8 @@ def _demo_rows(cfg: DataConfig, split: Split) -> Iterable[Row]:
         yield Row(f"<demo {split}>:{i}", f"demo-{split}", i, data)
 
 
-def _to_items(rows: Iterable[Row], cfg: DataConfig, tokenizer) -> tuple[list[PromptItem], LoadStats]:
+def items_from_rows(rows: Iterable[Row], cfg: DataConfig, tokenizer) -> tuple[list[PromptItem], LoadStats]:
+    """Rows -> prompt items under ``cfg``'s field names, template and length policy (also used for eval sets)."""
     stats = LoadStats()
     items: list[PromptItem] = []
     first_long = ""
