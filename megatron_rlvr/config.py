@@ -128,6 +128,15 @@ class Config:
                 raise ConfigError(
                     f"actor.pp * actor.vpp = {a.pp * (a.vpp or 1)} must divide the model's num_hidden_layers={layers}"
                 )
+        budgets = [("rollout.max_new_tokens", self.rollout.max_new_tokens, "")]
+        if self.trainer.eval_every:
+            budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens, " (validation: trainer.eval_every > 0)"))
+        for key, new_tokens, why in budgets:
+            if self.data.max_prompt_tokens + new_tokens > self.rollout.max_model_len:
+                raise ConfigError(
+                    f"{key}={new_tokens} + data.max_prompt_tokens={self.data.max_prompt_tokens} exceeds "
+                    f"rollout.max_model_len={self.rollout.max_model_len}{why}: the longest prompt could not be answered"
+                )
         if self.trainer.prompts_per_step % self.trainer.mini_batches_per_step != 0:
             raise ConfigError(
                 f"trainer.mini_batches_per_step={self.trainer.mini_batches_per_step} must divide "

@@ -88,6 +88,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     items, stats = load_items(cfg.data, tokenizer, "train")
     loader = PromptLoader(items, t.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    val_items = load_validation_items(cfg, tokenizer) if t.eval_every else []
     if rank0:
         print(f"[data] {len(items)} prompts from {stats.rows} rows ({stats.bad_rows} bad rows skipped, "
               f"{stats.too_long} over data.max_prompt_tokens skipped)", flush=True)
@@ -104,7 +105,6 @@ def train(cfg: Config) -> list[dict[str, float]]:
         str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project, resume_step=start_step or None
     ) if rank0 else None
     progress = _progress(rank0, start_step, t.steps)
-    val_items = load_validation_items(cfg, tokenizer) if t.eval_every else []
 
     def run_validation(step: int, timer: Timer | None = None) -> dict[str, float]:
         with timer("eval") if timer else contextlib.nullcontext():

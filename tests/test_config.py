@@ -63,6 +63,18 @@ def test_bad_parallel_sizes_name_the_constraint():
         load_config(None, ["actor.vpp=2"]).validate(world_size=1)
 
 
+def test_prompt_plus_answer_must_fit_the_engine_context():
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=100 \+ data\.max_prompt_tokens=50 exceeds "
+                                          r"rollout\.max_model_len=128"):
+        load_config(None, ["rollout.max_new_tokens=100", "data.max_prompt_tokens=50", "rollout.max_model_len=128"]
+                    ).validate()
+    validation = ["trainer.eval_every=5", "eval.max_new_tokens=100", "data.max_prompt_tokens=50",
+                  "rollout.max_new_tokens=8", "rollout.max_model_len=128"]
+    with pytest.raises(ConfigError, match=r"eval\.max_new_tokens=100 .* \(validation: trainer\.eval_every > 0\)"):
+        load_config(None, validation).validate()
+    load_config(None, [*validation, "trainer.eval_every=0"]).validate()  # no validation: its budget is not used
+
+
 def test_bad_files_and_overrides_name_the_thing(tmp_path):
     with pytest.raises(ConfigError, match=r"config file .*missing\.yaml: not found"):
         load_config(tmp_path / "missing.yaml")
