@@ -171,6 +171,22 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``"key: old -> new"`` for every dotted key whose value differs between two ``to_dict`` trees."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b, name = old.get(key), new.get(key), _join(prefix, key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += differences(a, b, name)
+        elif _plain(a) != _plain(b):  # a tree read back from JSON has lists where the dataclasses had tuples
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 

@@ -19,7 +19,7 @@ import torch
 
 from megatron_rlvr import checkpoint, distributed
 from megatron_rlvr.actor import MegatronActor
-from megatron_rlvr.config import Config, dump_config, load_config
+from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
 from megatron_rlvr.data import PromptLoader, load_items
 from megatron_rlvr.experience import collect
 from megatron_rlvr.rollout import EngineDiedError, make_engine
@@ -99,6 +99,9 @@ def train(cfg: Config) -> list[dict[str, float]]:
     if resume_from is not None:
         state = checkpoint.load(resume_from, actor)
         loader.load_state_dict(state["loader"])
+        changed = differences(state.get("config", {}), to_dict(cfg))
+        if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
+            print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
         start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
     engine = build_engine(cfg, actor)
     logger = MetricLogger(
@@ -153,7 +156,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
             if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
                 checkpoint.save(ckpt_root, step + 1, actor, {
-                    "loader": loader.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row},
+                    "loader": loader.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row, "config": to_dict(cfg)},
                     cfg.checkpoint.keep_last, hf_dir=cfg.model.hf_dir)
     if t.save_hf:
         checkpoint.save_hf(actor, cfg.model.hf_dir, out / "hf", cfg.rollout.bucket_bytes)

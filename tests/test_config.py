@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_rlvr.config import Config, ConfigError, dump_config, load_config
@@ -86,6 +88,15 @@ def test_bad_files_and_overrides_name_the_thing(tmp_path):
         load_config(None, ["actor.tp"])
     with pytest.raises(ConfigError, match=r"override 'actor\.tp\.x=1': tp is a value, not a section"):
         load_config(None, ["actor.tp=2", "actor.tp.x=1"])
+
+
+def test_differences_name_every_changed_key():
+    from megatron_rlvr.config import differences, to_dict
+
+    old = json.loads(json.dumps(to_dict(load_config(None, ["rollout.stop=[a]"]))))  # as a checkpoint keeps it
+    new = to_dict(load_config(None, ["rollout.stop=[a]", "actor.lr=0.5", "trainer.steps=20"]))
+    assert differences(old, new) == ["actor.lr: 1e-06 -> 0.5", "trainer.steps: 10 -> 20"]
+    assert differences(old, old) == []
 
 
 def test_defaults_validate():
