@@ -84,7 +84,25 @@ def summarize(samples: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, A
     return {"ks": ks, "models": models}
 
 
-def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: Sequence[str]) -> str:
+def _validation_lines(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """A table of each run's in-training validations (records with val/ metrics), or nothing when it had none."""
+    lines = []
+    for label, records in runs.items():
+        validated = [r for r in records if "val/pass@1" in r]
+        if not validated:
+            continue
+        ks = sorted({int(k.split("@")[1]) for r in validated for k in r if k.startswith("val/pass@")})
+        lines += [f"Run {label!r}: pass@k in percent on the held-out prompts, and the answers' mean token entropy.", "",
+                  "| step | " + " | ".join(f"pass@{k}" for k in ks) + " | entropy |", "|---|" + "---|" * (len(ks) + 1)]
+        for r in validated:
+            cells = " | ".join(f"{100 * r[f'val/pass@{k}']:.1f}" if f"val/pass@{k}" in r else "-" for k in ks)
+            lines.append(f"| {r['step']} | {cells} | {r.get('val/entropy', float('nan')):.3f} |")
+        lines.append("")
+    return ["## Validation during training", "", *lines] if lines else []
+
+
+def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: Sequence[str],
+              validation: Sequence[str] = ()) -> str:
     ks, models = summary["ks"], summary["models"]
     lines = [f"# {title}", ""]
     lines += [f"- {note}" for note in notes]
@@ -110,6 +128,8 @@ def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: S
             s = models[label]["per_prompt"].get(pid)
             cells.append(f"{s['correct']}/{s['n']} · {s['distinct_correct']}" if s else "-")
         lines.append(f"| {pid} | " + " | ".join(cells) + " |")
+    if validation:
+        lines += ["", *validation]
     if figures:
         lines += ["", "## Plots", ""]
         lines += [f"![{p.stem}]({p.name})" for p in figures]
@@ -152,7 +172,7 @@ def write_report(
         plots.plot_entropy_histograms(hists, out / "entropy_hist.png"),
     ]
     figures = [f for f in figures if f is not None]
-    (out / "report.md").write_text(_markdown(summary, figures, title, notes))
+    (out / "report.md").write_text(_markdown(summary, figures, title, notes, _validation_lines(runs)))
     results = {
         "ks": summary["ks"],
         "models": {label: {k: v for k, v in m.items() if k != "per_prompt"} for label, m in summary["models"].items()},

@@ -45,6 +45,7 @@ def test_report_folder_has_the_table_the_plots_and_results(tmp_path):
             log.log(s, {"reward/mean": 0.1 * s, "policy/rank1_prob": 0.7, "policy/rank2_prob": 0.2,
                         "policy/rank3_prob": 0.05, "policy/entropy": 0.9})
         log.log_histogram(3, "eval/entropy", [0.1, 0.5, 1.2, 0.3])
+        log.log(3, {"val/pass@1": 0.25, "val/pass@2": 0.5, "val/entropy": 0.75})
     base = _samples({"p1": ["3*7+4"], "p2": [], "p3": ["1+2", "2+1"]})
     trained = _samples({"p1": ["3*7+4", "4+3*7", "7*3+4"], "p2": ["9-1"], "p3": ["1+2", "2+1"]})
     summary = write_report(tmp_path / "report", {"base": base, "trained": trained}, metrics={"casp": run / "metrics.jsonl"},
@@ -61,6 +62,7 @@ def test_report_folder_has_the_table_the_plots_and_results(tmp_path):
     assert "| base | 3 | 8 | 12.5 |" in md and md.split("| base |")[1].split("\n")[0].rstrip().endswith("66.7 |")
     assert "| trained | 3 | 8 | 25.0 |" in md
     assert "![pass_at_k](pass_at_k.png)" in md
+    assert "| step | pass@1 | pass@2 | entropy |" in md and "| 3 | 25.0 | 50.0 | 0.750 |" in md
     results = json.loads((out / "results.json").read_text())
     assert results["models"]["trained"]["mean_distinct_correct"] == pytest.approx(2.0)
     assert results["per_prompt"]["base"]["p3"]["distinct_correct"] == 2
