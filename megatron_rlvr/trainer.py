@@ -112,6 +112,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
     def run_validation(step: int, timer: Timer | None = None) -> dict[str, float]:
         with timer("eval") if timer else contextlib.nullcontext():
             metrics, entropy = validate(engine, pool, actor, val_items, cfg, pad_id)
+            engine.sleep()
         if logger is not None:
             logger.log_histogram(step, "val/entropy", entropy)
         return metrics
@@ -134,6 +135,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
                         if attempt:
                             raise
                         engine = revive_engine(cfg, actor, engine)
+            engine.sleep()  # a colocated GPU engine hands its KV cache (level 2: weights too) to the update
             with timer("statistics"):
                 exp.batch.old_logp = actor.compute_old_logp(exp.batch)
             with timer("update"):

@@ -34,6 +34,28 @@ def _train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[
         distributed.destroy_model_parallel()
 
 
+def _train_recording_calls(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str]):
+    """_train, with the order of the engine's and the actor's calls recorded."""
+    from megatron_rlvr.actor import MegatronActor
+    from megatron_rlvr.rollout.vllm_engine import VLLMEngine
+
+    calls, real = [], {}
+    for cls, name in ((VLLMEngine, "generate"), (VLLMEngine, "sleep"), (VLLMEngine, "update_weights"),
+                      (MegatronActor, "update")):
+        real[cls, name] = getattr(cls, name)
+
+        def recorded(self, *args, _name=name, _fn=real[cls, name], **kwargs):
+            calls.append(_name)
+            return _fn(self, *args, **kwargs)
+
+        setattr(cls, name, recorded)
+    try:
+        return _train(hf_dir, out_dir, tp, pp, steps, extra), calls
+    finally:
+        for (cls, name), fn in real.items():
+            setattr(cls, name, fn)
+
+
 def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
     """Rank 1's engine is closed (dead) just before the second step's rollout; the run must still finish."""
     import torch.distributed as dist
@@ -143,8 +165,14 @@ _VALIDATION = ["trainer.eval_every=2", "eval.n_samples=2", "eval.limit=3", "eval
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp):
-    histories = workers2.run(_train, tiny_model, str(tmp_path / "run"), tp, pp, 2, _VALIDATION, timeout_s=900)
+    runs = workers2.run(_train_recording_calls, tiny_model, str(tmp_path / "run"), tp, pp, 2, _VALIDATION,
+                        timeout_s=900)
+    histories = [history for history, _ in runs]
     assert [len(h) for h in histories] == [2, 2]
+    # the engine sleeps (on GPU: frees its memory for the actor) after every sampling, before any update
+    start = ["update_weights", "generate", "sleep"]  # first sync, validation of the base model
+    step = ["generate", "sleep", "update", "update_weights"]
+    assert runs[0][1] == start + step + step + ["generate", "sleep"]  # eval_every=2: validation after step 2
     for metrics in histories[0]:
         assert 0.0 <= metrics["reward/mean"] <= 1.0
         assert metrics["response/tokens_trained"] > 0
