@@ -1,9 +1,12 @@
 """Streaming export of an actor's weights in HF names and layouts, at any (TP, PP), in buckets of bounded bytes.
 
-``export_hf_weights``: for each parameter the owning pipeline stage all-gathers its TP shards, re-lays them out
-into HF tensors, and broadcasts them over the pipeline group, so every rank of the model-parallel group receives
-every bucket. ``export_local_shards``: the no-gather path for an engine with the actor's TP on the same ranks; each
-rank re-lays out its own shard (pipeline stages still broadcast, since an engine needs every layer).
+``export_hf_weights``: for each parameter the owning pipeline stage gathers its TP shards, re-lays them out into HF
+tensors, and broadcasts them over the pipeline group, so every receiving rank of the model-parallel group gets
+every bucket. TP ranks on one host gather through shared memory (``_ShmExchange``: each rank writes its shards
+once, receivers read them in place while re-laying out); otherwise one gloo all-gather per tensor. The HF tensors of
+one parameter are written back to back into one buffer. ``export_local_shards``: the no-gather path for an engine
+with the actor's TP on the same ranks; each rank re-lays out its own shard (pipeline stages still broadcast, since
+an engine needs every layer).
 
 Both are collectives over the model-parallel group: every rank must iterate them to the end. The plan (who owns
 what, shapes, dtypes) is built once per model and cached; each call re-checks the local shapes with one
@@ -13,18 +16,25 @@ fresh tensors (never reused), so a consumer may keep them as long as it likes.
 
 from __future__ import annotations
 
+import math
+import os
+import secrets
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.bridge.layout import shard_to_hf, to_hf
+from megatron_rlvr.bridge.layout import shard_to_hf
 from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, local_entries
 from megatron_rlvr.bridge.mapping import ModelDims, ParamMapping, hf_shapes
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 PLAN_BUILDS = 0  # how many export plans were built in this process (the tests check the cache with it)
+SHM_EXCHANGE = True  # gather TP shards through shared memory when the TP group shares a host (tests turn it off)
+SHM_SLOT_BYTES = 64 << 20  # per-rank bytes of one exchange round (at least the largest shard); two slots alternate
+_SHM_DIR = "/dev/shm"
+_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,9 @@ class _Plan:
     pp_rank: int
     pp_ranks: list[int]  # global ranks of this rank's pipeline group, by stage
     entries: list[_PlanEntry]
+    exchange: "_ShmExchange | None" = None
+    exchange_tried: bool = False
+    rounds_done: int = 0  # exchange rounds so far: picks the slot, continuing across calls
 
 
 def _groups():
@@ -121,34 +134,162 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
     return plan, params
 
 
-def _gathered_hf(pe: _PlanEntry, param: torch.Tensor | None, plan: _Plan, tp_group) -> list[tuple[str, torch.Tensor]]:
-    """On the owner stage: all-gather TP shards and re-lay out into HF tensors."""
-    shard = param.detach()
-    if pe.mapping.tp_dim is None or plan.tp == 1:
-        full = shard.clone()
-    else:
-        # One flat all-gather into a single buffer (gloo's list all-gather plus a cat measured ~5x slower).
-        flat = torch.empty(plan.tp * shard.numel(), dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(flat, shard.contiguous().view(-1), group=tp_group)
-        stacked = flat.view(plan.tp, *shard.shape)
-        full = stacked.movedim(0, pe.mapping.tp_dim).reshape(
-            *shard.shape[: pe.mapping.tp_dim], -1, *shard.shape[pe.mapping.tp_dim + 1 :]
-        )
-    return [(n, t.contiguous()) for n, t in to_hf(pe.mapping, full, plan.dims, plan.tp)]
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _broadcast_from_owner(
-    pe: _PlanEntry, plan: _Plan, pp_group, produce, shapes: list[tuple[int, ...]], names: list[str]
+class _ShmExchange:
+    """The TP gather for ranks on one host, through shared memory instead of gloo's TCP copies.
+
+    Each rank maps a /dev/shm segment of two slots and every peer's segment. A round: each rank writes its shards
+    into its current slot (skipped when no other rank receives), one barrier, then receivers read every rank's
+    shards in place -- the re-layout's reads are the gather. Slots alternate, so a rank overwrites a slot only after
+    the next round's barrier, which every reader reaches after it is done reading that slot. The files are unlinked
+    once every rank has mapped them: nothing is left behind if a process dies.
+    """
+
+    def __init__(self, segments: list[torch.Tensor], slot_bytes: int, rank: int, group) -> None:
+        self.segments, self.slot_bytes, self.rank, self.group = segments, slot_bytes, rank, group
+
+    @classmethod
+    def open(cls, group, rank: int, slot_bytes: int) -> "_ShmExchange | None":
+        """Collective over ``group``; None on every rank unless every rank mapped every segment (another host, or
+        another IPC namespace: each rank checks a token written by the segment's owner)."""
+        token = secrets.token_hex(8)
+        path = os.path.join(_SHM_DIR, f"megatron_rlvr_export_{token}")
+        mine: tuple[str, str] | None = None
+        try:
+            with open(path, "wb") as f:
+                f.truncate(2 * slot_bytes)
+            seg = torch.from_file(path, shared=True, size=2 * slot_bytes, dtype=torch.uint8)
+            seg[:16].copy_(torch.frombuffer(bytearray(token.encode()), dtype=torch.uint8))
+            mine = (path, token)
+        except (OSError, RuntimeError):  # no /dev/shm here: every rank falls back to gloo
+            seg = None
+        owners: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(owners, mine, group=group)
+        segments: list[torch.Tensor] = []
+        ok = all(o is not None for o in owners)
+        for r, owner in enumerate(owners if ok else []):
+            try:
+                peer = seg if r == rank else torch.from_file(owner[0], True, 2 * slot_bytes, dtype=torch.uint8)
+                ok = ok and bytes(peer[:16].tolist()) == owner[1].encode()
+                segments.append(peer)
+            except (OSError, RuntimeError):
+                ok = False
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped, unlink is safe
+        if mine is not None:
+            os.unlink(path)
+        return cls(segments, slot_bytes, rank, group) if flag.item() else None
+
+    def round(self, shards: list[torch.Tensor], slot: int, write: bool, read: bool) -> list[list[torch.Tensor]]:
+        """Every rank's copy of each shard (same shapes on every rank): ``out[i][r]`` is rank r's ``shards[i]``."""
+        views: list[list[torch.Tensor]] = [[] for _ in shards]
+        for r, seg in enumerate(self.segments):
+            offset = slot * self.slot_bytes
+            for i, shard in enumerate(shards):
+                nbytes = shard.numel() * shard.element_size()
+                views[i].append(seg[offset : offset + nbytes].view(shard.dtype).view(shard.shape))
+                offset += _aligned(nbytes)
+        if write:
+            for i, shard in enumerate(shards):
+                views[i][self.rank].copy_(shard)
+        dist.barrier(group=self.group)
+        if not read:
+            return []
+        for i, shard in enumerate(shards):
+            views[i][self.rank] = shard  # its own shard: read in place, written only for the peers
+        return views
+
+
+def _assemble(
+    pe: _PlanEntry, shards: list[tuple[int, torch.Tensor]], plan: _Plan, dtype
 ) -> list[tuple[str, torch.Tensor]]:
-    if len(plan.pp_ranks) == 1:
-        return produce()
-    if plan.pp_rank == pe.owner_stage:
-        tensors = produce()
+    """The HF tensors of one Megatron parameter from ``(tp_rank, shard)`` pairs, written once into one fresh buffer:
+    the HF tensors of one parameter lie back to back ([q; k; v], [gate; up]), so an engine with packed layers can take
+    them without another copy."""
+    m = pe.mapping
+    shapes = [tuple(s) for s in hf_shapes(m, plan.dims)]
+    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype or pe.dtype)
+    outs, offset = {}, 0
+    for name, shape in zip(m.hf, shapes):
+        outs[name] = flat[offset : offset + math.prod(shape)].view(shape)
+        offset += math.prod(shape)
+    for tp_rank, shard in shards:
+        for name, piece, dim, start, stop in shard_to_hf(m, shard, plan.dims, tp_rank, plan.tp):
+            (outs[name] if dim is None else outs[name].narrow(dim, start, stop - start)).copy_(piece)
+    return list(outs.items())
+
+
+def _slot_bytes(plan: _Plan) -> int:
+    largest = max((_aligned(math.prod(pe.local_shape) * pe.dtype.itemsize) for pe in plan.entries), default=0)
+    return max(SHM_SLOT_BYTES, largest)
+
+
+def _rounds(entries: list[_PlanEntry], plan: _Plan, slot_bytes: int) -> Iterator[list[_PlanEntry]]:
+    """Consecutive entries of one owner stage whose TP shards fit one exchange slot together."""
+    batch: list[_PlanEntry] = []
+    size = 0
+    for pe in entries:
+        sharded = pe.mapping.tp_dim is not None and plan.tp > 1
+        nbytes = _aligned(math.prod(pe.local_shape) * pe.dtype.itemsize) if sharded else 0
+        if batch and (pe.owner_stage != batch[0].owner_stage or size + nbytes > slot_bytes):
+            yield batch
+            batch, size = [], 0
+        batch.append(pe)
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def _gathered_round(
+    batch: list[_PlanEntry],
+    by_name: dict[str, torch.Tensor],
+    plan: _Plan,
+    tp_group,
+    read: bool,
+    others_read: bool,
+    dtype,
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """On the owner stage: the HF tensors of each entry of ``batch`` (empty lists where ``read`` is False)."""
+    sharded = [pe for pe in batch if pe.mapping.tp_dim is not None and plan.tp > 1]
+    per_rank: dict[str, list[torch.Tensor]] = {}
+    if sharded and plan.exchange is not None:
+        slot = plan.rounds_done % 2
+        plan.rounds_done += 1
+        shards = [by_name[pe.mapping.megatron].detach() for pe in sharded]
+        views = plan.exchange.round(shards, slot, write=others_read, read=read)
+        per_rank = {pe.mapping.megatron: v for pe, v in zip(sharded, views)}
     else:
-        tensors = [(n, torch.empty(s, dtype=pe.dtype)) for n, s in zip(names, shapes)]
-    for _, t in tensors:
+        for pe in sharded:
+            shard = by_name[pe.mapping.megatron].detach().contiguous()
+            # One flat all-gather into a single buffer (gloo's list all-gather plus a cat measured ~5x slower).
+            flat = torch.empty(plan.tp * shard.numel(), dtype=shard.dtype)
+            dist.all_gather_into_tensor(flat, shard.view(-1), group=tp_group)
+            per_rank[pe.mapping.megatron] = list(flat.view(plan.tp, *shard.shape))
+    if not read:
+        return [[] for _ in batch]
+    out = []
+    for pe in batch:
+        views = per_rank.get(pe.mapping.megatron)
+        own = [(plan.tp_rank, by_name[pe.mapping.megatron].detach())]
+        shards = list(enumerate(views)) if views is not None else own
+        out.append(_assemble(pe, shards, plan, dtype))
+    return out
+
+
+def _received(pe: _PlanEntry, plan: _Plan, pp_group, dtype) -> list[tuple[str, torch.Tensor]]:
+    """On a stage that does not own ``pe``: its HF tensors, broadcast by the owner stage (one buffer, as there)."""
+    shapes = [tuple(s) for s in hf_shapes(pe.mapping, plan.dims)]
+    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype or pe.dtype)
+    out, offset = [], 0
+    for name, shape in zip(pe.mapping.hf, shapes):
+        out.append((name, flat[offset : offset + math.prod(shape)].view(shape)))
+        offset += math.prod(shape)
+    for _, t in out:
         dist.broadcast(t, src=plan.pp_ranks[pe.owner_stage], group=pp_group)
-    return tensors
+    return out
 
 
 def _bucketed(items: Iterator[Any], tensor_of, bucket_bytes: int) -> Iterator[list]:
@@ -172,9 +313,12 @@ def export_hf_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     include_lm_head: bool = True,
     dtype: torch.dtype | None = None,
+    receive: bool = True,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` in HF layout, vocab padding stripped, yielded on every rank of the
-    model-parallel group. A bucket exceeds ``bucket_bytes`` only when it is one tensor larger than that.
+    model-parallel group that passes ``receive=True``. A bucket exceeds ``bucket_bytes`` only when it is one tensor
+    larger than that. ``receive=False``: this rank only serves its shards and gets no bucket (a rank without an
+    engine; the gather then skips the re-layout there). It is still a collective: iterate to the end.
 
     ``include_lm_head``: for tied embeddings, also send ``lm_head.weight`` (= the embedding; an engine keeps its own
     copy and would otherwise keep a stale output layer). Pass False to write an HF checkpoint, where a tied model
@@ -184,20 +328,34 @@ def export_hf_weights(
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan, by_name = _plan(model_chunks, hf)
     tp_group, pp_group = _groups()[:2]
+    if plan.tp > 1 and not plan.exchange_tried:
+        plan.exchange = _ShmExchange.open(tp_group, plan.tp_rank, _slot_bytes(plan)) if SHM_EXCHANGE else None
+        plan.exchange_tried = True
+    pp = len(plan.pp_ranks)
+    others_read = pp > 1  # every owner-stage rank builds what it broadcasts
+    if plan.tp > 1 and not others_read:
+        receivers: list[Any] = [None] * plan.tp
+        dist.all_gather_object(receivers, bool(receive), group=tp_group)
+        others_read = any(r for i, r in enumerate(receivers) if i != plan.tp_rank)
+    entries = [pe for pe in plan.entries if not (pe.mapping.megatron == "output_layer.weight" and plan.dims.tied)]
 
     def stream():
-        for pe in plan.entries:
-            m = pe.mapping
-            if m.megatron == "output_layer.weight" and plan.dims.tied:
-                continue  # sent as a copy of the embedding below (the master copy, whatever the PP layout)
-            names, shapes = list(m.hf), [tuple(s) for s in hf_shapes(m, plan.dims)]
-            tensors = _broadcast_from_owner(
-                pe, plan, pp_group, lambda: _gathered_hf(pe, by_name[m.megatron], plan, tp_group), shapes, names
-            )
-            for name, t in tensors:
-                yield name, (t if dtype is None else t.to(dtype))
-            if m.megatron == "embedding.word_embeddings.weight" and plan.dims.tied and include_lm_head:
-                yield "lm_head.weight", (tensors[0][1] if dtype is None else tensors[0][1].to(dtype))
+        for batch in _rounds(entries, plan, _slot_bytes(plan)):
+            if plan.pp_rank == batch[0].owner_stage:
+                # The owner stage builds what it broadcasts, whether or not it receives.
+                built = _gathered_round(batch, by_name, plan, tp_group, receive or pp > 1, others_read, dtype)
+                for pe, tensors in zip(batch, built):
+                    for _, t in tensors if pp > 1 else ():
+                        dist.broadcast(t, src=plan.pp_ranks[pe.owner_stage], group=pp_group)
+            else:
+                built = [_received(pe, plan, pp_group, dtype) for pe in batch]
+            if not receive:
+                continue
+            for pe, tensors in zip(batch, built):
+                yield from tensors
+                # The tied output layer is sent as the embedding (the master copy, whatever the PP layout).
+                if pe.mapping.megatron == "embedding.word_embeddings.weight" and plan.dims.tied and include_lm_head:
+                    yield "lm_head.weight", tensors[0][1]
 
     yield from _bucketed(stream(), lambda item: item[1], bucket_bytes)
 

@@ -1,7 +1,9 @@
 """Streaming export: at (TP,PP) = (2,1), (1,2), (2,2) the gathered export equals the HF checkpoint exactly, on
-every rank, in buckets never over the bound (unless one tensor is larger); lm_head is always sent; the plan is
-built once; the no-gather shard path reassembles to the same tensors; a missing or mis-shaped tensor is refused
-on every rank before anything is yielded, naming the tensor."""
+every rank, in buckets never over the bound (unless one tensor is larger), through shared memory and through gloo;
+a rank passing receive=False gets nothing while the others still get everything; the HF tensors of one parameter
+lie back to back ([q; k; v], [gate; up]); lm_head is always sent; the plan is built once; the no-gather shard path
+reassembles to the same tensors; a missing or mis-shaped tensor is refused on every rank before anything is
+yielded, naming the tensor."""
 
 from __future__ import annotations
 
@@ -34,18 +36,48 @@ def _hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
         return {n: reader.read(n) for n in reader.names()}
 
 
-def _export_worker(hf_dir: str, tp: int, pp: int, bucket_bytes: int, vpp: int | None = None):
+def _export_worker(hf_dir: str, tp: int, pp: int, bucket_bytes: int, vpp: int | None = None, shm: bool = True,
+                   receive_ranks: tuple[int, ...] | None = None):
     from megatron_rlvr import distributed
     from megatron_rlvr.bridge import export, export_hf_weights
 
+    shm_before, export.SHM_EXCHANGE = export.SHM_EXCHANGE, shm  # worker processes are shared by tests: restored
     try:
         hf, chunks = build_chunks(hf_dir, tp, pp, vpp=vpp)
+        receive = receive_ranks is None or torch.distributed.get_rank() in receive_ranks
         builds = export.PLAN_BUILDS
-        first = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes)]
-        second = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes)]
-        return {"buckets": first, "again_equal": _same(first, second), "plan_builds": export.PLAN_BUILDS - builds}
+        first = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive)]
+        second = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive)]
+        plan = chunks[0]._megatron_rlvr_export_plan
+        return {
+            "buckets": first,
+            "again_equal": _same(first, second),
+            "plan_builds": export.PLAN_BUILDS - builds,
+            "shm_used": plan.exchange is not None,
+            "adjacent": _packed_parts_adjacent(first),
+        }
     finally:
+        export.SHM_EXCHANGE = shm_before
         distributed.destroy_model_parallel()
+
+
+def _packed_parts_adjacent(buckets) -> bool:
+    """Whether every layer's q/k/v and gate/up weights lie back to back in one buffer (what lets an engine with
+    packed layers take them without a copy)."""
+    got = {n: t for bucket in buckets for n, t in bucket}
+    groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
+    checked = 0
+    for name in got:
+        for group in groups:
+            if name.endswith(f"{group[0]}.weight"):
+                parts = [got[name.replace(group[0], g)] for g in group]
+                base = parts[0].untyped_storage().data_ptr()
+                offsets = [p.storage_offset() for p in parts]
+                ends = [o + p.numel() for o, p in zip(offsets, parts)]
+                if any(p.untyped_storage().data_ptr() != base for p in parts) or offsets[1:] != ends[:-1]:
+                    return False
+                checked += 1
+    return checked > 0
 
 
 def _same(a, b) -> bool:
@@ -77,9 +109,20 @@ def _check_export(results, hf_dir: str, bucket_bytes: int) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_gathered_export_is_exact(workers2, tiny_models, arch, tp, pp):
-    results = workers2.run(_export_worker, tiny_models[arch], tp, pp, BUCKET_BYTES)
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_gathered_export_is_exact(workers2, tiny_models, arch, tp, pp, shm):
+    results = workers2.run(_export_worker, tiny_models[arch], tp, pp, BUCKET_BYTES, None, shm)
     _check_export(results, tiny_models[arch], BUCKET_BYTES)
+    for r in results:
+        assert r["shm_used"] == (shm and tp > 1), "the shared-memory exchange was (not) used"
+        assert r["adjacent"], "q/k/v or gate/up of a layer are not back to back in one buffer"
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_a_rank_that_does_not_receive_gets_nothing_and_the_others_everything(workers2, tiny_models, shm):
+    results = workers2.run(_export_worker, tiny_models["qwen2"], 2, 1, BUCKET_BYTES, None, shm, (0,))
+    _check_export(results[:1], tiny_models["qwen2"], BUCKET_BYTES)
+    assert results[1]["buckets"] == [] and results[1]["plan_builds"] == 1
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
