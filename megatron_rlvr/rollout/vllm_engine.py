@@ -10,8 +10,10 @@ Device-specific choices live in `_engine_kwargs` and in `sleep`/`wake` only:
   Not run here (no GPU on the development machine); written from vLLM 0.32's code.
 - CPU beside a multi-rank actor: `_vllm_private_world` (see there).
 
-Weights arrive as HF (name, tensor) pairs and go through the model's own `load_weights` (vLLM's in-place
-`reload_weights` worker method), so vLLM's packing (qkv, gate_up) and TP slicing are its own. Log-probs are those of
+Weights arrive as HF (name, tensor) pairs. On CPU they go straight into the model's live parameters and GEMM handles
+(`cpu_weights.DirectLoader`, routes resolved once at start); elsewhere, or for a model it does not cover, through the
+model's own `load_weights` (vLLM's in-place `reload_weights` worker method), so vLLM's packing (qkv, gate_up) and TP
+slicing are its own. Log-probs are those of
 the *processed* distribution (`logprobs_mode="processed_logprobs"`): logits / temperature (then top-k/top-p
 truncation, a no-op at their defaults), which is what the trainer's statistics compute.
 """
@@ -34,6 +36,7 @@ import torch  # noqa: E402
 
 from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
+from megatron_rlvr.rollout.cpu_weights import DirectLoader  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
@@ -56,6 +59,10 @@ class VLLMEngine:
         self._asleep = False
         self._weights_discarded = False  # sleep level 2 dropped them: only update_weights brings weights back
         self._llm = self._start(dtype)
+        self._direct: DirectLoader | None = None  # the CPU weight path; None: vLLM's reload_weights
+        if not self.on_gpu:
+            shapes = self.manifest.shapes
+            self._direct = self._llm.apply_model(lambda model: DirectLoader.for_model(model, shapes))[0]
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
@@ -196,33 +203,60 @@ class VLLMEngine:
         if self._death is not None:
             _drain(source)
             self._require_alive()
-        llm = self._llm
-        if self.cfg.sync_staging == "full":
-            stream = iter(self.manifest.staged(source))
-        else:
-            stream = self.manifest.iter_checked(source)
-        if self.on_gpu and self._asleep:
-            llm.wake_up(tags=["weights"])  # the KV cache stays released until generation needs it
+        full = self.cfg.sync_staging == "full"
         kept: dict[str, torch.Tensor] | None = {} if self.cfg.check_sync else None
 
-        def feed():
+        def feed(stream):
             for name, tensor in stream:
                 if kept is not None:
                     kept[name] = tensor
                 yield name, tensor
 
+        if self._direct is not None:
+            self._update_direct(source, feed, full)
+        else:
+            self._update_by_reload(source, feed, full)
+        if kept is not None:
+            mismatches = self.compare_weights(kept)
+            if mismatches:
+                raise WeightSyncError(f"post-sync check: engine weights differ from the sent ones: {mismatches[:5]}")
+
+    def _update_direct(self, source, feed, full: bool) -> None:
+        """"full": the checked stream is built into new GEMM handles aside and committed only after its end, so a
+        bad stream (raised by `checked` after draining) leaves the engine untouched and alive."""
+        touched = False
+
+        def on_commit() -> None:
+            nonlocal touched
+            touched = True
+
+        stream = self.manifest.checked(source) if full else self.manifest.iter_checked(source)
         try:
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed()})
+            self._direct.load(feed(stream), commit_each=not full, on_commit=on_commit)
+            self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            self._weights_discarded = False
+        except WeightSyncError as e:
+            _drain(source)
+            if not touched:
+                raise
+            raise self._die("update_weights (a bad tensor after others were loaded)", e) from e
+        except Exception as e:
+            _drain(source)
+            raise self._die("update_weights", e) from e
+
+    def _update_by_reload(self, source, feed, full: bool) -> None:
+        llm = self._llm
+        stream = iter(self.manifest.staged(source)) if full else self.manifest.iter_checked(source)
+        if self.on_gpu and self._asleep:
+            llm.wake_up(tags=["weights"])  # the KV cache stays released until generation needs it
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed(stream)})
             llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
             self._weights_discarded = False
         except Exception as e:
             _drain(source)
             what = "update_weights (a bad tensor after others were loaded)" if isinstance(e, WeightSyncError) else None
             raise self._die(what or "update_weights", e) from e
-        if kept is not None:
-            mismatches = self.compare_weights(kept)
-            if mismatches:
-                raise WeightSyncError(f"post-sync check: engine weights differ from the sent ones: {mismatches[:5]}")
 
     def compare_weights(self, sent: dict[str, torch.Tensor], atol: float = 0.0) -> list[str]:
         """Read the engine's weights back and list the sent tensors whose engine copy differs (empty = equal)."""

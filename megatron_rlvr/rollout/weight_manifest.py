@@ -78,17 +78,19 @@ class WeightManifest:
             yield checker.check(item)
         checker.finish()
 
-    def staged(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The whole stream, checked. Always drains the stream (a collective producer such as the bridge's export
-        must run to its end on every rank), then raises one WeightSyncError naming every problem, if any."""
+    def checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the stream's good pairs as they come; after the last, raise one WeightSyncError naming every problem,
+        if any. Always drains the stream (a collective producer such as the bridge's export must run to its end on
+        every rank): a consumer that only commits after the end refuses a bad stream without holding it."""
         checker = _StreamChecker(self)
-        items: list[tuple[str, torch.Tensor]] = []
         problems: list[str] = []
         for item in weights:
             try:
-                items.append(checker.check(item))
+                good = checker.check(item)
             except WeightSyncError as e:
                 problems.append(str(e))
+                continue
+            yield good
         try:
             checker.finish()
         except WeightSyncError as e:
@@ -96,7 +98,10 @@ class WeightManifest:
         if problems:
             more = f"\n(and {len(problems) - 5} more problems)" if len(problems) > 5 else ""
             raise WeightSyncError("\n".join(problems[:5]) + more)
-        return items
+
+    def staged(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The whole stream, checked (see `checked`): raises before returning anything if any pair is bad."""
+        return list(self.checked(weights))
 
 
 class _StreamChecker:

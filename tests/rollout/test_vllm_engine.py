@@ -174,11 +174,45 @@ def test_bad_sync_fails_before_the_engine_is_touched(qwen, fault, match, monkeyp
     calls = []
     real_rpc = engine._llm.collective_rpc
     monkeypatch.setattr(engine._llm, "collective_rpc", lambda *a, **k: calls.append(a) or real_rpc(*a, **k))
+    handles = _gemm_handles(engine)
     with pytest.raises(WeightSyncError, match=match):
         engine.update_weights(items)
     assert calls == [] and engine.alive
+    assert _gemm_handles(engine) == handles  # the direct path built new handles aside and never swapped them in
     assert _max_diff(engine, hf) <= TOL  # still the original weights
     assert engine.compare_weights(original) == []
+
+
+def _gemm_handles(engine: VLLMEngine) -> dict[str, int]:
+    return engine._llm.apply_model(
+        lambda model: {n: id(m.cpu_linear) for n, m in model.named_modules() if hasattr(m, "cpu_linear")}
+    )[0]
+
+
+@pytest.mark.parametrize("which", ["qwen", "llama_tied"])
+def test_cpu_engines_load_directly_and_vllms_reload_gives_the_same_model(which, request, monkeypatch):
+    """The direct CPU path is the one in use (new GEMM handles after a sync), and vLLM's generic reload, the
+    fallback for models it does not cover, loads the same weights (both compared with HF transformers)."""
+    engine, hf, original = request.getfixturevalue(which)[:3]
+    assert engine._direct is not None
+    new = perturbed(original, seed=7, tied=which == "llama_tied")
+    load_into_hf(hf, new)
+    try:
+        before = _gemm_handles(engine)
+        engine.update_weights(new.items())
+        after = _gemm_handles(engine)
+        assert before.keys() == after.keys()
+        assert all(before[n] != after[n] for n in before if "lm_head" in n or "proj" in n)
+        assert _max_diff(engine, hf) <= TOL and engine.compare_weights(new) == []
+        engine.update_weights(original.items())
+        monkeypatch.setattr(engine, "_direct", None)
+        engine.update_weights(new.items())  # through vLLM's reload_weights
+        assert _max_diff(engine, hf) <= TOL and engine.compare_weights(new) == []
+    finally:
+        monkeypatch.undo()
+        engine.update_weights(original.items())
+        load_into_hf(hf, original)
+    assert _max_diff(engine, hf) <= TOL
 
 
 def test_tied_lm_head_must_equal_the_embedding(llama_tied):
