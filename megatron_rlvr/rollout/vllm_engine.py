@@ -138,16 +138,19 @@ class VLLMEngine:
             self.wake()
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
-            max_tokens=sampling.max_tokens,
-            stop=list(sampling.stop) or None,
-            seed=sampling.seed,
-            logprobs=0 if sampling.logprobs else None,  # 0 = only the sampled token's log-prob
-        )
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
+                max_tokens=sampling.max_tokens,
+                stop=list(sampling.stop) or None,
+                seed=prompt_seed(sampling.seed, i),
+                logprobs=0 if sampling.logprobs else None,  # 0 = only the sampled token's log-prob
+            )
+            for i in range(len(prompt_token_ids))
+        ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -290,6 +293,15 @@ class VLLMEngine:
             return
         llm.wake_up()
         self._asleep = False
+
+
+_PROMPT_SEED_STRIDE = 104_729  # a prime above any n: the n samples of one prompt never reuse another's seeds
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed of the ``index``-th prompt of one `generate` call. vLLM seeds each request alone, so one seed for
+    all would give every prompt the same random draws (the same prompt twice: the same samples)."""
+    return None if seed is None else (seed + index * _PROMPT_SEED_STRIDE) % 2**31
 
 
 def make_engine(model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> VLLMEngine:

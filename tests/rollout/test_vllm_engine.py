@@ -125,6 +125,10 @@ def test_sampling_n16_is_well_formed_and_logprobs_are_of_logits_over_temperature
     # a seed fixes the samples
     again = engine.generate(prompts, 16, sampling)
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in out]
+    # each prompt of a call draws its own randomness: the same prompt twice gives two different groups
+    twice = engine.generate([prompts[0], prompts[0]], 16, sampling)
+    assert [c.token_ids for c in twice[0]] == [c.token_ids for c in out[0]]  # the first prompt keeps the seed
+    assert [c.token_ids for c in twice[0]] != [c.token_ids for c in twice[1]]
 
 
 def test_max_tokens_and_stop_string_end_generation(qwen):
