@@ -218,6 +218,8 @@ def _assemble(
         offset += math.prod(shape)
     for tp_rank, shard in shards:
         for name, piece, dim, start, stop in shard_to_hf(m, shard, plan.dims, tp_rank, plan.tp):
+            if dim is not None and stop <= start:
+                continue  # a vocabulary shard of padding rows only (vocab < its start): nothing of the HF tensor
             (outs[name] if dim is None else outs[name].narrow(dim, start, stop - start)).copy_(piece)
     return list(outs.items())
 

@@ -1,6 +1,7 @@
 """Streaming export: at (TP,PP) = (2,1), (1,2), (2,2) the gathered export equals the HF checkpoint exactly, on
 every rank, in buckets never over the bound (unless one tensor is larger), through shared memory and through gloo;
-a rank passing receive=False gets nothing while the others still get everything; the HF tensors of one parameter
+a rank passing receive=False gets nothing while the others still get everything; a TP shard of vocabulary padding
+only is skipped; the HF tensors of one parameter
 lie back to back ([q; k; v], [gate; up]); lm_head is always sent; the plan is built once; the no-gather shard path
 reassembles to the same tensors; a missing or mis-shaped tensor is refused on every rank before anything is
 yielded, naming the tensor."""
@@ -26,6 +27,8 @@ def tiny_models(tmp_path_factory):
         "qwen2": str(make_tiny_hf_model("qwen2", root / "qwen2", seed=3)),
         # sharded input checkpoint: the loader must follow the index
         "llama": str(make_tiny_hf_model("llama", root / "llama", seed=4, max_shard_size="300KB")),
+        # 40 tokens in a table padded to 128: TP rank 1's vocabulary shard is padding only (the demo model's case)
+        "small_vocab": str(make_tiny_hf_model("qwen2", root / "small_vocab", seed=6, vocab_size=40)),
     }
 
 
@@ -116,6 +119,12 @@ def test_gathered_export_is_exact(workers2, tiny_models, arch, tp, pp, shm):
     for r in results:
         assert r["shm_used"] == (shm and tp > 1), "the shared-memory exchange was (not) used"
         assert r["adjacent"], "q/k/v or gate/up of a layer are not back to back in one buffer"
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_gathered_export_skips_a_vocabulary_shard_of_padding_only(workers2, tiny_models, shm):
+    results = workers2.run(_export_worker, tiny_models["small_vocab"], 2, 1, BUCKET_BYTES, None, shm)
+    _check_export(results, tiny_models["small_vocab"], BUCKET_BYTES)
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
