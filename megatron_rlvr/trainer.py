@@ -99,7 +99,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
     if resume_from is not None:
         state = checkpoint.load(resume_from, actor)
         loader.load_state_dict(state["loader"])
-        changed = differences(state.get("config", {}), to_dict(cfg))
+        changed = differences(state["config"], to_dict(cfg)) if "config" in state else []
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
             print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
         start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
