@@ -11,7 +11,14 @@ an engine needs every layer).
 Both are collectives over the model-parallel group: every rank must iterate them to the end. The plan (who owns
 what, shapes, dtypes) is built once per model and cached; each call re-checks the local shapes with one
 all-reduce, so a missing or mis-shaped tensor raises on every rank before anything is yielded. Each bucket holds
-fresh tensors (never reused), so a consumer may keep them as long as it likes.
+fresh tensors (never reused), so a consumer may keep them as long as it likes -- unless it asks for lent ones.
+
+Lending (``export_hf_weights(..., lend=True)``, TP ranks on one host, PP=1): every rank writes the HF pieces of its own
+shards straight into one shared output slot, laid out as the fresh buffers are, and receivers get views of that slot
+instead of copies. The re-layout is then split across the TP ranks, and a rank that only serves (``receive=False``)
+lays out the next round while the receivers consume this one. A lent tensor is valid only until this rank asks for
+the next bucket (two slots alternate); a bucket then holds whole parameters, so the parts of one ([q; k; v]) stay
+valid together. A consumer must copy whatever it keeps longer (see ``VLLMEngine.update_weights(lent=True)``).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class _Plan:
     exchange: "_ShmExchange | None" = None
     exchange_tried: bool = False
     rounds_done: int = 0  # exchange rounds so far: picks the slot, continuing across calls
+    lend_exchange: "_ShmExchange | None" = None  # lending: TP rank 0's segment of it holds each round's HF tensors
 
 
 def _groups():
@@ -229,13 +237,26 @@ def _slot_bytes(plan: _Plan) -> int:
     return max(SHM_SLOT_BYTES, largest)
 
 
-def _rounds(entries: list[_PlanEntry], plan: _Plan, slot_bytes: int) -> Iterator[list[_PlanEntry]]:
-    """Consecutive entries of one owner stage whose TP shards fit one exchange slot together."""
+def _shard_bytes(pe: _PlanEntry, plan: _Plan) -> int:
+    """Bytes of ``pe``'s TP shard in an exchange slot (0: replicated, not exchanged)."""
+    sharded = pe.mapping.tp_dim is not None and plan.tp > 1
+    return _aligned(math.prod(pe.local_shape) * pe.dtype.itemsize) if sharded else 0
+
+
+def _hf_bytes(pe: _PlanEntry, plan: _Plan, dtype) -> int:
+    """Bytes of ``pe``'s HF tensors (one buffer) in a lending slot."""
+    numel = sum(math.prod(s) for s in hf_shapes(pe.mapping, plan.dims))
+    return _aligned(numel * (dtype or pe.dtype).itemsize)
+
+
+def _rounds(
+    entries: list[_PlanEntry], plan: _Plan, slot_bytes: int, size_of=_shard_bytes
+) -> Iterator[list[_PlanEntry]]:
+    """Consecutive entries of one owner stage whose ``size_of`` bytes fit one slot together."""
     batch: list[_PlanEntry] = []
     size = 0
     for pe in entries:
-        sharded = pe.mapping.tp_dim is not None and plan.tp > 1
-        nbytes = _aligned(math.prod(pe.local_shape) * pe.dtype.itemsize) if sharded else 0
+        nbytes = size_of(pe, plan)
         if batch and (pe.owner_stage != batch[0].owner_stage or size + nbytes > slot_bytes):
             yield batch
             batch, size = [], 0
@@ -281,6 +302,54 @@ def _gathered_round(
     return out
 
 
+def _lent_round(
+    batch: list[_PlanEntry], by_name: dict[str, torch.Tensor], plan: _Plan, write: bool, read: bool, dtype
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Lending: each rank writes the HF pieces of its own shards (TP rank 0 also the replicated tensors) into the
+    shared slot of this round, one barrier, then every receiver takes views of the slot (see the module docstring).
+    The slot holds each entry's HF tensors back to back, as `_assemble`'s buffer does."""
+    exchange = plan.lend_exchange
+    slot = plan.rounds_done % 2
+    plan.rounds_done += 1
+    segment, offset = exchange.segments[0], slot * exchange.slot_bytes
+    out = []
+    for pe in batch:
+        m = pe.mapping
+        shapes = [tuple(s) for s in hf_shapes(m, plan.dims)]
+        flat = segment[offset : offset + _hf_bytes(pe, plan, dtype)].view(dtype or pe.dtype)
+        offset += _hf_bytes(pe, plan, dtype)
+        outs, at = {}, 0
+        for name, shape in zip(m.hf, shapes):
+            outs[name] = flat[at : at + math.prod(shape)].view(shape)
+            at += math.prod(shape)
+        if write and (m.tp_dim is not None or plan.tp_rank == 0):
+            shard = by_name[m.megatron].detach()
+            for name, piece, dim, start, stop in shard_to_hf(m, shard, plan.dims, plan.tp_rank, plan.tp):
+                if dim is not None and stop <= start:
+                    continue  # a vocabulary shard of padding rows only
+                (outs[name] if dim is None else outs[name].narrow(dim, start, stop - start)).copy_(piece)
+        out.append(list(outs.items()))
+    dist.barrier(group=exchange.group)  # every rank has written this slot; slots alternate (see `_ShmExchange`)
+    return out if read else [[] for _ in batch]
+
+
+def _lending(plan: _Plan, tp_group, receive: bool, lend: bool, dtype, pp: int) -> tuple[bool, bool]:
+    """(others_read, lending) for this call, agreed by the TP group (a collective). Lending needs the shared-memory
+    exchange, PP=1, one output dtype on every rank, and at least one rank asking for it."""
+    if plan.tp == 1 or pp > 1:
+        return pp > 1, False
+    wishes: list[Any] = [None] * plan.tp
+    dist.all_gather_object(wishes, (bool(receive), bool(lend), str(dtype)), group=tp_group)
+    others_read = any(w[0] for i, w in enumerate(wishes) if i != plan.tp_rank)
+    lending = plan.exchange is not None and any(w[0] and w[1] for w in wishes) and len({w[2] for w in wishes}) == 1
+    if lending:
+        need = max(plan.tp * _slot_bytes(plan), max(_hf_bytes(pe, plan, dtype) for pe in plan.entries))
+        if plan.lend_exchange is None or plan.lend_exchange.slot_bytes < need:  # the same decision on every rank
+            plan.lend_exchange = _ShmExchange.open(tp_group, plan.tp_rank, need)
+        lending = plan.lend_exchange is not None
+    return others_read, lending
+
+
 def _received(pe: _PlanEntry, plan: _Plan, pp_group, dtype) -> list[tuple[str, torch.Tensor]]:
     """On a stage that does not own ``pe``: its HF tensors, broadcast by the owner stage (one buffer, as there)."""
     shapes = [tuple(s) for s in hf_shapes(pe.mapping, plan.dims)]
@@ -316,6 +385,7 @@ def export_hf_weights(
     include_lm_head: bool = True,
     dtype: torch.dtype | None = None,
     receive: bool = True,
+    lend: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` in HF layout, vocab padding stripped, yielded on every rank of the
     model-parallel group that passes ``receive=True``. A bucket exceeds ``bucket_bytes`` only when it is one tensor
@@ -325,6 +395,11 @@ def export_hf_weights(
     ``include_lm_head``: for tied embeddings, also send ``lm_head.weight`` (= the embedding; an engine keeps its own
     copy and would otherwise keep a stale output layer). Pass False to write an HF checkpoint, where a tied model
     has no lm_head. Untied models always send their own lm_head. ``dtype``: cast (e.g. for a bf16 engine).
+
+    ``lend``: views of shared memory instead of fresh tensors, valid only until this rank asks for the next bucket
+    (see the module docstring); each bucket then holds whole parameters, at most ``bucket_bytes`` unless one
+    parameter is larger. Where lending is not possible (PP > 1, TP = 1, no shared memory) the tensors are fresh, which
+    satisfies the same contract. Every rank of the TP group must pass the same ``dtype`` for lending to be used.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -334,12 +409,28 @@ def export_hf_weights(
         plan.exchange = _ShmExchange.open(tp_group, plan.tp_rank, _slot_bytes(plan)) if SHM_EXCHANGE else None
         plan.exchange_tried = True
     pp = len(plan.pp_ranks)
-    others_read = pp > 1  # every owner-stage rank builds what it broadcasts
-    if plan.tp > 1 and not others_read:
-        receivers: list[Any] = [None] * plan.tp
-        dist.all_gather_object(receivers, bool(receive), group=tp_group)
-        others_read = any(r for i, r in enumerate(receivers) if i != plan.tp_rank)
+    # others_read: every owner-stage rank builds what it broadcasts (PP > 1), else whether another TP rank receives
+    others_read, lending = _lending(plan, tp_group, receive, lend, dtype, pp)
     entries = [pe for pe in plan.entries if not (pe.mapping.megatron == "output_layer.weight" and plan.dims.tied)]
+
+    def with_lm_head(pe: _PlanEntry, tensors: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from tensors
+        # The tied output layer is sent as the embedding (the master copy, whatever the PP layout).
+        if pe.mapping.megatron == "embedding.word_embeddings.weight" and plan.dims.tied and include_lm_head:
+            yield "lm_head.weight", tensors[0][1]
+
+    def lent_buckets():
+        # One bucket per round: the slot is reused two rounds later, after every rank passed the next barrier.
+        size_of = lambda pe, plan: _hf_bytes(pe, plan, dtype)  # noqa: E731
+        for batch in _rounds(entries, plan, min(bucket_bytes, plan.lend_exchange.slot_bytes), size_of):
+            built = _lent_round(batch, by_name, plan, others_read or receive, receive, dtype)
+            if receive:
+                bucket = [item for pe, tensors in zip(batch, built) for item in with_lm_head(pe, tensors)]
+                yield bucket if lend else [(n, t.clone()) for n, t in bucket]
+
+    if lending:
+        yield from lent_buckets()
+        return
 
     def stream():
         for batch in _rounds(entries, plan, _slot_bytes(plan)):
@@ -354,10 +445,7 @@ def export_hf_weights(
             if not receive:
                 continue
             for pe, tensors in zip(batch, built):
-                yield from tensors
-                # The tied output layer is sent as the embedding (the master copy, whatever the PP layout).
-                if pe.mapping.megatron == "embedding.word_embeddings.weight" and plan.dims.tied and include_lm_head:
-                    yield "lm_head.weight", tensors[0][1]
+                yield from with_lm_head(pe, tensors)
 
     yield from _bucketed(stream(), lambda item: item[1], bucket_bytes)
 

@@ -1,7 +1,8 @@
 """Streaming export: at (TP,PP) = (2,1), (1,2), (2,2) the gathered export equals the HF checkpoint exactly, on
 every rank, in buckets never over the bound (unless one tensor is larger), through shared memory and through gloo;
 a rank passing receive=False gets nothing while the others still get everything; a TP shard of vocabulary padding
-only is skipped; the HF tensors of one parameter
+only is skipped; lent buckets (views of shared memory) are exact too, hold whole parameters, and fall back to fresh
+tensors where lending is impossible; the HF tensors of one parameter
 lie back to back ([q; k; v], [gate; up]); lm_head is always sent; the plan is built once; the no-gather shard path
 reassembles to the same tensors; a missing or mis-shaped tensor is refused on every rank before anything is
 yielded, naming the tensor."""
@@ -40,33 +41,60 @@ def _hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _export_worker(hf_dir: str, tp: int, pp: int, bucket_bytes: int, vpp: int | None = None, shm: bool = True,
-                   receive_ranks: tuple[int, ...] | None = None):
+                   receive_ranks: tuple[int, ...] | None = None, lend_ranks: tuple[int, ...] = ()):
     from megatron_rlvr import distributed
     from megatron_rlvr.bridge import export, export_hf_weights
 
     shm_before, export.SHM_EXCHANGE = export.SHM_EXCHANGE, shm  # worker processes are shared by tests: restored
     try:
         hf, chunks = build_chunks(hf_dir, tp, pp, vpp=vpp)
-        receive = receive_ranks is None or torch.distributed.get_rank() in receive_ranks
+        rank = torch.distributed.get_rank()
+        receive, lend = receive_ranks is None or rank in receive_ranks, rank in lend_ranks
         builds = export.PLAN_BUILDS
-        first = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive)]
-        second = [list(b) for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive)]
+        lent, adjacent, packed = [], True, 0
+
+        def run():
+            # A lent bucket is valid until the next one is asked for: checked (adjacency) and copied before that.
+            nonlocal adjacent, packed
+            out = []
+            for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive, lend=lend):
+                lent.append(all(_in_lend_slots(chunks, t) for _, t in b))
+                if lent[-1]:  # a lent bucket holds whole parameters
+                    adjacent = adjacent and _packed_parts_adjacent([b], require=False)
+                    packed += _packed_parts_adjacent([b])
+                out.append([(n, t.clone() if lent[-1] else t) for n, t in b])
+            return out
+
+        first = run()
+        second = run()
         plan = chunks[0]._megatron_rlvr_export_plan
         return {
             "buckets": first,
             "again_equal": _same(first, second),
             "plan_builds": export.PLAN_BUILDS - builds,
             "shm_used": plan.exchange is not None,
-            "adjacent": _packed_parts_adjacent(first),
+            # lent buckets: checked on each as it came, before copying; fresh ones: on the whole export
+            "adjacent": adjacent and packed > 0 if any(lent) else _packed_parts_adjacent(first),
+            "lent": bool(lent) and all(lent),
+            "some_lent": any(lent),
         }
     finally:
         export.SHM_EXCHANGE = shm_before
         distributed.destroy_model_parallel()
 
 
-def _packed_parts_adjacent(buckets) -> bool:
+def _in_lend_slots(chunks, t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of the export's shared lending slots."""
+    exchange = chunks[0]._megatron_rlvr_export_plan.lend_exchange
+    if exchange is None:
+        return False
+    base = exchange.segments[0].data_ptr()
+    return base <= t.data_ptr() < base + 2 * exchange.slot_bytes
+
+
+def _packed_parts_adjacent(buckets, require: bool = True) -> bool:
     """Whether every layer's q/k/v and gate/up weights lie back to back in one buffer (what lets an engine with
-    packed layers take them without a copy)."""
+    packed layers take them without a copy); ``require``: and there is at least one such layer."""
     got = {n: t for bucket in buckets for n, t in bucket}
     groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
     checked = 0
@@ -80,7 +108,7 @@ def _packed_parts_adjacent(buckets) -> bool:
                 if any(p.untyped_storage().data_ptr() != base for p in parts) or offsets[1:] != ends[:-1]:
                     return False
                 checked += 1
-    return checked > 0
+    return checked > 0 or not require
 
 
 def _same(a, b) -> bool:
@@ -89,19 +117,30 @@ def _same(a, b) -> bool:
     )
 
 
+def _parameter_of(name: str) -> str:
+    """The Megatron parameter an HF name comes from (q/k/v, gate/up and a tied lm_head share one)."""
+    for part, whole in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"), ("gate_proj", "fc1"),
+                        ("up_proj", "fc1"), ("lm_head", "model.embed_tokens")):
+        name = name.replace(part, whole)
+    return name
+
+
 def _check_export(results, hf_dir: str, bucket_bytes: int) -> None:
     reference = _hf_state_dict(hf_dir)
     tied = "lm_head.weight" not in reference
     expected = dict(reference)
     if tied:
         expected["lm_head.weight"] = reference["model.embed_tokens.weight"]
+    lending = any(r["some_lent"] for r in results)
     for rank, r in enumerate(results):
         assert r["plan_builds"] == 1, f"rank {rank}: export plan built {r['plan_builds']} times for two exports"
         assert r["again_equal"], f"rank {rank}: a second export differs from the first"
         got = {}
         for bucket in r["buckets"]:
             size = sum(t.numel() * t.element_size() for _, t in bucket)
-            assert size <= bucket_bytes or len(bucket) == 1, f"rank {rank}: bucket of {size} B > {bucket_bytes} B"
+            # where any rank lends, buckets hold whole parameters: over the bound only with one parameter's tensors
+            one = len(bucket) == 1 or (lending and len({_parameter_of(n) for n, _ in bucket}) == 1)
+            assert size <= bucket_bytes or one, f"rank {rank}: bucket of {size} B > {bucket_bytes} B"
             for name, t in bucket:
                 assert name not in got, f"rank {rank}: {name} sent twice"
                 got[name] = t
@@ -132,6 +171,33 @@ def test_a_rank_that_does_not_receive_gets_nothing_and_the_others_everything(wor
     results = workers2.run(_export_worker, tiny_models["qwen2"], 2, 1, BUCKET_BYTES, None, shm, (0,))
     _check_export(results[:1], tiny_models["qwen2"], BUCKET_BYTES)
     assert results[1]["buckets"] == [] and results[1]["plan_builds"] == 1
+
+
+@pytest.mark.parametrize("model", ["qwen2", "llama", "small_vocab"])
+@pytest.mark.parametrize("bucket_bytes", [BUCKET_BYTES, 1 << 30])
+def test_lent_export_is_exact_and_lends_shared_memory(workers2, tiny_models, model, bucket_bytes):
+    results = workers2.run(_export_worker, tiny_models[model], 2, 1, bucket_bytes, None, True, None, (0, 1))
+    _check_export(results, tiny_models[model], bucket_bytes)
+    for r in results:
+        assert r["lent"], "lend=True at TP=2 on one host: every tensor should be a view of the shared slots"
+        assert r["adjacent"], "q/k/v or gate/up of a layer are not back to back in the lent slot"
+
+
+def test_lending_to_one_rank_gives_the_other_fresh_tensors_or_nothing(workers2, tiny_models):
+    hf_dir = tiny_models["qwen2"]
+    mixed = workers2.run(_export_worker, hf_dir, 2, 1, BUCKET_BYTES, None, True, None, (0,))
+    _check_export(mixed, hf_dir, BUCKET_BYTES)
+    assert mixed[0]["lent"] and not mixed[1]["some_lent"]
+    served = workers2.run(_export_worker, hf_dir, 2, 1, BUCKET_BYTES, None, True, (0,), (0,))
+    _check_export(served[:1], hf_dir, BUCKET_BYTES)
+    assert served[0]["lent"] and served[1]["buckets"] == []
+
+
+@pytest.mark.parametrize("tp,pp,shm", [(1, 2, True), (2, 1, False)])
+def test_lend_falls_back_to_fresh_tensors_where_it_cannot_lend(workers2, tiny_models, tp, pp, shm):
+    results = workers2.run(_export_worker, tiny_models["qwen2"], tp, pp, BUCKET_BYTES, None, shm, None, (0, 1))
+    _check_export(results, tiny_models["qwen2"], BUCKET_BYTES)
+    assert not any(r["some_lent"] for r in results)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
