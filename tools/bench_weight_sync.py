@@ -5,7 +5,9 @@ the same bytes, measured in one run on the same ranks and threads.
 
 Rank 0 holds the engine; both ranks run the bridge's export (TP gather + HF re-layout; rank 1 passes
 ``receive=False``: it only serves its shards, as a rank without an engine) and rank 0 feeds it to
-``engine.update_weights`` (validation, the engine's weight load, prefix-cache reset). The copy baseline copies the
+``engine.update_weights`` (validation, the engine's weight load, prefix-cache reset). The sync lends
+(``export_hf_weights(lend=True)`` into ``update_weights(lent=True)``): both ranks write their shards' HF pieces into
+shared memory and rank 0's engine reads them there, while rank 1 lays out the next round. The copy baseline copies the
 same HF tensors into preallocated tensors of the same shapes on rank 0. Also printed, to show where the time goes:
 the export alone (drained, no engine), the export with every rank receiving (the CPU trainer, where each rank holds
 an engine), and the engine update alone (from tensors already in memory). The last line is one JSON object with
@@ -62,19 +64,20 @@ def bench_rank(hf_dir: str, repeats: int, bucket_bytes: int, check: bool, stagin
         cfg = RolloutConfig(max_model_len=512, kv_cache_memory_bytes=64 << 20, sync_staging=staging)
         engine = make_engine(hf_dir, cfg)
 
-    def export(everyone: bool = False):
-        buckets = export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=everyone or engine is not None)
+    def export(everyone: bool = False, lend: bool = False):
+        receive = everyone or engine is not None
+        buckets = export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive, lend=lend)
         return itertools.chain.from_iterable(buckets)
 
     def sync():
         if engine is not None:
-            engine.update_weights(export())
+            engine.update_weights(export(lend=True), lent=True)
         else:
-            for _ in export():
+            for _ in export(lend=True):
                 pass
 
     def export_only():
-        for _ in export():
+        for _ in export(lend=True):
             pass
 
     def export_everyone():
@@ -104,7 +107,11 @@ def bench_rank(hf_dir: str, repeats: int, bucket_bytes: int, check: bool, stagin
             if rnd:
                 results["update"].append(update)
                 results["copy"].append(copied)
-    mismatches = engine.compare_weights(dict(held)) if (check and engine is not None) else None
+    mismatches = None
+    if check:  # after one more sync (the lent path), since the last update above came from ``held``
+        dist.barrier()
+        sync()
+        mismatches = engine.compare_weights(dict(held)) if engine is not None else None
     start_seconds = engine.start_seconds if engine is not None else None
     if engine is not None:
         engine.close()
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine start: {out['engine_start_seconds']:.1f} s")
     for key, label in (
         ("sync", "export + engine.update_weights (the sync)"),
-        ("export", "export alone (TP gather to rank 0 + HF layout)"),
+        ("export", "export alone (lent, HF layout in shared memory)"),
         ("export_everyone", "export alone, every rank receiving"),
         ("update", "engine.update_weights from memory"),
         ("copy", "plain copy of the same bytes"),

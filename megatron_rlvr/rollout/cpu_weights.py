@@ -12,6 +12,12 @@ left empty) and reads everything else (norms, biases, the embedding) from plain 
  - copies plain parameters into the live ones (vocabulary rows into the first rows of the padded table);
  - commits: swaps the handles in. Until the commit nothing the model computes with is touched, so a stream that
    turns out bad leaves the engine as it was (`commit_each=False`, the engine's "full" staging).
+Lent tensors (valid only until the next bucket of the stream, `load(lent=True)`): the GEMM handles are packed copies
+(oneDNN, sgl), and a packed weight's parts arrive in one bucket (they are one Megatron parameter); zentorch's handle
+keeps the weight itself: copied there. What waits for the commit -- plain parameters -- is copied into a twin of each
+live parameter, kept from sync to sync (no fresh memory, whose first touch costs more than the copy), and the commit
+swaps twin and live parameter's data: one copy instead of a copy out plus the commit's copy. Rows never sent (the
+vocabulary padding) are equal in both, since the twin starts as a clone. Costs one more copy of the plain parameters.
 The route of each HF name is resolved once, from the model, at engine start; a model this does not cover (TP > 1,
 quantized layers, a name with no route) gets no `DirectLoader` and the engine uses vLLM's reload.
 """
@@ -51,6 +57,8 @@ class DirectLoader:
     def __init__(self, model: torch.nn.Module, routes: dict[str, _Route]) -> None:
         self.model = model
         self.routes = routes
+        # id(live parameter) -> (it, its twin): lent loads, see the module docstring
+        self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> "DirectLoader | None":
@@ -63,14 +71,21 @@ class DirectLoader:
 
     @torch.no_grad()
     def load(
-        self, weights: Iterable[tuple[str, torch.Tensor]], commit_each: bool, on_commit: Callable[[], None]
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        commit_each: bool,
+        on_commit: Callable[[], None],
+        lent: bool = False,
     ) -> None:
         """Load a checked stream. ``commit_each``: swap each layer in as soon as it is complete (less memory; a
         failure mid-stream leaves a half-updated model). Otherwise everything is committed after the stream ended
-        without error. ``on_commit`` runs once before the first change to the model."""
+        without error. ``on_commit`` runs once before the first change to the model. ``lent``: see the module
+        docstring."""
         handles: list[tuple[torch.nn.Module, Callable]] = []
         # id(live parameter) -> (it, {first row: tensor}); a tied table is sent twice, with equal values: copied once
         copies: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
+        twinned: dict[int, torch.Tensor] = {}  # id(live parameter) -> it, for those whose twin was written
+        swap = lent and not commit_each
         pending: dict[int, _Pending] = {}
         committed = False
 
@@ -84,8 +99,13 @@ class DirectLoader:
             for live, parts in copies.values():
                 for row0, t in parts.items():
                     live.narrow(0, row0, t.shape[0]).copy_(t)
+            for key, live in twinned.items():
+                twin = self._twins[key][1]
+                self._twins[key] = (live, live.data)
+                live.data = twin
             handles.clear()
             copies.clear()
+            twinned.clear()
 
         for name, tensor in weights:
             route = self.routes[name]
@@ -95,10 +115,18 @@ class DirectLoader:
                 if len(p.tensors) == route.parts:
                     del pending[id(route.module)]
                     parts = [p.tensors[i] for i in range(route.parts)]
-                    handles.append((route.module, _prepared_gemm(route.module, parts)))
+                    handles.append((route.module, _prepared_gemm(route.module, parts, lent)))
             if not route.gemm or _gemm_reads_weight(route.module):
                 live = getattr(route.module, route.leaf)
-                copies.setdefault(id(live), (live, {}))[1][route.row0] = tensor
+                if swap:  # a lent tensor is gone after its bucket: into the twin now, swapped in at the commit
+                    owner, twin = self._twins.get(id(live), (None, None))
+                    if owner is not live or twin.shape != live.shape or twin.dtype != live.dtype:
+                        twin = live.detach().clone()
+                        self._twins[id(live)] = (live, twin)
+                    twin.narrow(0, route.row0, tensor.shape[0]).copy_(tensor)
+                    twinned[id(live)] = live
+                else:
+                    copies.setdefault(id(live), (live, {}))[1][route.row0] = tensor
             if commit_each:
                 commit()
         if pending:  # the manifest check saw every name: only a bug here can leave a layer incomplete
@@ -183,12 +211,15 @@ def _gemm_reads_weight(module: torch.nn.Module) -> bool:
     return module.weight.numel() > 0
 
 
-def _prepared_gemm(module: torch.nn.Module, parts: list[torch.Tensor]) -> Callable:
+def _prepared_gemm(module: torch.nn.Module, parts: list[torch.Tensor], lent: bool = False) -> Callable:
     """A new ``cpu_linear`` for ``module`` from its (packed) weight, prepared by vLLM's own CPU GEMM dispatch on a
     stand-in module, so the live layer keeps computing with its old handle until the commit."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.platforms import current_platform
 
     weight = _packed(parts)
+    if lent and current_platform.is_zen_cpu():
+        weight = weight.clone()  # zentorch's handle may keep the weight itself, not a packed copy
     live = module.weight
     if weight.dtype != live.dtype:
         weight = weight.to(live.dtype)

@@ -195,8 +195,12 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------------------------------------- weights
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], lent: bool = False) -> None:
         """Load a full set of HF weights (a flat stream of pairs; chain the bridge's buckets).
+
+        ``lent``: the stream's tensors are only valid until the next bucket is asked for (the bridge's
+        ``export_hf_weights(..., lend=True)``, whose buckets hold whole parameters); whatever the engine keeps past
+        that is copied out first (the direct path: plain parameters until the commit; vLLM's reload: everything).
 
         ``sync_staging="full"``: a bad stream raises WeightSyncError naming every bad tensor and the engine keeps its
         old weights. ``"streaming"``: a bad tensor after others were loaded leaves the engine dead. Either way the
@@ -212,19 +216,21 @@ class VLLMEngine:
         def feed(stream):
             for name, tensor in stream:
                 if kept is not None:
-                    kept[name] = tensor
+                    kept[name] = tensor.clone() if lent else tensor
                 yield name, tensor
 
         if self._direct is not None:
-            self._update_direct(source, feed, full)
+            self._update_direct(source, feed, full, lent)
         else:
-            self._update_by_reload(source, feed, full)
+            # vLLM's loaders may keep what they are given (staged, or packed later): give them fresh tensors.
+            fresh = ((n, t.clone()) for n, t in source) if lent else source
+            self._update_by_reload(fresh, feed, full)
         if kept is not None:
             mismatches = self.compare_weights(kept)
             if mismatches:
                 raise WeightSyncError(f"post-sync check: engine weights differ from the sent ones: {mismatches[:5]}")
 
-    def _update_direct(self, source, feed, full: bool) -> None:
+    def _update_direct(self, source, feed, full: bool, lent: bool = False) -> None:
         """"full": the checked stream is built into new GEMM handles aside and committed only after its end, so a
         bad stream (raised by `checked` after draining) leaves the engine untouched and alive."""
         touched = False
@@ -235,7 +241,7 @@ class VLLMEngine:
 
         stream = self.manifest.checked(source) if full else self.manifest.iter_checked(source)
         try:
-            self._direct.load(feed(stream), commit_each=not full, on_commit=on_commit)
+            self._direct.load(feed(stream), commit_each=not full, on_commit=on_commit, lent=lent)
             self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
             self._weights_discarded = False
         except WeightSyncError as e:

@@ -31,8 +31,11 @@ def _change_weights(chunks) -> None:
             param.add_(0.05 * torch.sin(param * 37.0 + 1.0))
 
 
-def sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int]], bucket_bytes: int) -> dict:
-    """Two rounds of (export -> rank 0's engine.update_weights -> log-probs on both sides); a weight change between."""
+def sync_and_compare(
+    hf_dir: str, tp: int, pp: int, seqs: list[list[int]], bucket_bytes: int, lend: bool = False, staging: str = "full"
+) -> dict:
+    """Two rounds of (export -> rank 0's engine.update_weights -> log-probs on both sides); a weight change between.
+    ``lend``: rank 0 takes lent buckets (``update_weights(lent=True)``), the other ranks only serve (receive=False)."""
     from megatron_rlvr import distributed
     from megatron_rlvr.bridge import export_hf_weights
 
@@ -42,15 +45,19 @@ def sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int]], bucke
         if dist.get_rank() == 0:
             from megatron_rlvr.rollout import RolloutConfig, make_engine
 
-            cfg = RolloutConfig(max_model_len=256, kv_cache_memory_bytes=32 << 20, check_sync=True)
+            cfg = RolloutConfig(
+                max_model_len=256, kv_cache_memory_bytes=32 << 20, check_sync=True, sync_staging=staging
+            )
             engine = make_engine(hf_dir, cfg)
         rounds = []
         for step in range(2):
             if step == 1:
                 _change_weights(chunks)
-            stream = itertools.chain.from_iterable(export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes))
+            receive = not lend or dist.get_rank() == 0
+            buckets = export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive, lend=lend)
+            stream = itertools.chain.from_iterable(buckets)
             if engine is not None:
-                engine.update_weights(stream)  # check_sync: also reads the engine's weights back
+                engine.update_weights(stream, lent=lend)  # check_sync: also reads the engine's weights back
             else:
                 for _ in stream:  # the export is a collective: every rank iterates it to the end
                     pass

@@ -1,6 +1,7 @@
 """Actor -> engine: a Megatron actor at TP=2 or PP=2 streams its weights through the bridge into rank 0's CPU vLLM
 engine; the engine's log-probs of fixed sequences equal the actor's own (fp32, <= 1e-4), again after the weights
-change (tied-embedding Llama included, where the changed embedding must reach the engine's output layer)."""
+change (tied-embedding Llama included, where the changed embedding must reach the engine's output layer); also with
+lent buckets (``lend=True`` / ``update_weights(lent=True)``), where the engine must copy out what it keeps."""
 
 from __future__ import annotations
 
@@ -23,9 +24,21 @@ def tiny_dirs(tmp_path_factory):
     return {arch: str(make_tiny_hf_model(arch, root / arch, seed=11)) for arch in ("qwen2", "llama")}
 
 
-@pytest.mark.parametrize("arch, tp, pp", [("qwen2", 2, 1), ("llama", 2, 1), ("llama", 1, 2)])
-def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, arch, tp, pp):
-    results = workers2.run(sync_and_compare, tiny_dirs[arch], tp, pp, SEQS, 64 << 10, timeout_s=600)
+@pytest.mark.parametrize(
+    "arch, tp, pp, lend, staging",
+    [
+        ("qwen2", 2, 1, False, "full"),
+        ("llama", 2, 1, False, "full"),
+        ("llama", 1, 2, False, "full"),
+        # lent buckets (views of shared memory, reused two buckets later), rank 1 serving only
+        ("qwen2", 2, 1, True, "full"),
+        ("llama", 2, 1, True, "full"),
+        ("qwen2", 2, 1, True, "streaming"),
+    ],
+)
+def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, arch, tp, pp, lend, staging):
+    args = (tiny_dirs[arch], tp, pp, SEQS, 64 << 10, lend, staging)
+    results = workers2.run(sync_and_compare, *args, timeout_s=600)
     engine_side = results[0]["rounds"]
     actor_side = next(r["rounds"] for r in results if r["rounds"][0]["actor"] is not None)
     diffs = [
