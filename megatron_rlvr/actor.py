@@ -263,11 +263,14 @@ class MegatronActor:
         return int(flag) == 0
 
     def export_weights(
-        self, bucket_bytes: int, include_lm_head: bool = True
+        self, bucket_bytes: int, include_lm_head: bool = True, lend: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The bridge's HF-layout buckets (``lend``: views valid until the next bucket; see export_hf_weights)."""
         from megatron_rlvr.bridge import export_hf_weights
 
-        return export_hf_weights(self.model_chunks, self.hf, bucket_bytes=bucket_bytes, include_lm_head=include_lm_head)
+        return export_hf_weights(
+            self.model_chunks, self.hf, bucket_bytes=bucket_bytes, include_lm_head=include_lm_head, lend=lend
+        )
 
 
 def _across_data_parallel(metrics: dict[str, float], summed: tuple[str, ...]) -> dict[str, float]:

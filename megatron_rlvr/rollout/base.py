@@ -41,8 +41,9 @@ class RolloutEngine(Protocol):
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
         """`n` completions for each prompt, in prompt order."""
 
-    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
-        """Load a stream of (HF parameter name, tensor) into the engine's model."""
+    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]], lent: bool = False) -> None:
+        """Load a stream of (HF parameter name, tensor) into the engine's model. ``lent``: a tensor is valid only
+        until the engine draws the next bucket of the stream (the bridge's ``lend=True``); copy what must outlive it."""
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory (weights and KV cache) while the actor trains."""

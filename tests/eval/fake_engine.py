@@ -41,7 +41,7 @@ class FakeEngine:
             out.append(completions)
         return out
 
-    def update_weights(self, weights) -> None:
+    def update_weights(self, weights, lent: bool = False) -> None:
         raise NotImplementedError("the fake engine has no weights")
 
     def sleep(self) -> None:
