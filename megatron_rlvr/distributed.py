@@ -308,9 +308,30 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, 
 
 
 def destroy_model_parallel() -> None:
+    """Tear down megatron's parallel state AND the process groups it created: megatron only drops its references,
+    and every gloo group keeps three threads alive, so a long-lived worker (the test harness, a notebook) that
+    builds models again and again piled up thousands of threads and slowed to a crawl."""
     from megatron.core import parallel_state
 
+    groups = _megatron_groups(parallel_state)
     parallel_state.destroy_model_parallel()
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # already gone (destroyed elsewhere, or the default group was torn down first)
+            pass
+
+
+def _megatron_groups(module: types.ModuleType) -> list[Any]:
+    """The subgroups held by megatron's parallel_state globals (bare, or in lists / tuples / dicts), once each."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    found: dict[int, Any] = {}
+    for value in vars(module).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if isinstance(item, dist.ProcessGroup) and item is not world:
+                found[id(item)] = item
+    return list(found.values())
 
 
 def set_seed(seed: int) -> None:
