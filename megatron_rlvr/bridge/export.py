@@ -253,14 +253,20 @@ def _rounds(
     entries: list[_PlanEntry], plan: _Plan, slot_bytes: int, size_of=_shard_bytes
 ) -> Iterator[list[_PlanEntry]]:
     """Consecutive entries of one owner stage whose ``size_of`` bytes fit one slot together."""
-    batch: list[_PlanEntry] = []
+    return _packed(entries, lambda pe: size_of(pe, plan), slot_bytes, lambda a, b: a.owner_stage == b.owner_stage)
+
+
+def _packed(items, nbytes_of, limit: int, same_run=lambda first, item: True) -> Iterator[list]:
+    """Consecutive items in lists whose ``nbytes_of`` sum stays within ``limit`` (one larger item goes alone); a
+    list also ends where ``same_run(its first item, the next)`` is false."""
+    batch: list = []
     size = 0
-    for pe in entries:
-        nbytes = size_of(pe, plan)
-        if batch and (pe.owner_stage != batch[0].owner_stage or size + nbytes > slot_bytes):
+    for item in items:
+        nbytes = nbytes_of(item)
+        if batch and (size + nbytes > limit or not same_run(batch[0], item)):
             yield batch
             batch, size = [], 0
-        batch.append(pe)
+        batch.append(item)
         size += nbytes
     if batch:
         yield batch
@@ -364,17 +370,7 @@ def _received(pe: _PlanEntry, plan: _Plan, pp_group, dtype) -> list[tuple[str, t
 
 
 def _bucketed(items: Iterator[Any], tensor_of, bucket_bytes: int) -> Iterator[list]:
-    bucket, size = [], 0
-    for item in items:
-        t = tensor_of(item)
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(item)
-        size += nbytes
-    if bucket:
-        yield bucket
+    return _packed(items, lambda item: tensor_of(item).numel() * tensor_of(item).element_size(), bucket_bytes)
 
 
 @torch.no_grad()
