@@ -6,6 +6,9 @@ positions, per-sequence advantages). Every loss reads only the fused op's per-to
 last pipeline stage from the vocab-sharded logits. Loss scaling: `policy_loss` normalizes by the global token /
 sequence counts of the whole mini-batch, and the schedule's `/ num_microbatches` and DDP's `/ dp` are undone here, so
 the gradient is exactly that of the mini-batch loss whatever the micro-batching and data parallelism.
+
+With ``algo.kl_coef > 0`` the actor also holds a frozen reference policy (the same chunks, loaded from the same
+initial weights, never trained) whose log-probs feed the loss's k3 KL term; without it nothing extra is built.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class SequenceBatch:
     response_mask: torch.Tensor  # [B, S - 1] bool: target position t+1 is a response token
     advantages: torch.Tensor  # [B] float32
     old_logp: torch.Tensor | None = None  # [B, S - 1] from the statistics pass
+    ref_logp: torch.Tensor | None = None  # [B, S - 1] of the frozen reference, when algo.kl_coef > 0
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -43,6 +47,7 @@ class SequenceBatch:
         return SequenceBatch(
             self.tokens[index], self.response_mask[index], self.advantages[index],
             None if self.old_logp is None else self.old_logp[index],
+            None if self.ref_logp is None else self.ref_logp[index],
         )
 
 
@@ -51,12 +56,10 @@ class MegatronActor:
         self, model_cfg: ModelConfig, actor_cfg: ActorConfig, algo_cfg: AlgoConfig, *, temperature: float,
         total_steps: int,
     ) -> None:
-        from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        from megatron_rlvr.bridge import load_hf_weights
-        from megatron_rlvr.models import build_gpt_model, load_hf_config, padded_vocab_size, transformer_config_from_hf
+        from megatron_rlvr.models import load_hf_config, padded_vocab_size, transformer_config_from_hf
 
         self.cfg, self.algo_cfg, self.temperature = actor_cfg, algo_cfg, temperature
         self.hf = load_hf_config(model_cfg.hf_dir)
@@ -67,21 +70,15 @@ class MegatronActor:
         )
         # the schedules call it after the last backward: DP grad reduce(-scatter) and tied-embedding sync over PP
         self.tcfg.finalize_model_grads_func = finalize_model_grads
-        chunks = []
-        n_chunks = actor_cfg.vpp or 1
-        for vp in range(n_chunks):
-            vp_stage = vp if actor_cfg.vpp else None
-            chunks.append(build_gpt_model(
-                self.hf, self.tcfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage), vp_stage=vp_stage,
-                make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
-            ))
-        if model_cfg.load:
-            from megatron_rlvr.bridge.dist_ckpt import load_dist_checkpoint
-
-            load_dist_checkpoint(chunks, self.hf["vocab_size"], model_cfg.load)
-        else:
-            load_hf_weights(chunks, model_cfg.hf_dir)
+        chunks = self._build_chunks(model_cfg)
+        # The KL term's frozen reference: bare chunks (no DDP, no optimizer, no grad) in eval mode. Checkpoints do
+        # not hold it: a resumed run rebuilds it from the same initial weights, which is the reference it had.
+        self.reference: list[torch.nn.Module] | None = None
+        if algo_cfg.kl_coef > 0:
+            self.reference = self._build_chunks(model_cfg)
+            for c in self.reference:
+                c.requires_grad_(False)
+                c.eval()
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=actor_cfg.use_distributed_optimizer,
             overlap_grad_reduce=False,
@@ -94,6 +91,30 @@ class MegatronActor:
         ) // actor_cfg.tp
 
     # -----------------------------------------------------------------------------------------------------------
+    def _build_chunks(self, model_cfg: ModelConfig) -> list[torch.nn.Module]:
+        """This rank's GPTModel chunks (one per virtual pipeline stage) with the initial weights: the dist checkpoint
+        ``model.load`` if given, else the HF weights of ``model.hf_dir``. Builds the policy and the reference alike."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rlvr.bridge import load_hf_weights
+        from megatron_rlvr.models import build_gpt_model
+
+        chunks = []
+        for vp in range(self.cfg.vpp or 1):
+            vp_stage = vp if self.cfg.vpp else None
+            chunks.append(build_gpt_model(
+                self.hf, self.tcfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage), vp_stage=vp_stage,
+                make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
+            ))
+        if model_cfg.load:
+            from megatron_rlvr.bridge.dist_ckpt import load_dist_checkpoint
+
+            load_dist_checkpoint(chunks, self.hf["vocab_size"], model_cfg.load)
+        else:
+            load_hf_weights(chunks, model_cfg.hf_dir)
+        return chunks
+
     def _build_optimizer(self, total_steps: int):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -150,7 +171,11 @@ class MegatronActor:
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
         return model(tokens, position_ids, attention_mask=causal)
 
-    def _run_schedule(self, micro_batches: list[SequenceBatch], loss_fn, forward_only: bool) -> list[dict]:
+    def _run_schedule(
+        self, micro_batches: list[SequenceBatch], loss_fn, forward_only: bool, model: list[torch.nn.Module]
+    ) -> list[dict]:
+        """Megatron's pipeline schedule over ``model``'s chunks: the DDP-wrapped policy, or the bare reference
+        (forward only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[SequenceBatch], model: torch.nn.Module):
@@ -158,9 +183,9 @@ class MegatronActor:
             return self._forward(model, mb.tokens), partial(loss_fn, mb)
 
         seq_length = micro_batches[0].tokens.shape[1]
-        data = [iter(micro_batches) for _ in self.model] if len(self.model) > 1 else iter(micro_batches)
+        data = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=self.model if len(self.model) > 1 else self.model[0],
+            forward_step_func=forward_step, data_iterator=data, model=model if len(model) > 1 else model[0],
             num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=self.cfg.micro_batch_size,
             forward_only=forward_only,
         )
@@ -168,25 +193,32 @@ class MegatronActor:
     # -----------------------------------------------------------------------------------------------------------
     def compute_old_logp(self, batch: SequenceBatch) -> torch.Tensor:
         """The behaviour log-probs of the whole batch [B, S - 1], on every rank."""
-        return self._per_token(batch, "logp")
+        return self._per_token(batch, "logp", self.model)
+
+    def compute_ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
+        """The frozen reference's log-probs of the whole batch [B, S - 1], on every rank (needs algo.kl_coef > 0)."""
+        if self.reference is None:
+            raise RuntimeError("compute_ref_logp: the actor has no reference model (algo.kl_coef = 0)")
+        return self._per_token(batch, "logp", self.reference)
 
     def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
         """The policy's entropy at every position of the whole batch [B, S - 1], on every rank."""
-        return self._per_token(batch, "entropy")
+        return self._per_token(batch, "entropy", self.model)
 
     @torch.no_grad()
-    def _per_token(self, batch: SequenceBatch, field: str) -> torch.Tensor:
-        """One per-token statistic of the fused op over the whole batch, no grad, gathered to every rank."""
+    def _per_token(self, batch: SequenceBatch, field: str, model: list[torch.nn.Module]) -> torch.Tensor:
+        """One per-token statistic of the fused op over the whole batch, run through ``model``'s chunks (the policy
+        or the reference), no grad, gathered to every rank."""
         from megatron.core import parallel_state as ps
 
         local = self._dp_slice(batch)
-        for m in self.model:
+        for m in model:
             m.eval()
 
         def collect(mb: SequenceBatch, logits: torch.Tensor):
             return torch.zeros(()), {field: getattr(self._token_stats(logits, mb.tokens), field).float()}
 
-        outputs = self._run_schedule(self._micro_batches(local), collect, forward_only=True)
+        outputs = self._run_schedule(self._micro_batches(local), collect, forward_only=True, model=model)
         if outputs:
             values = torch.cat([o[field] for o in outputs])
         else:  # not the last pipeline stage: filled by the broadcast below
@@ -223,7 +255,7 @@ class MegatronActor:
                 # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
                 stats = self._token_stats(logits, mb.tokens, inplace_backward=True)
                 loss, metrics = policy_loss(
-                    stats, mb.old_logp, mb.advantages, mb.response_mask, self.algo_cfg,
+                    stats, mb.old_logp, mb.advantages, mb.response_mask, self.algo_cfg, ref_logp=mb.ref_logp,
                     num_tokens=num_tokens, num_seqs=num_seqs, target_ids=mb.tokens[:, 1:],
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
@@ -232,7 +264,7 @@ class MegatronActor:
             for m in self.model:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs = self._run_schedule(micro, loss_fn, forward_only=False)
+            outputs = self._run_schedule(micro, loss_fn, forward_only=False, model=self.model)
             if self._all_finite(outputs):
                 ok, grad_norm, _ = self.optimizer.step()
             else:  # a non-finite loss or gradient anywhere: every rank skips this step (the trainer counts them)

@@ -140,6 +140,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
             engine.sleep()  # a colocated GPU engine hands its KV cache (level 2: weights too) to the update
             with timer("statistics"):
                 exp.batch.old_logp = actor.compute_old_logp(exp.batch)
+                if cfg.algo.kl_coef > 0:  # the frozen reference's log-probs for the loss's KL term
+                    exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
             with timer("update"):
                 update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
             nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0

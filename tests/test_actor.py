@@ -1,5 +1,6 @@
 """MegatronActor: the statistics pass and the update give the same numbers at every (TP, PP) layout, and the update
-is exactly the gradient of the whole mini-batch loss whatever the micro-batch size."""
+is exactly the gradient of the whole mini-batch loss whatever the micro-batch size; with algo.kl_coef > 0 the frozen
+reference starts equal to the policy and stays put while the policy trains."""
 
 from __future__ import annotations
 
@@ -34,11 +35,33 @@ def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: s
             ModelConfig(hf_dir=hf_dir), ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=1e-3),
             AlgoConfig(loss=loss, tau_q=0.5), temperature=0.9, total_steps=2,
         )
+        assert actor.reference is None  # no kl_coef: no reference model, no memory spent on one
         batch = _batch(actor.vocab_size)
         old_logp = actor.compute_old_logp(batch)
         batch.old_logp = old_logp
         metrics = actor.update(batch, mini_batches=1)
         return old_logp, actor.compute_old_logp(batch), metrics
+
+
+def _reference_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int):
+    """Policy and reference log-probs before and after one update with the KL term, and a second update's metrics."""
+    from megatron_rlvr.actor import MegatronActor
+    from megatron_rlvr.algos.config import AlgoConfig
+    from megatron_rlvr.config import ActorConfig, ModelConfig
+    from megatron_rlvr.distributed import model_parallel
+
+    with model_parallel(tp=tp, pp=pp, seed=11):
+        actor = MegatronActor(
+            ModelConfig(hf_dir=hf_dir), ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=1e-3),
+            AlgoConfig(loss="grpo", kl_coef=0.1), temperature=0.9, total_steps=2,
+        )
+        assert all(not p.requires_grad for c in actor.reference for p in c.parameters())
+        batch = _batch(actor.vocab_size)
+        batch.old_logp, batch.ref_logp = actor.compute_old_logp(batch), actor.compute_ref_logp(batch)
+        first = actor.update(batch, mini_batches=1)
+        after = actor.compute_old_logp(batch), actor.compute_ref_logp(batch)
+        second = actor.update(batch, mini_batches=1)  # the policy has moved: the KL term is no longer zero
+        return (batch.old_logp, batch.ref_logp), after, first, second
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +87,13 @@ def test_update_matches_reference_layout(workers2, tiny_qwen, reference, tp, pp,
     torch.testing.assert_close(new, ref_new, rtol=0, atol=1e-4)
     # the update moved the policy
     assert (new - old).abs()[_batch(10).response_mask].max() > 1e-4
+
+
+@pytest.mark.parametrize("tp,pp,mbs", [(2, 1, 2), (1, 2, 1)])
+def test_reference_is_the_initial_policy_and_stays_frozen(workers2, tiny_qwen, tp, pp, mbs):
+    (old, ref), (new, ref_after), first, second = workers2.run(_reference_numbers, tiny_qwen, tp, pp, mbs)[0]
+    assert torch.equal(ref, old)  # same weights, same code path: bit for bit
+    assert torch.equal(ref_after, ref)  # the update left the reference untouched
+    assert (new - ref_after).abs()[_batch(10).response_mask].max() > 1e-4  # ... and moved the policy
+    assert first["loss/kl_ref"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first update
+    assert 0 < second["loss/kl_ref"] < float("inf")
