@@ -1,5 +1,6 @@
 """The training loop end to end on CPU: 2 steps at (TP, PP) = (2, 1) and (1, 2) with vLLM rollouts; resume after a
-checkpoint repeats an uninterrupted run's metrics exactly; a failed checkpoint write leaves the previous intact."""
+checkpoint repeats an uninterrupted run's metrics exactly; a failed checkpoint write leaves the previous intact;
+algo.kl_coef > 0 trains against the frozen reference and logs the KL to it."""
 
 from __future__ import annotations
 
@@ -163,10 +164,11 @@ def tiny_model(tmp_path_factory):
 _VALIDATION = ["trainer.eval_every=2", "eval.n_samples=2", "eval.limit=3", "eval.max_new_tokens=6"]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp):
-    runs = workers2.run(_train_recording_calls, tiny_model, str(tmp_path / "run"), tp, pp, 2, _VALIDATION,
-                        timeout_s=900)
+# the (1, 2) run also trains with the KL term to the frozen reference: the PP layout, where its log-probs are broadcast
+@pytest.mark.parametrize("tp,pp,kl_coef", [(2, 1, 0.0), (1, 2, 0.1)])
+def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp, kl_coef):
+    runs = workers2.run(_train_recording_calls, tiny_model, str(tmp_path / "run"), tp, pp, 2,
+                        [*_VALIDATION, f"algo.kl_coef={kl_coef}"], timeout_s=900)
     histories = [history for history, _ in runs]
     assert [len(h) for h in histories] == [2, 2]
     # the engine sleeps (on GPU: frees its memory for the actor) after every sampling, before any update
@@ -186,6 +188,22 @@ def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp):
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf") is not None
     _assert_validated_before_and_at_step_two(tmp_path / "run", histories[0])
+    if kl_coef:
+        _assert_kl_to_reference_logged(tmp_path / "run", histories[0])
+    else:  # no reference model, no KL metric
+        assert all("loss/kl_ref" not in m for m in histories[0])
+
+
+def _assert_kl_to_reference_logged(run_dir: Path, history: list[dict]) -> None:
+    """The reference's log-probs reached the loss at every step; the KL to it is 0 until the policy moves."""
+    import math
+
+    from megatron_rlvr.monitor import read_metrics
+
+    assert history[0]["loss/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+    assert 0 < history[1]["loss/kl_ref"] and math.isfinite(history[1]["loss/kl_ref"])
+    logged = read_metrics(run_dir / "metrics.jsonl")
+    assert [m["loss/kl_ref"] for m in logged if "loss/kl_ref" in m] == [m["loss/kl_ref"] for m in history]
 
 
 def _assert_validated_before_and_at_step_two(run_dir: Path, history: list[dict]) -> None:
