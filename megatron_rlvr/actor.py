@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.algos.losses import LOSS_TERMS
 from megatron_rlvr.config import ActorConfig, ModelConfig
 from megatron_rlvr.monitor.dynamics import token_weighted_mean
 from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
@@ -277,10 +278,12 @@ class MegatronActor:
                 step_metrics["actor/loss"] = sum(float(o.pop("loss")) for o in outputs)
                 parts = [{k: float(v) for k, v in o.items()} for o in outputs]
                 step_metrics.update({f"loss/{k}": v for k, v in token_weighted_mean(parts).items()})
+                step_metrics.update({f"loss/{k}": sum(p[k] for p in parts) for k in LOSS_TERMS if k in parts[0]})
             for key, value in step_metrics.items():
                 totals.setdefault(key, []).append(value)
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}
-        return _from_last_stage(_across_data_parallel(metrics, summed=("actor/loss",)))
+        summed = ("actor/loss", "loss/num_tokens", *(f"loss/{k}" for k in LOSS_TERMS))
+        return _from_last_stage(_across_data_parallel(metrics, summed=summed))
 
     def _all_finite(self, outputs: list[dict]) -> bool:
         bad = any(not math.isfinite(float(o["loss"])) for o in outputs)

@@ -84,6 +84,9 @@ def test_update_matches_reference_layout(workers2, tiny_qwen, reference, tp, pp,
     torch.testing.assert_close(old, ref_old, rtol=0, atol=1e-5)
     assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-4)
     assert metrics["actor/loss"] == pytest.approx(ref_metrics["actor/loss"], rel=1e-4, abs=1e-6)
+    # the loss's terms are shares of the mini-batch loss: summed over micro-batches and DP ranks, not averaged
+    for m in (metrics, ref_metrics):
+        assert m["loss/pg_loss"] == pytest.approx(m["actor/loss"], rel=1e-5, abs=1e-7)
     torch.testing.assert_close(new, ref_new, rtol=0, atol=1e-4)
     # the update moved the policy
     assert (new - old).abs()[_batch(10).response_mask].max() > 1e-4
@@ -97,3 +100,5 @@ def test_reference_is_the_initial_policy_and_stays_frozen(workers2, tiny_qwen, t
     assert (new - ref_after).abs()[_batch(10).response_mask].max() > 1e-4  # ... and moved the policy
     assert first["loss/kl_ref"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first update
     assert 0 < second["loss/kl_ref"] < float("inf")
+    total = second["loss/pg_loss"] + 0.1 * second["loss/kl_ref"]  # the logged terms add up to the loss
+    assert second["actor/loss"] == pytest.approx(total, rel=1e-5)

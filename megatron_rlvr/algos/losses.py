@@ -122,6 +122,10 @@ def _forking_tokens(v: TokenView) -> _Shaping:
     return _Shaping(v.advantages, weight_scale=v.high_entropy.to(v.logp.dtype))
 
 
+# The terms of the loss among policy_loss's metrics. Given the whole mini-batch's counts, each micro-batch reports its
+# share of the mini-batch value: these add up over micro-batches and data-parallel ranks (the rest are averages).
+LOSS_TERMS: tuple[str, ...] = ("pg_loss", "kl_ref", "entropy_bonus", "cov_penalty")
+
 LOSSES: dict[str, Callable[[TokenView], _Shaping]] = {
     "grpo": _grpo,
     "casp": _casp,
