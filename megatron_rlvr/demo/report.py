@@ -1,4 +1,4 @@
-"""The demo's report folder: report.md (pass@k table, distinct correct answers per prompt), results.json and PNGs.
+"""The demo's report folder: report.md (pass@k table, distinct correct answers, prompts solved), results.json and PNGs.
 
 Inputs are plain data, so the demo command (or anyone) can call it after training and evaluation:
 
@@ -101,6 +101,20 @@ def _validation_lines(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[s
     return ["## Validation during training", "", *lines] if lines else []
 
 
+def _coverage_lines(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Which prompts each model solves at least once in its n samples, against the first model (the base): the
+    prompts behind pass@n, gained and lost. The per-prompt counts are in results.json."""
+    labels = list(models)
+    solved = {label: {pid for pid, s in m["per_prompt"].items() if s["correct"]} for label, m in models.items()}
+    base = labels[0]
+    lines = ["## Prompts solved at least once", "",
+             f"| model | solved | of | solved, {base} did not | {base} solved, this did not |", "|---|---|---|---|---|"]
+    for label in labels:
+        gained, lost = len(solved[label] - solved[base]), len(solved[base] - solved[label])
+        lines.append(f"| {label} | {len(solved[label])} | {models[label]['prompts']} | {gained} | {lost} |")
+    return lines + ["", "Per prompt: correct samples, distinct correct and distinct answers in results.json."]
+
+
 def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: Sequence[str],
               validation: Sequence[str] = ()) -> str:
     ks, models = summary["ks"], summary["models"]
@@ -118,16 +132,7 @@ def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: S
               "| model | mean distinct correct answers | mean distinct answers |", "|---|---|---|"]
     for label, m in models.items():
         lines.append(f"| {label} | {m['mean_distinct_correct']:.2f} | {m['mean_distinct']:.2f} |")
-    labels = list(models)
-    prompt_ids = sorted({pid for m in models.values() for pid in m["per_prompt"]})
-    lines += ["", "Per prompt: correct samples / distinct correct answers.", "",
-              "| prompt | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
-    for pid in prompt_ids:
-        cells = []
-        for label in labels:
-            s = models[label]["per_prompt"].get(pid)
-            cells.append(f"{s['correct']}/{s['n']} · {s['distinct_correct']}" if s else "-")
-        lines.append(f"| {pid} | " + " | ".join(cells) + " |")
+    lines += ["", *_coverage_lines(models)]
     if validation:
         lines += ["", *validation]
     if figures:

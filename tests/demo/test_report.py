@@ -62,6 +62,8 @@ def test_report_folder_has_the_table_the_plots_and_results(tmp_path):
     assert "| base | 3 | 8 | 12.5 |" in md and md.split("| base |")[1].split("\n")[0].rstrip().endswith("66.7 |")
     assert "| trained | 3 | 8 | 25.0 |" in md
     assert "![pass_at_k](pass_at_k.png)" in md
+    # solved at least once: base p1, p3; trained p1, p2, p3 -> one gained, none lost
+    assert "| base | 2 | 3 | 0 | 0 |" in md and "| trained | 3 | 3 | 1 | 0 |" in md
     assert "| step | pass@1 | pass@2 | entropy |" in md and "| 3 | 25.0 | 50.0 | 0.750 |" in md
     results = json.loads((out / "results.json").read_text())
     assert results["models"]["trained"]["mean_distinct_correct"] == pytest.approx(2.0)
@@ -73,3 +75,11 @@ def test_report_without_training_metrics_still_has_table_and_pass_at_k_plot(tmp_
     assert sorted(p.name for p in summary["files"]) == ["pass_at_k.png", "report.md", "results.json"]
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         write_report(tmp_path, {"base": _samples({"p": []})}, metrics=tmp_path / "nope.jsonl")
+
+
+def test_prompts_solved_counts_gains_and_losses_against_the_first_model(tmp_path):
+    base = _samples({"p1": ["1+2"], "p2": ["3+4"], "p3": []}, n=4)
+    trained = _samples({"p1": ["1+2", "2+1"], "p2": [], "p3": ["5+6"]}, n=4)
+    write_report(tmp_path, {"base": base, "trained": trained})
+    md = (tmp_path / "report.md").read_text()
+    assert "| base | 2 | 3 | 0 | 0 |" in md and "| trained | 2 | 3 | 1 | 1 |" in md
