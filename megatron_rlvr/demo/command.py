@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algo", default="casp", choices=["casp", "grpo"], help="the policy loss to train with")
     parser.add_argument("--nproc", type=int, default=2, help="training processes (actor TP x PP x DP)")
     parser.add_argument("--eval-n", type=int, default=64, help="samples per eval prompt")
-    parser.add_argument("--eval-prompts", type=int, default=32, help="eval prompts")
+    parser.add_argument("--eval-prompts", type=int, default=512,
+                        help="eval prompts (512: one prompt moves pass@64 by 0.2 points; the split holds ~620)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.steps=10")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
