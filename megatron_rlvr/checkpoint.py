@@ -89,12 +89,13 @@ def save(
     try:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "rng").mkdir(parents=True)
+            tmp.mkdir(parents=True)  # empty: megatron warns of an "old incomplete checkpoint" in a non-empty one
     except OSError as e:
         error = e
     if _agree_ok(error is None):
         try:
             dist_checkpointing.save(_sharded_state_dict(actor), str(tmp))
+            (tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), tmp / "rng" / f"rank-{_rank():05d}.pt")
             if _rank() == 0:
                 state = dict(trainer_state, step=step, scheduler=actor.scheduler.state_dict())
