@@ -217,19 +217,33 @@ def _assemble(
     """The HF tensors of one Megatron parameter from ``(tp_rank, shard)`` pairs, written once into one fresh buffer:
     the HF tensors of one parameter lie back to back ([q; k; v], [gate; up]), so an engine with packed layers can take
     them without another copy."""
-    m = pe.mapping
-    shapes = [tuple(s) for s in hf_shapes(m, plan.dims)]
-    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype or pe.dtype)
-    outs, offset = {}, 0
-    for name, shape in zip(m.hf, shapes):
-        outs[name] = flat[offset : offset + math.prod(shape)].view(shape)
-        offset += math.prod(shape)
+    outs = _hf_views(pe, plan, torch.empty(_hf_numel(pe, plan), dtype=dtype or pe.dtype))
     for tp_rank, shard in shards:
-        for name, piece, dim, start, stop in shard_to_hf(m, shard, plan.dims, tp_rank, plan.tp):
-            if dim is not None and stop <= start:
-                continue  # a vocabulary shard of padding rows only (vocab < its start): nothing of the HF tensor
-            (outs[name] if dim is None else outs[name].narrow(dim, start, stop - start)).copy_(piece)
+        _write_pieces(pe, outs, shard, tp_rank, plan)
     return list(outs.items())
+
+
+def _hf_numel(pe: _PlanEntry, plan: _Plan) -> int:
+    return sum(math.prod(s) for s in hf_shapes(pe.mapping, plan.dims))
+
+
+def _hf_views(pe: _PlanEntry, plan: _Plan, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``pe``'s HF tensors as views of ``flat``, back to back in HF order."""
+    outs, offset = {}, 0
+    for name, shape in zip(pe.mapping.hf, hf_shapes(pe.mapping, plan.dims)):
+        outs[name] = flat[offset : offset + math.prod(shape)].view(tuple(shape))
+        offset += math.prod(shape)
+    return outs
+
+
+def _write_pieces(
+    pe: _PlanEntry, outs: dict[str, torch.Tensor], shard: torch.Tensor, tp_rank: int, plan: _Plan
+) -> None:
+    """Copy the HF pieces of TP rank ``tp_rank``'s ``shard`` into their places in ``outs``."""
+    for name, piece, dim, start, stop in shard_to_hf(pe.mapping, shard, plan.dims, tp_rank, plan.tp):
+        if dim is not None and stop <= start:
+            continue  # a vocabulary shard of padding rows only (vocab < its start): nothing of the HF tensor
+        (outs[name] if dim is None else outs[name].narrow(dim, start, stop - start)).copy_(piece)
 
 
 def _slot_bytes(plan: _Plan) -> int:
@@ -245,8 +259,7 @@ def _shard_bytes(pe: _PlanEntry, plan: _Plan) -> int:
 
 def _hf_bytes(pe: _PlanEntry, plan: _Plan, dtype) -> int:
     """Bytes of ``pe``'s HF tensors (one buffer) in a lending slot."""
-    numel = sum(math.prod(s) for s in hf_shapes(pe.mapping, plan.dims))
-    return _aligned(numel * (dtype or pe.dtype).itemsize)
+    return _aligned(_hf_numel(pe, plan) * (dtype or pe.dtype).itemsize)
 
 
 def _rounds(
@@ -320,20 +333,11 @@ def _lent_round(
     segment, offset = exchange.segments[0], slot * exchange.slot_bytes
     out = []
     for pe in batch:
-        m = pe.mapping
-        shapes = [tuple(s) for s in hf_shapes(m, plan.dims)]
-        flat = segment[offset : offset + _hf_bytes(pe, plan, dtype)].view(dtype or pe.dtype)
-        offset += _hf_bytes(pe, plan, dtype)
-        outs, at = {}, 0
-        for name, shape in zip(m.hf, shapes):
-            outs[name] = flat[at : at + math.prod(shape)].view(shape)
-            at += math.prod(shape)
-        if write and (m.tp_dim is not None or plan.tp_rank == 0):
-            shard = by_name[m.megatron].detach()
-            for name, piece, dim, start, stop in shard_to_hf(m, shard, plan.dims, plan.tp_rank, plan.tp):
-                if dim is not None and stop <= start:
-                    continue  # a vocabulary shard of padding rows only
-                (outs[name] if dim is None else outs[name].narrow(dim, start, stop - start)).copy_(piece)
+        nbytes = _hf_bytes(pe, plan, dtype)
+        outs = _hf_views(pe, plan, segment[offset : offset + nbytes].view(dtype or pe.dtype))
+        offset += nbytes
+        if write and (pe.mapping.tp_dim is not None or plan.tp_rank == 0):
+            _write_pieces(pe, outs, by_name[pe.mapping.megatron].detach(), plan.tp_rank, plan)
         out.append(list(outs.items()))
     dist.barrier(group=exchange.group)  # every rank has written this slot; slots alternate (see `_ShmExchange`)
     return out if read else [[] for _ in batch]
@@ -358,19 +362,18 @@ def _lending(plan: _Plan, tp_group, receive: bool, lend: bool, dtype, pp: int) -
 
 def _received(pe: _PlanEntry, plan: _Plan, pp_group, dtype) -> list[tuple[str, torch.Tensor]]:
     """On a stage that does not own ``pe``: its HF tensors, broadcast by the owner stage (one buffer, as there)."""
-    shapes = [tuple(s) for s in hf_shapes(pe.mapping, plan.dims)]
-    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype or pe.dtype)
-    out, offset = [], 0
-    for name, shape in zip(pe.mapping.hf, shapes):
-        out.append((name, flat[offset : offset + math.prod(shape)].view(shape)))
-        offset += math.prod(shape)
+    out = list(_hf_views(pe, plan, torch.empty(_hf_numel(pe, plan), dtype=dtype or pe.dtype)).items())
     for _, t in out:
         dist.broadcast(t, src=plan.pp_ranks[pe.owner_stage], group=pp_group)
     return out
 
 
 def _bucketed(items: Iterator[Any], tensor_of, bucket_bytes: int) -> Iterator[list]:
-    return _packed(items, lambda item: tensor_of(item).numel() * tensor_of(item).element_size(), bucket_bytes)
+    def nbytes(item) -> int:
+        t = tensor_of(item)
+        return t.numel() * t.element_size()
+
+    return _packed(items, nbytes, bucket_bytes)
 
 
 @torch.no_grad()
