@@ -20,10 +20,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.errors import UserError
+
 LATEST = "latest"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written or read; the message names the directory."""
 
 

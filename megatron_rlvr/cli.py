@@ -1,4 +1,4 @@
-"""`megatron-rlvr` command line: train | eval | convert | demo | toy-tree.
+"""`megatron-rlvr` command line: train | eval | convert | demo | toy-tree | plan | data | ckpt.
 
 Each subcommand imports its implementation lazily, so `megatron-rlvr --help` is instant and a failure in one
 component never breaks the others' commands.
@@ -19,6 +19,9 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "demo": ("megatron_rlvr.demo.command", "main", "the CPU demo: CaSP on the countdown task, then a pass@k report"),
     "toy-tree": ("megatron_rlvr.algos.toy_tree", "main", "the didactic tree MDP: GRPO vs entropy bonus vs CaSP"),
+    "plan": ("megatron_rlvr.plan.command", "main", "per-GPU memory of a recipe's layout, before it is queued"),
+    "data": ("megatron_rlvr.data.prepare", "main", "data prepare NAME: training sets from the public releases"),
+    "ckpt": ("megatron_rlvr.checkpoint", "main", "ckpt verify DIR: check a checkpoint's recorded checksums"),
 }
 
 

@@ -19,12 +19,13 @@ import yaml
 
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.data.config import DataConfig
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout.config import RolloutConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown, of the wrong type or inconsistent; the message names the key."""
 
 

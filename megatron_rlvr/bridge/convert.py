@@ -26,12 +26,13 @@ from megatron_rlvr.bridge.dist_ckpt import HF_SUBDIR, checkpoint_sharded_state_d
 from megatron_rlvr.bridge.hf_reader import HFCheckpointError, HFCheckpointReader
 from megatron_rlvr.bridge.layout import load_shard, to_hf
 from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes, mapping_table, megatron_local_shape
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.models.hf_config import UnsupportedModelError, load_hf_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """Bad input for a conversion; the message names the file or tensor."""
 
 

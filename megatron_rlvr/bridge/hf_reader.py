@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from megatron_rlvr.errors import UserError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -32,7 +34,7 @@ DTYPES = {
 }
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(UserError, ValueError):
     """An HF checkpoint is missing a file or tensor, is truncated, or holds a tensor of the wrong shape."""
 
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from megatron_rlvr.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A dataset file or row is unusable; the message names the file, the line and what was expected."""
 
 

@@ -20,11 +20,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from megatron_rlvr.errors import UserError
+
 Key = tuple[str, str, int]
 SHARD_MAX_BYTES = 256 * 1024 * 1024
 
 
-class RunSettingsMismatch(ValueError):
+class RunSettingsMismatch(UserError, ValueError):
     """The directory holds samples drawn with other settings; mixing them would corrupt the estimate."""
 
 

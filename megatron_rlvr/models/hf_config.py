@@ -11,8 +11,10 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from megatron_rlvr.errors import UserError
 
-class UnsupportedModelError(ValueError):
+
+class UnsupportedModelError(UserError, ValueError):
     """The HF config names an architecture or a setting this project cannot reproduce exactly."""
 
 
