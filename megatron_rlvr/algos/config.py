@@ -14,6 +14,8 @@ LossName = Literal[
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
+RolloutCorrection = Literal["none", "tis", "mis", "icepop"]
+ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
 
 
 @dataclass
@@ -22,13 +24,20 @@ class AlgoConfig:
     # advantages
     normalize_std: bool = True  # false = Dr.GRPO (A = r - mean)
     adv_eps: float = 1e-6
-    drop_uniform_groups: bool = False  # DAPO dynamic sampling: groups with all-equal rewards are marked for refill
+    drop_uniform_groups: bool = False  # DAPO dynamic sampling: all-equal groups are dropped and refilled
+    mask_truncated: bool = False  # DAPO overlong filtering: a response cut at the token budget trains no tokens
     # PPO clip and aggregation
     eps_low: float = 0.2
     eps_high: float = 0.28
     loss_agg: LossAgg = "token_mean"
     max_len_norm: int = 1024  # the constant of seq_mean_token_sum_norm
     kl_coef: float = 0.0  # k3 KL to a frozen reference; 0 = no reference model
+    # rollout correction: rho = exp(old_logp - engine logp) reweights w (ALGORITHMS.md "Rollout correction")
+    rollout_correction: RolloutCorrection = "none"
+    rollout_correction_level: Literal["token", "sequence"] = "token"
+    rollout_is_cap: float = 2.0  # tis: C, the truncation of the weight
+    rollout_is_low: float = 0.5  # mis / icepop: the kept band [low, high] of rho
+    rollout_is_high: float = 2.0
     # CaSP (also: tau_q is the high-entropy quantile of forking_tokens)
     top_n: int = 3
     alpha: float = 0.05  # label-smoothing share moved onto the top-N candidates (positive samples)
@@ -54,6 +63,18 @@ class AlgoConfig:
             raise bad("weights", "'uniform' or 'softmax'")
         if self.apply_to not in ("both", "positive", "negative"):
             raise bad("apply_to", "'both', 'positive' or 'negative'")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"algo.rollout_correction: got {self.rollout_correction!r}; allowed values: "
+                             f"{', '.join(ROLLOUT_CORRECTIONS)}")
+        if self.rollout_correction_level not in ("token", "sequence"):
+            raise bad("rollout_correction_level", "'token' or 'sequence'")
+        # rho = 1 (engine and actor agree) must keep weight 1, so every correction is the identity on-policy
+        if not self.rollout_is_cap >= 1:
+            raise bad("rollout_is_cap", ">= 1 (a weight of 1 must stay untruncated)")
+        if not 0 <= self.rollout_is_low <= 1:
+            raise bad("rollout_is_low", "in [0, 1] (rho = 1 must stay inside the kept band)")
+        if not self.rollout_is_high >= 1:
+            raise bad("rollout_is_high", ">= 1 (rho = 1 must stay inside the kept band)")
         if not self.adv_eps >= 0:
             raise bad("adv_eps", ">= 0")
         for key in ("eps_low", "eps_high", "kl_coef", "lambda_top1", "beta", "lambda_pos"):

@@ -18,6 +18,9 @@ Choices where ALGORITHMS.md leaves room (each checked by tests/algos against a d
 - kl_cov / clip_cov keep PPO-clip underneath and select the top ``cov_fraction`` tokens deterministically within
   the tokens of this call (verl's clip_cov samples among a covariance band instead).
 - forking_tokens and psr / nsr zero the other tokens' weights but keep every response token in the normalizer.
+- The rollout correction (rollout_correction.py) multiplies the detached multiplier of ``w``, so it scales the policy
+  term's value and gradient alike, for every loss; the extra terms (entropy bonus, KL, kl_cov penalty) are not
+  reweighted, and corrected-away tokens stay in the normalizer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import Tensor
 from megatron_rlvr.algos.aggregate import aggregate, response_counts
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.metrics import loss_metrics
+from megatron_rlvr.algos.rollout_correction import correction_weights
 from megatron_rlvr.algos.token_masks import high_entropy_mask, top_covariance_mask
 
 if TYPE_CHECKING:
@@ -151,12 +155,13 @@ def candidate_weights(topn_logp: Tensor, weights: str) -> Tensor:
 
 def policy_loss(
     stats: "TokenStats",
-    old_logp: Tensor,
+    old_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
     cfg: AlgoConfig,
     *,
     ref_logp: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     target_ids: Tensor | None = None,
@@ -164,8 +169,11 @@ def policy_loss(
     """The loss ``cfg.loss`` of one (micro-)batch and its metrics (plain floats over this batch's response tokens).
 
     ``stats`` is the fused op's TokenStats with [B, T] / [B, T, N] tensors (N >= cfg.top_n; the first cfg.top_n
-    columns enter the loss, up to three feed the rank metrics); ``old_logp`` [B, T]; ``advantages`` [B];
+    columns enter the loss, up to three feed the rank metrics); ``old_logp`` [B, T], or None when the update is
+    exactly on-policy (the behaviour log-probs are then ``stats.logp.detach()``); ``advantages`` [B];
     ``mask`` [B, T] marks response tokens (bool or 0/1). ``ref_logp`` [B, T] is required when cfg.kl_coef > 0.
+    ``rollout_logp`` [B, T], the engine's log-probs of the sampled tokens, is required when cfg.rollout_correction
+    is not "none" (and unused otherwise); its metrics come back as ``rollout_correction/*``.
     ``num_tokens`` / ``num_seqs``: the whole mini-batch's response tokens / responses, so micro-batch losses sum to
     the mini-batch loss; default this batch's own counts. kl_cov / clip_cov select their tokens within this batch.
     ``target_ids`` [B, T], the sampled ids, make "y_t is rank 1" an id comparison (recommended); without them it is
@@ -176,8 +184,13 @@ def policy_loss(
     view = _token_view(stats, old_logp, advantages, mask, cfg, target_ids)
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"ref_logp: algo.kl_coef = {cfg.kl_coef} > 0 needs the reference model's log-probs [B, T]")
-    if ref_logp is not None and ref_logp.shape != view.logp.shape:
-        raise ValueError(f"ref_logp: expected shape {tuple(view.logp.shape)} like stats.logp, got {tuple(ref_logp.shape)}")
+    for name, given in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
+        if given is not None and given.shape != view.logp.shape:
+            raise ValueError(f"{name}: expected shape {tuple(view.logp.shape)} like stats.logp, got {tuple(given.shape)}")
+    correct = cfg.rollout_correction != "none"
+    if correct and rollout_logp is None:
+        raise ValueError(f"rollout_logp: algo.rollout_correction = {cfg.rollout_correction!r} needs the engine's "
+                         "log-probs of the sampled tokens [B, T]")
     local_tokens, local_seqs = response_counts(view.mask)
     counts = dict(
         num_tokens=local_tokens if num_tokens is None else float(num_tokens),
@@ -194,6 +207,9 @@ def policy_loss(
     rho = torch.exp(log_ratio)
     clipped = ((adv > 0) & (rho > 1 + cfg.eps_high)) | ((adv < 0) & (rho < 1 - cfg.eps_low))
     scale = torch.ones_like(rho) if shaping.weight_scale is None else shaping.weight_scale.detach()
+    if correct:
+        correction, correction_metrics = correction_weights(view.old_logp, rollout_logp, view.mask, cfg)
+        scale = scale * correction  # exact: a correction of 1 leaves every weight bit-equal
     # where, not products with 0/1 masks: an overflowing ratio (rho = inf) must give 0, not inf * 0 = NaN.
     contributes = (adv != 0) & (scale != 0)
     zero = torch.zeros_like(rho)
@@ -227,17 +243,21 @@ def policy_loss(
     metrics = loss_metrics(view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp)
     metrics.update(loss=float(loss.detach()), pg_loss=float(pg_value), num_tokens=local_tokens)
     metrics.update({name: float(value.detach()) for name, value in extras.items()})
+    if correct:
+        metrics.update(zip(correction_metrics, torch.stack(list(correction_metrics.values())).tolist()))
     return loss, metrics
 
 
 def _token_view(
-    stats: "TokenStats", old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig, target_ids: Tensor | None
+    stats: "TokenStats", old_logp: Tensor | None, advantages: Tensor, mask: Tensor, cfg: AlgoConfig, target_ids: Tensor | None
 ) -> TokenView:
     """Check shapes (errors name the argument) and broadcast everything to [B, T]."""
     logp = stats.logp
     if logp.dim() != 2:
         raise ValueError(f"stats.logp: expected [B, T], got shape {tuple(logp.shape)}")
     shape = tuple(logp.shape)
+    if old_logp is None:  # exactly on-policy: the behaviour policy is the current one (rho = 1)
+        old_logp = logp.detach()
     for name, tensor in (("stats.entropy", stats.entropy), ("old_logp", old_logp), ("mask", mask)):
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape} like stats.logp, got {tuple(tensor.shape)}")
