@@ -7,6 +7,7 @@ own, without the fused op) and the random problem generator the gradient tests s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -80,9 +81,11 @@ def reference_loss(
     temperature: float = 1.0,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    rollout_logp: Tensor | None = None,
 ) -> Tensor:
     """The loss of ALGORITHMS.md: value = clipped surrogate (+ extra terms), gradient = detached-weight form."""
     B, T, _ = logits.shape
+    correction = reference_correction(old_logp, rollout_logp, mask, cfg) if rollout_logp is not None else None
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     logp = logprobs.gather(-1, targets[..., None])[..., 0]
     entropy = -(logprobs.exp() * logprobs).sum(-1)
@@ -144,6 +147,8 @@ def reference_loss(
                 scale = 0.0
             elif cfg.loss == "clip_cov" and selected[b, t]:
                 scale = 0.0
+            if correction is not None:
+                scale = scale * correction[b][t]
             w = 0.0 if clipped else A * rho * scale
             grad_terms[b, t] = -w * target
             clipped_rho = min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high)
@@ -169,3 +174,33 @@ def reference_loss(
 
     grad_form = agg(grad_terms)
     return agg(value_terms) + (grad_form - grad_form.detach()) + agg(extra_terms)
+
+
+def reference_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: AlgoConfig) -> list[list[float]]:
+    """The rollout correction c[b][t] of ALGORITHMS.md with Python floats, response by response (1 off the mask)."""
+    B, T = mask.shape
+    out = [[1.0] * T for _ in range(B)]
+    for b in range(B):
+        tokens = [t for t in range(T) if mask[b, t]]
+        logs = [float(old_logp[b, t]) - float(rollout_logp[b, t]) for t in tokens]
+        if cfg.rollout_correction_level == "sequence" and tokens:
+            total = math.fsum(logs)
+            if cfg.rollout_correction == "tis":
+                shared = cfg.rollout_is_cap if total > math.log(cfg.rollout_is_cap) else math.exp(total)
+            else:
+                shared = _band(math.exp(total / len(tokens)), cfg)
+            values = [shared] * len(tokens)
+        elif cfg.rollout_correction == "tis":
+            values = [min(math.exp(x), cfg.rollout_is_cap) for x in logs]
+        else:
+            values = [_band(math.exp(x), cfg) for x in logs]
+        for t, value in zip(tokens, values):
+            out[b][t] = value
+    return out
+
+
+def _band(ratio: float, cfg: AlgoConfig) -> float:
+    inside = cfg.rollout_is_low <= ratio <= cfg.rollout_is_high
+    if cfg.rollout_correction == "mis":
+        return 1.0 if inside else 0.0
+    return ratio if inside else 0.0
