@@ -126,17 +126,17 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 logger.log(0, base)
         for step in range(start_step, t.steps):
             timer = Timer()
-            prompts = loader.next_batch()
             with timer("rollout+reward"):
+                drawn_from = loader.state_dict()  # a retried step draws the same prompts again
                 for attempt in range(2):
                     try:
-                        exp = collect(engine, pool, prompts, cfg.rollout, cfg.algo, pad_id=pad_id, run_seed=t.seed,
-                                      step=step)
+                        exp = collect(engine, pool, loader, cfg, pad_id=pad_id, run_seed=t.seed, step=step)
                         break
                     except EngineDiedError:  # raised on every rank together: revive the engines, retry once
                         if attempt:
                             raise
                         engine = revive_engine(cfg, actor, engine)
+                        loader.load_state_dict(drawn_from)
             engine.sleep()  # a colocated GPU engine hands its KV cache (level 2: weights too) to the update
             with timer("statistics"):
                 exp.batch.old_logp = actor.compute_old_logp(exp.batch)
@@ -154,7 +154,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 sync_weights(actor, engine, cfg.rollout.bucket_bytes)
             if val_items and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 update_metrics |= run_validation(step + 1, timer)
-            metrics = {"step": step + 1, **_rollout_metrics(exp), **update_metrics, **timer.seconds}
+            metrics = {"step": step + 1, **_rollout_metrics(exp), **_named(update_metrics), **timer.seconds}
             history.append(metrics)
             if logger is not None:
                 logger.log(step + 1, metrics)
@@ -173,19 +173,23 @@ def train(cfg: Config) -> list[dict[str, float]]:
 
 
 def _rollout_metrics(exp) -> dict[str, float]:
-    batch, r = exp.batch, exp.rewards
-    lengths = [len(c.token_ids) for group in exp.completions for c in group]
+    batch = exp.batch
     mask = batch.response_mask
     mismatch = ((exp.engine_logp - batch.old_logp).abs() * mask).sum() / mask.sum().clamp_min(1)
     metrics = {
-        "reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
-        "response/length": sum(lengths) / max(1, len(lengths)),
+        **exp.metrics,  # reward/*, response/* over every response sampled, batch/* (dynamic sampling)
         "response/tokens_trained": float(mask.sum()),
         # |engine log-prob - actor log-prob| on sampled tokens: the train/inference mismatch
         "rollout/logp_mismatch": float(mismatch),
     }
     metrics.update({f"reward/{k}": float(v) for k, v in exp.reward_counters.items()})
     return metrics
+
+
+def _named(update_metrics: dict[str, float]) -> dict[str, float]:
+    """The actor logs every loss metric as loss/<key>; the rollout correction's keep their own family."""
+    prefix = "loss/rollout_correction/"
+    return {k[len("loss/"):] if k.startswith(prefix) else k: v for k, v in update_metrics.items()}
 
 
 def _progress(enabled: bool, start: int, total: int):

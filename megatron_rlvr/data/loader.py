@@ -2,6 +2,8 @@
 
 The order of epoch e is a pure function of (seed, e), so the state is just (epoch, position). A batch that runs
 past the end of an epoch continues into the next epoch's order: every step gets exactly ``batch_size`` prompts.
+``draw(n)`` takes n more prompts from the same stream (dynamic sampling's refill): the prompts a run sees depend only
+on (seed, how many were drawn before), so a run that draws the same counts sees the same prompts, resumed or not.
 """
 
 from __future__ import annotations
@@ -43,10 +45,16 @@ class PromptLoader:
         return self._order
 
     def next_batch(self) -> list[PromptItem]:
+        return self.draw(self.batch_size)
+
+    def draw(self, count: int) -> list[PromptItem]:
+        """The next ``count`` prompts of the stream (across epochs, like next_batch)."""
+        if count < 0:
+            raise ValueError(f"PromptLoader.draw: expected a count >= 0, got {count}")
         batch: list[PromptItem] = []
-        while len(batch) < self.batch_size:
+        while len(batch) < count:
             order = self._order_of(self.epoch)
-            take = min(self.batch_size - len(batch), len(order) - self.position)
+            take = min(count - len(batch), len(order) - self.position)
             batch.extend(self.items[i] for i in order[self.position : self.position + take])
             self.position += take
             if self.position == len(order):

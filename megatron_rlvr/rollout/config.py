@@ -31,11 +31,15 @@ class RolloutConfig:
     # loaded at once (no extra copy); a bad tensor mid-stream leaves a half-updated engine, reported as dead.
     sync_staging: SyncStaging = "full"
     check_sync: bool = False  # compare engine weights with the given ones after each sync (slow)
+    # algo.drop_uniform_groups: extra generation rounds per step to replace the groups whose rewards were all equal
+    refill_max_rounds: int = 3
 
     def __post_init__(self) -> None:
         for key in ("group_size", "max_new_tokens", "tp", "max_model_len", "kv_cache_memory_bytes", "bucket_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key}: expected >= 1, got {getattr(self, key)!r}")
+        if self.refill_max_rounds < 0:
+            raise ValueError(f"rollout.refill_max_rounds: expected >= 0, got {self.refill_max_rounds!r}")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature: expected > 0 (training samples), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
