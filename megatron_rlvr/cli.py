@@ -2,6 +2,10 @@
 
 Each subcommand imports its implementation lazily, so `megatron-rlvr --help` is instant and a failure in one
 component never breaks the others' commands.
+
+Global flags, before the command: ``--debug`` (tracebacks for user errors; also MEGATRON_RLVR_DEBUG=1) and
+``--verbose`` (vLLM / megatron-core INFO and WARNING lines on the console; also MEGATRON_RLVR_VERBOSE=1). A
+`UserError` raised anywhere in a command prints one line ``error: ...`` and exits 2 (see console.py).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import importlib
 import sys
 import warnings
 from typing import Callable
+
+from megatron_rlvr.errors import UserError
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -36,6 +42,9 @@ def _resolve(name: str) -> Callable[[list[str]], int]:
     return getattr(module, attr)
 
 
+_GLOBAL_FLAGS = ("--debug", "--verbose")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # megatron-core announces at import, once per process, that optional GPU libraries are missing on CPU
@@ -44,12 +53,26 @@ def main(argv: list[str] | None = None) -> int:
         prog="megatron-rlvr", description="RLVR training on megatron-core with CaSP.",
         epilog="Run `megatron-rlvr COMMAND --help` for a command's options.",
     )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors [$MEGATRON_RLVR_DEBUG]")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM / megatron-core INFO and WARNING lines [$MEGATRON_RLVR_VERBOSE]")
     parser.add_argument("command", choices=sorted(_COMMANDS), help="; ".join(f"{k}: {v[2]}" for k, v in _COMMANDS.items()))
+    flags = []
+    while argv and argv[0] in _GLOBAL_FLAGS:
+        flags.append(argv.pop(0))
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
-    args, rest = parser.parse_known_args(argv[:1])
-    return int(_resolve(args.command)(argv[1:]) or 0)
+    args = parser.parse_args(flags + argv[:1])
+    from megatron_rlvr import console
+
+    # before the command imports vLLM (it reads its logging settings at import)
+    console.configure_environment(debug=args.debug, verbose=args.verbose)
+    console.setup_console(name=args.command)
+    try:
+        return int(_resolve(args.command)(argv[1:]) or 0)
+    except UserError as e:
+        return console.report_user_error(e)
 
 
 if __name__ == "__main__":

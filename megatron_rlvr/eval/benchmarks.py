@@ -18,9 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_rlvr.errors import UserError
+
 MATH_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 LOGIC_SUFFIX = '\n\nThink step by step, then finish with "So the answer is <answer>."'
 CODE_SUFFIX = "\n\nReturn the complete program in one ```python code block."
+
+
+class BenchmarkError(UserError, ValueError):
+    """A benchmark file or row does not have the expected layout; the message names the file, the row and it."""
+
+
+class BenchmarkMissing(UserError, FileNotFoundError):
+    """No file of a benchmark under --data-dir; the message lists the names tried and the layout."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,7 @@ class Problem:
     prompt: str  # the text given to the model (before any chat template)
     task: str  # reward task: math | code | logic | countdown
     reference: Any
+    text: str = ""  # the problem as released, before any instruction added here (for overlap checks)
 
 
 class Row:
@@ -43,7 +54,7 @@ class Row:
             if name in self.data and self.data[name] is not None:
                 return self.data[name]
         if required:
-            raise ValueError(f"{self.where}: missing field {' or '.join(repr(n) for n in names)}; expected layout: {self.layout}")
+            raise BenchmarkError(f"{self.where}: missing field {' or '.join(repr(n) for n in names)}; expected layout: {self.layout}")
         return None
 
 
@@ -69,26 +80,27 @@ def _math_row(row: Row, i: int, bench: str) -> Problem:
         solution = row.get("solution", "Solution")
         answer = _last_boxed(str(solution))
         if answer is None:
-            raise ValueError(f"{row.where}: no 'answer' field and no \\boxed{{}} in 'solution'; expected layout: {row.layout}")
+            raise BenchmarkError(f"{row.where}: no 'answer' field and no \\boxed{{}} in 'solution'; expected layout: {row.layout}")
     if isinstance(answer, list):  # OlympiadBench: final_answer is a list of strings
         answer = ", ".join(str(a).strip("$ ") for a in answer)
     if isinstance(answer, float) and answer.is_integer():  # AMC23 stores 27.0
         answer = int(answer)
-    return Problem(bench, _row_id(row, i, "unique_id", "id", "ID", "idx", "problem_id"), f"{question}{MATH_SUFFIX}", "math", str(answer).strip())
+    return Problem(bench, _row_id(row, i, "unique_id", "id", "ID", "idx", "problem_id"), f"{question}{MATH_SUFFIX}", "math",
+                   str(answer).strip(), str(question))
 
 
 def _gsm8k_row(row: Row, i: int, bench: str) -> Problem:
     question, answer = row.get("question"), str(row.get("answer"))
     if "####" not in answer:
-        raise ValueError(f"{row.where}: gsm8k 'answer' must end with '#### <number>'; got {answer[-80:]!r}")
+        raise BenchmarkError(f"{row.where}: gsm8k 'answer' must end with '#### <number>'; got {answer[-80:]!r}")
     final = answer.rsplit("####", 1)[1].strip().replace(",", "")
-    return Problem(bench, _row_id(row, i, "id"), f"{question}{MATH_SUFFIX}", "math", final)
+    return Problem(bench, _row_id(row, i, "id"), f"{question}{MATH_SUFFIX}", "math", final, str(question))
 
 
 def _bbh_row(row: Row, i: int, bench: str) -> Problem:
     task = row.get("task", "subset", required=False) or row.data.get("_file_task") or "bbh"
     pid = f"{task}/{_row_id(row, i, 'id', 'idx')}"
-    return Problem(bench, pid, f"{row.get('input')}{LOGIC_SUFFIX}", "logic", str(row.get("target")))
+    return Problem(bench, pid, f"{row.get('input')}{LOGIC_SUFFIX}", "logic", str(row.get("target")), str(row.get("input")))
 
 
 def _synlogic_row(row: Row, i: int, bench: str) -> Problem:
@@ -96,17 +108,17 @@ def _synlogic_row(row: Row, i: int, bench: str) -> Problem:
     if isinstance(prompt, list):  # verl-style chat messages: the last user turn is the question
         users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
         if not users:
-            raise ValueError(f"{row.where}: 'prompt' holds no user message; expected layout: {row.layout}")
+            raise BenchmarkError(f"{row.where}: 'prompt' holds no user message; expected layout: {row.layout}")
         prompt = users[-1]
     answer = row.get("answer", required=False)
     if answer is None:
         reward_model = row.get("reward_model")
         answer = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
         if answer is None:
-            raise ValueError(f"{row.where}: no 'answer' and no 'reward_model.ground_truth'; expected layout: {row.layout}")
+            raise BenchmarkError(f"{row.where}: no 'answer' and no 'reward_model.ground_truth'; expected layout: {row.layout}")
     task = row.get("data_source", "task", required=False)
     pid = _row_id(row, i, "id", "idx")
-    return Problem(bench, f"{task}/{pid}" if task else pid, str(prompt), "logic", str(answer))
+    return Problem(bench, f"{task}/{pid}" if task else pid, str(prompt), "logic", str(answer), str(prompt))
 
 
 def _decode_lcb_tests(value: Any, where: str) -> list[dict]:
@@ -122,7 +134,7 @@ def _decode_lcb_tests(value: Any, where: str) -> list[dict]:
         raw = zlib.decompress(base64.b64decode(text))
         return json.loads(_StringOnlyUnpickler(io.BytesIO(raw)).load())
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"{where}: test cases are neither JSON nor base64/zlib/pickled JSON ({exc})") from None
+        raise BenchmarkError(f"{where}: test cases are neither JSON nor base64/zlib/pickled JSON ({exc})") from None
 
 
 class _StringOnlyUnpickler(pickle.Unpickler):
@@ -149,7 +161,7 @@ def _livecodebench_row(row: Row, i: int, bench: str) -> Problem:
     if private:
         cases = cases + _decode_lcb_tests(private, row.where)
     if not cases:
-        raise ValueError(f"{row.where}: no test cases; expected layout: {row.layout}")
+        raise BenchmarkError(f"{row.where}: no test cases; expected layout: {row.layout}")
     starter = row.get("starter_code", required=False) or ""
     functional = any(c.get("testtype") == "functional" for c in cases)
     if functional:
@@ -157,13 +169,13 @@ def _livecodebench_row(row: Row, i: int, bench: str) -> Problem:
         metadata = json.loads(metadata) if isinstance(metadata, str) else metadata
         func_name = metadata.get("func_name")
         if not func_name:
-            raise ValueError(f"{row.where}: functional tests need metadata.func_name; expected layout: {row.layout}")
+            raise BenchmarkError(f"{row.where}: functional tests need metadata.func_name; expected layout: {row.layout}")
         reference: dict = {"tests": _lcb_functional_tests(cases, func_name)}
         prompt = f"{content}\n\nComplete this starter code:\n```python\n{starter}\n```{CODE_SUFFIX}"
     else:
         reference = {"io": [{"input": c["input"], "output": c["output"]} for c in cases]}
         prompt = f"{content}\n\nRead the input from standard input and write the answer to standard output.{CODE_SUFFIX}"
-    return Problem(bench, _row_id(row, i, "question_id", "id"), prompt, "code", reference)
+    return Problem(bench, _row_id(row, i, "question_id", "id"), prompt, "code", reference, str(content))
 
 
 def _humanevalplus_row(row: Row, i: int, bench: str) -> Problem:
@@ -172,7 +184,7 @@ def _humanevalplus_row(row: Row, i: int, bench: str) -> Problem:
     imports = "\n".join(line for line in str(prompt_code).splitlines() if re.match(r"(import|from)\s", line))
     prompt = f"Complete the following Python function.\n\n```python\n{prompt_code}```{CODE_SUFFIX}"
     reference = {"tests": str(row.get("test")), "entry_point": entry, "prelude": imports}
-    return Problem(bench, _row_id(row, i, "task_id"), prompt, "code", reference)
+    return Problem(bench, _row_id(row, i, "task_id"), prompt, "code", reference, str(prompt_code))
 
 
 def _countdown_row(row: Row, i: int, bench: str) -> Problem:
@@ -180,9 +192,9 @@ def _countdown_row(row: Row, i: int, bench: str) -> Problem:
 
     numbers, target = row.get("numbers"), row.get("target")
     if not isinstance(numbers, list) or not all(isinstance(x, int) for x in numbers) or not isinstance(target, int):
-        raise ValueError(f"{row.where}: 'numbers' must be a list of ints and 'target' an int; expected layout: {row.layout}")
+        raise BenchmarkError(f"{row.where}: 'numbers' must be a list of ints and 'target' an int; expected layout: {row.layout}")
     prompt = row.get("prompt", required=False) or format_prompt(numbers, target)
-    return Problem(bench, _row_id(row, i, "id"), str(prompt), "countdown", {"numbers": numbers, "target": target})
+    return Problem(bench, _row_id(row, i, "id"), str(prompt), "countdown", {"numbers": numbers, "target": target}, str(prompt))
 
 
 @dataclass(frozen=True)
@@ -223,9 +235,9 @@ def _read_records(path: Path) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+                raise BenchmarkError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+                raise BenchmarkError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
             records.append(record)
     return records
 
@@ -234,7 +246,7 @@ def benchmark_files(name: str, data_dir: str | Path) -> list[tuple[Path, str | N
     """The files of benchmark ``name`` under ``data_dir`` as (path, per-file task); FileNotFoundError if none."""
     spec = BENCHMARKS.get(name)
     if spec is None:
-        raise ValueError(f"benchmark {name!r}: unknown; expected one of {sorted(BENCHMARKS)}")
+        raise BenchmarkError(f"benchmark {name!r}: unknown; expected one of {sorted(BENCHMARKS)}")
     data_dir = Path(data_dir)
     tried = []
     for stem in spec.files:
@@ -250,14 +262,14 @@ def benchmark_files(name: str, data_dir: str | Path) -> list[tuple[Path, str | N
             files = sorted(folder.glob("*.jsonl")) + sorted(folder.glob("*.parquet"))
             if files:
                 return [(f, f.stem) for f in files]
-    raise FileNotFoundError(f"benchmark {name!r}: no data file; tried {', '.join(tried)}. Expected layout: {spec.layout}")
+    raise BenchmarkMissing(f"benchmark {name!r}: no data file; tried {', '.join(tried)}. Expected layout: {spec.layout}")
 
 
 def load_benchmark(name: str, data_dir: str | Path, limit: int | None = None) -> list[Problem]:
     """All problems of ``name`` (the first ``limit`` when given), ids unique within the benchmark."""
     spec = BENCHMARKS.get(name)
     if spec is None:
-        raise ValueError(f"benchmark {name!r}: unknown; expected one of {sorted(BENCHMARKS)}")
+        raise BenchmarkError(f"benchmark {name!r}: unknown; expected one of {sorted(BENCHMARKS)}")
     problems: list[Problem] = []
     seen: dict[str, str] = {}
     for path, file_task in benchmark_files(name, data_dir):
@@ -266,13 +278,13 @@ def load_benchmark(name: str, data_dir: str | Path, limit: int | None = None) ->
                 record = {**record, "_file_task": file_task}
             problem = spec.build(Row(record, f"{path}: row {i}", spec.layout), i, name)
             if problem.problem_id in seen:
-                raise ValueError(f"{path}: row {i}: problem id {problem.problem_id!r} repeats ({seen[problem.problem_id]})")
+                raise BenchmarkError(f"{path}: row {i}: problem id {problem.problem_id!r} repeats ({seen[problem.problem_id]})")
             seen[problem.problem_id] = f"{path}: row {i}"
             problems.append(problem)
             if limit is not None and len(problems) >= limit:
                 return problems
     if not problems:
-        raise ValueError(f"benchmark {name!r}: {', '.join(str(p) for p, _ in benchmark_files(name, data_dir))} holds no rows")
+        raise BenchmarkError(f"benchmark {name!r}: {', '.join(str(p) for p, _ in benchmark_files(name, data_dir))} holds no rows")
     return problems
 
 

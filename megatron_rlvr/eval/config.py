@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 @dataclass
 class EvalConfig:
     n_samples: int = 64  # answers sampled per problem (up to 1024)
-    chunk: int = 64  # samples asked from the engine per request; the unit of seeding and of resuming
+    chunk: int = 64  # samples per problem in one request; the unit of seeding and of resuming
+    # sequences per engine request: a request holds chunk j of max(1, request_samples // chunk) problems, so the
+    # engine always sees a full batch (its scheduler takes what fits); part of the stored samples' settings
+    request_samples: int = 4096
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 512

@@ -1,15 +1,24 @@
 """The large-K sampling runner: n answers per problem through any `RolloutEngine`, verified, stored as it goes.
 
-For each problem the n samples are cut into chunks of `EvalConfig.chunk`; chunk j is one ``engine.generate`` call
-whose sampling seed is a hash of (seed, benchmark, problem id, j), so any chunk can be redrawn identically. A chunk
-is scored with the `RewardPool` and its records appended to the `SampleStore` at once; a chunk whose samples are all
-stored is skipped. So a killed run, rerun with the same settings, draws exactly the missing chunks and its final
-table equals an uninterrupted run's. The engine is whatever the caller passes (vLLM, or a test fake): swapping it is
-one line.
+Units and requests. The n samples of a problem are cut into chunks of `EvalConfig.chunk`. The problems of each
+benchmark are cut, in file order, into blocks of `problems_per_request` (from `EvalConfig.request_samples`); one
+engine request draws chunk j of every problem of one block: ``engine.generate(block prompts, chunk size, seed)``
+with a seed that is a hash of (seed, benchmark, block, j). The engine seeds each prompt of a call by its position
+(`VLLMEngine` gives prompt i its own seed derived from the call's seed and i), so a problem's samples depend only on
+(seed, benchmark, block, j, position) and never on which other requests run or in what order. A request may draw a
+prefix of its block (the block's problems up to the last one with missing samples; the problem list cut by
+``limit``): positions, hence samples, stay the same. So a killed run, rerun with the same settings, draws exactly the
+missing requests and its final table equals an uninterrupted run's.
 
-Several ranks (a TP>1 vLLM engine under torchrun, where every rank must make the same generate calls): rank 0 reads
-the store and decides which chunks to draw, the plan is broadcast, every rank draws them, and only rank 0 scores and
-writes. With one process the broadcast is the identity.
+The engine sees whole requests of many problems (thousands of sequences) instead of one problem's chunk, and the
+reward pool scores request r (then appends it to the `SampleStore`) in a thread while the engine draws request r+1.
+
+Several ranks (under torchrun): the world is cut into engine replicas of ``tp`` consecutive ranks (vLLM's own TP
+groups). Rank 0 reads the store and plans the missing requests; the plan is broadcast; replica r draws requests
+r, r + D, r + 2D, ... (D replicas); every rank of a replica makes the same generate calls and its first rank scores
+and writes them (rank 0 to its store, the other replicas' first ranks to shards of their own in the same samples
+directory). A last broadcast waits for every replica, after which the run directory holds every sample. With one
+process both broadcasts are the identity.
 """
 
 from __future__ import annotations
@@ -18,24 +27,35 @@ import hashlib
 import logging
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.benchmarks import Problem
 from megatron_rlvr.eval.config import EvalConfig
-from megatron_rlvr.eval.store import SampleStore
+from megatron_rlvr.eval.store import SampleStore, ShardWriter
 from megatron_rlvr.rewards.pool import RewardPool
-from megatron_rlvr.rollout.base import RolloutEngine, Sampling
+from megatron_rlvr.rollout.base import Completion, RolloutEngine, Sampling
 
 log = logging.getLogger(__name__)
 PROMPT_FORMAT_VERSION = 1  # bump when benchmark prompt texts change: stored samples then no longer match
 
 
-def chunk_seed(seed: int, benchmark: str, problem_id: str, chunk: int) -> int:
-    digest = hashlib.sha256(f"{seed}/{benchmark}/{problem_id}/{chunk}".encode()).digest()
+class EvalConfigError(UserError, ValueError):
+    """An eval setting is out of range; the message names the flag."""
+
+
+def request_seed(seed: int, benchmark: str, block: int, chunk: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{benchmark}/block{block}/{chunk}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def problems_per_request(cfg: EvalConfig) -> int:
+    return max(1, cfg.request_samples // cfg.chunk)
 
 
 def run_settings(cfg: EvalConfig, model: str) -> dict:
@@ -43,17 +63,15 @@ def run_settings(cfg: EvalConfig, model: str) -> dict:
     return {
         "model": model, "seed": cfg.seed, "chunk": cfg.chunk, "temperature": cfg.temperature, "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens, "stop": list(cfg.stop), "chat_template": cfg.chat_template,
-        "prompt_format": PROMPT_FORMAT_VERSION,
+        "prompt_format": PROMPT_FORMAT_VERSION, "problems_per_request": problems_per_request(cfg),
     }
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
-    if cfg.n_samples < 1:
-        raise ValueError(f"eval.n_samples: must be >= 1, got {cfg.n_samples}")
-    if cfg.chunk < 1:
-        raise ValueError(f"eval.chunk: must be >= 1, got {cfg.chunk}")
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"eval.max_new_tokens: must be >= 1, got {cfg.max_new_tokens}")
+    for flag, value in (("--n", cfg.n_samples), ("--chunk", cfg.chunk), ("--max-new-tokens", cfg.max_new_tokens),
+                        ("--request-samples", cfg.request_samples)):
+        if value < 1:
+            raise EvalConfigError(f"{flag}: must be >= 1, got {value}")
 
 
 def torch_broadcast(obj):
@@ -67,11 +85,22 @@ def torch_broadcast(obj):
     return box[0]
 
 
+@dataclass(frozen=True)
+class Request:
+    """One engine call: chunk ``chunk`` of ``problems`` (indices into the problem list, in block order)."""
+
+    benchmark: str
+    block: int
+    chunk: int
+    problems: tuple[int, ...]
+    stored: frozenset[tuple[int, int]] = frozenset()  # (problem index, sample) already stored: drawn, not kept
+
+
 class EvalRunner:
     """Samples, verifies and stores; `problem_counts` on the stored records then gives (n, c) for pass@k.
 
-    ``rank`` > 0 (a follower of a multi-rank engine) draws what rank 0's plan says and writes nothing; it needs no
-    pool. ``broadcast`` sends rank 0's plan to every rank.
+    ``rank``/``world``/``tp``: this process's place under torchrun (see the module docstring). A replica's first
+    rank scores and writes, so it needs a pool; the other ranks of a replica only draw.
     """
 
     def __init__(
@@ -84,74 +113,120 @@ class EvalRunner:
         model: str,
         rank: int = 0,
         broadcast: Callable = torch_broadcast,
+        world: int = 1,
+        tp: int = 1,
     ):
         validate_eval_config(cfg)
-        if rank == 0 and pool is None:
-            raise ValueError("EvalRunner: rank 0 scores the samples and needs a RewardPool")
+        if tp < 1 or world % tp:
+            raise EvalConfigError(f"--tp {tp}: the world of {world} processes must be a multiple of it")
         self.engine, self.encode, self.cfg, self.pool, self.model = engine, encode, cfg, pool, model
         self.run_dir = Path(run_dir)
-        self.rank, self.broadcast = rank, broadcast
+        self.rank, self.broadcast, self.tp = rank, broadcast, tp
+        self.replica, self.replicas = rank // tp, world // tp
+        self.writes = rank % tp == 0  # the replica's first rank scores and writes
+        if self.writes and pool is None:
+            raise ValueError(f"EvalRunner: rank {rank} scores its replica's samples and needs a RewardPool")
         self.reward_counters: dict[str, int] = defaultdict(int)
-        self.chunks_drawn = 0
+        self.requests_drawn = 0
+        self.samples_drawn = 0
 
     def _chunks(self, n: int) -> list[range]:
         return [range(start, min(start + self.cfg.chunk, n)) for start in range(0, n, self.cfg.chunk)]
 
-    def _plan(self, problems: Sequence[Problem], store: SampleStore) -> list[tuple[int, int]]:
-        """(problem index, chunk index) of every chunk with a sample not yet stored, in order."""
-        return [
-            (i, j)
-            for i, problem in enumerate(problems)
-            for j, samples in enumerate(self._chunks(self.cfg.n_samples))
-            if any(not store.has((problem.benchmark, problem.problem_id, s)) for s in samples)
-        ]
+    def _plan(self, problems: Sequence[Problem], store: SampleStore) -> list[Request]:
+        """Every request with a sample not yet stored, in (benchmark, block, chunk) order."""
+        per_block = problems_per_request(self.cfg)
+        positions: dict[str, list[int]] = defaultdict(list)  # benchmark -> its problems' indices, in order
+        for i, problem in enumerate(problems):
+            positions[problem.benchmark].append(i)
+        plan = []
+        for benchmark, indices in positions.items():
+            for block, start in enumerate(range(0, len(indices), per_block)):
+                members = indices[start : start + per_block]
+                for j, samples in enumerate(self._chunks(self.cfg.n_samples)):
+                    stored = {(i, s) for i in members for s in samples
+                              if store.has((benchmark, problems[i].problem_id, s))}
+                    missing = [k for k, i in enumerate(members) if any((i, s) not in stored for s in samples)]
+                    if missing:
+                        drawn = tuple(members[: missing[-1] + 1])  # a prefix: positions (and samples) unchanged
+                        kept = frozenset((i, s) for i, s in stored if i in drawn)
+                        plan.append(Request(benchmark, block, j, drawn, kept))
+        return plan
 
     def run(self, problems: Sequence[Problem]) -> None:
-        store = SampleStore(self.run_dir, run_settings(self.cfg, self.model)) if self.rank == 0 else None
+        store = writer = None
         try:
-            plan = self.broadcast(self._plan(problems, store) if store is not None else None)
-            self._draw(problems, plan, store)
+            plan: object = None
+            if self.rank == 0:
+                try:
+                    store = writer = SampleStore(self.run_dir, run_settings(self.cfg, self.model))
+                    plan = self._plan(problems, store)
+                except Exception as exc:
+                    self.broadcast(("error", f"{type(exc).__name__}: {exc}"))  # the other ranks must not wait
+                    raise
+            plan = self.broadcast(plan)
+            if isinstance(plan, tuple):
+                raise UserError(f"eval: rank 0 failed: {plan[1]}")
+            if self.writes and writer is None:
+                writer = ShardWriter(self.run_dir, self.rank)
+            self._draw(problems, plan[self.replica :: self.replicas], writer if self.writes else None)
+            self.broadcast(None)  # every replica's samples are on disk before rank 0 reads the run directory
         finally:
-            if store is not None:
-                store.close()
+            if writer is not None:
+                writer.close()
 
-    def _draw(self, problems: Sequence[Problem], plan: list[tuple[int, int]], store: SampleStore | None) -> None:
+    def _draw(self, problems: Sequence[Problem], requests: list[Request], writer) -> None:
         cfg = self.cfg
         chunks = self._chunks(cfg.n_samples)
-        started, encoded = time.monotonic(), {}
-        for step, (i, j) in enumerate(plan):
-            problem, samples = problems[i], chunks[j]
-            if i not in encoded:
-                encoded = {i: self.encode(problem.prompt)}
-            # the whole chunk is drawn even when some of it is stored, so its seed gives the same samples
-            sampling = Sampling(
-                temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
-                seed=chunk_seed(cfg.seed, problem.benchmark, problem.problem_id, j), logprobs=False,
-            )
-            completions = self.engine.generate([encoded[i]], len(samples), sampling)
-            if len(completions) != 1 or len(completions[0]) != len(samples):
-                raise RuntimeError(f"engine returned {[len(c) for c in completions]} completions for 1 prompt x {len(samples)}")
-            self.chunks_drawn += 1
-            if store is None:
-                continue
-            by_sample = dict(zip(samples, completions[0]))
-            missing = [s for s in samples if not store.has((problem.benchmark, problem.problem_id, s))]
-            rewards, counters = self.pool.score_batch(
-                [problem.task] * len(missing), [by_sample[s].text for s in missing], [problem.reference] * len(missing)
-            )
-            for key, value in counters.items():
-                self.reward_counters[key] += value
-            store.append(
-                {
-                    "benchmark": problem.benchmark, "problem_id": problem.problem_id, "sample": s, "chunk": j,
-                    "reward": reward, "finish_reason": by_sample[s].finish_reason,
-                    "num_tokens": len(by_sample[s].token_ids), "text": by_sample[s].text if cfg.save_text else None,
-                }
-                for s, reward in zip(missing, rewards)
-            )
-            if step + 1 == len(plan) or plan[step + 1][0] != i:
-                log.info("%s %s/%s done: %d/%d chunks drawn (%.0f s)", self.model, problem.benchmark,
-                         problem.problem_id, step + 1, len(plan), time.monotonic() - started)
+        encoded: dict[int, list[int]] = {}
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-scorer") as scorer:
+            scoring: Future | None = None
+            for step, request in enumerate(requests):
+                for i in request.problems:
+                    if i not in encoded:
+                        encoded[i] = self.encode(problems[i].prompt)
+                samples = chunks[request.chunk]
+                sampling = Sampling(
+                    temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
+                    seed=request_seed(cfg.seed, request.benchmark, request.block, request.chunk), logprobs=False,
+                )
+                completions = self.engine.generate([encoded[i] for i in request.problems], len(samples), sampling)
+                if len(completions) != len(request.problems) or any(len(c) != len(samples) for c in completions):
+                    raise RuntimeError(f"engine returned {[len(c) for c in completions]} completions for "
+                                       f"{len(request.problems)} prompts x {len(samples)}")
+                self.requests_drawn += 1
+                self.samples_drawn += len(request.problems) * len(samples)
+                if writer is None:
+                    continue
+                if scoring is not None:
+                    scoring.result()  # at most one request is being scored while the engine draws the next
+                scoring = scorer.submit(self._score_and_store, problems, request, samples, completions, writer)
+                log.info("%s: request %d/%d (%s, %d problems x %d samples) drawn at %.0f s", self.model, step + 1,
+                         len(requests), request.benchmark, len(request.problems), len(samples),
+                         time.monotonic() - started)
+            if scoring is not None:
+                scoring.result()
+
+    def _score_and_store(self, problems: Sequence[Problem], request: Request, samples: range,
+                         completions: list[list[Completion]], writer) -> None:
+        items = [(i, s, completion) for i, drawn in zip(request.problems, completions)
+                 for s, completion in zip(samples, drawn) if (i, s) not in request.stored]
+        rewards, counters = self.pool.score_batch(
+            [problems[i].task for i, _, _ in items], [c.text for _, _, c in items],
+            [problems[i].reference for i, _, _ in items],
+        )
+        for key, value in counters.items():
+            self.reward_counters[key] += value
+        save_text = self.cfg.save_text
+        writer.append(
+            {
+                "benchmark": problems[i].benchmark, "problem_id": problems[i].problem_id, "sample": s,
+                "chunk": request.chunk, "reward": reward, "finish_reason": c.finish_reason,
+                "num_tokens": len(c.token_ids), "text": c.text if save_text else None,
+            }
+            for (i, s, c), reward in zip(items, rewards)
+        )
 
 
 def problem_counts(records: dict, problems: Sequence[Problem], n_samples: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -5,7 +5,8 @@ Layout of one model's run directory::
     run.json                 the settings the samples were drawn with (a resumed run must match them)
     samples/shard-00000.jsonl one line per sample: benchmark, problem_id, sample, chunk, reward, finish_reason,
     samples/shard-00001.jsonl num_tokens, text; each process opening the store starts a new shard
-    .lock                    held (flock) while a run writes, so two runs never share a directory
+    samples/shard-00002-r1.jsonl  written by the engine replica whose first rank is 1 (several engines, torchrun)
+    .lock                    held (flock) by rank 0 while a run writes, so two runs never share a directory
 
 A chunk's lines go out in one ``write`` followed by ``fsync``. A kill can only leave the last line of a shard
 unterminated: loading ignores such a line (and a resumed run writes to a fresh shard, never after it). Records are
@@ -30,6 +31,49 @@ class RunSettingsMismatch(UserError, ValueError):
     """The directory holds samples drawn with other settings; mixing them would corrupt the estimate."""
 
 
+class RunDirBusy(UserError, RuntimeError):
+    """Another eval run holds the directory's lock."""
+
+
+class CorruptRecord(UserError, ValueError):
+    """A samples file holds a line that is not a sample record (edited or damaged)."""
+
+
+class _Shards:
+    """Appends records to fresh shard files of one samples directory: one ``write`` + ``fsync`` per call."""
+
+    def __init__(self, samples_dir: Path, suffix: str = ""):
+        self.samples_dir, self.suffix = samples_dir, suffix
+        self._file = None
+        self._bytes = 0
+
+    def _open_new(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        existing = [int(p.stem.split("-")[1]) for p in self.samples_dir.glob("shard-*.jsonl")]
+        index = max(existing, default=-1) + 1
+        path = self.samples_dir / f"shard-{index:05d}{self.suffix}.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._file = os.fdopen(fd, "wb")
+        self._bytes = 0
+
+    def write(self, records: list[dict]) -> None:
+        if not records:
+            return
+        payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+        if self._file is None or self._bytes + len(payload) > SHARD_MAX_BYTES:
+            self._open_new()
+        self._file.write(payload)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._bytes += len(payload)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 class SampleStore:
     def __init__(self, run_dir: str | Path, settings: dict[str, Any]):
         self.run_dir = Path(run_dir)
@@ -40,14 +84,14 @@ class SampleStore:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise RuntimeError(f"{self.run_dir}: another eval run is writing here (its .lock is held)") from None
-        self._check_settings(settings)
-        self.records: dict[Key, dict] = {}
-        for shard in sorted(self.samples_dir.glob("shard-*.jsonl")):
-            for record in _read_shard(shard):
-                self.records.setdefault((record["benchmark"], record["problem_id"], record["sample"]), record)
-        self._shard_file = None
-        self._shard_bytes = 0
+            raise RunDirBusy(f"{self.run_dir}: another eval run is writing here (its .lock is held)") from None
+        try:
+            self._check_settings(settings)
+            self.records: dict[Key, dict] = load_records(self.run_dir)
+        except BaseException:
+            self._unlock()
+            raise
+        self._shards = _Shards(self.samples_dir)
 
     def _check_settings(self, settings: dict[str, Any]) -> None:
         path = self.run_dir / "run.json"
@@ -64,49 +108,49 @@ class SampleStore:
             tmp.write_text(json.dumps(settings, indent=1, sort_keys=True))
             os.replace(tmp, path)
 
-    def _open_new_shard(self) -> None:
-        if self._shard_file is not None:
-            self._shard_file.close()
-        existing = [int(p.stem.split("-")[1]) for p in self.samples_dir.glob("shard-*.jsonl")]
-        index = max(existing, default=-1) + 1
-        fd = os.open(self.samples_dir / f"shard-{index:05d}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        self._shard_file = os.fdopen(fd, "wb")
-        self._shard_bytes = 0
-
     def has(self, key: Key) -> bool:
         return key in self.records
 
     def append(self, records: Iterable[dict]) -> None:
-        """Write records (one chunk) durably; keys already stored are skipped."""
+        """Write records (one request) durably; keys already stored are skipped."""
         fresh = []
         for record in records:
             key = (record["benchmark"], record["problem_id"], record["sample"])
             if key not in self.records:
                 fresh.append(record)
                 self.records[key] = record
-        if not fresh:
-            return
-        payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in fresh).encode("utf-8")
-        if self._shard_file is None or self._shard_bytes + len(payload) > SHARD_MAX_BYTES:
-            self._open_new_shard()
-        self._shard_file.write(payload)
-        self._shard_file.flush()
-        os.fsync(self._shard_file.fileno())
-        self._shard_bytes += len(payload)
+        self._shards.write(fresh)
 
-    def close(self) -> None:
-        if self._shard_file is not None:
-            self._shard_file.close()
-            self._shard_file = None
+    def _unlock(self) -> None:
         if not self._lock.closed:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
+
+    def close(self) -> None:
+        self._shards.close()
+        self._unlock()
 
     def __enter__(self) -> "SampleStore":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+class ShardWriter:
+    """The store of an engine replica other than rank 0's: appends to shards of its own (``-r<rank>``) in the run
+    directory rank 0 holds locked and has checked; it reads nothing (rank 0's plan says what is missing)."""
+
+    def __init__(self, run_dir: str | Path, rank: int):
+        samples_dir = Path(run_dir) / "samples"
+        samples_dir.mkdir(parents=True, exist_ok=True)
+        self._shards = _Shards(samples_dir, suffix=f"-r{rank}")
+
+    def append(self, records: Iterable[dict]) -> None:
+        self._shards.write(list(records))
+
+    def close(self) -> None:
+        self._shards.close()
 
 
 def _read_shard(path: Path) -> list[dict]:
@@ -120,7 +164,7 @@ def _read_shard(path: Path) -> list[dict]:
             record = json.loads(line)
             _ = (record["benchmark"], record["problem_id"], int(record["sample"]), float(record["reward"]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{line_no}: not a sample record ({exc}); the file was edited or corrupted") from None
+            raise CorruptRecord(f"{path}:{line_no}: not a sample record ({exc}); the file was edited or corrupted") from None
         records.append(record)
     return records
 

@@ -1,7 +1,8 @@
 """A deterministic `RolloutEngine` for the eval tests, and a script that runs an eval with it in a subprocess.
 
-Completions depend only on (sampling.seed, prompt ids, sample index) — never on call order — like vLLM's
-per-request seeding. ``FAKE_ENGINE_KILL_AT=N`` SIGKILLs the process at its N-th generate call (a crash mid-run);
+Completions depend only on (sampling.seed, the prompt's position in the call, prompt ids, sample index) — never on
+call order or on the prompts after it — like `VLLMEngine`, which seeds each prompt of a call by its position.
+``FAKE_ENGINE_KILL_AT=N`` SIGKILLs the process at its N-th generate call (a crash mid-run);
 ``FAKE_ENGINE_LOG=path`` appends one line per generate call (to count what a resumed run redraws).
 """
 
@@ -19,19 +20,21 @@ class FakeEngine:
     def __init__(self, skill: float = 0.3):
         self.skill = skill  # probability of a correct-looking answer for "easy" prompts
         self.calls = 0
+        self.prompts_per_call: list[int] = []
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
         self.calls += 1
+        self.prompts_per_call.append(len(prompt_token_ids))
         if os.environ.get("FAKE_ENGINE_KILL_AT") and self.calls >= int(os.environ["FAKE_ENGINE_KILL_AT"]):
             os.kill(os.getpid(), signal.SIGKILL)
         if os.environ.get("FAKE_ENGINE_LOG"):
             with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:
-                f.write(f"{sampling.seed} {n}\n")
+                f.write(f"{sampling.seed} {n} {len(prompt_token_ids)}\n")
         out = []
-        for prompt in prompt_token_ids:
+        for position, prompt in enumerate(prompt_token_ids):
             completions = []
             for i in range(n):
-                rng = random.Random(f"{sampling.seed}/{prompt}/{i}")
+                rng = random.Random(f"{sampling.seed}/{position}/{prompt}/{i}")
                 # math prompts: guess a digit, biased toward the prompt's own answer digit with prob. skill
                 text = f"The answer is \\boxed{{{rng.randint(0, 9)}}}." if rng.random() > self.skill else "\\boxed{1}"
                 if len(prompt) < 40:  # countdown prompts are short: answer with an expression
@@ -56,13 +59,15 @@ def encode(text: str) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    """fake_engine.py DATA_DIR OUT N CHUNK: evaluate two fake models on math500 + countdown."""
+    """fake_engine.py DATA_DIR OUT N CHUNK [REQUEST_SAMPLES]: evaluate two fake models on math500 + countdown."""
     from megatron_rlvr.eval.command import evaluate
     from megatron_rlvr.eval.config import EvalConfig
     from megatron_rlvr.rewards.config import RewardConfig
 
     data_dir, out, n, chunk = argv[0], argv[1], int(argv[2]), int(argv[3])
-    cfg = EvalConfig(n_samples=n, chunk=chunk, benchmarks=["math500", "countdown"], data_dir=data_dir, output_dir=out)
+    request_samples = int(argv[4]) if len(argv) > 4 else EvalConfig().request_samples
+    cfg = EvalConfig(n_samples=n, chunk=chunk, benchmarks=["math500", "countdown"], data_dir=data_dir, output_dir=out,
+                     request_samples=request_samples)
     skills = {"weak": 0.1, "strong": 0.6}
     evaluate(
         [os.path.join(out, "models", name) for name in skills],
