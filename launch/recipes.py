@@ -1,61 +1,27 @@
-"""Recipes: find one by name, load it with overrides, and validate it before anything is submitted.
+"""Recipes: find one by name, load it with overrides, and validate and plan it before anything is submitted.
 
-A recipe is a YAML file in configs/. Its `model.hf_dir` names the checkpoint as the job sees it (on a cluster,
-`/models/<Name>` inside the container). The HF `config.json` that validation reads comes from that directory when
-it is readable here, else from `configs/models/<Name>/config.json`, the architecture copy kept in this repo (so
-recipes validate on a login node or a laptop without the weights).
+A recipe is a YAML file in configs/. Where a recipe and its model's config.json are found (the checkpoint's own
+directory when readable here, else the architecture copy in `configs/models/<Name>/`) is
+`megatron_rlvr.plan.recipe_files`, shared with `megatron-rlvr plan`; its names are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from launch.executors import REPO_ROOT
+from launch.executors import REPO_ROOT  # noqa: F401 - the launch tests' name
 from megatron_rlvr.config import Config, ConfigError, dump_config, load_config
+from megatron_rlvr.plan.recipe_files import (  # noqa: F401 - the launchers' and the recipe tests' names
+    CONFIGS_DIR,
+    MODEL_CONFIGS_DIR,
+    documented_nodes,
+    find_recipe,
+    hf_config_path,
+    load_hf_config,
+    recipe_names,
+)
 
-CONFIGS_DIR = REPO_ROOT / "configs"
-MODEL_CONFIGS_DIR = CONFIGS_DIR / "models"
 SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size", "hidden_size")
-
-
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
-
-
-def find_recipe(name_or_path: str) -> Path:
-    """A recipe by name (`qwen2.5-32b_math-l3to5_casp`) or by path; raises ConfigError listing the known names."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path.resolve()
-    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
-    if candidate.is_file():
-        return candidate
-    raise ConfigError(f"recipe {name_or_path!r}: not found; known recipes: {', '.join(recipe_names())}")
-
-
-def hf_config_path(hf_dir: str) -> Path | None:
-    """The config.json describing `hf_dir`'s architecture, or None when neither copy exists."""
-    if not hf_dir:
-        return None
-    direct = Path(hf_dir)
-    if not direct.is_absolute():
-        direct = REPO_ROOT / direct
-    if (direct / "config.json").is_file():
-        return direct / "config.json"
-    kept = MODEL_CONFIGS_DIR / Path(hf_dir).name / "config.json"
-    return kept if kept.is_file() else None
-
-
-def load_hf_config(hf_dir: str) -> dict[str, Any] | None:
-    path = hf_config_path(hf_dir)
-    if path is None:
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model.hf_dir={hf_dir!r}: {path} is not valid JSON: {e}") from e
 
 
 def model_shape(cfg: Config) -> dict[str, int] | None:

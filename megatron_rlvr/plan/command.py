@@ -1,0 +1,197 @@
+"""`megatron-rlvr plan RECIPE [key=value ...] [--nodes N] [--gpu-memory-gb 141] [--json] [--suggest]`.
+
+Prints, per GPU, the bytes of each component of the recipe's layout and the peak of each phase (rollout,
+statistics, update, sync), and whether it fits. Exit status: 0 fits, 3 does not fit, 2 bad recipe or argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from megatron_rlvr.errors import UserError
+from megatron_rlvr.plan.memory import GB, PHASE_PARTS, Layout, ModelDims, Plan, plan_layout, stage_params
+from megatron_rlvr.plan.suggest import RANKING_RULE, suggest
+
+EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
+H200_MEMORY_GB = 141.0
+
+LABELS = {
+    "actor_weights": "actor weights",
+    "actor_grads": "main grads (fp32)",
+    "optimizer": "optimizer state",
+    "reference": "frozen reference",
+    "activations": "activations (update)",
+    "backward_working": "backward working set",
+    "forward_working": "no-grad pass working set",
+    "logits": "logits shard (fused op)",
+    "op_scratch": "fused op records",
+    "engine_weights": "engine weights",
+    "kv_cache": "engine KV cache",
+    "engine_workspace": "engine workspace",
+    "sync_buckets": "weight-sync buckets",
+    "runtime": "CUDA context + NCCL",
+}
+
+
+def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_per_node: int):
+    """(config, HF config, nodes): the recipe with overrides, validated at its world size; nodes default to the
+    recipe header's `--nodes N`, else 1."""
+    from megatron_rlvr.config import ConfigError, load_config
+    from megatron_rlvr.plan.recipe_files import documented_nodes, find_recipe, load_hf_config
+
+    path = find_recipe(recipe)
+    cfg = load_config(path, overrides)
+    nodes = nodes if nodes is not None else documented_nodes(path) or 1
+    if nodes < 1 or gpus_per_node < 1:
+        raise ConfigError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be >= 1")
+    hf = load_hf_config(cfg.model.hf_dir)
+    if hf is None:
+        raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there or in configs/models/; the plan "
+                          f"needs the model's shapes")
+    shape = {k: hf[k] for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers") if k in hf}
+    cfg.validate(world_size=nodes * gpus_per_node, model_shape=shape)
+    return cfg, hf, nodes
+
+
+def make_plan(cfg: Any, hf: dict, nodes: int, gpus_per_node: int = 8, gpu_memory_gb: float = H200_MEMORY_GB) -> Plan:
+    try:
+        dims = ModelDims.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"model.hf_dir={cfg.model.hf_dir!r}: config.json lacks a usable shape ({e})") from e
+    return plan_layout(dims, Layout.from_config(cfg, nodes * gpus_per_node), gpu_memory_gb)
+
+
+def _gb(value: int) -> float:
+    return round(value / GB, 2)
+
+
+def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[str, Any]:
+    """One object: fits, peak_gb, phases (of the rank with the highest peak), components (name_gb -> GB, of that
+    rank), every rank kind, the layout and the problems."""
+    worst = plan.worst
+    breaker = plan.breaker()
+    return {
+        "recipe": recipe, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": plan.gpu_memory / GB,
+        "fits": plan.fits, "peak_gb": _gb(plan.peak), "peak_phase": worst.peak_phase, "peak_rank": worst.name,
+        "phases": {k: _gb(v) for k, v in worst.phases.items()},
+        "components": {f"{k}_gb": _gb(v) for k, v in worst.components.items()},
+        "ranks": [{"name": r.name, "peak_gb": _gb(r.peak), "phases": {k: _gb(v) for k, v in r.phases.items()},
+                   "components": {f"{k}_gb": _gb(v) for k, v in r.components.items()}} for r in plan.ranks],
+        "breaking_component": None if breaker is None else {"name": breaker[0], "gb": _gb(breaker[1])},
+        "problems": plan.problems,
+        "layout": {k: v for k, v in vars(plan.layout).items()},
+    }
+
+
+def describe_layout(lay: Layout) -> str:
+    parts = [f"actor TP={lay.tp} PP={lay.pp}" + (f" VPP={lay.vpp}" if lay.vpp else "") + f" DP={lay.dp}",
+             "sequence parallel" if lay.sequence_parallel else "no sequence parallel",
+             f"{lay.recompute} recompute", "distributed optimizer" if lay.distributed_optimizer else "local optimizer",
+             "bf16" if lay.param_bytes == 2 else "fp32", f"{lay.micro_tokens} tokens per micro-batch"]
+    if lay.reference:
+        parts.append("frozen reference")
+    engine = (f"engines colocated, TP={lay.engine_tp}, gpu_memory_utilization={lay.gpu_memory_utilization}, sleep "
+              f"level {lay.sleep_level}") if lay.placement != "separate" else (
+              f"engines on {lay.engine_ranks} separate ranks, TP={lay.engine_tp}, "
+              f"gpu_memory_utilization={lay.gpu_memory_utilization}")
+    return ", ".join(parts) + "; " + engine
+
+
+def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: ModelDims) -> str:
+    lay = plan.layout
+    phases = list(PHASE_PARTS)
+    lines = [f"plan: {recipe} on {nodes} node(s) x {gpus_per_node} GPUs of {plan.gpu_memory / GB:g} GB",
+             f"layout: {describe_layout(lay)}",
+             f"model: {dims.hf_params() / 1e9:.2f}e9 parameters; per actor rank "
+             + ", ".join(f"stage {s}: {stage_params(dims, lay.tp, lay.pp, s, lay.divisible_by) / 1e9:.3f}e9"
+                         for s in range(lay.pp)), ""]
+    for rank in plan.ranks:
+        rank_phases = [p for p in phases if p in rank.phases]
+        lines.append(f"{'per GPU, ' + rank.name:<34}{'GB':>8}  " + "".join(f"{p:>11}" for p in rank_phases))
+        for name, value in rank.components.items():
+            if value == 0:
+                continue
+            marks = "".join(f"{'x' if name in PHASE_PARTS.get(p, ()) or rank.name == 'engine rank' else '':>11}"
+                            for p in rank_phases)
+            lines.append(f"  {LABELS.get(name, name):<32}{value / GB:>8.2f}  {marks}")
+        lines.append(f"  {'phase total':<32}{'':>8}  " + "".join(f"{rank.phases[p] / GB:>11.1f}" for p in rank_phases))
+        lines.append("")
+    c = plan.worst.components
+    if lay.placement != "separate" and lay.gpu and c.get("engine_weights"):
+        where = "moved to host memory" if lay.sleep_level == 1 else "dropped (re-sent at sync)"
+        lines.append(f"sleep mode frees {(c['engine_weights'] + c['kv_cache']) / GB:.1f} GB during statistics and "
+                     f"update: the engine weights ({c['engine_weights'] / GB:.1f} GB, {where}) and the KV cache "
+                     f"({c['kv_cache'] / GB:.1f} GB); the workspace ({c['engine_workspace'] / GB:.1f} GB) stays.")
+    for problem in plan.problems:
+        lines.append(f"problem: {problem}")
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"peak {plan.peak / GB:.1f} GB per GPU ({plan.worst.name}, {plan.worst.peak_phase}) of "
+                 f"{plan.gpu_memory / GB:g} GB: {verdict}")
+    breaker = plan.breaker()
+    if breaker is not None and plan.peak > plan.gpu_memory:
+        lines.append(f"breaks it: {breaker[0]} ({LABELS.get(breaker[0], breaker[0])}) {breaker[1] / GB:.1f} GB, the "
+                     f"largest part of the {plan.worst.peak_phase} phase, which is "
+                     f"{(plan.peak - plan.gpu_memory) / GB:.1f} GB over; try --suggest")
+    return "\n".join(lines)
+
+
+def suggestions_text(rows, has_token_budget: bool, top: int) -> str:
+    if not rows:
+        return "no layout fits on these nodes"
+    lines = [f"{len(rows)} layouts fit; best first by: {RANKING_RULE}",
+             f"{'TP':>3} {'PP':>3} {'DP':>3} {'micro tok':>10} {'eng TP':>7} {'util':>5} {'peak GB':>8} {'KV GB':>6}"
+             "  overrides"]
+    for s in rows[:top]:
+        lay, c = s.layout, s.plan.ranks[0].components
+        lines.append(f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.micro_tokens:>10} {lay.engine_tp:>7} "
+                     f"{lay.gpu_memory_utilization:>5.2f} {s.plan.peak / GB:>8.1f} {c['kv_cache'] / GB:>6.1f}  "
+                     + " ".join(s.overrides(has_token_budget)))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-rlvr plan", description=__doc__.split("\n\n")[1],
+                                epilog="Exit status: 0 fits, 3 does not fit, 2 bad recipe or argument.")
+    p.add_argument("recipe", help="a recipe name in configs/ or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. actor.tp=4")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe header's --nodes, else 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-gb", type=float, default=H200_MEMORY_GB, help="memory of one GPU (H200: 141)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--suggest", action="store_true", help="list the layouts that fit on these nodes, best first")
+    p.add_argument("--top", type=int, default=10, help="--suggest: how many layouts to print")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg, hf, nodes = load_plan_inputs(args.recipe, args.overrides, args.nodes, args.gpus_per_node)
+        if args.gpu_memory_gb <= 0:
+            raise UserError(f"--gpu-memory-gb {args.gpu_memory_gb}: must be > 0")
+        plan = make_plan(cfg, hf, nodes, args.gpus_per_node, args.gpu_memory_gb)
+    except (UserError, ValueError) as e:  # ConfigError, and range errors of a section's __post_init__
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    dims = ModelDims.from_hf(hf)
+    if args.suggest:
+        rows = suggest(dims, plan.layout, nodes * args.gpus_per_node, args.gpus_per_node, args.gpu_memory_gb)
+        has_budget = hasattr(cfg.actor, "max_tokens_per_micro_batch")
+        if args.json:
+            print(json.dumps([{"overrides": s.overrides(has_budget), "peak_gb": _gb(s.plan.peak),
+                               "kv_cache_gb": _gb(s.plan.ranks[0].components["kv_cache"])} for s in rows[:args.top]]))
+        else:
+            print(suggestions_text(rows, has_budget, args.top))
+        return EXIT_FITS if rows else EXIT_DOES_NOT_FIT
+    if args.json:
+        print(json.dumps(plan_json(plan, args.recipe, nodes, args.gpus_per_node), indent=1))
+    else:
+        print(plan_text(plan, args.recipe, nodes, args.gpus_per_node, dims))
+    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

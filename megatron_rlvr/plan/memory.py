@@ -1,0 +1,377 @@
+"""Per-GPU memory of a recipe's layout, as pure arithmetic of (Config, HF config, nodes, GPU memory).
+
+Nothing here imports torch or megatron: the plan runs on a login node before a job is queued. Every byte count
+follows from what the code of this project allocates (megatron_rlvr/actor.py, rollout/vllm_engine.py):
+
+- actor weights: this rank's parameters (the exact count megatron-core builds, ``stage_params``) x the parameter dtype
+  (bf16 2 B on GPU, fp32 4 B on CPU);
+- main grads: DDP's grad buffer, fp32 (``grad_reduce_in_fp32=True``), one value per local parameter, not sharded;
+- optimizer: Adam's two fp32 moments plus fp32 main params when the model params are not fp32 (megatron keeps fp32
+  params themselves as the main params), sharded over DP with the distributed optimizer;
+- the frozen reference (``algo.kl_coef > 0``, or PBA's ``algo.pba_kl_coef > 0`` once it lands): a second copy of the
+  weights, no grads, no optimizer;
+- activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware),
+  times the micro-batches the 1F1B schedule keeps in flight on a pipeline stage; the fused op's logits shard
+  (kept for its in-place backward) and its per-token records;
+- the colocated vLLM engine: ``gpu_memory_utilization`` x GPU memory while it generates (weights + KV cache + its
+  workspace); asleep it keeps only the workspace (sleep mode frees weights and KV cache on the GPU; level 1 moves
+  the weights to host memory, level 2 drops them).
+
+Assumptions that were not measured here are named constants below. Sizes are in bytes; GB means 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+GB = 1e9
+FP32 = 4
+# CUDA context, NCCL communicators and cuBLAS workspaces of one GPU process: an estimate (GPU only).
+RUNTIME_BYTES = int(2.0 * GB)
+# vLLM's profiled activation peak, sampler logits and CUDA graphs inside its gpu_memory_utilization budget; sleep
+# mode does not free it. An estimate from vLLM's profile run at its default batch limits, not measured here.
+ENGINE_WORKSPACE_BYTES = int(2.0 * GB)
+# megatron-core's DDP grad buffer starts every parameter at a multiple of 64 values with the distributed optimizer.
+PARAM_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes of a Qwen2 / Llama model that decide its memory, from its HF config.json."""
+
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelDims":
+        from megatron_rlvr.models.hf_config import family_of, head_dim, num_kv_heads
+
+        return cls(
+            hidden=int(hf["hidden_size"]), ffn=int(hf["intermediate_size"]), layers=int(hf["num_hidden_layers"]),
+            heads=int(hf["num_attention_heads"]), kv_heads=num_kv_heads(hf), head_dim=head_dim(hf),
+            vocab=int(hf["vocab_size"]), tied=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(family_of(hf).QKV_BIAS),
+        )
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self, tp: int) -> int:
+        """One transformer layer's parameters on one TP rank: QKV (+ bias), output projection, SwiGLU fc1/fc2,
+        and the two RMSNorm weights, which every TP rank holds whole."""
+        qkv = self.q_width + 2 * self.kv_width
+        sharded = self.hidden * qkv + (qkv if self.qkv_bias else 0) + self.q_width * self.hidden
+        sharded += 3 * self.hidden * self.ffn
+        return sharded // tp + 2 * self.hidden
+
+    def hf_params(self) -> int:
+        """The checkpoint's parameter count (unpadded vocabulary): what an engine holds in total."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.layers * self.layer_params(1) + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token over all layers (the engine's KV cache, before its TP split)."""
+        return 2 * self.layers * self.kv_width * dtype_bytes
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
+    """megatron_rlvr.models.padded_vocab_size, restated without torch: rows padded to a multiple of divisible_by*tp."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def stage_params(dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int = 128) -> int:
+    """Parameters of one rank of pipeline stage ``stage``: its layers, the vocab-sharded embedding on the first
+    stage, the output layer on the last (a tied model's last stage keeps its own copy when pp > 1) and the final
+    norm. Equal to the count of megatron-core's build (tests/plan: the meta-device build at TP/PP 1 and 2)."""
+    vocab_rows = padded_vocab(dims.vocab, tp, divisible_by) // tp
+    count = dims.layers // pp * dims.layer_params(tp)
+    if stage == 0:
+        count += vocab_rows * dims.hidden
+    if stage == pp - 1:
+        count += dims.hidden  # final norm
+        if not dims.tied or pp > 1:
+            count += vocab_rows * dims.hidden
+    return count
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything the arithmetic reads from a run's Config and world, in one flat record (what --suggest varies)."""
+
+    tp: int
+    pp: int
+    dp: int
+    vpp: int | None = None
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    micro_tokens: int = 2048  # tokens of one packed micro-batch (or micro_batch_size x sequence length)
+    max_seq_len: int = 2048  # the longest single sequence (attention is confined to a sequence)
+    micro_batches: int = 1  # micro-batches per mini-batch on one DP rank (bounds the pipeline's in-flight count)
+    distributed_optimizer: bool = True
+    param_bytes: int = 2
+    reference: bool = False
+    top_n: int = 3
+    divisible_by: int = 128
+    engine_tp: int = 1
+    gpu_memory_utilization: float = 0.5
+    sleep_level: int = 1
+    placement: str = "colocated"
+    engine_ranks: int = 0
+    bucket_bytes: int = 256 * 1024**2
+    gpu: bool = True  # GPU: TE flash attention, a CUDA runtime, a vLLM engine; CPU: unfused attention, none of those
+
+    @classmethod
+    def from_config(cls, cfg: Any, world_size: int, gpu: bool = True) -> "Layout":
+        """The layout of ``cfg`` on ``world_size`` ranks. Knobs other issues are adding are read with getattr and
+        their defaults (actor.max_tokens_per_micro_batch: 0, rollout.placement: colocated, rollout.engine_ranks:
+        0, algo.pba_kl_coef: 0), so the plan follows them once they land."""
+        a, r = cfg.actor, cfg.rollout
+        placement = getattr(r, "placement", "colocated")
+        engine_ranks = int(getattr(r, "engine_ranks", 0)) if placement == "separate" else 0
+        actor_world = world_size - engine_ranks
+        dp = max(1, actor_world // (a.tp * a.pp))
+        budget = int(getattr(a, "max_tokens_per_micro_batch", 0) or 0)
+        # a sequence is never split across micro-batches: a budget below the longest sequence still holds one
+        micro_tokens = max(budget, r.max_model_len) if budget else a.micro_batch_size * r.max_model_len
+        sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
+        per_rank_tokens = math.ceil(sequences / dp) * r.max_model_len
+        reference = cfg.algo.kl_coef > 0 or getattr(cfg.algo, "pba_kl_coef", 0) > 0
+        return cls(
+            tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp, sequence_parallel=a.sequence_parallel, recompute=a.recompute,
+            micro_tokens=micro_tokens, max_seq_len=r.max_model_len,
+            micro_batches=max(1, math.ceil(per_rank_tokens / micro_tokens)),
+            distributed_optimizer=a.use_distributed_optimizer, param_bytes=2 if a.bf16 else FP32,
+            reference=reference, top_n=max(cfg.algo.top_n, 3), divisible_by=cfg.model.make_vocab_size_divisible_by,
+            engine_tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
+            placement=placement, engine_ranks=engine_ranks, bucket_bytes=r.bucket_bytes, gpu=gpu,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Actor
+
+
+def actor_static(dims: ModelDims, lay: Layout, stage: int) -> dict[str, int]:
+    """Weights, main grads, optimizer state and reference of one rank of ``stage``: held through every phase."""
+    n = stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by)
+    per_value = 2 * FP32 + (FP32 if lay.param_bytes != FP32 else 0)  # Adam m, v (+ fp32 main params)
+    shard = math.ceil(n / lay.dp) if lay.distributed_optimizer else n
+    return {
+        "actor_weights": n * lay.param_bytes,
+        "actor_grads": n * FP32,
+        "optimizer": shard * per_value,
+        "reference": n * lay.param_bytes if lay.reference else 0,
+    }
+
+
+def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> int:
+    """What one transformer layer keeps for its backward, for one micro-batch of ``lay.micro_tokens`` tokens.
+
+    Per token, in the compute dtype: the inputs of both norms and of the two linears they feed (sharded over TP
+    with sequence parallelism), q, k, v after RoPE and the attention output (TP-sharded), and SwiGLU's fc1 output,
+    silu(gate) and their product (TP-sharded). Unfused attention (CPU) also keeps the softmax output per sequence,
+    [heads/tp, s, s] in fp32 (plus its cast when the compute dtype is not fp32), unless selective recompute drops it.
+    Full recompute keeps only the layer's input.
+    """
+    recompute = lay.recompute if recompute is None else recompute
+    t, e = lay.micro_tokens, lay.param_bytes
+    h_part = dims.hidden // (lay.tp if lay.sequence_parallel else 1)
+    if recompute == "full":
+        return t * h_part * e
+    per_token = 4 * h_part + (2 * dims.q_width + 2 * dims.kv_width + 4 * dims.ffn) // lay.tp
+    stored = t * per_token * e + 2 * t * FP32  # + the norms' fp32 inverse RMS
+    if recompute == "none" and not lay.gpu:
+        s = min(lay.max_seq_len, t)
+        score_values = dims.heads // lay.tp * s * t  # sequences of length s fill the micro-batch: (t / s) * s^2
+        stored += score_values * (FP32 + (e if e != FP32 else 0))
+    return stored
+
+
+def in_flight(lay: Layout, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at once under 1F1B: pp - stage (interleaving adds
+    (pp - 1) / (pp * vpp) of a micro-batch per stage, Narayanan et al. 2021), at most the micro-batch count."""
+    count = float(min(lay.pp - stage, lay.micro_batches))
+    if lay.vpp and lay.pp > 1:
+        count *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
+    return count
+
+
+def logits_bytes(dims: ModelDims, lay: Layout) -> int:
+    """The output layer's logits shard [tokens, Vp/tp] in the compute dtype: the fused op keeps it for its backward
+    and writes the gradient into it in place."""
+    return lay.micro_tokens * padded_vocab(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * lay.param_bytes
+
+
+def op_scratch_bytes(lay: Layout) -> int:
+    """The fused op's per-token fp64 records (4 + 2N values): this rank's and the TP all-gather of everyone's."""
+    return (lay.micro_tokens + 1) * (4 + 2 * lay.top_n) * 8 * (1 + lay.tp)
+
+
+def activations(dims: ModelDims, lay: Layout, stage: int) -> int:
+    """Stored activations of a stage during the update: its layers x the micro-batches in flight, plus on the last
+    stage the final norm's input and output (the output layer's input)."""
+    layers = dims.layers // lay.pp
+    total = in_flight(lay, stage) * layers * layer_activation_bytes(dims, lay)
+    if stage == lay.pp - 1:
+        h_part = dims.hidden // (lay.tp if lay.sequence_parallel else 1)
+        total += 2 * lay.micro_tokens * h_part * lay.param_bytes
+    return int(total)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engine
+
+
+def engine_components(dims: ModelDims, lay: Layout, gpu_memory: int) -> dict[str, int]:
+    """One rank's share of a vLLM engine: weights (HF count / engine TP, bf16 when the actor computes in bf16), the
+    KV cache (what the gpu_memory_utilization budget leaves), and the workspace. Zero on CPU (no GPU budget)."""
+    if not lay.gpu:
+        return {"engine_weights": 0, "kv_cache": 0, "engine_workspace": 0, "engine_budget": 0}
+    budget = int(lay.gpu_memory_utilization * gpu_memory)
+    weights = dims.hf_params() * lay.param_bytes // lay.engine_tp
+    kv = budget - weights - ENGINE_WORKSPACE_BYTES
+    return {"engine_weights": weights, "kv_cache": kv, "engine_workspace": ENGINE_WORKSPACE_BYTES,
+            "engine_budget": budget}
+
+
+def kv_tokens(dims: ModelDims, lay: Layout, kv_cache: int) -> int:
+    """Tokens the KV cache holds (one rank holds kv_heads/engine_tp heads of every token)."""
+    per_token = dims.kv_bytes_per_token(lay.param_bytes) // lay.engine_tp
+    return max(0, kv_cache) // per_token
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Phases
+
+
+@dataclass
+class RankPlan:
+    """One kind of rank (an actor stage, or an engine rank): its components and the peak of each phase."""
+
+    name: str
+    components: dict[str, int]
+    phases: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+
+@dataclass
+class Plan:
+    """The per-GPU memory of one layout: every kind of rank, and which one sets the peak."""
+
+    layout: Layout
+    gpu_memory: int
+    ranks: list[RankPlan]
+    problems: list[str] = field(default_factory=list)  # reasons it cannot run that are not a byte total
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    @property
+    def peak(self) -> int:
+        return self.worst.peak
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu_memory and not self.problems
+
+    def breaker(self) -> tuple[str, int] | None:
+        """The largest component of the phase that does not fit (None when it fits)."""
+        if self.fits:
+            return None
+        worst = self.worst
+        shown = {k: v for k, v in worst.components.items() if k in PHASE_PARTS[worst.peak_phase]}
+        return max(shown.items(), key=lambda kv: kv[1])
+
+
+# the components each phase adds up (the engine's share differs while it sleeps)
+PHASE_PARTS: dict[str, tuple[str, ...]] = {
+    "rollout": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_weights", "kv_cache",
+                "engine_workspace", "runtime"),
+    "statistics": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "forward_working",
+                   "logits", "op_scratch", "runtime"),
+    "update": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "activations",
+               "backward_working", "logits", "op_scratch", "runtime"),
+    "sync": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "engine_weights",
+             "sync_buckets", "runtime"),
+}
+ENGINE_RANK_PARTS = ("engine_weights", "kv_cache", "engine_workspace", "runtime")
+
+
+def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -> RankPlan:
+    """An actor rank of pipeline stage ``stage``; with colocated engines it also holds its engine's share."""
+    c = dict(actor_static(dims, lay, stage))
+    last = stage == lay.pp - 1
+    c["activations"] = activations(dims, lay, stage)
+    # gradients of one layer's saved tensors while it runs backward (a bound: the same size as what it saved)
+    c["backward_working"] = layer_activation_bytes(dims, lay, recompute="none")
+    c["forward_working"] = layer_activation_bytes(dims, lay, recompute="none")  # no-grad pass: one layer at a time
+    c["logits"] = logits_bytes(dims, lay) if last else 0
+    c["op_scratch"] = op_scratch_bytes(lay) if last else 0
+    c["runtime"] = RUNTIME_BYTES if lay.gpu else 0
+    colocated = lay.placement != "separate" and lay.gpu
+    engine = engine_components(dims, lay, gpu_memory) if colocated else {}
+    c["engine_weights"] = engine.get("engine_weights", 0)
+    c["kv_cache"] = engine.get("kv_cache", 0)
+    c["engine_workspace"] = engine.get("engine_workspace", 0)
+    # export: a TP-gathered bucket and the bucket handed over (the bridge bounds both by rollout.bucket_bytes)
+    c["sync_buckets"] = 2 * lay.bucket_bytes if lay.gpu else 0
+    phases = {name: sum(c[k] for k in parts) for name, parts in PHASE_PARTS.items()}
+    if not colocated:
+        phases["sync"] -= c["engine_weights"]  # the engine's weights live on the engine ranks
+    return RankPlan(f"actor stage {stage}" if lay.pp > 1 else "actor", c, phases)
+
+
+def engine_rank_plan(dims: ModelDims, lay: Layout, gpu_memory: int) -> RankPlan:
+    """A rank of separate placement's engines: only its engine, generating while the actor trains."""
+    c = engine_components(dims, lay, gpu_memory)
+    c = {k: c[k] for k in ("engine_weights", "kv_cache", "engine_workspace")}
+    c["runtime"] = RUNTIME_BYTES
+    return RankPlan("engine rank", c, {"rollout": sum(c.values())})
+
+
+def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float) -> Plan:
+    """The plan of one layout: every pipeline stage's actor rank (and the engine ranks when separate)."""
+    gpu_memory = int(gpu_memory_gb * GB)
+    ranks = [actor_rank_plan(dims, lay, s, gpu_memory) for s in range(lay.pp)]
+    plan = Plan(lay, gpu_memory, ranks)
+    if lay.gpu and (lay.placement != "separate" or lay.engine_ranks):
+        engine = engine_components(dims, lay, gpu_memory)
+        if lay.placement == "separate":
+            plan.ranks.append(engine_rank_plan(dims, lay, gpu_memory))
+        held = kv_tokens(dims, lay, engine["kv_cache"])
+        if held < lay.max_seq_len:
+            plan.problems.append(
+                f"kv_cache: {engine['kv_cache'] / GB:.1f} GB holds {held} tokens, fewer than one sequence of "
+                f"rollout.max_model_len={lay.max_seq_len} (vLLM refuses to start)"
+            )
+    return plan
+
+
+def plan_config(cfg: Any, hf: Mapping[str, Any], nodes: int, gpu_memory_gb: float = 141.0,
+                gpus_per_node: int = 8) -> Plan:
+    """The plan of ``cfg`` on ``nodes`` nodes of ``gpus_per_node`` GPUs with ``gpu_memory_gb`` each."""
+    lay = Layout.from_config(cfg, nodes * gpus_per_node, gpu=True)
+    return plan_layout(ModelDims.from_hf(hf), lay, gpu_memory_gb)

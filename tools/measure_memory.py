@@ -1,0 +1,248 @@
+"""The plan's arithmetic against measured bytes: real MegatronActors at small layouts on CPU (gloo workers).
+
+For each layout (TP, PP, with or without the distributed optimizer and the frozen reference) every rank builds the
+actor on a random Qwen2, runs the statistics pass and one update, and reports the bytes of its parameters, of DDP's
+grad buffer, of the optimizer state (Adam moments + main params that are not the model's own tensors), of the
+reference, and the peak anonymous resident memory during the update above what the process held before the actor
+was built. Each is printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline stage.
+
+    OMP_NUM_THREADS=1 python tools/measure_memory.py                # the small model, 4 layouts, 2 ranks each
+    python tools/measure_memory.py --layouts 1,1,dist,ref 2,1,local --world 2 --markdown
+
+CPU runs fp32 without TE: weights 4 B, main grads 4 B, Adam 8 B (fp32 params are their own main params), unfused
+attention. The same functions give the GPU plan with bf16 (2 B weights + 4 B fp32 main params).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# A random Qwen2 big enough that allocator noise (tens of MB) is small against what is measured (~1 GB a rank).
+SMALL_QWEN = dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+DEFAULT_LAYOUTS = ("1,1,dist", "1,1,local,ref", "2,1,dist,ref", "1,2,dist")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured layout: (TP, PP), distributed optimizer or not, reference or not, and the batch shape."""
+
+    tp: int
+    pp: int
+    distributed_optimizer: bool = True
+    reference: bool = False
+    micro_batch_size: int = 2
+    seq_len: int = 512
+    sequences: int = 4  # one mini-batch
+
+    @classmethod
+    def parse(cls, text: str, **kw) -> "Case":
+        parts = text.split(",")
+        flags = set(parts[2:])
+        unknown = flags - {"dist", "local", "ref"}
+        if len(parts) < 2 or unknown:
+            raise SystemExit(f"--layouts {text!r}: expected TP,PP[,dist|local][,ref]")
+        return cls(int(parts[0]), int(parts[1]), "local" not in flags, "ref" in flags, **kw)
+
+    @property
+    def label(self) -> str:
+        return (f"TP={self.tp} PP={self.pp} {'dist-opt' if self.distributed_optimizer else 'local-opt'}"
+                f"{' +ref' if self.reference else ''}")
+
+
+def config_of(case: Case, hf_dir: str, world: int):
+    """The run Config of a case (CPU: fp32), as the plan reads it."""
+    from megatron_rlvr.algos.config import AlgoConfig
+    from megatron_rlvr.config import ActorConfig, Config, ModelConfig, TrainerConfig
+    from megatron_rlvr.rollout.config import RolloutConfig
+
+    return Config(
+        model=ModelConfig(hf_dir=hf_dir),
+        actor=ActorConfig(tp=case.tp, pp=case.pp, micro_batch_size=case.micro_batch_size, lr=1e-4,
+                          use_distributed_optimizer=case.distributed_optimizer),
+        algo=AlgoConfig(loss="casp", kl_coef=0.05 if case.reference else 0.0),
+        rollout=RolloutConfig(max_model_len=case.seq_len, max_new_tokens=case.seq_len // 2, group_size=case.sequences),
+        trainer=TrainerConfig(prompts_per_step=1, mini_batches_per_step=1),
+    )
+
+
+def predicted(case: Case, hf_dir: str, world: int) -> list[dict[str, int]]:
+    """The plan's bytes for each rank (by its pipeline stage): static components and the update's peak."""
+    from megatron_rlvr.models import load_hf_config
+    from megatron_rlvr.plan.memory import Layout, ModelDims, actor_rank_plan
+
+    dims = ModelDims.from_hf(load_hf_config(hf_dir))
+    lay = Layout.from_config(config_of(case, hf_dir, world), world, gpu=False)
+    out = []
+    for rank in range(world):
+        stage = rank // (world // case.pp)  # megatron orders ranks TP-fastest, then DP, then PP
+        plan = actor_rank_plan(dims, lay, stage, gpu_memory=0)
+        c = plan.components
+        out.append({"weights": c["actor_weights"], "grads": c["actor_grads"], "optimizer": c["optimizer"],
+                    "reference": c["reference"], "update_peak": plan.phases["update"], "stage": stage})
+    return out
+
+
+def _rss_anon() -> int:
+    """Anonymous resident bytes of this process (file-backed pages, e.g. mmapped safetensors, excluded)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so RSS counts live memory
+    except OSError:
+        pass
+
+
+class PeakSampler:
+    """Samples RssAnon every millisecond on a thread while a block runs; torch kernels release the GIL."""
+
+    def __enter__(self) -> "PeakSampler":
+        self.peak, self._stop = _rss_anon(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_anon())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_anon())
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _optimizer_bytes(actor) -> int:
+    """Adam's state tensors plus the main params that do not share storage with a model parameter."""
+    import torch
+
+    model_storages = {p.untyped_storage().data_ptr() for c in actor.model_chunks for p in c.parameters()}
+    opts = getattr(actor.optimizer, "chained_optimizers", None) or [actor.optimizer]
+    total = 0
+    for opt in opts:
+        inner = opt.optimizer
+        for state in inner.state.values():
+            total += _bytes(v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
+        for group in inner.param_groups:
+            total += _bytes(p for p in group["params"] if p.untyped_storage().data_ptr() not in model_storages)
+    return total
+
+
+def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = True) -> dict[str, int]:
+    """On every rank of a gloo group: build the case's actor, run statistics + one update, return measured bytes.
+
+    ``warm_up``: first the same case on 16-token sequences, thrown away, so the modules megatron imports lazily and
+    the kernels' first-use state are in the baseline and not counted as the update's memory."""
+    import dataclasses
+
+    import torch
+
+    if warm_up and update:
+        measure_rank(dataclasses.replace(case, seq_len=16), hf_dir, update=True, warm_up=False)
+
+    from megatron_rlvr.actor import MegatronActor, SequenceBatch
+    from megatron_rlvr.distributed import model_parallel, world_size
+
+    cfg = config_of(case, hf_dir, world_size())
+    _trim()
+    base = _rss_anon()
+    with model_parallel(tp=case.tp, pp=case.pp, seed=7):
+        actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=2)
+        out = {
+            "weights": _bytes(p for c in actor.model_chunks for p in c.parameters()),
+            "grads": sum(_bytes([b.grad_data]) for m in actor.model for b in m.buffers),
+            "reference": _bytes(p for c in actor.reference or [] for p in c.parameters()),
+        }
+        if update:
+            g = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, actor.vocab_size, (case.sequences, case.seq_len), generator=g)
+            mask = torch.zeros(case.sequences, case.seq_len - 1, dtype=torch.bool)
+            mask[:, case.seq_len // 4:] = True
+            batch = SequenceBatch(tokens, mask, torch.linspace(-1, 1, case.sequences))
+            batch.old_logp = actor.compute_old_logp(batch)
+            if actor.reference is not None:
+                batch.ref_logp = actor.compute_ref_logp(batch)
+            _trim()
+            with PeakSampler() as sampler:
+                actor.update(batch, mini_batches=1)
+            out["update_peak"] = sampler.peak - base
+        out["optimizer"] = _optimizer_bytes(actor)
+        del actor
+    return out
+
+
+def run(cases: list[Case], hf_dir: str, world: int) -> list[dict]:
+    from megatron_rlvr.testing import WorkerGroup
+
+    rows = []
+    for case in cases:
+        with WorkerGroup(world, timeout_s=1800) as group:  # a fresh group per case: nothing carried over
+            measured = group.run(measure_rank, case, hf_dir)
+        for rank, (m, p) in enumerate(zip(measured, predicted(case, hf_dir, world))):
+            rows.append({"case": case.label, "rank": rank, "stage": p["stage"], "measured": m, "predicted": p})
+    return rows
+
+
+KEYS = ("weights", "grads", "optimizer", "reference", "update_peak")
+
+
+def table(rows: list[dict], markdown: bool) -> str:
+    head = ["layout", "rank"] + [f"{k} pred / meas MB" for k in KEYS]
+    lines = []
+    if markdown:
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    else:
+        lines.append("  ".join(head))
+    for r in rows:
+        cells = [r["case"], str(r["rank"])]
+        for k in KEYS:
+            p, m = r["predicted"][k], r["measured"].get(k, 0)
+            err = f" ({(p - m) / m * 100:+.1f}%)" if m else ""
+            cells.append(f"{p / 1e6:.2f} / {m / 1e6:.2f}{err}")
+        lines.append(("| " + " | ".join(cells) + " |") if markdown else "  ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), help="TP,PP[,dist|local][,ref] each")
+    p.add_argument("--world", type=int, default=2, help="gloo ranks per layout")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args(argv)
+    from megatron_rlvr.models.tiny import make_tiny_hf_model
+
+    cases = [Case.parse(t, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size) for t in args.layouts]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = str(make_tiny_hf_model("qwen2", Path(tmp) / "small_qwen", with_tokenizer=False, **SMALL_QWEN))
+        rows = run(cases, hf_dir, args.world)
+    print(f"model: random Qwen2 {SMALL_QWEN}; {args.world} gloo ranks; micro-batch {args.micro_batch_size} x "
+          f"{args.seq_len} tokens; fp32 on CPU")
+    print(table(rows, args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
