@@ -22,6 +22,12 @@ from megatron_rlvr.monitor import plots
 from megatron_rlvr.monitor.sinks import HISTOGRAMS_FILE, read_metrics
 
 SAMPLE_KEYS = ("prompt_id", "sample", "response", "reward")
+# The sampler-vs-trainer and dynamic-sampling metrics, one panel each in off_policy.png (those a run logged)
+OFF_POLICY_KEYS = (
+    "rollout_correction/weight_mean", "rollout_correction/clipped_frac", "rollout_correction/masked_frac",
+    "rollout/logp_mismatch", "batch/groups_trained", "batch/uniform_groups_dropped", "batch/refill_rounds",
+    "response/truncated_frac", "time/rollout+reward",
+)
 
 
 def answer_key(response: str) -> str:
@@ -175,6 +181,7 @@ def write_report(
         plots.plot_rank_probs(runs, out / "rank_probs.png") if runs else None,
         plots.plot_entropy(runs, out / "entropy.png") if runs else None,
         plots.plot_entropy_histograms(hists, out / "entropy_hist.png"),
+        plots.plot_metric_panels(runs, OFF_POLICY_KEYS, out / "off_policy.png") if runs else None,
     ]
     figures = [f for f in figures if f is not None]
     (out / "report.md").write_text(_markdown(summary, figures, title, notes, _validation_lines(runs)))

@@ -138,3 +138,29 @@ def plot_pass_at_k(curves: Mapping[str, Mapping[int, float]], path: str | os.Pat
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, Path(path))
+
+
+def plot_metric_panels(runs: Mapping[str, Sequence[Mapping[str, Any]]], keys: Sequence[str],
+                       path: str | os.PathLike, columns: int = 3) -> Path | None:
+    """One panel per metric key (the raw logged values over steps, every run on each), for the keys some run logged;
+    None when no run logged any of them."""
+    from megatron_rlvr.monitor.dynamics import series
+
+    present = [k for k in keys if any(series(records, (k,))[0] for records in runs.values())]
+    if not present:
+        return None
+    plt = _pyplot()
+    rows = -(-len(present) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.3 * columns, 3.2 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, present):
+        for label, records in runs.items():
+            steps, values = series(records, (key,))
+            if steps:
+                ax.plot(steps, values, marker=".", markersize=3, linewidth=1, label=label)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(present):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8)
+    return _save(fig, Path(path))

@@ -83,3 +83,23 @@ def test_prompts_solved_counts_gains_and_losses_against_the_first_model(tmp_path
     write_report(tmp_path, {"base": base, "trained": trained})
     md = (tmp_path / "report.md").read_text()
     assert "| base | 2 | 3 | 0 | 0 |" in md and "| trained | 2 | 3 | 1 | 1 |" in md
+
+
+def test_off_policy_and_dynamic_sampling_metrics_get_their_panels(tmp_path):
+    from megatron_rlvr.monitor import plots
+
+    run = tmp_path / "run"
+    with MetricLogger(run, tensorboard=False) as log:
+        for s in range(1, 4):
+            log.log(s, {"reward/mean": 0.1 * s, "rollout_correction/weight_mean": 0.99,
+                        "rollout_correction/clipped_frac": 0.01 * s, "batch/groups_trained": 16 - s,
+                        "batch/refill_rounds": s % 2, "response/truncated_frac": 0.0})
+    summary = write_report(tmp_path / "report", {"base": _samples({"p": ["1+2"]}, n=4)},
+                           metrics={"tis": run / "metrics.jsonl"})
+    assert (tmp_path / "report" / "off_policy.png").read_bytes()[:4] == b"\x89PNG"
+    assert "off_policy.png" in {p.name for p in summary["files"]}
+    assert "![off_policy](off_policy.png)" in (tmp_path / "report" / "report.md").read_text()
+    # a run that logged none of the keys gets no figure
+    assert plots.plot_metric_panels({"x": [{"step": 1, "reward/mean": 1.0}]}, ("batch/refill_rounds",),
+                                    tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
