@@ -14,9 +14,12 @@ class RewardConfig:
     logic_match: Literal["normalized", "exact"] = "normalized"
     code_cpu_s: float = 5.0  # per program run
     code_wall_s: float = 10.0  # per program run; a code item's pool timeout is this times its runs, plus slack
+    # one budget for the whole program, all its processes together (a memory cgroup; else rlimits sized so that
+    # address space x processes fits it); the pool checks workers x (code_memory_mb + code_tmpfs_mb) fits at start
     code_memory_mb: int = 1024
     code_file_size_mb: int = 16
     code_nproc: int = 32  # processes of the program's own uid (fork bombs stop here)
+    code_tmpfs_mb: int = 64  # the program's private writable tmpfs (work dir, /tmp, /dev/shm): RAM, not disk
     # DAPO's soft overlong penalty (ALGORITHMS.md): with budget L_max = rollout.max_new_tokens and buffer
     # L_c = overlong_buffer, a response of L tokens gets overlong_penalty * min(0, (L_max - L_c - L) / L_c) added to
     # its reward, floored at -overlong_penalty. 0 = off.

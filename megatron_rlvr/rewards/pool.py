@@ -8,10 +8,15 @@ Every item gets a reward: an item still running at its wall deadline has its wor
 handed to a worker that has finished importing, so a slow worker start never counts against an item.
 
 Workers are started with the "spawn" method: forking a trainer that holds threads (torch, gloo) is unsafe.
+
+Each worker may run one sandboxed program at a time, which may hold its memory budget plus its tmpfs; the pool checks
+at start that ``workers`` of those fit in the machine's available memory, so that a batch of hostile programs can
+never drive the node into its OOM killer (which might pick the trainer).
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -21,12 +26,32 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
 from megatron_rlvr.rewards.config import RewardConfig
-from megatron_rlvr.rewards.scoring import IN_PROCESS_TASKS, check_reference, score
+from megatron_rlvr.rewards.scoring import IN_PROCESS_TASKS, check_reference, code_limits, score
+
+log = logging.getLogger(__name__)
 
 COUNTER_KEYS = ("items", "timeouts", "crashes", "errors")
 _CODE_SLACK_S = 5.0
 _MAX_START_FAILURES = 3  # consecutive workers dying before they are ready: a broken setup, not a bad item
 _START_TIMEOUT_S = 300.0  # a worker not ready by then (imports stuck) counts as a failed start
+
+
+def check_memory_fits(cfg: RewardConfig) -> None:
+    """ConfigError naming the keys when ``workers`` sandboxes at their full budgets exceed the available memory."""
+    import psutil
+
+    from megatron_rlvr.config import ConfigError  # here, not at the top: megatron_rlvr.config imports this package
+
+    per_program = cfg.code_memory_mb + cfg.code_tmpfs_mb
+    memory = psutil.virtual_memory()
+    available, total = memory.available >> 20, memory.total >> 20
+    if cfg.workers * per_program > available:
+        raise ConfigError(
+            f"reward.workers ({cfg.workers}) x (reward.code_memory_mb ({cfg.code_memory_mb}) + reward.code_tmpfs_mb "
+            f"({cfg.code_tmpfs_mb})) = {cfg.workers * per_program} MB of code-sandbox memory does not fit in this "
+            f"machine's available memory ({available} MB of {total} MB); lower reward.workers or "
+            f"reward.code_memory_mb, so that every worker's program can hold its whole budget at once"
+        )
 
 
 def _worker_main(conn: Connection, cfg: RewardConfig, extra_scorers: Mapping[str, Callable] | None) -> None:
@@ -76,6 +101,13 @@ class RewardPool:
         self.cfg = cfg or RewardConfig()
         if self.cfg.workers < 1:
             raise ValueError(f"reward.workers: must be >= 1, got {self.cfg.workers}")
+        for key in ("code_memory_mb", "code_tmpfs_mb", "code_nproc"):
+            if getattr(self.cfg, key) < 1:
+                raise ValueError(f"reward.{key}: must be >= 1, got {getattr(self.cfg, key)}")
+        check_memory_fits(self.cfg)
+        from megatron_rlvr.rewards.sandbox import sandbox_info
+
+        log.info("%s", sandbox_info().describe(code_limits(self.cfg)))
         self._extra = dict(extra_scorers or {})
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []

@@ -1,15 +1,19 @@
 """Inside half of the code sandbox: runs as ``python -I -S sandbox_launcher.py CONFIG`` and execs the program.
 
-Started by `sandbox.run_python` in a new session. As root it enters new mount, network, PID, IPC and UTS
-namespaces (libc ``unshare`` through ctypes, no extra package); the first child is the PID namespace's init, so when
-it exits the kernel kills every process the program left behind. That init makes the host filesystem read-only,
-hides the home directories behind empty tmpfs mounts (re-exposing the Python install read-only, since it may live
-there), mounts a private /proc, then runs the program once per input: fork, rlimits, a fresh unprivileged uid of
-its own (so RLIMIT_NPROC counts only its processes and it cannot signal anyone else, the supervisor included), exec
-of the base interpreter on ``main.py`` in the work directory — the one writable place — a wall timeout per run, and
-after each run every process of that uid is killed. Runs stop at the first nonzero exit or timeout; their statuses
-go to ``results.json``. One namespace setup thus serves all the test inputs of a stdin/stdout problem. Without namespaces (not root, or the kernel refuses) it still applies the
-uid drop when it can and the rlimits always; the caller warns loudly about what is missing.
+Started by `sandbox.run_python` in a new session; it dies with the process that started it (PR_SET_PDEATHSIG). As
+root it enters new mount, network, PID, IPC and UTS namespaces (libc ``unshare`` through ctypes, no extra package);
+the first child is the PID namespace's init, so when it exits the kernel kills every process the program left
+behind. That init opens what it still needs of the host (the io directory with the runs' stdin/stdout files, the
+memory cgroup's ``cgroup.procs``) and builds the program's root in a tmpfs, all inside its private mount namespace
+(nothing propagates to the host): read-only bind mounts of the system dirs and the interpreter's prefix, a minimal
+/etc and /dev, a private /proc, and one size- and inode-capped tmpfs holding the work dir, /tmp and /dev/shm; then
+pivot_root into it and detach the host's tree. It then runs the program once per input: fork, join the memory
+cgroup, rlimits, a fresh unprivileged uid of its own (so RLIMIT_NPROC counts only its processes and it cannot signal
+anyone else, the supervisor included), exec of the base interpreter on ``main.py`` in the work directory, a wall
+timeout per run, and after each run every process of that uid is killed. Runs stop at the first nonzero exit or
+timeout; their statuses go to ``results.json``. One setup thus serves all the test inputs of a stdin/stdout problem.
+Without namespaces (not root, or the kernel refuses) it runs in a work dir on the host and still applies the
+cgroup and uid drop when it can and the rlimits always; the caller warns loudly about what is missing.
 
 Only the standard library is used: this file runs under ``-I -S`` before any project import.
 """
@@ -23,7 +27,10 @@ import sys
 import time
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = (
+    1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18)
+MNT_DETACH = 2
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}  # no glibc wrapper
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 SETUP_FAILED = 125
 
@@ -55,30 +62,74 @@ def _mount_points():
     return points
 
 
-def _make_filesystem_view(cfg):
-    """Read-only host, hidden homes, the work dir writable, the interpreter reachable."""
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    work, prefix, staging = cfg["work_dir"], cfg["python_prefix"], cfg["python_staging"]
-    _mount(prefix, staging, None, MS_BIND | MS_REC)
-    _mount(work, work, None, MS_BIND)
-    _mount(cfg["io_dir"], cfg["io_dir"], None, MS_BIND)  # root-only (0700): the runs' stdin/stdout files
-    for home in cfg["hide_dirs"]:
-        if os.path.isdir(home) and not work.startswith(home.rstrip("/") + "/"):
-            _mount("tmpfs", home, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
-    if not os.path.isdir(prefix):  # the prefix was under a hidden home: put it back at the same path
-        os.makedirs(prefix, mode=0o755, exist_ok=True)
-        _mount(staging, prefix, None, MS_BIND | MS_REC)
-    for point in _mount_points():
-        if point in (work, cfg["io_dir"]) or point.startswith("/proc"):
-            continue
-        try:
-            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-        except OSError:
-            pass  # special mounts (cgroup, ...) may refuse; the uid drop keeps them unwritable anyway
-    try:
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this PID namespace's processes only
-    except OSError:
+def _bind_file(source, target):
+    with open(target, "w"):
         pass
+    _mount(source, target, None, MS_BIND)
+
+
+def _build_root(cfg, source):
+    """A new root in a tmpfs: read-only system dirs and interpreter, a minimal /etc and /dev, a private /proc, and
+    the program's one writable place, a size-capped tmpfs holding its work dir, /tmp and /dev/shm."""
+    root, uid = cfg["new_root"], cfg["uid"]
+    owner = 0 if uid is None else uid
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=755")
+    for path in cfg["system_dirs"]:  # /usr, /lib64, ..., the interpreter's prefix
+        inside = root + path
+        if os.path.islink(path) and os.path.dirname(path) == "/":  # merged /usr: /bin -> usr/bin stays a link
+            os.symlink(os.readlink(path), inside)
+        elif os.path.isdir(path):
+            os.makedirs(inside, mode=0o755, exist_ok=True)
+            _mount(path, inside, None, MS_BIND | MS_REC)
+    os.makedirs(root + "/etc", mode=0o755, exist_ok=True)
+    if os.path.exists("/etc/ld.so.cache"):  # the dynamic loader's index of the library dirs
+        _bind_file("/etc/ld.so.cache", root + "/etc/ld.so.cache")
+    for name, text in (
+        ("passwd", f"root:x:0:0:root:/:/bin/false\nsandbox:x:{owner}:{owner}:sandbox:/sandbox/work:/bin/false\n"),
+        ("group", f"root:x:0:\nsandbox:x:{owner}:\n"),
+        ("hosts", "127.0.0.1 localhost\n::1 localhost\n"),
+    ):
+        with open(f"{root}/etc/{name}", "w") as f:
+            f.write(text)
+    os.mkdir(root + "/dev", 0o755)
+    for name in ("null", "zero", "full", "random", "urandom"):
+        _bind_file("/dev/" + name, f"{root}/dev/{name}")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    os.mkdir(root + "/proc", 0o555)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this PID namespace's processes only
+    scratch = root + "/sandbox"
+    os.mkdir(scratch, 0o755)
+    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={cfg['tmpfs_mb']}m,nr_inodes={cfg['tmpfs_inodes']},mode=755")
+    for name, mode, where in (("tmp", 0o1777, "/tmp"), ("shm", 0o1777, "/dev/shm"), ("work", 0o700, None)):
+        os.mkdir(f"{scratch}/{name}")
+        os.chmod(f"{scratch}/{name}", mode)  # mkdir's mode passes through the umask; chmod does not
+        if where is not None:
+            os.mkdir(root + where, 0o755)
+            _mount(f"{scratch}/{name}", root + where, None, MS_BIND)
+    os.chown(scratch + "/work", owner, owner)
+    with open(scratch + "/work/main.py", "wb") as f:
+        f.write(source)
+    os.chown(scratch + "/work/main.py", owner, owner)
+    writable = {scratch, root + "/tmp", root + "/dev/shm", root + "/proc"}
+    writable.update(f"{root}/dev/{name}" for name in ("null", "zero", "full", "random", "urandom"))
+    for point in _mount_points():  # everything else under the new root, the recursive binds' submounts too
+        if (point == root or point.startswith(root + "/")) and point not in writable:
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _enter_root(root):
+    """Make ``root`` the root of this mount namespace and drop the host's tree from it (pivot_root)."""
+    os.chdir(root)
+    number = _PIVOT_ROOT.get(os.uname().machine)
+    if number is not None and _libc.syscall(ctypes.c_long(number), b".", b".") == 0:
+        _check(_libc.umount2(b".", MNT_DETACH), "umount the old root")  # the host tree was stacked on top of us
+    else:  # unknown arch or a root that is no mount point: move over / and chroot (root-only to undo)
+        _mount(".", "/", None, MS_MOVE)
+        _check(_libc.chroot(b"."), "chroot")
+    os.chdir("/")
 
 
 def _exec_program(cfg):
@@ -87,7 +138,7 @@ def _exec_program(cfg):
     mb = 1024 * 1024
     for rlimit, value in (
         (resource.RLIMIT_CPU, int(limits["cpu_s"])),
-        (resource.RLIMIT_AS, limits["memory_mb"] * mb),
+        (resource.RLIMIT_AS, limits["as_bytes"]),
         (resource.RLIMIT_FSIZE, limits["file_size_mb"] * mb),
         (resource.RLIMIT_NPROC, limits["nproc"]),
         (resource.RLIMIT_NOFILE, limits["nofile"]),
@@ -100,7 +151,7 @@ def _exec_program(cfg):
         os.setgid(uid)
         os.setuid(uid)
     env = {"PATH": "/usr/bin:/bin", "HOME": cfg["work_dir"], "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": cfg["work_dir"]}
+           "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": cfg["tmp_dir"]}
     python = cfg["python"]
     os.execve(python, [python, "-I", "-S", "main.py"], env)
 
@@ -136,18 +187,21 @@ def _kill_leftovers(cfg, program):
             break
 
 
-def _run_once(cfg, run):
-    """One program run with this run's stdin/stdout/stderr files: (exit status, timed out)."""
-    fds = [os.open(run["stdin"], os.O_RDONLY)] + [
-        os.open(run[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for name in ("stdout", "stderr")
+def _run_once(cfg, index, io_fd, cgroup_fd):
+    """Run ``index`` with its stdin/stdout/stderr files (in the io directory): (exit status, timed out)."""
+    fds = [os.open(f"stdin-{index}", os.O_RDONLY, dir_fd=io_fd)] + [
+        os.open(f"{name}-{index}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, dir_fd=io_fd)
+        for name in ("stdout", "stderr")
     ]
     program = os.fork()
     if program == 0:
         try:
+            if cgroup_fd is not None:  # join the memory cgroup first: everything it allocates is charged there
+                os.write(cgroup_fd, b"0")
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
             os.setsid()
-            _exec_program(cfg)
+            _exec_program(cfg)  # every other descriptor of ours is close-on-exec (Python's default)
         except BaseException as exc:  # noqa: BLE001 - report any setup failure and never fall through
             os.write(2, f"sandbox setup failed: {exc!r}\n".encode())
         os._exit(SETUP_FAILED)
@@ -169,23 +223,47 @@ def _run_once(cfg, run):
     return status, timed_out
 
 
-def _supervise(cfg):
+def _supervise(cfg, io_fd, cgroup_fd):
     """Run the program once per input, stopping at the first failure; results.json is rewritten after each run."""
     results = []
-    for run in cfg["runs"]:
-        status, timed_out = _run_once(cfg, run)
+    for index in range(cfg["runs"]):
+        status, timed_out = _run_once(cfg, index, io_fd, cgroup_fd)
         results.append({"returncode": status, "timed_out": timed_out})
-        tmp = cfg["results"] + ".tmp"
-        with open(tmp, "w") as f:
+        fd = os.open("results.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, dir_fd=io_fd)
+        with open(fd, "w") as f:
             json.dump(results, f)
-        os.replace(tmp, cfg["results"])
+        os.replace("results.json.tmp", "results.json", src_dir_fd=io_fd, dst_dir_fd=io_fd)
         if status != 0 or timed_out:
             break
+
+
+def _init(cfg):
+    """The namespace's init (or, without namespaces, a subreaper): set up the program's world, then run it."""
+    # descriptors opened before the host tree goes away: the io directory and the memory cgroup to join
+    io_fd = os.open(cfg["io_dir"], os.O_RDONLY | os.O_DIRECTORY)
+    cgroup_fd = os.open(cfg["cgroup_procs"], os.O_WRONLY) if cfg["cgroup_procs"] else None
+    with open(os.open("main.py", os.O_RDONLY, dir_fd=io_fd), "rb") as f:
+        source = f.read()
+    if cfg["namespaces"]:
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount from here on reaches the host
+        _build_root(cfg, source)
+        _enter_root(cfg["new_root"])
+    else:
+        path = os.path.join(cfg["work_dir"], "main.py")
+        with open(path, "wb") as f:
+            f.write(source)
+        if cfg["uid"] is not None:
+            os.chown(path, cfg["uid"], cfg["uid"])
+    _supervise(cfg, io_fd, cgroup_fd)
 
 
 def main():
     with open(sys.argv[1]) as f:
         cfg = json.load(f)
+    # die with the scoring process that started us (a pool worker killed at its deadline takes its sandbox along)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != cfg["parent_pid"]:
+        return SETUP_FAILED
     if cfg["namespaces"]:
         flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
         try:
@@ -201,9 +279,7 @@ def main():
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     try:
-        if cfg["namespaces"]:
-            _make_filesystem_view(cfg)
-        _supervise(cfg)
+        _init(cfg)
         os._exit(0)
     except BaseException as exc:  # noqa: BLE001
         os.write(2, f"sandbox setup failed: {exc!r}\n".encode())

@@ -37,7 +37,7 @@ def code_limits(cfg: RewardConfig):
 
     return SandboxLimits(
         cpu_s=cfg.code_cpu_s, wall_s=cfg.code_wall_s, memory_mb=cfg.code_memory_mb,
-        file_size_mb=cfg.code_file_size_mb, nproc=cfg.code_nproc,
+        file_size_mb=cfg.code_file_size_mb, nproc=cfg.code_nproc, tmpfs_mb=cfg.code_tmpfs_mb,
     )
 
 

@@ -12,29 +12,11 @@ import pytest
 
 from megatron_rlvr.rewards import score
 from megatron_rlvr.rewards.code import verify_code
-from megatron_rlvr.rewards.sandbox import SandboxLimits, namespaces_available, run_python
+from megatron_rlvr.rewards.sandbox import namespaces_available, run_python
+from tests.rewards.sandbox_helpers import LIMITS, io_reference, leftovers, sandbox_processes
 
 # Hostile programs may kill(-1) or fork without end: only safe when each run gets a uid of its own (root).
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="hostile-program tests need root (per-run uid, namespaces)")
-
-LIMITS = SandboxLimits(cpu_s=2, wall_s=5, memory_mb=512, nproc=16)
-
-
-def sandbox_processes() -> list[int]:
-    """Host processes still running inside a sandbox work directory (there must be none after a run)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if "rlvr-sandbox-" in os.readlink(f"/proc/{entry}/cwd"):
-                    found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
-def io_reference(expected: str, stdin: str = "") -> dict:
-    return {"io": [{"input": stdin, "output": expected}]}
 
 
 def test_namespaces_are_used_here():
@@ -94,14 +76,20 @@ def test_memory_bomb_is_contained():
 
 
 def test_writing_outside_the_work_dir_fails(tmp_path):
-    targets = [tmp_path / "pwned", Path.home() / f".rlvr_pwned_{uuid.uuid4().hex}", Path("/tmp") / f"pwned_{uuid.uuid4().hex}",
-               Path("/dev/shm") / f"pwned_{uuid.uuid4().hex}", Path(__file__).with_name(f"pwned_{uuid.uuid4().hex}")]
+    host_only = [tmp_path / "pwned", Path.home() / f".rlvr_pwned_{uuid.uuid4().hex}",
+                 Path(__file__).with_name(f"pwned_{uuid.uuid4().hex}")]
+    # with namespaces these two exist inside too, but as the program's own tmpfs: the host's must stay untouched
+    private = [Path("/tmp") / f"pwned_{uuid.uuid4().hex}", Path("/dev/shm") / f"pwned_{uuid.uuid4().hex}"]
     program = "import sys\nfor path in sys.stdin.read().split():\n    open(path, 'w').write('x')\nprint('wrote')\n"
-    for target in targets:
+    for target in host_only:
         assert verify_code(program, io_reference("wrote", str(target)), LIMITS) == 0.0
+        assert not target.exists(), target
+    for target in private:
+        verify_code(program, io_reference("wrote", str(target)), LIMITS)
         assert not target.exists(), target
     # inside its own work dir it may write
     assert verify_code("open('scratch.txt', 'w').write('x')\nprint(open('scratch.txt').read())", io_reference("x"), LIMITS) == 1.0
+    assert leftovers() == []
 
 
 def test_reading_a_file_from_the_home_directory_fails():
