@@ -7,6 +7,13 @@ last pipeline stage from the vocab-sharded logits. Loss scaling: `policy_loss` n
 sequence counts of the whole mini-batch, and the schedule's `/ num_microbatches` and DDP's `/ dp` are undone here, so
 the gradient is exactly that of the mini-batch loss whatever the micro-batching and data parallelism.
 
+Every pass plans the mini-batch the same way (packing.py): sequences split over DP ranks with about equal token
+counts, micro-batches of ``micro_batch_size`` sequences or under ``max_tokens_per_micro_batch`` real tokens, the same
+micro-batch count on every DP rank. With ``pack_sequences`` (the default) a micro-batch runs as one THD stream
+(``PackedSeqParams``: TE's attention on GPU, cpu_attention.py without TE), the fused op sees only the stream's tokens,
+and its per-token outputs are put back into the right-padded [b, S - 1] view the losses read; so no loss knows
+whether a batch was packed, and packing changes no number beyond float rounding.
+
 With ``algo.kl_coef > 0`` the actor also holds a frozen reference policy (the same chunks, loaded from the same
 initial weights, never trained) whose log-probs feed the loss's k3 KL term; without it nothing extra is built.
 """
@@ -21,12 +28,14 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr import distributed
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.losses import LOSS_TERMS
 from megatron_rlvr.config import ActorConfig, ModelConfig
 from megatron_rlvr.monitor.dynamics import token_weighted_mean
 from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
+from megatron_rlvr.packing import PackedLayout, Plan, pack, plan_micro_batches, sequence_lengths, unpack
 
 MONITOR_TOP_N = 3  # rank-1/2/3 probabilities are always reported, whatever the loss's top_n
 
@@ -40,16 +49,29 @@ class SequenceBatch:
     advantages: torch.Tensor  # [B] float32
     old_logp: torch.Tensor | None = None  # [B, S - 1] from the statistics pass
     ref_logp: torch.Tensor | None = None  # [B, S - 1] of the frozen reference, when algo.kl_coef > 0
+    rollout_logp: torch.Tensor | None = None  # [B, S - 1] the engine's log-probs of the sampled tokens (responses)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def _map(self, fn) -> "SequenceBatch":
+        return SequenceBatch(*(None if t is None else fn(t) for t in (
+            self.tokens, self.response_mask, self.advantages, self.old_logp, self.ref_logp, self.rollout_logp)))
+
     def select(self, index: torch.Tensor | slice) -> "SequenceBatch":
-        return SequenceBatch(
-            self.tokens[index], self.response_mask[index], self.advantages[index],
-            None if self.old_logp is None else self.old_logp[index],
-            None if self.ref_logp is None else self.ref_logp[index],
-        )
+        return self._map(lambda t: t[index])
+
+    def to(self, device: torch.device) -> "SequenceBatch":
+        return self._map(lambda t: t.to(device))
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch of this rank: its rows of the mini-batch (the padded view the losses read) and, when packed,
+    the THD stream the model runs on."""
+
+    seqs: SequenceBatch
+    packed: PackedLayout | None
 
 
 class MegatronActor:
@@ -68,6 +90,8 @@ class MegatronActor:
         self.tcfg = transformer_config_from_hf(
             self.hf, tp=actor_cfg.tp, pp=actor_cfg.pp, vpp=actor_cfg.vpp, params_dtype=dtype,
             sequence_parallel=actor_cfg.sequence_parallel, recompute=actor_cfg.recompute,
+            # micro-batches differ in length (packed streams, token budgets): stages exchange each one's shape
+            variable_seq_lengths=actor_cfg.pp > 1,
         )
         # the schedules call it after the last backward: DP grad reduce(-scatter) and tied-embedding sync over PP
         self.tcfg.finalize_model_grads_func = finalize_model_grads
@@ -139,57 +163,105 @@ class MegatronActor:
     def model_chunks(self) -> list[torch.nn.Module]:
         return [m.module for m in self.model]
 
-    def _dp_slice(self, batch: SequenceBatch) -> SequenceBatch:
+    def _plan(self, batch: SequenceBatch) -> tuple[Plan, list[_MicroBatch]]:
+        """The mini-batch's plan over all DP ranks (the same on every rank) and this rank's micro-batches."""
         from megatron.core import parallel_state as ps
 
-        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        if len(batch) % dp:
-            raise ValueError(f"batch of {len(batch)} sequences does not split over data-parallel size {dp}")
-        return batch.select(slice(rank, None, dp))
+        lengths = sequence_lengths(batch.response_mask)
+        plan = plan_micro_batches(
+            lengths, ps.get_data_parallel_world_size(), micro_batch_size=self.cfg.micro_batch_size,
+            max_tokens=self.cfg.max_tokens_per_micro_batch,
+        )
+        # sequence parallelism splits the stream's tokens over the TP ranks: a multiple of tp
+        multiple = self.cfg.tp if self.cfg.sequence_parallel else 1
+        micro = []
+        for rows in plan[ps.get_data_parallel_rank()]:
+            seqs = batch.select(torch.tensor(rows))
+            packed = pack(seqs.tokens, [lengths[i] for i in rows], multiple) if self.cfg.pack_sequences else None
+            micro.append(_MicroBatch(seqs, packed))
+        return plan, micro
 
-    def _micro_batches(self, batch: SequenceBatch) -> list[SequenceBatch]:
-        mbs = self.cfg.micro_batch_size
-        return [batch.select(slice(i, i + mbs)) for i in range(0, len(batch), mbs)]
-
-    def _token_stats(self, logits: torch.Tensor, tokens: torch.Tensor, inplace_backward: bool = False) -> TokenStats:
-        """Statistics at positions 0..S-2 (position t predicts token t + 1). The op runs on the whole contiguous
-        logits with the targets shifted (the last position's target is a dummy), so no [B, S, V/tp] copy is made
-        and the backward may write the gradient into the logits buffer itself."""
+    def _token_stats(self, logits: torch.Tensor, mb: _MicroBatch, inplace_backward: bool = False) -> TokenStats:
+        """Statistics at positions 0..S-2 of the padded view (position t predicts token t + 1). The op runs on the
+        whole contiguous logits (the padded block, or the packed stream) with each position's target beside it (a
+        dummy at the last position of a sequence), so no [T, V/tp] copy is made and the backward may write the
+        gradient into the logits buffer itself. Packed: the stream's outputs are placed into the padded view."""
         from megatron.core import parallel_state as ps
 
-        targets = torch.roll(tokens, shifts=-1, dims=1)
+        if mb.packed is None:
+            targets = torch.roll(mb.seqs.tokens, shifts=-1, dims=1)
+        else:
+            targets = mb.packed.targets
         stats = vocab_parallel_token_stats(
-            logits, targets, max(self.algo_cfg.top_n, MONITOR_TOP_N),
+            logits, targets.to(logits.device), max(self.algo_cfg.top_n, MONITOR_TOP_N),
             group=ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None,
             vocab_start=ps.get_tensor_model_parallel_rank() * self.local_vocab, vocab_size=self.vocab_size,
             temperature=self.temperature, chunk_tokens=self.cfg.stats_chunk_tokens, inplace_backward=inplace_backward,
         )
-        return TokenStats(*(t[:, :-1] for t in stats))
+        if mb.packed is None:
+            return TokenStats(*(t[:, :-1] for t in stats))
+        shape = tuple(mb.seqs.response_mask.shape)
+        return TokenStats(*(unpack(t[0], mb.packed, shape) for t in stats))
 
-    def _forward(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    def _forward(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
+        device = distributed.device()
+        if mb.packed is not None:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            p = mb.packed
+            cu = p.cu_seqlens.to(device)
+            params = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen
+            )
+            return model(p.tokens.to(device), p.position_ids.to(device), attention_mask=None, packed_seq_params=params)
+        tokens = mb.seqs.tokens.to(device)
         b, s = tokens.shape
-        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+        position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
         return model(tokens, position_ids, attention_mask=causal)
 
     def _run_schedule(
-        self, micro_batches: list[SequenceBatch], loss_fn, forward_only: bool, model: list[torch.nn.Module]
+        self, micro_batches: list[_MicroBatch], loss_fn, forward_only: bool, model: list[torch.nn.Module]
     ) -> list[dict]:
         """Megatron's pipeline schedule over ``model``'s chunks: the DDP-wrapped policy, or the bare reference
-        (forward only)."""
+        (forward only). Micro-batches differ in shape; under PP the stages exchange each one's shape first
+        (``variable_seq_lengths``), so the schedule's seq_length / micro_batch_size are only nominal."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        def forward_step(data_iterator: Iterator[SequenceBatch], model: torch.nn.Module):
+        def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
-            return self._forward(model, mb.tokens), partial(loss_fn, mb)
+            return self._forward(model, mb), partial(loss_fn, mb)
 
-        seq_length = micro_batches[0].tokens.shape[1]
+        longest = max(mb.packed.num_tokens if mb.packed else mb.seqs.tokens.shape[1] for mb in micro_batches)
         data = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=model if len(model) > 1 else model[0],
-            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=self.cfg.micro_batch_size,
-            forward_only=forward_only,
+            num_microbatches=len(micro_batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only,
         )
+
+    def _to_every_rank(self, rows: list[torch.Tensor], plan: Plan, size: int, width: int) -> torch.Tensor:
+        """Per-sequence rows [n, width] of this rank's micro-batches, in plan order (on the last pipeline stage;
+        empty elsewhere) -> the whole mini-batch [size, width] in its own order, on every rank, on the CPU."""
+        from megatron.core import parallel_state as ps
+
+        device = distributed.device()
+        local = sum(len(m) for m in plan[ps.get_data_parallel_rank()])
+        if rows:
+            values = torch.cat(rows).to(device=device, dtype=torch.float32)
+        else:  # not the last pipeline stage: filled by the broadcast below
+            values = torch.empty(local, width, dtype=torch.float32, device=device)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            last = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
+            dist.broadcast(values, src=last, group=group)
+        if ps.get_data_parallel_world_size() > 1:  # every rank holds as many sequences (balanced_split)
+            parts = [torch.empty_like(values) for _ in range(ps.get_data_parallel_world_size())]
+            dist.all_gather(parts, values, group=ps.get_data_parallel_group())
+            values = torch.cat(parts)
+        order = torch.tensor([i for share in plan for m in share for i in m])
+        out = torch.empty(size, width, dtype=torch.float32)
+        out[order] = values.cpu()
+        return out
 
     # -----------------------------------------------------------------------------------------------------------
     def compute_old_logp(self, batch: SequenceBatch) -> torch.Tensor:
@@ -203,61 +275,69 @@ class MegatronActor:
         return self._per_token(batch, "logp", self.reference)
 
     def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
-        """The policy's entropy at every position of the whole batch [B, S - 1], on every rank."""
+        """The policy's entropy at every position of the whole batch [B, S - 1], on every rank (0 past a
+        sequence's last response token when packed)."""
         return self._per_token(batch, "entropy", self.model)
+
+    def needs_statistics_pass(self, mini_batches: int) -> bool:
+        """Whether the update needs old log-probs from a statistics pass first. Not when it is exactly on-policy:
+        one mini-batch per step (the weights the update starts from are those that would compute them) and no
+        reference model; then ``update`` takes the log-probs of its own forward, detached, as the old ones."""
+        return mini_batches > 1 or self.reference is not None
 
     @torch.no_grad()
     def _per_token(self, batch: SequenceBatch, field: str, model: list[torch.nn.Module]) -> torch.Tensor:
         """One per-token statistic of the fused op over the whole batch, run through ``model``'s chunks (the policy
-        or the reference), no grad, gathered to every rank."""
-        from megatron.core import parallel_state as ps
-
-        local = self._dp_slice(batch)
+        or the reference), no grad, gathered to every rank. Positions past a sequence's last response token are
+        padding: 0 when packed (nothing computes them), whatever the padded block gives otherwise."""
         for m in model:
             m.eval()
+        plan, micro = self._plan(batch)
 
-        def collect(mb: SequenceBatch, logits: torch.Tensor):
-            return torch.zeros(()), {field: getattr(self._token_stats(logits, mb.tokens), field).float()}
+        def collect(mb: _MicroBatch, logits: torch.Tensor):
+            return torch.zeros(()), {field: getattr(self._token_stats(logits, mb), field).float()}
 
-        outputs = self._run_schedule(self._micro_batches(local), collect, forward_only=True, model=model)
-        if outputs:
-            values = torch.cat([o[field] for o in outputs])
-        else:  # not the last pipeline stage: filled by the broadcast below
-            values = torch.empty(local.response_mask.shape, dtype=torch.float32)
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            group = ps.get_pipeline_model_parallel_group()
-            last = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
-            dist.broadcast(values, src=last, group=group)
-        dp = ps.get_data_parallel_world_size()
-        if dp > 1:  # _dp_slice takes every dp-th sequence: interleave the slices back
-            parts = [torch.empty_like(values) for _ in range(dp)]
-            dist.all_gather(parts, values, group=ps.get_data_parallel_group())
-            values = torch.stack(parts, dim=1).reshape(len(batch), *values.shape[1:])
-        return values
+        outputs = self._run_schedule(micro, collect, forward_only=True, model=model)
+        return self._to_every_rank([o[field] for o in outputs], plan, len(batch), batch.response_mask.shape[1])
 
     def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
-        """One optimizer step per mini-batch over the rollouts; returns averaged loss metrics (on every rank)."""
+        """One optimizer step per mini-batch over the rollouts; returns averaged loss metrics (on every rank).
+
+        ``batch.old_logp is None`` (see ``needs_statistics_pass``): the old log-probs are the update's own, detached,
+        and ``batch.old_logp`` is filled with them (the whole batch, every rank) for the caller's logs."""
         from megatron.core import parallel_state as ps
 
+        own_old = batch.old_logp is None
+        if own_old and mini_batches != 1:
+            raise ValueError(
+                f"update: batch.old_logp is None with {mini_batches} mini-batches; only a single mini-batch is "
+                "on-policy (see needs_statistics_pass): run compute_old_logp first"
+            )
         for m in self.model:
             m.train()
         dp = ps.get_data_parallel_world_size()
+        device = distributed.device()
         per_mini = len(batch) // mini_batches
         totals: dict[str, list[float]] = {}
         for i in range(mini_batches):
             mini = batch.select(slice(i * per_mini, (i + 1) * per_mini))
-            local = self._dp_slice(mini)
-            micro = self._micro_batches(local)
+            plan, micro = self._plan(mini)
             scale = len(micro) * dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
             num_tokens = float(mini.response_mask.sum())
             num_seqs = float((mini.response_mask.sum(-1) > 0).sum())
+            logp_rows: list[torch.Tensor] = []
 
-            def loss_fn(mb: SequenceBatch, logits: torch.Tensor):
+            def loss_fn(mb: _MicroBatch, logits: torch.Tensor):
+                seqs = mb.seqs.to(device)
                 # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
-                stats = self._token_stats(logits, mb.tokens, inplace_backward=True)
+                stats = self._token_stats(logits, mb, inplace_backward=True)
+                old_logp = seqs.old_logp
+                if own_old:
+                    old_logp = stats.logp.detach()
+                    logp_rows.append(old_logp)
                 loss, metrics = policy_loss(
-                    stats, mb.old_logp, mb.advantages, mb.response_mask, self.algo_cfg, ref_logp=mb.ref_logp,
-                    num_tokens=num_tokens, num_seqs=num_seqs, target_ids=mb.tokens[:, 1:],
+                    stats, old_logp, seqs.advantages, seqs.response_mask, self.algo_cfg, ref_logp=seqs.ref_logp,
+                    num_tokens=num_tokens, num_seqs=num_seqs, target_ids=seqs.tokens[:, 1:],
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()}
@@ -266,6 +346,8 @@ class MegatronActor:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
             outputs = self._run_schedule(micro, loss_fn, forward_only=False, model=self.model)
+            if own_old:
+                batch.old_logp = self._to_every_rank(logp_rows, plan, len(mini), mini.response_mask.shape[1])
             if self._all_finite(outputs):
                 ok, grad_norm, _ = self.optimizer.step()
             else:  # a non-finite loss or gradient anywhere: every rank skips this step (the trainer counts them)

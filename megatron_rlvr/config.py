@@ -49,7 +49,10 @@ class ActorConfig:
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
     sequence_parallel: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
-    micro_batch_size: int = 1
+    micro_batch_size: int = 1  # sequences per micro-batch when max_tokens_per_micro_batch is 0
+    # > 0: micro-batches by real-token budget (micro_batch_size unused); a longer sequence gets a micro-batch alone
+    max_tokens_per_micro_batch: int = 0
+    pack_sequences: bool = True  # one THD stream per micro-batch (no padding); false: right-padded [b, S] blocks
     lr: float = 1e-6
     min_lr: float = 0.0
     lr_warmup_steps: int = 0
@@ -115,6 +118,11 @@ class Config:
                     f"(tp * pp * dp == world size); allowed tp*pp: "
                     f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
                 )
+        if a.max_tokens_per_micro_batch < 0:
+            raise ConfigError(
+                f"actor.max_tokens_per_micro_batch: must be >= 0 (0 = micro_batch_size sequences), got "
+                f"{a.max_tokens_per_micro_batch}"
+            )
         if a.vpp is not None and a.pp < 2:
             raise ConfigError(f"actor.vpp: virtual pipeline stages need actor.pp >= 2, got pp={a.pp}")
         if a.sequence_parallel and a.tp < 2:

@@ -95,7 +95,9 @@ def test_update_matches_reference_layout(workers2, tiny_qwen, reference, tp, pp,
 @pytest.mark.parametrize("tp,pp,mbs", [(2, 1, 2), (1, 2, 1)])
 def test_reference_is_the_initial_policy_and_stays_frozen(workers2, tiny_qwen, tp, pp, mbs):
     (old, ref), (new, ref_after), first, second = workers2.run(_reference_numbers, tiny_qwen, tp, pp, mbs)[0]
-    assert torch.equal(ref, old)  # same weights, same code path: bit for bit
+    # Same weights (bit for bit) and code; only their memory differs (the DDP buffer vs bare tensors), and at some
+    # packed shapes the CPU GEMMs round differently with the alignment: equal up to float rounding.
+    torch.testing.assert_close(ref, old, rtol=0, atol=1e-5)
     assert torch.equal(ref_after, ref)  # the update left the reference untouched
     assert (new - ref_after).abs()[_batch(10).response_mask].max() > 1e-4  # ... and moved the policy
     assert first["loss/kl_ref"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first update

@@ -1,5 +1,9 @@
 """HF config -> megatron-core ``TransformerConfig`` and ``GPTModel`` (local spec on CPU, TE spec when installed).
 
+Both specs take packed (THD) sequences: TE's attention natively, the local spec through
+``megatron_rlvr.cpu_attention.PackedDotProductAttention`` in place of megatron's ``DotProductAttention`` (which
+asserts ``packed_seq_params is None``).
+
 The vocabulary is padded here, once, by :func:`padded_vocab_size`; the token-statistics op and the actor use the
 same function so every component agrees on which ids are padding.
 """
@@ -95,12 +99,17 @@ def transformer_config_from_hf(
         kwargs.update(recompute_granularity="selective")
     elif recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if megatron_overrides.get("variable_seq_lengths"):
+        # TransformerConfig rejects its default MoE dispatcher (allgather) with variable lengths even in a dense
+        # model, which has no experts to dispatch: name the one it accepts.
+        kwargs.update(moe_token_dispatcher_type="alltoall")
     kwargs.update(megatron_overrides)
     return TransformerConfig(**kwargs)
 
 
 def layer_spec(use_te: bool | None = None):
-    """Transformer Engine spec when TE is usable, else megatron-core's local (pure torch) spec."""
+    """Transformer Engine spec when TE is usable, else megatron-core's local (pure torch) spec with an attention
+    that also takes packed sequences (the same math as megatron's, one sequence at a time)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -110,7 +119,11 @@ def layer_spec(use_te: bool | None = None):
         use_te = transformer_engine_available()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    from megatron_rlvr.cpu_attention import PackedDotProductAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def build_gpt_model(

@@ -1,0 +1,154 @@
+"""Which sequences go to which data-parallel rank and micro-batch, and how a micro-batch is packed end to end.
+
+Pure index arithmetic over sequence lengths: every rank holds the whole mini-batch, so every rank computes the same
+plan without communicating. The plan:
+- splits a mini-batch over the DP ranks with equal sequence counts and about equal token counts (greedy
+  longest-first: each sequence goes to the rank with the fewest tokens that still has room);
+- cuts each rank's share into micro-batches, either ``micro_batch_size`` sequences each or, with a token budget,
+  by first-fit-decreasing under the budget; a sequence longer than the budget gets a micro-batch of its own;
+- gives every DP rank the same number of micro-batches (the pipeline schedule and the gradient all-reduce need
+  that) by splitting the most populous micro-batches of ranks that have fewer.
+
+``pack`` lays a micro-batch out as one THD stream (sequences end to end, positions restarting at 0, ``cu_seqlens``
+bounding each sequence) and ``unpack`` puts per-token values of that stream back into the right-padded view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+Plan = list[list[list[int]]]  # [dp rank][micro-batch] -> indices into the mini-batch
+
+
+def sequence_lengths(response_mask: torch.Tensor) -> list[int]:
+    """Tokens of each right-padded sequence that matter: up to its last response token (mask position t marks token
+    t + 1). Positions after it are padding and, under a causal mask, change nothing before them. A sequence without
+    response tokens counts as length 1 (no statistic of it enters any loss)."""
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask: expected [B, S - 1], got shape {tuple(response_mask.shape)}")
+    width = response_mask.shape[1]
+    positions = torch.arange(1, width + 1).expand_as(response_mask)
+    last = torch.where(response_mask.bool(), positions, torch.zeros_like(positions)).amax(dim=1)
+    return [int(n) + 1 for n in last]  # last response position t (1-based: t + 1) -> length t + 2
+
+
+def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices per part: equal counts, token sums balanced greedily longest-first; each part in ascending order."""
+    if parts < 1:
+        raise ValueError(f"parts: expected >= 1, got {parts}")
+    if len(lengths) % parts:
+        raise ValueError(f"a mini-batch of {len(lengths)} sequences does not split over data-parallel size {parts}")
+    room = len(lengths) // parts
+    tokens, members = [0] * parts, [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        part = min((p for p in range(parts) if len(members[p]) < room), key=lambda p: (tokens[p], p))
+        tokens[part] += lengths[i]
+        members[part].append(i)
+    return [sorted(m) for m in members]
+
+
+def budget_micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing under ``max_tokens`` real tokens per micro-batch; an over-long sequence sits alone."""
+    bins: list[list[int]] = []
+    load: list[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, used in enumerate(load):
+            if used + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                load[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            load.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def _split_to(bins: list[list[int]], count: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Split the most populous micro-batches until there are ``count``; splitting only lowers each one's tokens."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        b = max(range(len(bins)), key=lambda k: (len(bins[k]), sum(lengths[i] for i in bins[k])))
+        if len(bins[b]) < 2:
+            raise ValueError(f"cannot make {count} non-empty micro-batches of {sum(map(len, bins))} sequences")
+        members = bins.pop(b)
+        half = len(members) // 2
+        bins += [members[:half], members[half:]]
+    return sorted(bins)
+
+
+def plan_micro_batches(lengths: Sequence[int], dp: int, *, micro_batch_size: int, max_tokens: int = 0) -> Plan:
+    """The whole mini-batch's plan: ``plan[r]`` is DP rank r's micro-batches, the same count on every rank.
+
+    ``max_tokens > 0``: micro-batches by real-token budget (``micro_batch_size`` unused); else ``micro_batch_size``
+    sequences each, in the rank's (ascending) order."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size: expected >= 1, got {micro_batch_size}")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"sequence lengths must be >= 1, got {min(lengths)}")
+    shares = balanced_split(lengths, dp)
+    if max_tokens <= 0:
+        return [[share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)] for share in shares]
+    per_rank = [budget_micro_batches(share, lengths, max_tokens) for share in shares]
+    count = max(len(bins) for bins in per_rank)
+    return [_split_to(bins, count, lengths) for bins in per_rank]
+
+
+@dataclass
+class PackedLayout:
+    """One micro-batch as a THD stream of T tokens: the model's input, and where each statistic goes back to."""
+
+    tokens: torch.Tensor  # [1, T] int64
+    targets: torch.Tensor  # [1, T]: the next token of the same sequence; 0 at last positions and the padding
+    position_ids: torch.Tensor  # [1, T]: 0.. within each sequence
+    cu_seqlens: torch.Tensor  # [segments + 1] int32; a tail of padding (to a multiple) is a segment of its own
+    max_seqlen: int
+    rows: torch.Tensor  # the statistic at stream position src[k] belongs at [rows[k], cols[k]] of the [b, S - 1] view
+    cols: torch.Tensor
+    src: torch.Tensor
+    real_tokens: int  # T without the tail padding
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def pack(tokens: torch.Tensor, lengths: Sequence[int], multiple: int = 1) -> PackedLayout:
+    """Sequences ``tokens[i, :lengths[i]]`` end to end, padded at the tail to a multiple of ``multiple`` tokens
+    (e.g. the TP size under sequence parallelism). Position t of a sequence predicts its token t + 1."""
+    if tokens.dim() != 2 or tokens.shape[0] != len(lengths):
+        raise ValueError(f"tokens: expected [{len(lengths)}, S], got shape {tuple(tokens.shape)}")
+    if any(n < 1 or n > tokens.shape[1] for n in lengths):
+        raise ValueError(f"lengths: expected 1..{tokens.shape[1]} each, got {list(lengths)}")
+    lens = torch.tensor(list(lengths), dtype=torch.long)
+    real = int(lens.sum())
+    pad = -real % multiple
+    segments = lens if not pad else torch.cat([lens, torch.tensor([pad])])
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(segments, 0)
+    starts = cu[:-1].long()
+    seg_of = torch.repeat_interleave(torch.arange(len(segments)), segments)
+    position = torch.arange(real + pad) - starts[seg_of]
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+    flat = torch.zeros(real + pad, dtype=tokens.dtype)
+    flat[:real] = tokens[rows, position[:real]]
+    # the next token of the same sequence, where there is one (not at a sequence's last position)
+    has_next = torch.zeros(real + pad, dtype=torch.bool)
+    has_next[:real] = position[:real] < lens[rows] - 1
+    targets = torch.zeros_like(flat)
+    src = has_next.nonzero().squeeze(1)
+    targets[src] = flat[src + 1]
+    return PackedLayout(
+        tokens=flat[None], targets=targets[None], position_ids=position[None], cu_seqlens=cu,
+        max_seqlen=int(segments.max()), rows=rows[src], cols=position[src], src=src, real_tokens=real,
+    )
+
+
+def unpack(values: torch.Tensor, layout: PackedLayout, shape: tuple[int, int]) -> torch.Tensor:
+    """Per-token values of the stream [T, ...] -> the right-padded view [b, S - 1, ...] (zeros where no statistic
+    is); differentiable, so a loss on the padded view sends its gradient back into the stream."""
+    device = values.device
+    out = values.new_zeros(shape + tuple(values.shape[1:]))
+    return out.index_put((layout.rows.to(device), layout.cols.to(device)), values[layout.src.to(device)])
