@@ -1,6 +1,7 @@
 """The training loop end to end on CPU: 2 steps at (TP, PP) = (2, 1) and (1, 2) with vLLM rollouts; resume after a
-checkpoint repeats an uninterrupted run's metrics exactly; a failed checkpoint write leaves the previous intact;
-algo.kl_coef > 0 trains against the frozen reference and logs the KL to it."""
+checkpoint repeats an uninterrupted run's metrics exactly (also with dynamic sampling's refill rounds and the
+rollout correction on); a failed checkpoint write leaves the previous intact; algo.kl_coef > 0 trains against the
+frozen reference and logs the KL to it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,26 @@ def _train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[
         return train(_config(hf_dir, out_dir, tp, pp, steps, extra))
     finally:
         distributed.destroy_model_parallel()
+
+
+def _first_token_rewards(pool, items, completions):
+    """A scripted verifier (the random tiny model earns no real reward): 1 when the response's first token id is a
+    multiple of 8, so about 60% of the groups of 4 are uniform and dynamic sampling refills most steps."""
+    import torch
+
+    rewards = [float(bool(c.token_ids) and c.token_ids[0] % 8 == 0) for group in completions for c in group]
+    return torch.tensor(rewards), {"items": len(rewards)}
+
+
+def _train_first_token_rewards(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
+    """_train with _first_token_rewards in place of the verifier pool."""
+    from megatron_rlvr import experience
+
+    real_score, experience.score = experience.score, _first_token_rewards
+    try:
+        return _train(hf_dir, out_dir, tp, pp, steps, extra)
+    finally:
+        experience.score = real_score
 
 
 def _train_recording_calls(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str]):
@@ -224,19 +245,31 @@ def _assert_validated_before_and_at_step_two(run_dir: Path, history: list[dict])
     assert all(sum(h["counts"]) > 0 for h in hists)
 
 
-def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):
-    """The steps after a resume equal the uninterrupted run's (weights, optimizer, data position, RNG, rollouts)."""
-    full = workers2.run(_train, tiny_model, str(tmp_path / "full"), 2, 1, 4, timeout_s=900)[0]
+_REFILL = ["algo.drop_uniform_groups=true", "rollout.refill_max_rounds=2"]
+
+
+@pytest.mark.parametrize("refill", [False, True], ids=["plain", "refill"])
+def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path, refill):
+    """The steps after a resume equal the uninterrupted run's (weights, optimizer, data position, RNG, rollouts);
+    with refill, also the extra prompts drawn and sampled (the loader's stream position is in the checkpoint)."""
+    run, extra = (_train_first_token_rewards, _REFILL) if refill else (_train, [])
+    full = workers2.run(run, tiny_model, str(tmp_path / "full"), 2, 1, 4, extra, timeout_s=900)[0]
     # an interrupted run: stops after step 2 with a checkpoint at step 2, then the same command resumes
-    workers2.run(_train, tiny_model, str(tmp_path / "cut"), 2, 1, 2, ["checkpoint.save_every=2"], timeout_s=900)
-    _assert_step_exports_like_final_hf(tmp_path / "cut" / "checkpoints" / "step-000002", tmp_path / "cut" / "hf")
+    workers2.run(run, tiny_model, str(tmp_path / "cut"), 2, 1, 2, [*extra, "checkpoint.save_every=2"], timeout_s=900)
+    if not refill:
+        _assert_step_exports_like_final_hf(tmp_path / "cut" / "checkpoints" / "step-000002", tmp_path / "cut" / "hf")
     resumed = workers2.run(
-        _train, tiny_model, str(tmp_path / "cut"), 2, 1, 4, ["checkpoint.save_every=2"], timeout_s=900
+        run, tiny_model, str(tmp_path / "cut"), 2, 1, 4, [*extra, "checkpoint.save_every=2"], timeout_s=900
     )[0]
     assert [m["step"] for m in resumed] == [3, 4]
+    compared = _COMPARED + (("batch/refill_rounds", "batch/groups_trained", "batch/uniform_groups_dropped",
+                             "response/tokens_trained") if refill else ())
     for got, want in zip(resumed, full[2:]):
-        for key in _COMPARED:
+        for key in compared:
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["step"], key)
+    if refill:  # the compared steps did refill, and trained informative groups
+        assert sum(m["batch/refill_rounds"] for m in full[2:]) > 0
+        assert all(m["batch/groups_trained"] > 0 for m in full)
 
 
 def test_dead_engine_is_rebuilt_and_training_goes_on(workers2, tiny_model, tmp_path):
