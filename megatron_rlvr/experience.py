@@ -252,6 +252,4 @@ def to_batch(
         mask[i, p - 1 : p - 1 + r] = True  # position t predicts token t + 1
         if lp:
             engine_logp[i, p - 1 : p - 1 + len(lp)] = torch.tensor(lp[:r])
-    batch = SequenceBatch(tokens, mask, advantages.float())
-    batch.rollout_logp = engine_logp
-    return batch, engine_logp
+    return SequenceBatch(tokens, mask, advantages.float(), rollout_logp=engine_logp), engine_logp
