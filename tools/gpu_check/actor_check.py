@@ -1,0 +1,313 @@
+"""Stage 2 of the GPU check: MegatronActor on one rank -- the statistics pass and two CaSP updates with the fused op,
+right-padded and packed -- on a random Qwen2 made on the spot.
+
+Two modes:
+  compare     (the small model, on the CPU or on CUDA): a fresh actor per (dtype, layout) runs the statistics pass,
+              two updates and the statistics pass again; figures and per-token log-probs go to --out / --tensors,
+              and compare.py holds a CUDA run against a CPU run of the same seeds.
+  throughput  (the ~1B model, bf16, CUDA): one actor; a warm-up update, then per layout the statistics pass and two
+              updates, each timed (tokens/s over the batch's real tokens) with its peak memory; the statistics of
+              the layouts are compared with each other (packing changes no number beyond rounding).
+
+    python tools/gpu_check/actor_check.py --model small --mode compare --out /tmp/a.json --tensors /tmp/a.pt
+    python tools/gpu_check/actor_check.py --model 1b --mode throughput --out /tmp/b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (after the path: the scripts run from a plain checkout)
+
+LAYOUTS = {
+    # name -> ActorConfig fields; micro-batches of micro_batch_size sequences unless a token budget is given
+    "padded": dict(pack_sequences=False),
+    "packed": dict(pack_sequences=True),
+    "packed_budget": dict(pack_sequences=True, max_tokens_per_micro_batch=-1),  # -1: micro_batch_size x max length
+}
+PACKING_FIELDS = ("pack_sequences", "max_tokens_per_micro_batch")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(common.MODELS), default="small")
+    p.add_argument("--mode", choices=["compare", "throughput"], default="compare")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="what the run must be on (the device is torch's: hide the GPU with CUDA_VISIBLE_DEVICES=)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="compare mode: one fresh actor per dtype and layout")
+    p.add_argument("--layouts", default="padded,packed", help=f"comma list of {sorted(LAYOUTS)}")
+    p.add_argument("--sequences", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--min-response", type=int, default=8)
+    p.add_argument("--max-response", type=int, default=112)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2, help="updates (one optimizer step each)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--work", type=Path, default=common.DEFAULT_WORK, help="where the random model is written")
+    p.add_argument("--out", type=Path, required=True, help="the stage's JSON")
+    p.add_argument("--tensors", type=Path, default=None, help="compare mode: per-token log-probs (torch.save)")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    layouts = [x for x in args.layouts.split(",") if x]
+    dtypes = [x for x in args.dtypes.split(",") if x]
+    errors = [f"--layouts: unknown {x!r}; expected {sorted(LAYOUTS)}" for x in layouts if x not in LAYOUTS]
+    errors += [f"--dtypes: unknown {x!r}; expected float32, bfloat16" for x in dtypes if x not in ("float32", "bfloat16")]
+    if not layouts or not dtypes:
+        errors.append("--layouts and --dtypes need at least one entry each")
+    if args.min_response < 1 or args.max_response < args.min_response:
+        errors.append(f"--min-response {args.min_response} / --max-response {args.max_response}: need 1 <= min <= max")
+    if args.sequences < 1 or args.micro_batch_size < 1 or args.steps < 1 or args.prompt_len < 1:
+        errors.append("--sequences, --micro-batch-size, --steps and --prompt-len must be >= 1")
+    if args.mode == "compare" and args.tensors is None:
+        errors.append("--mode compare needs --tensors")
+    return errors
+
+
+def preflight(args: argparse.Namespace) -> list[str]:
+    """What the dry run checks without a GPU: the arguments, the imports, and the ActorConfig fields it sets.
+    Returns notes (things skipped); raises SystemExit on an error."""
+    errors = check_args(args)
+    if errors:
+        raise SystemExit("actor_check: " + "; ".join(errors))
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import torch  # noqa: F401
+
+    from megatron_rlvr.actor import MegatronActor, SequenceBatch  # noqa: F401
+    from megatron_rlvr.algos.config import AlgoConfig
+    from megatron_rlvr.config import ActorConfig, ModelConfig  # noqa: F401
+    from megatron_rlvr.models.tiny import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
+    from megatron_rlvr.ops import backends  # noqa: F401
+
+    AlgoConfig(loss="casp")
+    notes = []
+    missing = [f for f in PACKING_FIELDS if f not in {f.name for f in dataclasses.fields(ActorConfig)}]
+    if missing:
+        notes.append(f"ActorConfig has no {missing} yet: the run records the packed layouts as skipped")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_batch(vocab: int, args: argparse.Namespace):
+    """Right-padded rollouts: a prompt, then a response of random length; advantages of both signs."""
+    import torch
+
+    from megatron_rlvr.actor import SequenceBatch
+
+    g = torch.Generator().manual_seed(args.seed)
+    b, s = args.sequences, args.prompt_len + args.max_response
+    tokens = torch.randint(0, vocab, (b, s), generator=g)
+    lengths = torch.randint(args.min_response, args.max_response + 1, (b,), generator=g)
+    mask = torch.zeros(b, s - 1, dtype=torch.bool)
+    for i, n in enumerate(lengths.tolist()):
+        mask[i, args.prompt_len - 1 : args.prompt_len - 1 + n] = True  # position t marks token t + 1
+        tokens[i, args.prompt_len + n :] = 0
+    advantages = torch.randn(b, generator=g)
+    return SequenceBatch(tokens, mask, advantages)
+
+
+def real_tokens(batch) -> int:
+    from megatron_rlvr.packing import sequence_lengths
+
+    return sum(sequence_lengths(batch.response_mask))
+
+
+def actor_config(args: argparse.Namespace, layout: str, bf16: bool):
+    from megatron_rlvr.config import ActorConfig
+
+    fields = {f.name for f in dataclasses.fields(ActorConfig)}
+    extra = dict(LAYOUTS[layout])
+    if extra.get("max_tokens_per_micro_batch") == -1:
+        extra["max_tokens_per_micro_batch"] = args.micro_batch_size * (args.prompt_len + args.max_response)
+    missing = [k for k in extra if k not in fields]
+    if missing:
+        return None, f"ActorConfig has no {missing}"
+    return ActorConfig(micro_batch_size=args.micro_batch_size, lr=args.lr, bf16=bf16, **extra), None
+
+
+def set_layout(actor, args: argparse.Namespace, layout: str) -> str | None:
+    """Switch a built actor's micro-batching (read at every pass) to ``layout``; an error message or None."""
+    cfg, err = actor_config(args, layout, actor.cfg.bf16)
+    if err:
+        return err
+    for key in PACKING_FIELDS:
+        setattr(actor.cfg, key, getattr(cfg, key))
+    return None
+
+
+def peak_bytes(cuda: bool) -> int:
+    import torch
+
+    if cuda:
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak RSS
+
+
+def reset_peak(cuda: bool) -> None:
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool):
+    from megatron_rlvr.actor import MegatronActor
+    from megatron_rlvr.algos.config import AlgoConfig
+    from megatron_rlvr.config import ModelConfig
+
+    cfg, err = actor_config(args, layout, bf16)
+    if err:
+        return None, err
+    actor = MegatronActor(ModelConfig(hf_dir=str(hf_dir)), cfg, AlgoConfig(loss="casp"), temperature=1.0,
+                          total_steps=args.steps + 1)
+    return actor, None
+
+
+def _update_figures(metrics: dict[str, float]) -> dict[str, float]:
+    keep = ("actor/loss", "actor/grad_norm", "actor/nonfinite", "loss/pg_loss")
+    return {k: float(metrics[k]) for k in keep if k in metrics}
+
+
+def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A fresh actor per (dtype, layout): statistics, ``steps`` updates, statistics again."""
+    import torch
+
+    from megatron_rlvr.distributed import model_parallel
+    from megatron_rlvr.ops import backends
+
+    runs: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    tokens = 0
+    for dtype in args.dtypes.split(","):
+        for layout in args.layouts.split(","):
+            key = f"{dtype}/{layout}"
+            with model_parallel(tp=1, pp=1, seed=args.seed):
+                actor, err = build_actor(hf_dir, args, layout, bf16=dtype == "bfloat16")
+                if err:
+                    runs[key] = {"status": "skipped", "reason": err}
+                    continue
+                batch = make_batch(actor.vocab_size, args)
+                tokens = real_tokens(batch)
+                timer = common.Timer(cuda)
+                with timer:
+                    old = actor.compute_old_logp(batch)
+                run: dict[str, Any] = {"status": "ok", "stats_pass_s": round(timer.seconds, 4), "updates": []}
+                batch.old_logp = old
+                for _ in range(args.steps):
+                    with timer:
+                        metrics = actor.update(batch, mini_batches=1)
+                    run["updates"].append(_update_figures(metrics) | {"seconds": round(timer.seconds, 4)})
+                after = actor.compute_old_logp(batch)
+                mask = batch.response_mask
+                run["logp_mean_before"] = float(old[mask].mean())
+                run["logp_mean_after"] = float(after[mask].mean())
+                run["impl"] = backends.resolve(torch.device("cuda" if cuda else "cpu"), None, 3)
+                tensors[key] = {"before": old[mask].float().cpu(), "after": after[mask].float().cpu()}
+                runs[key] = run
+                del actor
+                gc.collect()
+    return {"runs": runs, "real_tokens": tokens}, tensors
+
+
+def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[str, Any]:
+    """One bf16 actor: a warm-up update, then per layout the statistics pass and ``steps`` timed updates."""
+    import torch
+
+    from megatron_rlvr.distributed import model_parallel
+    from megatron_rlvr.ops import backends
+
+    out: dict[str, Any] = {"layouts": {}}
+    layouts = args.layouts.split(",")
+    with model_parallel(tp=1, pp=1, seed=args.seed):
+        reset_peak(cuda)
+        timer = common.Timer(cuda)
+        with timer:
+            actor, err = build_actor(hf_dir, args, "padded", bf16=True)
+        if err:
+            raise SystemExit(f"actor_check: {err}")
+        out |= {"build_s": round(timer.seconds, 2), "build_peak_gib": round(peak_bytes(cuda) / 2**30, 2),
+                "impl": backends.resolve(torch.device("cuda" if cuda else "cpu"), None, 3)}
+        batch = make_batch(actor.vocab_size, args)
+        tokens = real_tokens(batch)
+        out |= {"real_tokens": tokens, "padded_tokens": int(batch.tokens.numel()),
+                "sequences": len(batch), "max_len": int(batch.tokens.shape[1])}
+        batch.old_logp = actor.compute_old_logp(batch)  # warms up the kernels and the allocator
+        with timer:
+            actor.update(batch, mini_batches=1)  # allocates the optimizer's state
+        out["warmup_update_s"] = round(timer.seconds, 3)
+        stats: dict[str, Any] = {}
+        for layout in layouts:  # statistics first, so every layout sees the same weights
+            err = set_layout(actor, args, layout)
+            if err:
+                out["layouts"][layout] = {"status": "skipped", "reason": err}
+                continue
+            reset_peak(cuda)
+            with timer:
+                stats[layout] = actor.compute_old_logp(batch)
+            out["layouts"][layout] = {"status": "ok", "stats_pass_s": round(timer.seconds, 4),
+                                      "stats_tokens_per_s": round(tokens / timer.seconds),
+                                      "stats_peak_gib": round(peak_bytes(cuda) / 2**30, 2)}
+        mask = batch.response_mask
+        first = next(iter(stats), None)
+        for layout, logp in stats.items():
+            out["layouts"][layout]["logp_max_abs_diff_vs_" + first] = float((logp - stats[first])[mask].abs().max())
+        for layout in stats:
+            set_layout(actor, args, layout)
+            batch.old_logp = stats[layout]
+            fig = out["layouts"][layout]
+            fig["updates"] = []
+            reset_peak(cuda)
+            for _ in range(args.steps):
+                with timer:
+                    metrics = actor.update(batch, mini_batches=1)
+                fig["updates"].append(_update_figures(metrics) | {"seconds": round(timer.seconds, 4),
+                                                                  "tokens_per_s": round(tokens / timer.seconds)})
+            fig["update_peak_gib"] = round(peak_bytes(cuda) / 2**30, 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    notes = preflight(args)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if args.device != "auto" and (args.device == "cuda") != cuda:
+        raise SystemExit(f"actor_check: --device {args.device} but torch.cuda.is_available() is {cuda}")
+    backend = common.init_process_group()
+    result: dict[str, Any] = {"env": common.environment(), "backend": backend, "model": args.model,
+                              "params": common.param_count(common.MODELS[args.model]), "notes": notes,
+                              "args": {k: str(v) for k, v in vars(args).items()}}
+    from megatron_rlvr.models.builder import transformer_engine_available
+
+    result["transformer_engine"] = transformer_engine_available()
+    timer = common.Timer(False)
+    with timer:
+        hf_dir = common.model_dir(args.model, args.work)
+    result["model_dir_s"] = round(timer.seconds, 2)
+    if args.mode == "compare":
+        figures, tensors = compare_mode(args, hf_dir, cuda)
+        torch.save(tensors, args.tensors)
+        result |= figures | {"tensors": str(args.tensors)}
+    else:
+        result |= throughput_mode(args, hf_dir, cuda)
+    common.write_json(args.out, result)
+    print(f"actor_check: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Stage 2's verdict: the small model's actor run on CUDA against the same run on the CPU (same seeds, same batch).
+
+For every (dtype, layout) both ran: the per-token log-probs of the statistics pass before and after the two
+updates, and each update's loss and gradient norm, within a tolerance of the dtype (``|a - b| <= atol + rtol *
+|b|``, b the CPU figure; bf16's rtol is torch.testing's 1.6e-2). Also, on each device, packed against padded.
+
+    python tools/gpu_check/compare.py --cuda small_cuda.json --cpu small_cpu.json --out compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+# (rtol, atol) per dtype: log-probs (about -8 for this vocabulary) and the scalars (loss, gradient norm)
+TOLERANCES = {"float32": {"logp": (1.3e-4, 1e-4), "scalar": (1e-4, 1e-5)},
+              "bfloat16": {"logp": (1.6e-2, 1e-2), "scalar": (1.6e-2, 1e-3)}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cuda", type=Path, required=True, help="actor_check.py's JSON of the CUDA run")
+    p.add_argument("--cpu", type=Path, required=True, help="actor_check.py's JSON of the CPU run")
+    p.add_argument("--out", type=Path, required=True)
+    return p
+
+
+def preflight(args: argparse.Namespace) -> list[str]:
+    import torch  # noqa: F401
+
+    return []
+
+
+def _within(a: float, b: float, tol: tuple[float, float]) -> bool:
+    return abs(a - b) <= tol[1] + tol[0] * abs(b)
+
+
+def tensor_verdict(a, b, tol: tuple[float, float]) -> dict[str, Any]:
+    """Max abs difference and whether every element is within the tolerance (a, b: 1-D float tensors)."""
+    import torch
+
+    if a.shape != b.shape:
+        return {"ok": False, "reason": f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"}
+    diff = (a - b).abs()
+    return {"ok": bool((diff <= tol[1] + tol[0] * b.abs()).all()) and bool(torch.isfinite(a).all()),
+            "max_abs_diff": float(diff.max()) if diff.numel() else 0.0}
+
+
+def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {"tolerances": TOLERANCES, "runs": {}, "packed_vs_padded": {}}
+    for key, run in cuda["runs"].items():
+        other = cpu["runs"].get(key, {})
+        if run.get("status") != "ok" or other.get("status") != "ok":
+            out["runs"][key] = {"ok": None, "reason": f"not run on both: cuda {run.get('status')}, "
+                                                      f"cpu {other.get('status')}"}
+            continue
+        tol = TOLERANCES[key.split("/")[0]]
+        verdict: dict[str, Any] = {
+            "logp_before": tensor_verdict(cuda_t[key]["before"], cpu_t[key]["before"], tol["logp"]),
+            "logp_after": tensor_verdict(cuda_t[key]["after"], cpu_t[key]["after"], tol["logp"]),
+            "updates": [],
+        }
+        for a, b in zip(run["updates"], other["updates"]):
+            verdict["updates"].append({
+                name: {"cuda": a[name], "cpu": b[name], "ok": _within(a[name], b[name], tol["scalar"])}
+                for name in ("actor/loss", "actor/grad_norm") if name in a and name in b
+            })
+        checks = [verdict["logp_before"]["ok"], verdict["logp_after"]["ok"]]
+        checks += [v["ok"] for u in verdict["updates"] for v in u.values()]
+        verdict["ok"] = all(checks) and len(run["updates"]) == len(other["updates"]) > 0
+        out["runs"][key] = verdict
+    for device, figures, t in (("cuda", cuda, cuda_t), ("cpu", cpu, cpu_t)):
+        for dtype in TOLERANCES:
+            a, b = f"{dtype}/packed", f"{dtype}/padded"
+            if figures["runs"].get(a, {}).get("status") == "ok" and figures["runs"].get(b, {}).get("status") == "ok":
+                out["packed_vs_padded"][f"{device}/{dtype}"] = tensor_verdict(
+                    t[a]["before"], t[b]["before"], TOLERANCES[dtype]["logp"])
+    verdicts = [v["ok"] for v in out["runs"].values() if v["ok"] is not None]
+    verdicts += [v["ok"] for v in out["packed_vs_padded"].values()]
+    out["ok"] = bool(verdicts) and all(verdicts)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    cuda, cpu = json.loads(args.cuda.read_text()), json.loads(args.cpu.read_text())
+    result = compare(cuda, cpu, torch.load(cuda["tensors"]), torch.load(cpu["tensors"]))
+    common.write_json(args.out, result)
+    print(f"compare: {'ok' if result['ok'] else 'MISMATCH'} ({args.out})")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
