@@ -2,17 +2,25 @@
 states and trainer counters.
 
 Layout: ``<root>/step-000012/`` (one finished checkpoint each), ``<root>/latest`` (a text file naming the newest).
-A checkpoint is written into ``<root>/.tmp-step-000012/`` and renamed only after every rank finished writing, and
+A checkpoint is written into ``<root>/.tmp-step-000012/``; after every rank finished writing, the size and CRC-32
+of each file go into its ``manifest.json`` (the last file written), the directory is renamed into place, and
 ``latest`` is replaced atomically after that: a crash or a full disk at any moment leaves the previous checkpoint
 and ``latest`` as they were.
+
+Resuming from "latest" checks the newest checkpoint against its manifest and, when a file is missing, truncated
+or changed, names it and falls back to the next older checkpoint that checks out (``keep_last`` >= 2 keeps one).
+`megatron-rlvr ckpt verify DIR` runs the same check alone.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.checkpoint_manifest import MANIFEST, Report, verify, write_manifest
 from megatron_rlvr.errors import UserError
 
 LATEST = "latest"
+_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -31,6 +41,17 @@ class CheckpointError(UserError, RuntimeError):
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
+
+
+def _step_of(path: Path) -> int | None:
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """The finished checkpoints under ``root``, oldest first (temp dirs of unfinished saves are not among them)."""
+    found = [p for p in root.glob("step-*") if _step_of(p) is not None and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=_step_of)
 
 
 # Each rank saves its own distributed-optimizer buffers with no gather: resume may change DP, not TP/PP (a
@@ -67,11 +88,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _say(message: str) -> None:
+    if _rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
 def _agree_ok(ok: bool) -> bool:
     """True only if every rank succeeded (a collective: every rank must call it)."""
     if not dist.is_initialized():
         return ok
-    flag = torch.tensor([0 if ok else 1])
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([0 if ok else 1], device=device)
     dist.all_reduce(flag)
     return int(flag) == 0
 
@@ -106,6 +133,11 @@ def save(
                     write_hf_side_files(hf_dir, tmp)
         except BaseException as e:  # noqa: BLE001 - any failure must leave the previous checkpoint intact
             error = e
+    if _agree_ok(error is None):
+        try:  # the last file, once every rank's files are complete: a checkpoint with a manifest is whole
+            write_manifest(tmp)
+        except BaseException as e:  # noqa: BLE001
+            error = e
     if not _agree_ok(error is None):
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -116,27 +148,68 @@ def save(
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(final.name + "\n")
         os.replace(pointer, root / LATEST)
-        for old in sorted(root.glob("step-*"))[:-keep_last] if keep_last > 0 else []:
+        # Newer directories belong to a run that was resumed from an older checkpoint (after a fallback, or by
+        # hand): `latest` no longer leads to them, and they never count against the ones just written.
+        kept = [d for d in _step_dirs(root) if _step_of(d) <= step]
+        for old in kept[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
+def _latest_candidates(root: Path) -> list[Path]:
+    """Where "latest" may resume from, newest first: the checkpoint ``latest`` names, then the older ones."""
+    dirs = _step_dirs(root)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        if dirs:
+            _say(f"[checkpoint] {pointer} is missing; trying the newest checkpoint directories")
+        return dirs[::-1]
+    named = root / pointer.read_text().strip()
+    if _step_of(named) is None:
+        raise CheckpointError(f"{pointer}: names {named.name!r}, expected a directory named step-NNNNNN")
+    older = [d for d in dirs if _step_of(d) < _step_of(named)]
+    return [named, *older[::-1]]
+
+
 def resolve(root: str | Path, resume: str | None) -> Path | None:
-    """The checkpoint directory a ``resume`` setting names: "latest" (None if there is none yet), or a path."""
+    """The checkpoint directory a ``resume`` setting names: "latest" (None if there is none yet), or a path.
+
+    Each candidate is checked against its manifest first (a collective when torch.distributed is initialized).
+    "latest" falls back from a damaged checkpoint to the next older one, saying which file failed and why;
+    a named path must check out itself. CheckpointError when nothing usable is left."""
     if resume is None:
         return None
     root = Path(root)
-    if resume == LATEST:
-        pointer = root / LATEST
-        if not pointer.is_file():
-            return None
-        path = root / pointer.read_text().strip()
-    else:
-        path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
-        raise CheckpointError(f"checkpoint {path}: not a finished checkpoint (no trainer_state.json)")
-    return path
+    if resume != LATEST:
+        report = verify(resume)
+        if not report.ok:
+            raise CheckpointError(f"checkpoint.resume={resume}: {report.summary()}")
+        _warn_if_unverified(report)
+        return Path(resume)
+    candidates = _latest_candidates(root)
+    failed: list[Report] = []
+    for i, path in enumerate(candidates):
+        report = verify(path)
+        if report.ok:
+            _warn_if_unverified(report)
+            if failed:
+                _say(f"[checkpoint] resuming from {path}, the newest checkpoint that checks out")
+            return path
+        failed.append(report)
+        then = "; falling back to the previous checkpoint" if i + 1 < len(candidates) else ""
+        _say(f"[checkpoint] {report.summary()}{then}")
+    if not failed:
+        return None
+    raise CheckpointError(
+        f"no usable checkpoint in {root} (checkpoint.resume=latest): " + " | ".join(r.summary() for r in failed)
+        + ". Restore one, or start afresh with checkpoint.resume=null (or --resume none) and another output_dir")
+
+
+def _warn_if_unverified(report: Report) -> None:
+    if not report.verified:
+        _say(f"[checkpoint] warning: {report.path} has no {MANIFEST} (written before checkpoints recorded "
+             "checksums): resuming from it unverified")
 
 
 def load(path: str | Path, actor) -> dict[str, Any]:
@@ -150,7 +223,11 @@ def load(path: str | Path, actor) -> dict[str, Any]:
     for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
         if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
             opt._init_optimizer_states_with_dummy_values()
-    loaded = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), str(path))
+    try:
+        loaded = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), str(path))
+    except (EOFError, OSError, RuntimeError, ValueError) as e:  # e.g. damage a checkpoint without manifest hid
+        raise CheckpointError(f"checkpoint {path}: could not be loaded ({type(e).__name__}: {e}); "
+                              f"`megatron-rlvr ckpt verify {path}` checks its files") from e
     chunks = actor.model_chunks
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
@@ -220,3 +297,34 @@ def save_hf(actor, hf_src_dir: str | Path, out_dir: str | Path, bucket_bytes: in
         os.replace(tmp, out_dir)
     _barrier()
     return out_dir if _rank() == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`megatron-rlvr ckpt verify DIR`: check one checkpoint, or every checkpoint under a checkpoints root."""
+    parser = argparse.ArgumentParser(prog="megatron-rlvr ckpt", description=main.__doc__)
+    sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("verify", help="check checkpoints against their manifests (exit 1 if any is damaged)")
+    p.add_argument("dir", type=Path, help="a step directory (step-000012) or the checkpoints root holding them")
+    args = parser.parse_args(argv)
+    target: Path = args.dir
+    single = (target / MANIFEST).is_file() or (target / "trainer_state.json").is_file() or _step_of(target) is not None
+    checkpoints = [target] if single else _step_dirs(target)
+    if not checkpoints:
+        print(f"error: {target}: neither a checkpoint (no {MANIFEST} or trainer_state.json) nor a checkpoints root "
+              "(no step-NNNNNN directories)", file=sys.stderr)
+        return 2
+    reports = {path: verify(path) for path in checkpoints}
+    for report in reports.values():
+        print(report.summary(), flush=True)
+    if not single:  # what `checkpoint.resume: latest` would pick, in its order (a missing `latest` target included)
+        for path in _latest_candidates(target):
+            report = reports.get(path) or verify(path)
+            if path not in reports:
+                print(report.summary(), flush=True)
+                reports[path] = report
+            if report.ok:
+                print(f"checkpoint.resume=latest would resume from {path.name}")
+                break
+        else:
+            print("checkpoint.resume=latest would find no usable checkpoint")
+    return 0 if all(r.ok for r in reports.values()) else 1
