@@ -1,19 +1,24 @@
 """Throughput of the verifiers on this machine: items/s of the math pool (and of the other tasks, for scale).
 
-    python tools/bench_rewards.py [--items 2000] [--workers 1 2]
+    python tools/bench_rewards.py [--items 2000] [--workers 1 2] [--only math|code]
 
 Math items are realistic responses (a few hundred characters of reasoning, then a final answer in one of the
 extraction forms) against gold answers in varied forms, half equivalent. Prints one line per setting and the ratio
-of the pool to one in-process verifier. Numbers, not assertions: the tests never time anything.
+of the pool to one in-process verifier. Code items are timed per sandboxed program under each containment this
+machine can apply (the one in force, then weaker ones: rlimits instead of the memory cgroup, no namespaces), in
+interleaved rounds so that load from other processes hits all alike, with the ratio of each to the one in force.
+Numbers, not assertions: the tests never time anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import statistics
 import time
 
-from megatron_rlvr.rewards import RewardConfig, RewardPool, score
+from megatron_rlvr.rewards import RewardConfig, RewardPool, sandbox, score
 
 GOLDS = ["\\frac{1}{2}", "0.75", "12", "2\\sqrt{2}", "[1,3)", "\\{1,2\\}", "x^2+1", "50\\%", "-7", "\\pi/4"]
 RIGHT = ["\\boxed{0.5}", "the answer is 3/4", "\\boxed{12}", "\\boxed{\\sqrt{8}}", "\\boxed{[1, 3)}", "\\boxed{\\{2,1\\}}",
@@ -33,13 +38,48 @@ def make_items(count: int, seed: int = 0) -> tuple[list[str], list[str]]:
     return responses, golds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--items", type=int, default=2000)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    args = parser.parse_args()
-    responses, golds = make_items(args.items)
+@contextlib.contextmanager
+def _containment(mode: str):
+    """Run the sandbox as it is ("in force"), or with one part of its containment taken away, for comparison."""
+    saved = sandbox.memory_cgroup_parent, sandbox._probe_result
+    if mode in ("rlimits", "no-namespaces"):
+        sandbox.memory_cgroup_parent = lambda: None
+    if mode == "no-namespaces":
+        sandbox._probe_result = False
+    try:
+        yield
+    finally:
+        sandbox.memory_cgroup_parent, sandbox._probe_result = saved
 
+
+def bench_code(rounds: int, per_round: int) -> None:
+    info = sandbox.sandbox_info()
+    print(info.describe(sandbox.SandboxLimits()))
+    modes = ["in force"]
+    if info.memory == "cgroup":
+        modes.append("rlimits")
+    if info.isolation == "namespaces":
+        modes.append("no-namespaces")
+    for cases in (1, 20):
+        reference = {"io": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(cases)]}
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        for round_ in range(rounds + 1):  # round 0 warms the caches and is not counted
+            for mode in modes:
+                with _containment(mode):
+                    start = time.perf_counter()
+                    for _ in range(per_round):
+                        assert score("code", "print(2 * int(input()))", reference) == 1.0
+                    if round_:
+                        times[mode].append((time.perf_counter() - start) / per_round)
+        first = statistics.median(times[modes[0]])
+        for mode in modes:
+            ms = statistics.median(times[mode]) * 1000
+            print(f"code, {cases:2d} stdin case(s) per item, {mode:14s}: {ms:7.1f} ms/item (median of {rounds} rounds "
+                  f"of {per_round}), ratio to in force {ms / 1000 / first:.2f}")
+
+
+def bench_math(args: argparse.Namespace) -> None:
+    responses, golds = make_items(args.items)
     score("math", responses[0], golds[0])  # import sympy/math-verify outside the timed region
     start = time.perf_counter()
     base_rewards = [score("math", r, g) for r, g in zip(responses, golds)]
@@ -62,16 +102,19 @@ def main() -> None:
         score("countdown", "(7-5)*(7+5)" if i % 2 else "3*(7+7-5)-3", refs[i])
     print(f"countdown, in-process:                 {count / (time.perf_counter() - start):8.1f} items/s")
 
-    reference = {"io": [{"input": "3\n", "output": "6\n"}]}
-    start = time.perf_counter()
-    for _ in range(20):
-        score("code", "print(2 * int(input()))", reference)
-    print(f"code, 1 stdin case per item, serial:   {20 / (time.perf_counter() - start):8.1f} items/s")
-    reference = {"io": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(20)]}
-    start = time.perf_counter()
-    for _ in range(5):
-        score("code", "print(2 * int(input()))", reference)
-    print(f"code, 20 stdin cases per item, serial: {5 / (time.perf_counter() - start):8.1f} items/s (one sandbox per item)")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--items", type=int, default=2000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--only", choices=["math", "code"], default=None)
+    parser.add_argument("--code-rounds", type=int, default=5)
+    parser.add_argument("--code-per-round", type=int, default=4)
+    args = parser.parse_args()
+    if args.only != "code":
+        bench_math(args)
+    if args.only != "math":
+        bench_code(args.code_rounds, args.code_per_round)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 RLIMIT_AS bounds one process; a program that forks N children holds N times that. A memory cgroup bounds their sum:
 when the group reaches its limit the kernel's OOM killer picks a victim *inside the group* (one of the program's
 processes), never the trainer. This module makes them on the cgroup v1 memory controller (the hierarchy mounted with
-the ``memory`` option, usually /sys/fs/cgroup/memory), under ``<mount>/megatron_rlvr/<pid>-<n>``:
+the ``memory`` option, usually /sys/fs/cgroup/memory), under ``<mount>/megatron_rlvr/<pid>.<start time>-<n>``:
 
 - `memory_cgroup_parent()` says whether we may (root, the controller mounted, a child can be made and limited);
   probed once per process, which also removes the groups left by processes that died (a SIGKILLed pool worker);
@@ -51,21 +51,30 @@ def _memory_mount() -> Path | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot), or None when there is no such process."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_tag() -> str:
+    """This process as ``<pid>.<start time>``: unlike the pid alone, never the same for a later process."""
+    return f"{os.getpid()}.{_start_time(os.getpid())}"
+
+
+def owner_gone(tag: str) -> bool:
+    """Whether the process ``tag`` names has ended (a malformed tag is never ours to remove: False)."""
+    pid, _, start = tag.partition(".")
+    return pid.isdigit() and bool(start) and _start_time(int(pid)) != start
 
 
 def _sweep_stale(parent: Path) -> None:
-    """Remove the groups of processes that died without cleaning up (their names start with the owner's pid)."""
+    """Remove the groups of processes that died without cleaning up (their names start with the owner's tag)."""
     for child in parent.iterdir():
-        owner = child.name.split("-", 1)[0]
-        if child.is_dir() and owner.isdigit() and int(owner) != os.getpid() and not _pid_alive(int(owner)):
+        if child.is_dir() and owner_gone(child.name.split("-", 1)[0]):
             MemoryCgroup(child).remove()
 
 
@@ -112,7 +121,7 @@ class MemoryCgroup:
         if parent is None:
             raise OSError(errno.ENOENT, f"no memory cgroup hierarchy: {_reason}")
         with _name_lock:
-            name = f"{os.getpid()}-{next(_counter)}"
+            name = f"{owner_tag()}-{next(_counter)}"
         group = cls(parent / name)
         group.path.mkdir()
         try:

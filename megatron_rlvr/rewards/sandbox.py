@@ -40,7 +40,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rlvr.rewards.cgroup import MemoryCgroup, memory_cgroup_parent, unavailable_reason
+from megatron_rlvr.rewards.cgroup import MemoryCgroup, memory_cgroup_parent, owner_gone, owner_tag, unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -226,21 +226,10 @@ def sandbox_info() -> SandboxInfo:
     )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def _sweep_stale_dirs() -> None:
     """Remove the host dirs of sandboxes whose scoring process was killed mid-run (a pool worker at its deadline)."""
     for path in Path(tempfile.gettempdir()).glob("rlvr-sandbox-*-*"):
-        owner = path.name.split("-")[2]
-        if owner.isdigit() and int(owner) != os.getpid() and not _pid_alive(int(owner)):
+        if owner_gone(path.name.split("-")[2]):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -277,7 +266,7 @@ def run_python_many(source: str, stdins: list[str], limits: SandboxLimits | None
     _log_once(info, limits)
     use_namespaces = info.isolation == "namespaces"
     uid = _next_uid() if info.isolation != "rlimits-only" else None
-    root = Path(tempfile.mkdtemp(prefix=f"rlvr-sandbox-{os.getpid()}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"rlvr-sandbox-{owner_tag()}-"))
     process = None
     cgroup = None
     try:

@@ -29,10 +29,10 @@ def sandbox_processes() -> list[int]:
 def leftovers(pid: int | None = None) -> list[str]:
     """Memory cgroups and host work dirs of ``pid``'s sandboxes (default: this process) still present."""
     pid = os.getpid() if pid is None else pid
-    found = [str(p) for p in Path("/tmp").glob(f"rlvr-sandbox-{pid}-*")]
+    found = [str(p) for p in Path("/tmp").glob(f"rlvr-sandbox-{pid}.*")]
     parent = cgroup.memory_cgroup_parent()
     if parent is not None:
-        found += [str(p) for p in parent.glob(f"{pid}-*")]
+        found += [str(p) for p in parent.glob(f"{pid}.*")]
     return found
 
 

@@ -172,9 +172,15 @@ def test_a_timed_out_program_leaves_no_cgroup_and_a_dead_owners_groups_are_swept
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     parent = cgroup.memory_cgroup_parent()
-    (parent / f"{dead.pid}-0").mkdir()
-    cgroup._sweep_stale(parent)
-    assert not (parent / f"{dead.pid}-0").exists()
+    stale, live = parent / f"{dead.pid}.12345-0", parent / f"{cgroup.owner_tag()}-999"
+    stale.mkdir()
+    live.mkdir()
+    try:
+        cgroup._sweep_stale(parent)
+        assert not stale.exists() and live.exists()  # a live owner's groups stay, even while it holds none open
+    finally:
+        for group in (stale, live):
+            cgroup.MemoryCgroup(group).remove()
 
 
 @needs_namespaces
