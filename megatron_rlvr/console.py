@@ -151,3 +151,24 @@ def report_user_error(exc: BaseException) -> int:
         except OSError:
             pass  # torchrun then reports the exit status alone
     return 2
+
+
+def torchrun(argv: list[str]) -> int:
+    """torchrun (same arguments), exiting 2 without its failure report when every failed rank failed on a user error
+    (rank 0 has printed the line): ``python -m megatron_rlvr.console --nproc-per-node 2 -m megatron_rlvr.cli train ...``.
+    Any other failure keeps torchrun's report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as e:
+        messages = [f.message for f in e.failures.values()]
+        if messages and all(isinstance(m, str) and m.startswith("error: ") for m in messages):
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun(sys.argv[1:]))
