@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()
+    from megatron_rlvr.console import attach_log_file
+
+    attach_log_file(out, "demo")  # vLLM / megatron-core lines of every process go to <out>/logs, not the console
     # the base model is copied first: the evaluation compares against exactly the weights training started from
     base_model = out / "base_model"
     if not (base_model / "config.json").is_file():
