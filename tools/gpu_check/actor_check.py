@@ -119,9 +119,12 @@ def make_batch(vocab: int, args: argparse.Namespace):
 
 
 def real_tokens(batch) -> int:
-    from megatron_rlvr.packing import sequence_lengths
+    """Tokens up to each sequence's last response token (what packing keeps; the rest is padding)."""
+    import torch
 
-    return sum(sequence_lengths(batch.response_mask))
+    width = batch.response_mask.shape[1]
+    last = torch.where(batch.response_mask, torch.arange(1, width + 1), 0).amax(dim=1)
+    return int((last + 1).sum())
 
 
 def actor_config(args: argparse.Namespace, layout: str, bf16: bool):
@@ -163,7 +166,7 @@ def reset_peak(cuda: bool) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool):
+def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool, total_steps: int):
     from megatron_rlvr.actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.config import ModelConfig
@@ -172,7 +175,7 @@ def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool)
     if err:
         return None, err
     actor = MegatronActor(ModelConfig(hf_dir=str(hf_dir)), cfg, AlgoConfig(loss="casp"), temperature=1.0,
-                          total_steps=args.steps + 1)
+                          total_steps=total_steps)
     return actor, None
 
 
@@ -195,7 +198,7 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
         for layout in args.layouts.split(","):
             key = f"{dtype}/{layout}"
             with model_parallel(tp=1, pp=1, seed=args.seed):
-                actor, err = build_actor(hf_dir, args, layout, bf16=dtype == "bfloat16")
+                actor, err = build_actor(hf_dir, args, layout, bf16=dtype == "bfloat16", total_steps=args.steps)
                 if err:
                     runs[key] = {"status": "skipped", "reason": err}
                     continue
@@ -235,7 +238,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[
         reset_peak(cuda)
         timer = common.Timer(cuda)
         with timer:
-            actor, err = build_actor(hf_dir, args, "padded", bf16=True)
+            actor, err = build_actor(hf_dir, args, "padded", bf16=True, total_steps=1 + args.steps * len(layouts))
         if err:
             raise SystemExit(f"actor_check: {err}")
         out |= {"build_s": round(timer.seconds, 2), "build_peak_gib": round(peak_bytes(cuda) / 2**30, 2),

@@ -7,12 +7,18 @@ these two), and writes its figures as one JSON object to ``--out``; summary.py g
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# gpu_check.sh stops a stage that outruns its limit with SIGTERM: every thread's stack goes to the stage's log first,
+# so the JSON's log tail says where it hung (an NCCL wait, an import, ...)
+faulthandler.register(signal.SIGTERM, chain=True)
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # the scripts run from a plain checkout, nothing installed
@@ -51,16 +57,20 @@ def model_dir(name: str, work: Path = DEFAULT_WORK) -> Path:
     written once per machine: a finished directory holds the marker file ``.complete``."""
     from megatron_rlvr.models.tiny import write_random_hf_checkpoint
 
-    out = work / f"qwen2-{name}"
-    if (out / ".complete").is_file():
-        return out
+    import fcntl
     import shutil
 
     import torch
 
-    shutil.rmtree(out, ignore_errors=True)
-    write_random_hf_checkpoint("qwen2", out, dtype=torch.bfloat16, max_shard_size=1 << 30, seed=7, **MODELS[name])
-    (out / ".complete").write_text("")
+    out = work / f"qwen2-{name}"
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / f"qwen2-{name}.lock", "w") as lock:  # stages in parallel: one writes, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".complete").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            write_random_hf_checkpoint("qwen2", out, dtype=torch.bfloat16, max_shard_size=1 << 30, seed=7,
+                                       **MODELS[name])
+            (out / ".complete").write_text("")
     return out
 
 

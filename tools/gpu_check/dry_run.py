@@ -36,7 +36,7 @@ class _Parsed(Exception):
 
 
 def load_script(path: Path):
-    name = "gpu_check_dry_" + "_".join(path.relative_to(REPO).with_suffix("").parts)
+    name = "gpu_check_dry_" + "".join(c if c.isalnum() else "_" for c in str(path.with_suffix("")))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
@@ -101,7 +101,7 @@ def third_party_imports(scripts: list[Path]) -> dict[str, set[str]]:
             continue
         for top in _imports(ast.parse(path.read_text()), module_level_only):
             if top not in sys.stdlib_module_names and top not in LOCAL_ROOTS and top != "__future__":
-                users.setdefault(top, set()).add(str(path.relative_to(REPO)))
+                users.setdefault(top, set()).add(str(path))
     return users
 
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if not lines:
         failures.append(f"{args.listing}: no invocation listed")
     for stage, script, *script_args in lines:
-        path = REPO / script
+        path = REPO / script  # relative to the repository (an absolute path stays itself)
         scripts.append(path)
         try:
             notes = check_invocation(path, script_args)
