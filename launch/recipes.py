@@ -98,6 +98,35 @@ def eval_cli_args(cfg: Config) -> list[str]:
     return args
 
 
+def check_plan(recipe: str, overrides: list[str], cfg: Config, nodes: int, gpus_per_node: int, force: bool) -> int:
+    """`megatron-rlvr plan` before a cluster job is queued: one line on stderr; 3 (the plan's exit status) when the
+    layout cannot fit on the H200s and `--force` was not given, else 0. A job that would run out of memory costs
+    a queue wait on several nodes before it fails; the plan costs milliseconds here."""
+    import sys
+
+    from megatron_rlvr.plan.command import EXIT_DOES_NOT_FIT, H200_MEMORY_GB, make_plan
+
+    hf = load_hf_config(cfg.model.hf_dir)
+    if hf is None:
+        print(f"[plan] warning: no config.json for model.hf_dir={cfg.model.hf_dir}: memory not planned", file=sys.stderr)
+        return 0
+    plan = make_plan(cfg, hf, nodes, gpus_per_node, H200_MEMORY_GB)
+    where = f"{plan.worst.name}, {plan.worst.peak_phase}"
+    line = f"peak {plan.peak / 1e9:.1f} GB per GPU ({where}) of {H200_MEMORY_GB:g} GB"
+    if plan.fits:
+        print(f"[plan] {line}: fits", file=sys.stderr)
+        return 0
+    breaker = plan.breaker()
+    why = "; ".join(plan.problems) or f"largest part: {breaker[0]} {breaker[1] / 1e9:.1f} GB"
+    detail = f"megatron-rlvr plan {recipe} {' '.join(overrides)} --nodes {nodes}".replace("  ", " ")
+    if force:
+        print(f"[plan] warning: {line}: does not fit ({why}); queued anyway (--force)", file=sys.stderr)
+        return 0
+    print(f"error: the memory plan does not fit: {line} ({why}); see `{detail}` and its --suggest, or give --force "
+          f"to queue anyway", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT
+
+
 def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -> int:
     """The whole of `launch/train.py` and `launch/eval.py`: parse, validate, run.
 
@@ -116,6 +145,9 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
                         help=f"name in configs/ or a YAML path; known: {', '.join(recipe_names())}")
     add_launch_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. algo.alpha=0.05")
+    if subcommand == "train":
+        parser.add_argument("--force", action="store_true",
+                            help="queue the job even when the memory plan says it does not fit on its GPUs")
     args = parser.parse_args(argv)
     try:
         if subcommand == "eval":
@@ -133,6 +165,10 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
     except (LaunchError, ValueError) as e:  # ConfigError, and range errors from section __post_init__
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if subcommand == "train" and opts.executor == "slurm_h200":
+        status = check_plan(args.recipe, args.overrides, cfg, opts.nodes, opts.procs_per_node, args.force)
+        if status:
+            return status
     if opts.executor == "slurm_h200":
         for item in unmounted_paths(cfg, opts.mounts):
             print(f"[launch] warning: {item} is under no --mount; the container must provide it", file=sys.stderr)

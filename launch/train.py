@@ -1,7 +1,10 @@
 """Launch RLVR training of a recipe through nemo-run (local torchrun, or Slurm H200 nodes).
 
     python launch/train.py --recipe qwen2.5-32b_math-l3to5_casp --executor slurm_h200 --nodes 4 [--dryrun] \
-        [key=value ...]
+        [--force] [key=value ...]
+
+Before a Slurm job is queued, `megatron-rlvr plan` checks that the layout fits the H200s' memory; a layout that
+cannot fit is refused with exit status 3 and the component that breaks it (--force queues it anyway).
 """
 
 import sys

@@ -3,8 +3,8 @@
 For each layout (TP, PP, with or without the distributed optimizer and the frozen reference) every rank builds the
 actor on a random Qwen2, runs the statistics pass and one update, and reports the bytes of its parameters, of DDP's
 grad buffer, of the optimizer state (Adam moments + main params that are not the model's own tensors), of the
-reference, and the peak anonymous resident memory during the update above what the process held before the actor
-was built. Each is printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline stage.
+reference, and the peak anonymous resident memory during an update (the second: the optimizer state exists) above
+what the process held before the actor was built. Each is printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline stage.
 
     OMP_NUM_THREADS=1 python tools/measure_memory.py                # the small model, 4 layouts, 2 ranks each
     python tools/measure_memory.py --layouts 1,1,dist,ref 2,1,local --world 2 --markdown
@@ -183,6 +183,9 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
             batch.old_logp = actor.compute_old_logp(batch)
             if actor.reference is not None:
                 batch.ref_logp = actor.compute_ref_logp(batch)
+            # The first step creates Adam's state lazily, on top of a heap that glibc has not handed back after the
+            # backward (on GPU the caching allocator reuses those blocks): measure the steady state, the second update.
+            actor.update(batch, mini_batches=1)
             _trim()
             with PeakSampler() as sampler:
                 actor.update(batch, mini_batches=1)

@@ -138,6 +138,24 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
     return "\n".join(lines)
 
 
+def header_lines(plan: Plan) -> list[str]:
+    """The plan in a recipe header's few lines (tests/configs check every GPU recipe carries its current plan)."""
+    lay, c = plan.layout, plan.worst.components
+
+    def gb(key: str) -> str:
+        return f"{c[key] / GB:.1f}"
+
+    actor = (f"actor TP={lay.tp} PP={lay.pp} DP={lay.dp}: weights {gb('actor_weights')} GB, main grads "
+             f"{gb('actor_grads')}, optimizer {gb('optimizer')}, activations {gb('activations')}, logits {gb('logits')}")
+    if lay.reference:
+        actor += f", reference {gb('reference')}"
+    engine = (f"engine TP={lay.engine_tp} at gpu_memory_utilization {lay.gpu_memory_utilization}: weights "
+              f"{gb('engine_weights')} GB, KV cache {gb('kv_cache')}, workspace {gb('engine_workspace')} (kept asleep)")
+    phases = ", ".join(f"{k} {v / GB:.1f}" for k, v in plan.worst.phases.items())
+    verdict = "fits" if plan.fits else "does NOT fit"
+    return [actor + ";", engine + ";", f"phases (GB): {phases} => peak {plan.peak / GB:.1f} GB: {verdict}"]
+
+
 def suggestions_text(rows, has_token_budget: bool, top: int) -> str:
     if not rows:
         return "no layout fits on these nodes"

@@ -168,3 +168,25 @@ def test_recipe_benchmarks_are_ones_the_eval_runner_knows(name):
     assert set(cfg.eval.benchmarks) <= set(BENCHMARKS), sorted(set(cfg.eval.benchmarks) - set(BENCHMARKS))
     if name.startswith("eval_"):
         assert cfg.eval.benchmarks, "an eval recipe names its benchmarks"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory plan and data lines of the GPU training recipes
+
+GPU_TRAIN_RECIPES = [n for n in PAPER_RECIPES if not n.startswith("eval_")]
+
+
+@pytest.mark.parametrize("name", GPU_TRAIN_RECIPES)
+def test_gpu_recipe_fits_its_nodes_and_its_header_carries_the_plan(name):
+    from megatron_rlvr.plan.command import header_lines, load_plan_inputs, make_plan
+
+    assert documented_world_size(name) % 8 == 0, "a GPU recipe's header names its --executor slurm_h200 --nodes N"
+    cfg, hf, nodes = load_plan_inputs(name, [], None, 8)
+    assert nodes * 8 == documented_world_size(name)
+    plan = make_plan(cfg, hf, nodes)
+    assert plan.fits, (name, plan.peak / 1e9, plan.problems)
+    header = find_recipe(name).read_text()
+    for line in header_lines(plan):
+        assert f"#   {line}\n" in header, f"{name}: the header's plan is stale; print it with megatron-rlvr plan {name}"
+    data = re.search(r"^# data: megatron-rlvr data prepare (\S+) .*--out (\S+)$", header, re.MULTILINE)
+    assert data and data.group(2) == cfg.data.path, f"{name}: a '# data:' line making {cfg.data.path}"

@@ -43,6 +43,7 @@ def test_slurm_dryrun_writes_the_sbatch_script(tmp_path):
                               "algo.alpha=0.01", "trainer.steps=7"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "warning: model.hf_dir" not in out.stderr and "warning: data.path=/data/" in out.stderr
+    assert re.search(r"\[plan\] peak [\d.]+ GB per GPU \(actor, rollout\) of 141 GB: fits", out.stderr), out.stderr
     path = sbatch_file(out.stdout)
     script = path.read_text()
     assert script in out.stdout, "the dry run prints the script it wrote"
@@ -100,6 +101,24 @@ def test_bad_input_exits_nonzero_before_anything_is_submitted(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert rc == 2 and message in err, (rc, err[-2000:])
     assert not (tmp_path / "experiments").exists(), "nothing may reach nemo-run"
+
+
+def test_a_layout_the_plan_says_cannot_fit_is_refused_before_anything_is_submitted(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path))
+    args = ["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "actor.tp=1",
+            "actor.sequence_parallel=false"]
+    assert recipe_job_main("train", args, "") == 3
+    err = capsys.readouterr().err
+    assert "error: the memory plan does not fit" in err and "actor_grads" in err and "--force" in err
+    assert not (tmp_path / "experiments").exists(), "nothing may reach nemo-run"
+
+
+def test_force_queues_a_layout_that_does_not_fit(tmp_path):
+    out = launch("train.py", ["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "--dryrun", "--force",
+                              "actor.tp=1", "actor.sequence_parallel=false"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "does not fit" in out.stderr and "queued anyway (--force)" in out.stderr
+    assert "#SBATCH --nodes=4" in sbatch_file(out.stdout).read_text()
 
 
 def test_convert_dryrun_starts_the_convert_subcommand(tmp_path):
