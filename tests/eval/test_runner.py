@@ -237,3 +237,22 @@ def test_requests_are_scored_while_the_engine_draws_the_next(tmp_path):
     pool = SlowScorePool(events)
     EvalRunner(Engine(), encode, EvalConfig(n_samples=16, chunk=8), pool, tmp_path / "run", model="m").run(problems)
     assert pool.overlapped[0] is True and len(load_records(tmp_path / "run")) == 2 * 16
+
+
+@pytest.mark.slow
+def test_two_engine_replicas_under_torchrun_store_what_one_process_does(tmp_path):
+    data = tmp_path / "data"
+    write_data(data)
+    n, chunk, request_samples = 48, 16, 32  # 2 problems per request: 3 blocks x 3 chunks per model
+    single = run_fake_eval(data, tmp_path / "one", n, chunk, request_samples)
+    assert single.returncode == 0, single.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(FAKE),
+                          str(data), str(tmp_path / "two"), str(n), str(chunk), str(request_samples)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for tag in ("weak", "strong"):
+        shards = sorted(p.name for p in (tmp_path / "two" / tag / "samples").glob("*.jsonl"))
+        assert len(shards) == 2 and any(name.endswith("-r1.jsonl") for name in shards)  # each replica wrote its share
+        assert texts_of(tmp_path / "two" / tag) == texts_of(tmp_path / "one" / tag)
+    assert (tmp_path / "two" / "table.csv").read_text() == (tmp_path / "one" / "table.csv").read_text()
