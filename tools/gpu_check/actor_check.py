@@ -5,9 +5,10 @@ Two modes:
   compare     (the small model, on the CPU or on CUDA): a fresh actor per (dtype, layout) runs the statistics pass,
               two updates and the statistics pass again; figures and per-token log-probs go to --out / --tensors,
               and compare.py holds a CUDA run against a CPU run of the same seeds.
-  throughput  (the ~1B model, bf16, CUDA): one actor; a warm-up update, then per layout the statistics pass and two
-              updates, each timed (tokens/s over the batch's real tokens) with its peak memory; the statistics of
-              the layouts are compared with each other (packing changes no number beyond rounding).
+  throughput  (the ~1B model, bf16, CUDA): one actor; a warm-up update, then per layout the statistics pass (all on
+              the same weights, compared with each other: packing changes no number beyond rounding) and two
+              updates from fresh statistics, each timed (tokens/s over the batch's real tokens) with its peak
+              memory.
 
     python tools/gpu_check/actor_check.py --model small --mode compare --out /tmp/a.json --tensors /tmp/a.pt
     python tools/gpu_check/actor_check.py --model 1b --mode throughput --out /tmp/b.json
@@ -76,7 +77,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
 
 def preflight(args: argparse.Namespace) -> list[str]:
     """What the dry run checks without a GPU: the arguments, the imports, and the ActorConfig fields it sets.
-    Returns notes (things skipped); raises SystemExit on an error."""
+    Returns notes for the dry run; raises SystemExit on an error."""
     errors = check_args(args)
     if errors:
         raise SystemExit("actor_check: " + "; ".join(errors))
@@ -90,11 +91,11 @@ def preflight(args: argparse.Namespace) -> list[str]:
     from megatron_rlvr.ops import backends  # noqa: F401
 
     AlgoConfig(loss="casp")
-    notes = []
     missing = [f for f in PACKING_FIELDS if f not in {f.name for f in dataclasses.fields(ActorConfig)}]
     if missing:
-        notes.append(f"ActorConfig has no {missing} yet: the run records the packed layouts as skipped")
-    return notes
+        raise SystemExit(f"actor_check: ActorConfig has no {missing}; the check sets them to run the actor padded "
+                         "and packed")
+    return []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -130,24 +131,17 @@ def real_tokens(batch) -> int:
 def actor_config(args: argparse.Namespace, layout: str, bf16: bool):
     from megatron_rlvr.config import ActorConfig
 
-    fields = {f.name for f in dataclasses.fields(ActorConfig)}
     extra = dict(LAYOUTS[layout])
     if extra.get("max_tokens_per_micro_batch") == -1:
         extra["max_tokens_per_micro_batch"] = args.micro_batch_size * (args.prompt_len + args.max_response)
-    missing = [k for k in extra if k not in fields]
-    if missing:
-        return None, f"ActorConfig has no {missing}"
-    return ActorConfig(micro_batch_size=args.micro_batch_size, lr=args.lr, bf16=bf16, **extra), None
+    return ActorConfig(micro_batch_size=args.micro_batch_size, lr=args.lr, bf16=bf16, **extra)
 
 
-def set_layout(actor, args: argparse.Namespace, layout: str) -> str | None:
-    """Switch a built actor's micro-batching (read at every pass) to ``layout``; an error message or None."""
-    cfg, err = actor_config(args, layout, actor.cfg.bf16)
-    if err:
-        return err
+def set_layout(actor, args: argparse.Namespace, layout: str) -> None:
+    """Switch a built actor's micro-batching (read at every pass) to ``layout``."""
+    cfg = actor_config(args, layout, actor.cfg.bf16)
     for key in PACKING_FIELDS:
         setattr(actor.cfg, key, getattr(cfg, key))
-    return None
 
 
 def peak_bytes(cuda: bool) -> int:
@@ -171,12 +165,8 @@ def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool,
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.config import ModelConfig
 
-    cfg, err = actor_config(args, layout, bf16)
-    if err:
-        return None, err
-    actor = MegatronActor(ModelConfig(hf_dir=str(hf_dir)), cfg, AlgoConfig(loss="casp"), temperature=1.0,
-                          total_steps=total_steps)
-    return actor, None
+    return MegatronActor(ModelConfig(hf_dir=str(hf_dir)), actor_config(args, layout, bf16), AlgoConfig(loss="casp"),
+                         temperature=1.0, total_steps=total_steps)
 
 
 def _update_figures(metrics: dict[str, float]) -> dict[str, float]:
@@ -198,10 +188,7 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
         for layout in args.layouts.split(","):
             key = f"{dtype}/{layout}"
             with model_parallel(tp=1, pp=1, seed=args.seed):
-                actor, err = build_actor(hf_dir, args, layout, bf16=dtype == "bfloat16", total_steps=args.steps)
-                if err:
-                    runs[key] = {"status": "skipped", "reason": err}
-                    continue
+                actor = build_actor(hf_dir, args, layout, bf16=dtype == "bfloat16", total_steps=args.steps)
                 batch = make_batch(actor.vocab_size, args)
                 tokens = real_tokens(batch)
                 timer = common.Timer(cuda)
@@ -238,9 +225,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[
         reset_peak(cuda)
         timer = common.Timer(cuda)
         with timer:
-            actor, err = build_actor(hf_dir, args, "padded", bf16=True, total_steps=1 + args.steps * len(layouts))
-        if err:
-            raise SystemExit(f"actor_check: {err}")
+            actor = build_actor(hf_dir, args, "padded", bf16=True, total_steps=1 + args.steps * len(layouts))
         out |= {"build_s": round(timer.seconds, 2), "build_peak_gib": round(peak_bytes(cuda) / 2**30, 2),
                 "impl": backends.resolve(torch.device("cuda" if cuda else "cpu"), None, 3)}
         batch = make_batch(actor.vocab_size, args)
@@ -253,10 +238,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[
         out["warmup_update_s"] = round(timer.seconds, 3)
         stats: dict[str, Any] = {}
         for layout in layouts:  # statistics first, so every layout sees the same weights
-            err = set_layout(actor, args, layout)
-            if err:
-                out["layouts"][layout] = {"status": "skipped", "reason": err}
-                continue
+            set_layout(actor, args, layout)
             reset_peak(cuda)
             with timer:
                 stats[layout] = actor.compute_old_logp(batch)
@@ -269,7 +251,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[
             out["layouts"][layout]["logp_max_abs_diff_vs_" + first] = float((logp - stats[first])[mask].abs().max())
         for layout in stats:
             set_layout(actor, args, layout)
-            batch.old_logp = stats[layout]
+            batch.old_logp = actor.compute_old_logp(batch)  # the weights moved: each layout starts on-policy
             fig = out["layouts"][layout]
             fig["updates"] = []
             reset_peak(cuda)
@@ -284,7 +266,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    notes = preflight(args)
+    preflight(args)
     import torch
 
     cuda = torch.cuda.is_available()
@@ -292,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"actor_check: --device {args.device} but torch.cuda.is_available() is {cuda}")
     backend = common.init_process_group()
     result: dict[str, Any] = {"env": common.environment(), "backend": backend, "model": args.model,
-                              "params": common.param_count(common.MODELS[args.model]), "notes": notes,
+                              "params": common.param_count(common.MODELS[args.model]),
                               "args": {k: str(v) for k, v in vars(args).items()}}
     from megatron_rlvr.models.builder import transformer_engine_available
 
