@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 import time
@@ -47,6 +48,15 @@ H200_ENV = {
 }
 
 
+# Training stops cleanly on this signal (megatron_rlvr/preemption.py): Slurm sends it to every process of the job
+# step this many seconds before the time limit; the run finishes its step, writes a checkpoint and exits.
+DEFAULT_SIGNAL = "USR1@300"
+# torchrun's own list (its default) plus the warning signal: it forwards them to the ranks instead of dying of one.
+_TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_SIGNAL_RE = re.compile(r"(?:SIG)?([A-Z0-9]+)@(\d+)")
+_STOP_SIGNALS = ("USR1", "TERM")  # the ones megatron_rlvr.preemption handles
+
+
 class LaunchError(ValueError):
     """A launch option is missing or inconsistent; the message names the option and what was expected."""
 
@@ -67,6 +77,7 @@ class LaunchOptions:
     account: str | None = None
     partition: str | None = None
     time: str = "04:00:00"
+    signal: str | None = DEFAULT_SIGNAL  # SIG@SECONDS before the time limit, for training jobs; None: none
     container_image: str | None = None
     mounts: list[str] = field(default_factory=list)
     code: str = "git"  # git: ship the repo's committed HEAD; image: the container already has megatron-rlvr
@@ -109,6 +120,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--account", default=env("SBATCH_ACCOUNT"), help="[$SBATCH_ACCOUNT]")
     s.add_argument("--partition", default=env("SBATCH_PARTITION"), help="[$SBATCH_PARTITION]")
     s.add_argument("--time", default=env("SBATCH_TIMELIMIT", "04:00:00"), help="[$SBATCH_TIMELIMIT]")
+    s.add_argument("--signal", default=env("MEGATRON_RLVR_SIGNAL", DEFAULT_SIGNAL), metavar="SIG@SECONDS",
+                   help="training jobs: Slurm sends SIG (USR1 or TERM) to every process of the job this many seconds "
+                        "before --time runs out; the run finishes its step, checkpoints and exits, and rerunning "
+                        "the same launch command resumes. 'none': no warning [$MEGATRON_RLVR_SIGNAL, "
+                        f"default {DEFAULT_SIGNAL}]")
     s.add_argument("--container-image", default=env("MEGATRON_RLVR_CONTAINER"), help="[$MEGATRON_RLVR_CONTAINER]")
     s.add_argument("--mount", action="append", default=None, metavar="SRC:DST",
                    help="container mount (repeat) [$MEGATRON_RLVR_MOUNTS, comma-separated]")
@@ -140,6 +156,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         account=args.account,
         partition=args.partition,
         time=args.time,
+        signal=None if str(args.signal).lower() in ("none", "") else args.signal,
         container_image=args.container_image,
         mounts=list(mounts),
         code=args.code,
@@ -190,6 +207,8 @@ def check_options(opts: LaunchOptions) -> None:
             "--container-image: the Slurm executor runs in a pyxis container; give an image with megatron-core, "
             "vLLM and transformer-engine (or set $MEGATRON_RLVR_CONTAINER)"
         )
+    if opts.signal is not None:
+        opts.signal = check_signal(opts.signal, opts.time)
     for mount in opts.mounts:
         if ":" not in mount:
             raise LaunchError(f"--mount {mount!r}: expected SRC:DST (or SRC:DST:ro)")
@@ -198,6 +217,52 @@ def check_options(opts: LaunchOptions) -> None:
                                             ("--remote-job-dir", opts.remote_job_dir)) if not value]
         if missing:
             raise LaunchError(f"{', '.join(missing)}: needed with --tunnel ssh")
+
+
+def time_limit_seconds(value: str) -> int | None:
+    """Slurm's --time in seconds (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS); None when it is unlimited."""
+    if value.strip().lower() in ("infinite", "unlimited", "-1", "0"):
+        return None
+    days, _, rest = value.strip().rpartition("-")
+    parts = [int(p) for p in rest.split(":")] if re.fullmatch(r"\d+(:\d+){0,2}", rest) else None
+    if parts is None or (days and not days.isdigit()):
+        raise LaunchError(f"--time {value!r}: expected a Slurm time limit such as 04:00:00 or 1-12:00:00")
+    if days:
+        h, m, sec = (parts + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + m * 60 + sec
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
+def check_signal(value: str, time_limit: str) -> str:
+    """The --signal value as sbatch takes it (USR1@300), checked against what training handles and the limit."""
+    if value.upper().startswith(("B:", "R:")):
+        raise LaunchError(
+            f"--signal {value!r}: give SIG@SECONDS without 'B:' or 'R:': with 'B:' Slurm signals only the batch "
+            "shell, which waits on srun and would not pass it on (the job would end without its checkpoint)")
+    match = _SIGNAL_RE.fullmatch(value.upper())
+    if not match or match.group(1) not in _STOP_SIGNALS:
+        raise LaunchError(f"--signal {value!r}: expected SIG@SECONDS with SIG one of {', '.join(_STOP_SIGNALS)} "
+                          f"(what training handles), e.g. {DEFAULT_SIGNAL}; or 'none'")
+    name, seconds = match.group(1), int(match.group(2))
+    limit = time_limit_seconds(time_limit)
+    if not 0 < seconds <= 65535:  # sbatch's range
+        raise LaunchError(f"--signal {value!r}: the lead time must be 1..65535 seconds")
+    if limit is not None and seconds >= limit:
+        raise LaunchError(f"--signal {value!r}: {seconds} s before the end of a {time_limit} job is at or before "
+                          "its start; give fewer seconds or a longer --time")
+    return f"{name}@{seconds}"
+
+
+def signal_env(signal: str) -> dict[str, str]:
+    """What torchrun needs to pass the warning on: handle it (forward to the ranks, rather than die of it) and
+    give the ranks the whole lead time to finish the step and write the checkpoint before it kills them."""
+    name, seconds = signal.split("@")
+    handled = _TORCHRUN_SIGNALS + (() if f"SIG{name}" in _TORCHRUN_SIGNALS else (f"SIG{name}",))
+    return {"PET_SIGNALS_TO_HANDLE": ",".join(handled), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": seconds}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,9 +288,11 @@ def local_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchr
     return run.LocalExecutor(ntasks_per_node=opts.procs_per_node, launcher=launcher, env_vars=env)
 
 
-def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun") -> Any:
+def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun",
+                        preemptible: bool = False) -> Any:
     """`nodes` exclusive H200 nodes, one torchrun per node starting 8 ranks, inside a pyxis container
-    (without a launcher: srun starts `procs_per_node` plain processes per node)."""
+    (without a launcher: srun starts `procs_per_node` plain processes per node). A `preemptible` job (training)
+    asks for `opts.signal` before the time limit; other jobs would die of it, so they ask for none."""
     if opts.tunnel == "ssh":
         tunnel = run.SSHTunnel(host=opts.ssh_host, user=opts.ssh_user, job_dir=opts.remote_job_dir,
                                identity=opts.ssh_identity)
@@ -235,6 +302,7 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "t
     # git: the job's working directory /nemo_run/code holds the shipped repo, and `python -m` puts the working
     # directory first on sys.path, so it shadows any megatron-rlvr installed in the image; image: that dir is empty.
     packager = run.GitArchivePackager() if opts.code == "git" else run.Packager()
+    warn = preemptible and opts.signal is not None
     return run.SlurmExecutor(
         account=opts.account,
         partition=opts.partition,
@@ -246,7 +314,8 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "t
         mem="0",  # all of the node's memory: colocated vLLM + megatron ranks share it
         container_image=opts.container_image,
         container_mounts=list(opts.mounts),
-        env_vars={**H200_ENV, **opts.env},
+        signal=opts.signal if warn else None,
+        env_vars={**H200_ENV, **(signal_env(opts.signal) if warn else {}), **opts.env},
         tunnel=tunnel,
         packager=packager,
         launcher=launcher,
@@ -254,9 +323,10 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "t
     )
 
 
-def make_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun") -> Any:
-    build = local_executor if opts.executor == "local" else slurm_h200_executor
-    return build(opts, run, launcher)
+def make_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun", preemptible: bool = False) -> Any:
+    if opts.executor == "local":
+        return local_executor(opts, run, launcher)
+    return slurm_h200_executor(opts, run, launcher, preemptible)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,7 +371,8 @@ def run_task(
     # the git packager archives the repository of the current directory, and local ranks start here too
     os.chdir(REPO_ROOT)
     ship = dict(ship or {})
-    executor = make_executor(opts, run, launcher)
+    # only `megatron-rlvr train` stops cleanly on the warning signal (megatron_rlvr/preemption.py)
+    executor = make_executor(opts, run, launcher, preemptible=module == CLI_MODULE and cli_args[:1] == ["train"])
     if opts.executor == "local":
         paths = _ship_locally(ship, name) if ship else {}
     else:
