@@ -56,12 +56,13 @@ def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_
     return cfg, hf, nodes
 
 
-def make_plan(cfg: Any, hf: dict, nodes: int, gpus_per_node: int = 8, gpu_memory_gb: float = H200_MEMORY_GB) -> Plan:
+def make_plan(cfg: Any, hf: dict, nodes: int, gpus_per_node: int = 8, gpu_memory_gb: float = H200_MEMORY_GB,
+              headroom_gb: float | None = None) -> Plan:
     try:
         dims = ModelDims.from_hf(hf)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"model.hf_dir={cfg.model.hf_dir!r}: config.json lacks a usable shape ({e})") from e
-    return plan_layout(dims, Layout.from_config(cfg, nodes * gpus_per_node), gpu_memory_gb)
+    return plan_layout(dims, Layout.from_config(cfg, nodes * gpus_per_node), gpu_memory_gb, headroom_gb)
 
 
 def _gb(value: int) -> float:
@@ -75,7 +76,7 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
     breaker = plan.breaker()
     return {
         "recipe": recipe, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": plan.gpu_memory / GB,
-        "fits": plan.fits, "peak_gb": _gb(plan.peak), "peak_phase": worst.peak_phase, "peak_rank": worst.name,
+        "fits": plan.fits, "peak_gb": _gb(plan.peak), "headroom_gb": _gb(plan.headroom), "peak_phase": worst.peak_phase, "peak_rank": worst.name,
         "phases": {k: _gb(v) for k, v in worst.phases.items()},
         "components": {f"{k}_gb": _gb(v) for k, v in worst.components.items()},
         "ranks": [{"name": r.name, "peak_gb": _gb(r.peak), "phases": {k: _gb(v) for k, v in r.phases.items()},
@@ -129,12 +130,12 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
         lines.append(f"problem: {problem}")
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"peak {plan.peak / GB:.1f} GB per GPU ({plan.worst.name}, {plan.worst.peak_phase}) of "
-                 f"{plan.gpu_memory / GB:g} GB: {verdict}")
+                 f"{plan.gpu_memory / GB:g} GB, {plan.headroom / GB:.1f} GB kept free: {verdict}")
     breaker = plan.breaker()
-    if breaker is not None and plan.peak > plan.gpu_memory:
+    if breaker is not None and plan.over > 0:
         lines.append(f"breaks it: {breaker[0]} ({LABELS.get(breaker[0], breaker[0])}) {breaker[1] / GB:.1f} GB, the "
-                     f"largest part of the {plan.worst.peak_phase} phase, which is "
-                     f"{(plan.peak - plan.gpu_memory) / GB:.1f} GB over; try --suggest")
+                     f"largest part of the {plan.worst.peak_phase} phase, which is {plan.over / GB:.1f} GB over; "
+                     f"try --suggest")
     return "\n".join(lines)
 
 
@@ -161,11 +162,12 @@ def suggestions_text(rows, has_token_budget: bool, top: int) -> str:
         return "no layout fits on these nodes"
     lines = [f"{len(rows)} layouts fit; best first by: {RANKING_RULE}",
              f"{'TP':>3} {'PP':>3} {'DP':>3} {'micro tok':>10} {'eng TP':>7} {'util':>5} {'peak GB':>8} {'KV GB':>6}"
-             "  overrides"]
+             f" {'seq slots':>9}  overrides"]
     for s in rows[:top]:
         lay, c = s.layout, s.plan.ranks[0].components
         lines.append(f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.micro_tokens:>10} {lay.engine_tp:>7} "
-                     f"{lay.gpu_memory_utilization:>5.2f} {s.plan.peak / GB:>8.1f} {c['kv_cache'] / GB:>6.1f}  "
+                     f"{lay.gpu_memory_utilization:>5.2f} {s.plan.peak / GB:>8.1f} {c['kv_cache'] / GB:>6.1f} "
+                     f"{s.sequence_slots:>9}  "
                      + " ".join(s.overrides(has_token_budget)))
     return "\n".join(lines)
 
@@ -178,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe header's --nodes, else 1)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-gb", type=float, default=H200_MEMORY_GB, help="memory of one GPU (H200: 141)")
+    p.add_argument("--headroom-gb", type=float, default=None,
+                   help="memory each GPU keeps free for allocator fragmentation (default: 5%% of --gpu-memory-gb)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--suggest", action="store_true", help="list the layouts that fit on these nodes, best first")
     p.add_argument("--top", type=int, default=10, help="--suggest: how many layouts to print")
@@ -190,17 +194,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg, hf, nodes = load_plan_inputs(args.recipe, args.overrides, args.nodes, args.gpus_per_node)
         if args.gpu_memory_gb <= 0:
             raise UserError(f"--gpu-memory-gb {args.gpu_memory_gb}: must be > 0")
-        plan = make_plan(cfg, hf, nodes, args.gpus_per_node, args.gpu_memory_gb)
+        if args.headroom_gb is not None and not 0 <= args.headroom_gb < args.gpu_memory_gb:
+            raise UserError(f"--headroom-gb {args.headroom_gb}: must be in [0, --gpu-memory-gb)")
+        plan = make_plan(cfg, hf, nodes, args.gpus_per_node, args.gpu_memory_gb, args.headroom_gb)
     except (UserError, ValueError) as e:  # ConfigError, and range errors of a section's __post_init__
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     dims = ModelDims.from_hf(hf)
     if args.suggest:
-        rows = suggest(dims, plan.layout, nodes * args.gpus_per_node, args.gpus_per_node, args.gpu_memory_gb)
+        rows = suggest(dims, plan.layout, nodes * args.gpus_per_node, args.gpus_per_node, args.gpu_memory_gb,
+                       args.headroom_gb)
         has_budget = hasattr(cfg.actor, "max_tokens_per_micro_batch")
         if args.json:
             print(json.dumps([{"overrides": s.overrides(has_budget), "peak_gb": _gb(s.plan.peak),
-                               "kv_cache_gb": _gb(s.plan.ranks[0].components["kv_cache"])} for s in rows[:args.top]]))
+                               "kv_cache_gb": _gb(s.plan.ranks[0].components["kv_cache"]),
+                               "sequence_slots": s.sequence_slots} for s in rows[:args.top]]))
         else:
             print(suggestions_text(rows, has_budget, args.top))
         return EXIT_FITS if rows else EXIT_DOES_NOT_FIT

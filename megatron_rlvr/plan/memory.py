@@ -33,6 +33,8 @@ RUNTIME_BYTES = int(2.0 * GB)
 # vLLM's profiled activation peak, sampler logits and CUDA graphs inside its gpu_memory_utilization budget; sleep
 # mode does not free it. An estimate from vLLM's profile run at its default batch limits, not measured here.
 ENGINE_WORKSPACE_BYTES = int(2.0 * GB)
+# Kept free on every GPU for the caching allocator's fragmentation and what the estimates above miss.
+HEADROOM_FRACTION = 0.05
 # megatron-core's DDP grad buffer starts every parameter at a multiple of 64 values with the distributed optimizer.
 PARAM_ALIGN = 64
 
@@ -283,6 +285,7 @@ class Plan:
     layout: Layout
     gpu_memory: int
     ranks: list[RankPlan]
+    headroom: int = 0  # bytes that must stay free for the plan to fit
     problems: list[str] = field(default_factory=list)  # reasons it cannot run that are not a byte total
 
     @property
@@ -295,7 +298,12 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.gpu_memory and not self.problems
+        return self.peak + self.headroom <= self.gpu_memory and not self.problems
+
+    @property
+    def over(self) -> int:
+        """Bytes by which the peak (plus the headroom) exceeds the GPU; <= 0 when the bytes fit."""
+        return self.peak + self.headroom - self.gpu_memory
 
     def breaker(self) -> tuple[str, int] | None:
         """The largest component of the phase that does not fit (None when it fits)."""
@@ -352,11 +360,14 @@ def engine_rank_plan(dims: ModelDims, lay: Layout, gpu_memory: int) -> RankPlan:
     return RankPlan("engine rank", c, {"rollout": sum(c.values())})
 
 
-def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float) -> Plan:
-    """The plan of one layout: every pipeline stage's actor rank (and the engine ranks when separate)."""
+def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb: float | None = None) -> Plan:
+    """The plan of one layout: every pipeline stage's actor rank (and the engine ranks when separate). It fits when
+    the highest peak leaves ``headroom_gb`` free (default: HEADROOM_FRACTION of the GPU; none on CPU)."""
     gpu_memory = int(gpu_memory_gb * GB)
+    if headroom_gb is None:
+        headroom_gb = HEADROOM_FRACTION * gpu_memory_gb if lay.gpu else 0.0
     ranks = [actor_rank_plan(dims, lay, s, gpu_memory) for s in range(lay.pp)]
-    plan = Plan(lay, gpu_memory, ranks)
+    plan = Plan(lay, gpu_memory, ranks, headroom=int(headroom_gb * GB))
     if lay.gpu and (lay.placement != "separate" or lay.engine_ranks):
         engine = engine_components(dims, lay, gpu_memory)
         if lay.placement == "separate":
@@ -371,7 +382,7 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float) -> Plan:
 
 
 def plan_config(cfg: Any, hf: Mapping[str, Any], nodes: int, gpu_memory_gb: float = 141.0,
-                gpus_per_node: int = 8) -> Plan:
+                gpus_per_node: int = 8, headroom_gb: float | None = None) -> Plan:
     """The plan of ``cfg`` on ``nodes`` nodes of ``gpus_per_node`` GPUs with ``gpu_memory_gb`` each."""
     lay = Layout.from_config(cfg, nodes * gpus_per_node, gpu=True)
-    return plan_layout(ModelDims.from_hf(hf), lay, gpu_memory_gb)
+    return plan_layout(ModelDims.from_hf(hf), lay, gpu_memory_gb, headroom_gb)

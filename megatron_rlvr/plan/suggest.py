@@ -5,8 +5,9 @@ recipe's longest sequences), engine TP, and gpu_memory_utilization (0.30 to 0.90
 others the largest share that fits, i.e. the biggest KV cache). Kept as in the recipe: recompute, dtype, optimizer.
 
 The order (RANKING_RULE) prefers, in turn: fewer GPUs per actor replica (TP x PP: more data parallelism, less
-model-parallel communication), fewer pipeline stages (no bubbles), more tokens per micro-batch (fewer passes),
-fewer GPUs per engine (more engine replicas generating side by side), a bigger KV cache.
+model-parallel communication), fewer pipeline stages (no bubbles), more sequences of rollout.max_model_len that
+all engines' KV caches hold together (generation dominates an RLVR step), more tokens per micro-batch (fewer
+passes), fewer GPUs per engine (more engine replicas).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_rlvr.plan.memory import Layout, ModelDims, Plan, plan_layout
+from megatron_rlvr.plan.memory import Layout, ModelDims, Plan, kv_tokens, plan_layout
 
-RANKING_RULE = ("fewer GPUs per actor replica (TP x PP), then fewer pipeline stages, then more micro-batch tokens, "
-                "then fewer GPUs per engine, then the larger gpu_memory_utilization")
+RANKING_RULE = ("fewer GPUs per actor replica (TP x PP), then fewer pipeline stages, then more KV-cache sequence "
+                "slots over all engines, then more micro-batch tokens, then fewer GPUs per engine")
 UTILIZATIONS = tuple(round(0.30 + 0.05 * i, 2) for i in range(13))
 TOKEN_MULTIPLES = (4, 2, 1)
 
@@ -27,6 +28,7 @@ TOKEN_MULTIPLES = (4, 2, 1)
 class Suggestion:
     layout: Layout
     plan: Plan
+    sequence_slots: int  # sequences of rollout.max_model_len the KV caches of all engines hold at once
 
     def overrides(self, has_token_budget: bool) -> list[str]:
         """The `key=value` overrides that turn the recipe into this layout."""
@@ -71,17 +73,26 @@ def candidate_layouts(dims: ModelDims, base: Layout, world: int, gpus_per_node: 
 
 def _rank(s: Suggestion) -> tuple:
     lay = s.layout
-    return (lay.tp * lay.pp, lay.pp, -lay.micro_tokens, lay.engine_tp, -lay.gpu_memory_utilization)
+    return (lay.tp * lay.pp, lay.pp, -s.sequence_slots, -lay.micro_tokens, lay.engine_tp)
 
 
-def suggest(dims: ModelDims, base: Layout, world: int, gpus_per_node: int, gpu_memory_gb: float) -> list[Suggestion]:
+def sequence_slots(dims: ModelDims, plan: Plan, world: int) -> int:
+    """Sequences of rollout.max_model_len that the KV caches of all engines hold together."""
+    lay = plan.layout
+    engines = (lay.engine_ranks if lay.placement == "separate" else world) // lay.engine_tp
+    kv = max(r.components.get("kv_cache", 0) for r in plan.ranks)
+    return engines * (kv_tokens(dims, lay, kv) // lay.max_seq_len)
+
+
+def suggest(dims: ModelDims, base: Layout, world: int, gpus_per_node: int, gpu_memory_gb: float,
+            headroom_gb: float | None = None) -> list[Suggestion]:
     """The fitting layouts, best first by RANKING_RULE; for each the largest gpu_memory_utilization that fits."""
     found = []
     for lay in candidate_layouts(dims, base, world, gpus_per_node):
         for util in sorted(UTILIZATIONS, reverse=True):
             trial = dataclasses.replace(lay, gpu_memory_utilization=util)
-            plan = plan_layout(dims, trial, gpu_memory_gb)
+            plan = plan_layout(dims, trial, gpu_memory_gb, headroom_gb)
             if plan.fits:
-                found.append(Suggestion(trial, plan))
+                found.append(Suggestion(trial, plan, sequence_slots(dims, plan, world)))
                 break
     return sorted(found, key=_rank)
