@@ -164,6 +164,8 @@ def _system_dirs() -> list[str]:
     dirs = [d for d in _SYSTEM_DIRS if os.path.lexists(d)]
     for extra in (_python_prefix(), os.path.dirname(os.path.dirname(_python_executable()))):
         real = [os.path.realpath(d) for d in dirs]
+        if extra == "/":  # an interpreter installed at / would bring the whole host along
+            raise SandboxError("the Python interpreter's prefix is /: the sandbox cannot show it without the host")
         if not any(extra == d or extra.startswith(d.rstrip("/") + "/") for d in real):
             dirs.append(extra)
     return dirs
