@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
+    missing = [f"{p} (its stage left no figures: see its status and log)" for p in (args.cuda, args.cpu)
+               if not p.is_file()]
+    if missing:
+        common.write_json(args.out, {"ok": False, "reason": "missing: " + "; ".join(missing)})
+        print(f"compare: nothing to compare, missing {missing}", file=sys.stderr)
+        return 1
     cuda, cpu = json.loads(args.cuda.read_text()), json.loads(args.cpu.read_text())
     result = compare(cuda, cpu, torch.load(cuda["tensors"]), torch.load(cpu["tensors"]))
     common.write_json(args.out, result)

@@ -162,6 +162,8 @@ def print_table(r: dict[str, Any]) -> None:
         _row("process group", f"library {pg.get('library_backend')} {pg.get('library')}; stages used "
                               f"{pg.get('use_backend') or 'the library backend'}")
     cmp_ = r.get("actor_compare") or {}
+    if cmp_.get("reason"):
+        _row("actor CUDA vs CPU", cmp_["reason"])
     if cmp_:
         for key, v in cmp_.get("runs", {}).items():
             if v.get("ok") is None:
