@@ -105,6 +105,10 @@ def setup_console(log_dir: str | Path | None = None, name: str | None = None) ->
         attach_log_file(directory, name)
 
 
+def has_log_file() -> bool:
+    return _state["file"] is not None
+
+
 def attach_log_file(log_dir: str | Path, name: str | None = None) -> Path:
     """Send every record (and those held so far) to ``<log_dir>/logs/<name>[-rank<r>].log``; children inherit
     ``log_dir`` through $MEGATRON_RLVR_LOG_DIR. Returns the file's path."""

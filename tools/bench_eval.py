@@ -44,10 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=recipe.rollout.kv_cache_memory_bytes, help="CPU engines")
     p.add_argument("--rounds", type=int, default=2, help="alternating raw / eval rounds")
     p.add_argument("--per-problem", action="store_true", help="also time the runner with one problem per request")
-    p.add_argument("--quick", action="store_true", help="64 problems x 128 samples, one round (the issue's check)")
+    p.add_argument("--quick", action="store_true", help="64 problems x 128 samples, 3 rounds (the issue's check)")
     args = p.parse_args(argv)
     if args.quick:
-        args.problems, args.n, args.rounds = 64, 128, 1
+        args.problems, args.n, args.rounds = 64, 128, 3
     return args
 
 

@@ -108,9 +108,10 @@ def evaluate(
     problems = [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
     rank, world = _join_world()
     out = Path(cfg.output_dir)
-    from megatron_rlvr.console import attach_log_file
+    from megatron_rlvr.console import attach_log_file, has_log_file
 
-    attach_log_file(out, "eval")  # vLLM's INFO lines go there, off the console
+    if not has_log_file():  # the demo has its own; `eval` alone: <out>/logs/eval.log takes vLLM's INFO lines
+        attach_log_file(out, "eval")
     counts: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
         # each engine replica's first rank verifies its replica's samples
