@@ -212,14 +212,15 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
     return {"runs": runs, "real_tokens": tokens}, tensors
 
 
-def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[str, Any]:
-    """One bf16 actor: a warm-up update, then per layout the statistics pass and ``steps`` timed updates."""
+def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) -> dict[str, Any]:
+    """One bf16 actor: a warm-up update, then per layout the statistics pass and ``steps`` timed updates. ``save(out)``
+    writes the figures so far after each phase: a stage stopped at its time limit still leaves them."""
     import torch
 
     from megatron_rlvr.distributed import model_parallel
     from megatron_rlvr.ops import backends
 
-    out: dict[str, Any] = {"layouts": {}}
+    out: dict[str, Any] = {"layouts": {}, "complete": False}
     layouts = args.layouts.split(",")
     with model_parallel(tp=1, pp=1, seed=args.seed):
         reset_peak(cuda)
@@ -236,6 +237,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[
         with timer:
             actor.update(batch, mini_batches=1)  # allocates the optimizer's state
         out["warmup_update_s"] = round(timer.seconds, 3)
+        save(out)
         stats: dict[str, Any] = {}
         for layout in layouts:  # statistics first, so every layout sees the same weights
             set_layout(actor, args, layout)
@@ -245,6 +247,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[
             out["layouts"][layout] = {"status": "ok", "stats_pass_s": round(timer.seconds, 4),
                                       "stats_tokens_per_s": round(tokens / timer.seconds),
                                       "stats_peak_gib": round(peak_bytes(cuda) / 2**30, 2)}
+            save(out)
         mask = batch.response_mask
         first = next(iter(stats), None)
         for layout, logp in stats.items():
@@ -261,6 +264,8 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> dict[
                 fig["updates"].append(_update_figures(metrics) | {"seconds": round(timer.seconds, 4),
                                                                   "tokens_per_s": round(tokens / timer.seconds)})
             fig["update_peak_gib"] = round(peak_bytes(cuda) / 2**30, 2)
+            save(out)
+    out["complete"] = True
     return out
 
 
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(tensors, args.tensors)
         result |= figures | {"tensors": str(args.tensors)}
     else:
-        result |= throughput_mode(args, hf_dir, cuda)
+        result |= throughput_mode(args, hf_dir, cuda, save=lambda part: common.write_json(args.out, result | part))
     common.write_json(args.out, result)
     print(f"actor_check: wrote {args.out}")
     return 0

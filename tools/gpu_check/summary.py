@@ -177,7 +177,8 @@ def print_table(r: dict[str, Any]) -> None:
     if big:
         _row("actor 1B", f"{big.get('params', 0) / 1e9:.2f}B params, {big.get('backend')}, op {big.get('impl')}, "
                          f"TE {big.get('transformer_engine')}; build {big.get('build_s')} s; "
-                         f"{big.get('real_tokens')} real of {big.get('padded_tokens')} padded tokens")
+                         f"{big.get('real_tokens')} real of {big.get('padded_tokens')} padded tokens"
+                         + ("" if big.get("complete") else " (INCOMPLETE: the stage stopped early)"))
         for layout, fig in big.get("layouts", {}).items():
             if fig.get("status") != "ok":
                 _row(f"actor 1B {layout}", f"{fig.get('status')}: {fig.get('reason')}")
