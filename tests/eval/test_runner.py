@@ -13,7 +13,7 @@ import pytest
 from megatron_rlvr.eval import pass_at_k
 from megatron_rlvr.eval.benchmarks import load_benchmark
 from megatron_rlvr.eval.config import EvalConfig
-from megatron_rlvr.eval.runner import EvalRunner, problem_counts, run_settings
+from megatron_rlvr.eval.runner import EvalRunner, problem_counts
 from megatron_rlvr.eval.store import RunSettingsMismatch, SampleStore, load_records
 from megatron_rlvr.rewards import RewardConfig, RewardPool
 from tests.eval.fake_engine import FakeEngine, encode

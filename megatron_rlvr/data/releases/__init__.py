@@ -1,8 +1,9 @@
 """Readers of the public training-set releases: a record as released -> one row of the prompt files `data/` reads.
 
-Each release module defines ``convert(record, options) -> Prepared`` (raising `Skip` with a reason for a record
-that cannot be used: no answer, a level not asked for, a test format the verifiers do not run) and a ``LAYOUT``
-line naming the fields it reads. `RELEASES` maps the names of ``megatron-rlvr data prepare NAME``.
+Each release module defines a converter ``(record, options) -> Prepared`` (raising `Skip` with a reason for a
+record that cannot be used: no answer, a level not asked for, a test format the verifiers do not run) and a
+`Release` naming it with the layout it reads. `get_release` maps the names of ``megatron-rlvr data prepare NAME``
+(`RELEASE_NAMES`) to them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 
@@ -39,7 +40,6 @@ class Release:
     convert: Callable[[dict, Options], Prepared]
     layout: str
     uses_levels: bool = False
-    aliases: tuple[str, ...] = field(default=())
 
 
 def normalize(text: str) -> str:
