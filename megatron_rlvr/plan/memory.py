@@ -333,8 +333,12 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
     c = dict(actor_static(dims, lay, stage))
     last = stage == lay.pp - 1
     c["activations"] = activations(dims, lay, stage)
-    # gradients of one layer's saved tensors while it runs backward (a bound: the same size as what it saved)
-    c["backward_working"] = layer_activation_bytes(dims, lay, recompute="none")
+    # gradients of one layer's saved tensors while it runs backward (a bound: the same size as what it saved), and
+    # the largest weight gradient before DDP's hook adds it into the fp32 main grad: a vocab shard (embedding or
+    # output layer; megatron runs without gradient-accumulation fusion here)
+    vocab_shard = padded_vocab(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * dims.hidden
+    largest_weight = max(vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp)
+    c["backward_working"] = layer_activation_bytes(dims, lay, recompute="none") + largest_weight * lay.param_bytes
     c["forward_working"] = layer_activation_bytes(dims, lay, recompute="none")  # no-grad pass: one layer at a time
     c["logits"] = logits_bytes(dims, lay) if last else 0
     c["op_scratch"] = op_scratch_bytes(lay) if last else 0
