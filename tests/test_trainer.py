@@ -5,6 +5,7 @@ frozen reference and logs the KL to it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,26 @@ def _train_first_token_rewards(hf_dir: str, out_dir: str, tp: int, pp: int, step
         return _train(hf_dir, out_dir, tp, pp, steps, extra)
     finally:
         experience.score = real_score
+
+
+def _engine_logp_shifted(hf_dir: str, out_dir: str, shift: float, extra: list[str]):
+    """_train (1 step) with every log-prob the engine reports lowered by ``shift``: rho = exp(shift) on every token."""
+    from megatron_rlvr import experience
+
+    real_generate = experience.generate
+
+    def generate(*args, **kwargs):
+        groups = real_generate(*args, **kwargs)
+        for group in groups:
+            for c in group:
+                c.logprobs = [lp - shift for lp in c.logprobs]
+        return groups
+
+    experience.generate = generate
+    try:
+        return _train(hf_dir, out_dir, 2, 1, 1, extra)
+    finally:
+        experience.generate = real_generate
 
 
 def _train_recording_calls(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str]):
@@ -245,13 +266,14 @@ def _assert_validated_before_and_at_step_two(run_dir: Path, history: list[dict])
     assert all(sum(h["counts"]) > 0 for h in hists)
 
 
-_REFILL = ["algo.drop_uniform_groups=true", "rollout.refill_max_rounds=2"]
+_REFILL = ["algo.drop_uniform_groups=true", "rollout.refill_max_rounds=2", "algo.rollout_correction=tis"]
 
 
 @pytest.mark.parametrize("refill", [False, True], ids=["plain", "refill"])
 def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path, refill):
     """The steps after a resume equal the uninterrupted run's (weights, optimizer, data position, RNG, rollouts);
-    with refill, also the extra prompts drawn and sampled (the loader's stream position is in the checkpoint)."""
+    with refill, also the extra prompts drawn and sampled (the loader's stream position is in the checkpoint), and
+    the rollout correction (tis) read from the engine's log-probs of the resumed rollouts."""
     run, extra = (_train_first_token_rewards, _REFILL) if refill else (_train, [])
     full = workers2.run(run, tiny_model, str(tmp_path / "full"), 2, 1, 4, extra, timeout_s=900)[0]
     # an interrupted run: stops after step 2 with a checkpoint at step 2, then the same command resumes
@@ -263,13 +285,28 @@ def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path, re
     )[0]
     assert [m["step"] for m in resumed] == [3, 4]
     compared = _COMPARED + (("batch/refill_rounds", "batch/groups_trained", "batch/uniform_groups_dropped",
-                             "response/tokens_trained") if refill else ())
+                             "response/tokens_trained", "rollout_correction/weight_mean") if refill else ())
     for got, want in zip(resumed, full[2:]):
         for key in compared:
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["step"], key)
     if refill:  # the compared steps did refill, and trained informative groups
         assert sum(m["batch/refill_rounds"] for m in full[2:]) > 0
         assert all(m["batch/groups_trained"] > 0 for m in full)
+
+
+@pytest.mark.parametrize("kind,shift,weight,dropped", [("tis", 0.0, 1.0, 0.0), ("tis", 1.0, 2.0, 1.0),
+                                                     ("icepop", 0.5, math.exp(0.5), 0.0), ("mis", 1.0, 0.0, 1.0)])
+def test_rollout_correction_reads_the_engine_log_probs(workers2, tiny_model, tmp_path, kind, shift, weight, dropped):
+    """The engine's log-probs reach the loss: shifted by s, every token's rho is e^s (e^1 > C = 2: truncated to 2 by
+    tis, outside mis's band [0.5, 2]; e^0.5 inside icepop's, kept as is); unshifted, the fp32 CPU engine agrees with
+    the actor, so tis is the identity."""
+    history = workers2.run(_engine_logp_shifted, tiny_model, str(tmp_path / "rc"), shift,
+                           [f"algo.rollout_correction={kind}"], timeout_s=900)[0]
+    key = "rollout_correction/clipped_frac" if kind == "tis" else "rollout_correction/masked_frac"
+    assert history[0]["rollout_correction/weight_mean"] == pytest.approx(weight, abs=1e-4)
+    assert history[0][key] == dropped
+    assert history[0]["rollout/logp_mismatch"] == pytest.approx(shift, abs=1e-4)
+    assert not any(k.startswith("loss/rollout_correction") for k in history[0])
 
 
 def test_dead_engine_is_rebuilt_and_training_goes_on(workers2, tiny_model, tmp_path):
