@@ -170,14 +170,16 @@ class MegatronActor:
         lengths = sequence_lengths(batch.response_mask)
         plan = plan_micro_batches(
             lengths, ps.get_data_parallel_world_size(), micro_batch_size=self.cfg.micro_batch_size,
-            max_tokens=self.cfg.max_tokens_per_micro_batch,
+            max_tokens=self.cfg.max_tokens_per_micro_batch, count_multiple=self.cfg.pp if self.cfg.vpp else 1,
         )
         # sequence parallelism splits the stream's tokens over the TP ranks: a multiple of tp
         multiple = self.cfg.tp if self.cfg.sequence_parallel else 1
         micro = []
         for rows in plan[ps.get_data_parallel_rank()]:
             seqs = batch.select(torch.tensor(rows))
-            packed = pack(seqs.tokens, [lengths[i] for i in rows], multiple) if self.cfg.pack_sequences else None
+            packed = None
+            if self.cfg.pack_sequences:
+                packed = pack(seqs.tokens, [lengths[i] for i in rows], multiple)
             micro.append(_MicroBatch(seqs, packed))
         return plan, micro
 
@@ -225,18 +227,20 @@ class MegatronActor:
     ) -> list[dict]:
         """Megatron's pipeline schedule over ``model``'s chunks: the DDP-wrapped policy, or the bare reference
         (forward only). Micro-batches differ in shape; under PP the stages exchange each one's shape first
-        (``variable_seq_lengths``), so the schedule's seq_length / micro_batch_size are only nominal."""
+        (``variable_seq_lengths``), so the schedule's seq_length / micro_batch_size (the first one's) are nominal."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
             return self._forward(model, mb), partial(loss_fn, mb)
 
-        longest = max(mb.packed.num_tokens if mb.packed else mb.seqs.tokens.shape[1] for mb in micro_batches)
+        first = micro_batches[0]
+        seq_length, micro_batch_size = (first.packed.num_tokens, 1) if first.packed else first.seqs.tokens.shape[::-1]
         data = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=model if len(model) > 1 else model[0],
-            num_microbatches=len(micro_batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only,
+            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
         )
 
     def _to_every_rank(self, rows: list[torch.Tensor], plan: Plan, size: int, width: int) -> torch.Tensor:
@@ -337,7 +341,8 @@ class MegatronActor:
                     logp_rows.append(old_logp)
                 loss, metrics = policy_loss(
                     stats, old_logp, seqs.advantages, seqs.response_mask, self.algo_cfg, ref_logp=seqs.ref_logp,
-                    num_tokens=num_tokens, num_seqs=num_seqs, target_ids=seqs.tokens[:, 1:],
+                    rollout_logp=seqs.rollout_logp, num_tokens=num_tokens, num_seqs=num_seqs,
+                    target_ids=seqs.tokens[:, 1:],
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()}

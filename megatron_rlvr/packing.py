@@ -79,11 +79,14 @@ def _split_to(bins: list[list[int]], count: int, lengths: Sequence[int]) -> list
     return sorted(bins)
 
 
-def plan_micro_batches(lengths: Sequence[int], dp: int, *, micro_batch_size: int, max_tokens: int = 0) -> Plan:
+def plan_micro_batches(
+    lengths: Sequence[int], dp: int, *, micro_batch_size: int, max_tokens: int = 0, count_multiple: int = 1
+) -> Plan:
     """The whole mini-batch's plan: ``plan[r]`` is DP rank r's micro-batches, the same count on every rank.
 
-    ``max_tokens > 0``: micro-batches by real-token budget (``micro_batch_size`` unused); else ``micro_batch_size``
-    sequences each, in the rank's (ascending) order."""
+    ``max_tokens > 0``: micro-batches by real-token budget (``micro_batch_size`` unused), their count rounded up to
+    a multiple of ``count_multiple`` (megatron's interleaved schedule wants a multiple of PP); else
+    ``micro_batch_size`` sequences each, in the rank's (ascending) order."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size: expected >= 1, got {micro_batch_size}")
     if any(n < 1 for n in lengths):
@@ -92,7 +95,12 @@ def plan_micro_batches(lengths: Sequence[int], dp: int, *, micro_batch_size: int
     if max_tokens <= 0:
         return [[share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)] for share in shares]
     per_rank = [budget_micro_batches(share, lengths, max_tokens) for share in shares]
-    count = max(len(bins) for bins in per_rank)
+    count = -(-max(len(bins) for bins in per_rank) // count_multiple) * count_multiple
+    if count > len(shares[0]):
+        raise ValueError(
+            f"{len(shares[0])} sequences per data-parallel rank cannot fill {count} micro-batches (a multiple of "
+            f"{count_multiple}, the pipeline size under virtual pipelining): give each step more sequences"
+        )
     return [_split_to(bins, count, lengths) for bins in per_rank]
 
 

@@ -69,6 +69,13 @@ def test_plan_respects_the_budget_with_equal_micro_batch_counts(dp):
     assert sorted(len(m) for m in alone) == [1, 1]
 
 
+def test_plan_rounds_the_micro_batch_count_to_a_multiple():
+    plan = plan_micro_batches([5, 5, 5, 5, 5, 5], 1, micro_batch_size=1, max_tokens=100, count_multiple=4)
+    assert len(plan[0]) == 4
+    with pytest.raises(ValueError, match="cannot fill 4 micro-batches"):
+        plan_micro_batches([5, 5, 5], 1, micro_batch_size=1, max_tokens=100, count_multiple=4)
+
+
 def test_plan_by_count_keeps_micro_batch_size():
     plan = plan_micro_batches(LENGTHS, 2, micro_batch_size=3)
     assert [[len(m) for m in share] for share in plan] == [[3, 1], [3, 1]]
@@ -161,6 +168,7 @@ def _layout_numbers(hf_dir: str, tp: int, pp: int, configs: list[dict], count_co
         g = torch.Generator().manual_seed(1)
         old = per_token[False][0] + 0.3 * torch.randn(per_token[False][0].shape, generator=g)
         batch.ref_logp = per_token[False][2]
+        batch.rollout_logp = per_token[False][0] + 0.2 * torch.randn(old.shape, generator=g)
         for budget, mbs, cases in ((BUDGET, 1, configs), (0, 3, count_configs)):
             for kwargs in cases:
                 key = f"budget={budget} mbs={mbs} " + " ".join(f"{k}={v}" for k, v in kwargs.items())
@@ -188,6 +196,9 @@ def _configs() -> tuple[list[dict], list[dict]]:
         dict(loss=loss, loss_agg=agg, tau_q=0.5, cov_fraction=0.2, max_len_norm=16, kl_coef=0.05 if i % 4 == 0 else 0.0)
         for i, (loss, agg) in enumerate(itertools.product(LOSSES, AGGS))
     ]
+    # the engine's log-probs reach the loss (rollout correction), at token and at sequence level
+    every += [dict(loss="grpo", rollout_correction="tis", rollout_is_cap=1.5),
+              dict(loss="casp", tau_q=0.5, rollout_correction="mis", rollout_correction_level="sequence")]
     few = [every[0], every[4], every[3 * LOSSES.index("kl_cov") + 2]]
     return every, few
 
