@@ -2,6 +2,7 @@
 
 import pytest
 
+from megatron_rlvr.config import ConfigError
 from megatron_rlvr.rewards import RewardConfig, RewardPool, score
 from tests.rewards import pool_helpers
 
@@ -55,3 +56,11 @@ def test_workers_that_cannot_start_are_an_error_not_a_respawn_loop():
     with pytest.raises(RuntimeError, match="died while starting"):
         p.score_batch(["math"], ["\\boxed{1}"], ["1"])
     p.close()
+
+
+def test_the_pool_refuses_workers_whose_sandbox_budgets_do_not_fit_in_memory():
+    # checked before any worker starts: 4 programs of 1 TB each cannot all hold their budgets on any machine here
+    with pytest.raises(ConfigError, match=r"reward\.workers \(4\).*reward\.code_memory_mb.*available memory"):
+        RewardPool(RewardConfig(workers=4, code_memory_mb=1 << 20))
+    with pytest.raises(ValueError, match="reward.code_tmpfs_mb"):
+        RewardPool(RewardConfig(workers=1, code_tmpfs_mb=0))

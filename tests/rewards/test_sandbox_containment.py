@@ -2,8 +2,8 @@
 
 - reading the host's files (its /tmp, /dev/shm, home, the repository: where a policy would find test cases);
 - filling the disk with many files, each under the file-size limit;
-- taking memory with many processes, each under the per-process limit;
-- and the pool refusing a worker count whose sandboxes could not all hold their budgets at once.
+- taking memory with many processes, each under the per-process limit.
+(The pool's check that its workers' budgets fit in memory is in test_pool.py.)
 """
 
 import json
@@ -18,16 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlvr.config import ConfigError
-from megatron_rlvr.rewards import RewardConfig, RewardPool, cgroup
-from megatron_rlvr.rewards import sandbox
+from megatron_rlvr.rewards import cgroup, sandbox
 from megatron_rlvr.rewards.code import verify_code
 from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python, sandbox_info
 from tests.rewards.sandbox_helpers import io_reference, leftovers, sandbox_processes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="hostile-program tests need root (per-run uid, namespaces)")
 
-SMALL = SandboxLimits(cpu_s=3, wall_s=8, memory_mb=256, nproc=16, tmpfs_mb=64)
+# small budgets keep the hostile programs fast; generous time limits keep a loaded machine from failing a run early
+SMALL = SandboxLimits(cpu_s=10, wall_s=30, memory_mb=256, nproc=16, tmpfs_mb=64)
 needs_namespaces = pytest.mark.skipif(not sandbox.namespaces_available(), reason="the kernel refuses new namespaces")
 needs_memcg = pytest.mark.skipif(
     cgroup._memory_mount() is None, reason="no cgroup v1 memory controller on this kernel (v2 is not supported)"
@@ -55,6 +54,7 @@ def test_host_files_cannot_be_read(tmp_path):
             os.chmod(path, 0o644)  # readable by any uid: only the filesystem view can keep it out
             assert verify_code(program, io_reference(secret, str(path)), SMALL) == 0.0, path
             result = run_python(program, str(path), SMALL)
+            assert not result.timed_out, result
             assert secret not in result.stdout and "FileNotFoundError" in result.stderr, (path, result)
     finally:
         for path in files:
@@ -210,9 +210,3 @@ def test_a_killed_scoring_process_takes_its_sandbox_along():
     ], cwd=Path(__file__).parents[2], timeout=60)
     assert sweeper.returncode == 0 and leftovers(scorer.pid) == []
 
-
-def test_the_pool_refuses_workers_whose_budgets_do_not_fit_in_memory():
-    with pytest.raises(ConfigError, match=r"reward\.workers \(4\).*reward\.code_memory_mb.*available memory"):
-        RewardPool(RewardConfig(workers=4, code_memory_mb=1 << 30))
-    with pytest.raises(ValueError, match="reward.code_tmpfs_mb"):
-        RewardPool(RewardConfig(workers=1, code_tmpfs_mb=0))
