@@ -7,10 +7,11 @@ behind. That init opens what it still needs of the host (the io directory with t
 memory cgroup's ``cgroup.procs``) and builds the program's root in a tmpfs, all inside its private mount namespace
 (nothing propagates to the host): read-only bind mounts of the system dirs and the interpreter's prefix, a minimal
 /etc and /dev, a private /proc, and one size- and inode-capped tmpfs holding the work dir, /tmp and /dev/shm; then
-pivot_root into it and detach the host's tree. It then runs the program once per input: fork, join the memory
-cgroup, rlimits, a fresh unprivileged uid of its own (so RLIMIT_NPROC counts only its processes and it cannot signal
-anyone else, the supervisor included), exec of the base interpreter on ``main.py`` in the work directory, a wall
-timeout per run, and after each run every process of that uid is killed. Runs stop at the first nonzero exit or
+pivot_root into it and detach the host's tree, and joins the memory cgroup. It then runs the program once per
+input: fork, the OOM killer's first choice (oom_score_adj 1000), rlimits, a fresh unprivileged uid of its own (so
+RLIMIT_NPROC counts only its processes and it cannot signal anyone else, the supervisor included), exec of the base
+interpreter on ``main.py`` in the work directory, a wall timeout per run, and after each run every process of that
+uid is killed. Runs stop at the first nonzero exit or
 timeout; their statuses go to ``results.json``. One setup thus serves all the test inputs of a stdin/stdout problem.
 Without namespaces (not root, or the kernel refuses) it runs in a work dir on the host and still applies the
 cgroup and uid drop when it can and the rlimits always; the caller warns loudly about what is missing.
@@ -187,7 +188,12 @@ def _kill_leftovers(cfg, program):
             break
 
 
-def _run_once(cfg, index, io_fd, cgroup_fd):
+def _set_oom_score_adj(value):
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write(str(value))
+
+
+def _run_once(cfg, index, io_fd):
     """Run ``index`` with its stdin/stdout/stderr files (in the io directory): (exit status, timed out)."""
     fds = [os.open(f"stdin-{index}", os.O_RDONLY, dir_fd=io_fd)] + [
         os.open(f"{name}-{index}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, dir_fd=io_fd)
@@ -196,8 +202,8 @@ def _run_once(cfg, index, io_fd, cgroup_fd):
     program = os.fork()
     if program == 0:
         try:
-            if cgroup_fd is not None:  # join the memory cgroup first: everything it allocates is charged there
-                os.write(cgroup_fd, b"0")
+            # the OOM killer's first choice, in the memory cgroup (before the init, which shares it) and on the host
+            _set_oom_score_adj(1000)
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
             os.setsid()
@@ -223,11 +229,11 @@ def _run_once(cfg, index, io_fd, cgroup_fd):
     return status, timed_out
 
 
-def _supervise(cfg, io_fd, cgroup_fd):
+def _supervise(cfg, io_fd):
     """Run the program once per input, stopping at the first failure; results.json is rewritten after each run."""
     results = []
     for index in range(cfg["runs"]):
-        status, timed_out = _run_once(cfg, index, io_fd, cgroup_fd)
+        status, timed_out = _run_once(cfg, index, io_fd)
         results.append({"returncode": status, "timed_out": timed_out})
         fd = os.open("results.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, dir_fd=io_fd)
         with open(fd, "w") as f:
@@ -254,7 +260,12 @@ def _init(cfg):
             f.write(source)
         if cfg["uid"] is not None:
             os.chown(path, cfg["uid"], cfg["uid"])
-    _supervise(cfg, io_fd, cgroup_fd)
+    if cgroup_fd is not None:
+        # join the memory cgroup once, so the programs are born in it: each join waits for an RCU grace period
+        # (~10 ms), too much per run of a 20-case problem; the init's own few MB count (its programs go first)
+        os.write(cgroup_fd, b"0")
+        os.close(cgroup_fd)
+    _supervise(cfg, io_fd)
 
 
 def main():
