@@ -6,9 +6,9 @@
 #   kill9    (default) kill -9 the whole run; the rerun resumes from the last periodic checkpoint
 #   sigterm  SIGTERM to every rank: each finishes its step, a checkpoint of that step is written, the run exits 0
 #            (the launcher was not signalled), and the rerun continues from that very step
-#   sigterm-all  SIGTERM to the launcher and the ranks together, as Slurm signals every process of a job step:
-#            the ranks get it twice (directly and forwarded by torchrun) and must count it once; torchrun itself
-#            exits 1 after forwarding a signal (torch elastic re-raises it), the ranks exit 0
+#   sigterm-all  SIGTERM to torchrun and the ranks together, as Slurm signals the processes of a job step (their
+#            verifier workers left out): the ranks get it twice (directly and forwarded by torchrun) and must count
+#            it once; torchrun itself exits 1 after forwarding a signal (torch elastic re-raises it), the ranks 0
 #   damage   kill -9 (by default after 11 logged steps: two checkpoints), then truncate the newest checkpoint's
 #            largest shard: the rerun must name the file, fall back to the previous checkpoint and still match
 # key=value arguments are passed to both runs (e.g. algo.drop_uniform_groups=true). PYTHON overrides the interpreter.
@@ -36,6 +36,8 @@ train() {
     trainer.eval_every=0 trainer.tensorboard=false trainer.save_hf=false trainer.output_dir="$1" \
     ${OVERRIDES[@]+"${OVERRIDES[@]}"}
 }
+# torchrun starts each rank in a session of its own: signalling the run's process group misses the ranks
+descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
 logged() { [ -f "$OUT/cut/metrics.jsonl" ] && wc -l < "$OUT/cut/metrics.jsonl" || echo 0; }
 train "$OUT/full" > "$OUT/full.log" 2>&1
 setsid bash -c "$(declare -f train); $(declare -p OVERRIDES); PYTHON=$PYTHON OUT=$OUT STEPS=$STEPS SAVE=$SAVE \
@@ -47,14 +49,15 @@ until [ "$(logged)" -ge "$KILL_AFTER" ]; do
 done
 case "$MODE" in
   kill9|damage)
-    kill -9 -- -"$PID" 2>/dev/null || true
+    kill -9 "$PID" $(descendants "$PID") 2>/dev/null || true
     wait "$PID" 2>/dev/null || true
+    while pgrep -f "trainer.output_dir=$OUT/cut( |$)" > /dev/null; do sleep 0.2; done
     echo "killed after $(logged) logged steps; checkpoints: $(ls "$OUT/cut/checkpoints" | tr '\n' ' ')" ;;
   sigterm|sigterm-all)
     LAUNCHER=$(pgrep -g "$PID" -f "^[^ ]*python[^ ]* -m torch.distributed.run" | head -1)
     RANKS=$(pgrep -P "$LAUNCHER" | tr '\n' ' ')
-    if [ "$MODE" = sigterm ]; then kill -TERM $RANKS; else kill -TERM -- -"$PID"; fi
-    echo "SIGTERM ($MODE) after $(logged) logged steps, to $([ "$MODE" = sigterm ] && echo "ranks $RANKS" || echo "process group $PID")"
+    if [ "$MODE" = sigterm ]; then kill -TERM $RANKS; else kill -TERM "$LAUNCHER" $RANKS; fi
+    echo "SIGTERM ($MODE) after $(logged) logged steps, to $([ "$MODE" = sigterm-all ] && echo "torchrun $LAUNCHER and ")ranks $RANKS"
     set +e; wait "$PID"; STATUS=$?; set -e
     echo "the signalled run exited with status $STATUS after $(logged) logged steps; checkpoints: $(ls "$OUT/cut/checkpoints" | tr '\n' ' ')"
     grep -o "\[preempt\].*" "$OUT/cut1.log" || true
