@@ -14,7 +14,7 @@ from tools.measure_memory import Case, measure_rank, predicted
 
 pytestmark = pytest.mark.dist
 
-META_MODELS = ["Qwen2.5-32B", "Llama-3.2-3B-Instruct"]  # untied GQA with qkv bias; tied without biases
+META_MODELS = ["Qwen2.5-7B", "Llama-3.2-3B-Instruct"]  # untied GQA with qkv bias; tied without biases
 
 
 def _meta_stage_counts(models: list[str], tp: int, pp: int) -> dict[str, int]:
