@@ -108,7 +108,8 @@ def check_plan(recipe: str, overrides: list[str], cfg: Config, nodes: int, gpus_
 
     hf = load_hf_config(cfg.model.hf_dir)
     if hf is None:
-        print(f"[plan] warning: no config.json for model.hf_dir={cfg.model.hf_dir}: memory not planned", file=sys.stderr)
+        print(f"[plan] warning: no config.json for model.hf_dir={cfg.model.hf_dir}: memory not planned",
+              file=sys.stderr)
         return 0
     plan = make_plan(cfg, hf, nodes, gpus_per_node, H200_MEMORY_GB)
     where = f"{plan.worst.name}, {plan.worst.peak_phase}"

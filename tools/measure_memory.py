@@ -1,10 +1,11 @@
 """The plan's arithmetic against measured bytes: real MegatronActors at small layouts on CPU (gloo workers).
 
 For each layout (TP, PP, with or without the distributed optimizer and the frozen reference) every rank builds the
-actor on a random Qwen2, runs the statistics pass and one update, and reports the bytes of its parameters, of DDP's
+actor on a random Qwen2, runs the statistics pass and two updates, and reports the bytes of its parameters, of DDP's
 grad buffer, of the optimizer state (Adam moments + main params that are not the model's own tensors), of the
 reference, and the peak anonymous resident memory during an update (the second: the optimizer state exists) above
-what the process held before the actor was built, with glibc told to return every freed tensor at once. Each is printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline stage.
+what the process held before the actor was built, with glibc told to return every freed tensor at once. Each is
+printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline stage.
 
     OMP_NUM_THREADS=1 python tools/measure_memory.py                # the small model, 4 layouts, 2 ranks each
     python tools/measure_memory.py --layouts 1,1,dist,ref 2,1,local --world 2 --markdown

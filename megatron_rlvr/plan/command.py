@@ -76,7 +76,8 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
     breaker = plan.breaker()
     return {
         "recipe": recipe, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": plan.gpu_memory / GB,
-        "fits": plan.fits, "peak_gb": _gb(plan.peak), "headroom_gb": _gb(plan.headroom), "peak_phase": worst.peak_phase, "peak_rank": worst.name,
+        "fits": plan.fits, "peak_gb": _gb(plan.peak), "headroom_gb": _gb(plan.headroom),
+        "peak_phase": worst.peak_phase, "peak_rank": worst.name,
         "phases": {k: _gb(v) for k, v in worst.phases.items()},
         "components": {f"{k}_gb": _gb(v) for k, v in worst.components.items()},
         "ranks": [{"name": r.name, "peak_gb": _gb(r.peak), "phases": {k: _gb(v) for k, v in r.phases.items()},
@@ -147,7 +148,8 @@ def header_lines(plan: Plan) -> list[str]:
         return f"{c[key] / GB:.1f}"
 
     actor = (f"actor TP={lay.tp} PP={lay.pp} DP={lay.dp}: weights {gb('actor_weights')} GB, main grads "
-             f"{gb('actor_grads')}, optimizer {gb('optimizer')}, activations {gb('activations')}, logits {gb('logits')}")
+             f"{gb('actor_grads')}, optimizer {gb('optimizer')}, activations {gb('activations')}, "
+             f"logits {gb('logits')}")
     if lay.reference:
         actor += f", reference {gb('reference')}"
     engine = (f"engine TP={lay.engine_tp} at gpu_memory_utilization {lay.gpu_memory_utilization}: weights "
