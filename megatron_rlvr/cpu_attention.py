@@ -3,9 +3,11 @@
 megatron-core 0.16's local ``DotProductAttention.forward`` asserts ``packed_seq_params is None``; Transformer
 Engine's attention takes the THD layout but needs CUDA. ``PackedDotProductAttention`` is the local attention for
 everything else: a batch without ``packed_seq_params`` goes to megatron's own code unchanged, and a packed one runs
-that same code once per sequence (``cu_seqlens`` bounds each), so attention never crosses a sequence boundary and
-each sequence costs its own length squared, not the stream's. The layer-spec builder (models/builder.py) picks it
-in place of ``DotProductAttention``; no model file knows about it.
+that same code on blocks of whole sequences with a block-diagonal causal mask (``cu_seqlens`` bounds each
+sequence), so attention never crosses a sequence boundary. Short sequences share a block of up to BLOCK_TOKENS
+(one call, not one per rollout); a longer sequence is a block alone and costs its own length squared, not the
+stream's. The layer-spec builder (models/builder.py) picks it in place of ``DotProductAttention``; no model file
+knows about it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
+
+
+BLOCK_TOKENS = 256
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -43,17 +48,33 @@ class PackedDotProductAttention(DotProductAttention):
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the stream holds {query.shape[0]} tokens")
         outputs = []
-        masks: dict[int, Tensor] = {}
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end == start:
-                continue
+        for start, end, segments in _blocks(bounds):
+            # True = masked, as megatron's attention_mask_func expects: later tokens and other sequences
+            seg = torch.repeat_interleave(
+                torch.arange(len(segments), device=query.device), torch.tensor(segments, device=query.device)
+            )
             n = end - start
-            if n not in masks:  # True = masked, as megatron's attention_mask_func expects
-                masks[n] = torch.triu(torch.ones(n, n, dtype=torch.bool, device=query.device), diagonal=1)[None, None]
-            # [n, heads, d] -> [n, b=1, heads, d]: megatron's sbhd layout, one sequence per call
+            mask = (seg[:, None] != seg[None, :]) | torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)
+            # [n, heads, d] -> [n, b=1, heads, d]: megatron's sbhd layout, one block of whole sequences per call
             out = super().forward(
-                query[start:end].unsqueeze(1), key[start:end].unsqueeze(1), value[start:end].unsqueeze(1), masks[n],
-                attn_mask_type, attention_bias,
+                query[start:end].unsqueeze(1), key[start:end].unsqueeze(1), value[start:end].unsqueeze(1),
+                mask[None, None], attn_mask_type, attention_bias,
             )
             outputs.append(out.squeeze(1))
         return torch.cat(outputs, dim=0)
+
+
+def _blocks(bounds: list[int]) -> list[tuple[int, int, list[int]]]:
+    """Consecutive sequences grouped into blocks of at most BLOCK_TOKENS tokens (a longer sequence is a block of its
+    own): one dense call per block keeps the per-call overhead of many short rollouts off the CPU, while the dense
+    cost stays near each sequence's own length squared for long ones."""
+    blocks: list[tuple[int, int, list[int]]] = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        if blocks and end - blocks[-1][0] <= BLOCK_TOKENS:
+            first, _, segments = blocks[-1]
+            blocks[-1] = (first, end, segments + [end - start])
+        else:
+            blocks.append((start, end, [end - start]))
+    return blocks

@@ -76,6 +76,13 @@ def test_plan_rounds_the_micro_batch_count_to_a_multiple():
         plan_micro_batches([5, 5, 5], 1, micro_batch_size=1, max_tokens=100, count_multiple=4)
 
 
+def test_attention_blocks_group_short_sequences_and_leave_long_ones_alone():
+    from megatron_rlvr.cpu_attention import _blocks
+
+    bounds = [0, 100, 150, 160, 400, 700, 701, 702]  # lengths 100, 50, 10, 240, 300, 1, 1
+    assert _blocks(bounds) == [(0, 160, [100, 50, 10]), (160, 400, [240]), (400, 700, [300]), (700, 702, [1, 1])]
+
+
 def test_plan_by_count_keeps_micro_batch_size():
     plan = plan_micro_batches(LENGTHS, 2, micro_batch_size=3)
     assert [[len(m) for m in share] for share in plan] == [[3, 1], [3, 1]]
@@ -144,6 +151,17 @@ def _update(actor, batch, algo_kwargs: dict, *, pack: bool, budget: int, mbs: in
 
 def _layout_numbers(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: list[dict]):
     """Max relative differences packed vs padded, per case, on this rank."""
+    from megatron_rlvr import cpu_attention
+
+    # blocks of at most 8 tokens: short sequences share a dense block, longer ones are blocks alone (both paths)
+    block_tokens, cpu_attention.BLOCK_TOKENS = cpu_attention.BLOCK_TOKENS, 8
+    try:
+        return _compare(hf_dir, tp, pp, configs, count_configs)
+    finally:
+        cpu_attention.BLOCK_TOKENS = block_tokens
+
+
+def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: list[dict]) -> dict[str, float]:
     from megatron_rlvr.actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.config import ActorConfig, ModelConfig

@@ -13,6 +13,8 @@ updates' gradients: max |packed - padded| / max |padded|. The last line is one J
 
     python tools/bench_packing.py            # 48 rollouts up to 768 tokens, a 2-layer model of width 256
     python tools/bench_packing.py --quick    # 32 rollouts up to 384 tokens, the tiny test model; ~1.5 minutes here
+    python tools/bench_packing.py --hf-dir megatron_rlvr/demo/model --sequences 64 --max-len 56 --median-len 40 \
+        --prompt-len 20 --micro-batch-size 8      # the demo's shapes: short rollouts, little padding to remove
 """
 
 from __future__ import annotations
@@ -168,9 +170,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-len", type=int)
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--median-len", type=int)
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--hf-dir", help="an existing HF model directory instead of a random Qwen2 (e.g. the demo's)")
     args = parser.parse_args(argv)
     cfg = BenchConfig(**QUICK) if args.quick else BenchConfig()
-    for key in ("sequences", "max_len", "micro_batch_size", "repeats"):
+    for key in ("sequences", "max_len", "micro_batch_size", "repeats", "median_len", "prompt_len"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
 
@@ -180,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lengths = workload_lengths(cfg)
     real = sum(lengths)
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = str(make_tiny_hf_model("qwen2", Path(tmp) / "model", seed=cfg.seed, **cfg.model))
+        hf_dir = args.hf_dir or str(make_tiny_hf_model("qwen2", Path(tmp) / "model", seed=cfg.seed, **cfg.model))
         with WorkerGroup(2, timeout_s=1800) as group:
             result = group.run(_worker, hf_dir, cfg, lengths)[0]
     pad, pk = result["padded"], result["packed"]
