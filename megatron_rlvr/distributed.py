@@ -255,7 +255,8 @@ def apply_cpu_shims() -> bool:
 
 
 def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL carries CUDA tensors only; the small CPU flags (finite checks, metric all-reduces) go through gloo
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def device() -> torch.device:

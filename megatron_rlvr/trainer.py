@@ -20,8 +20,10 @@ import torch
 from megatron_rlvr import checkpoint, distributed
 from megatron_rlvr.actor import MegatronActor
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
+from megatron_rlvr.console import attach_log_file
 from megatron_rlvr.data import PromptLoader, load_items
 from megatron_rlvr.experience import collect
+from megatron_rlvr.preemption import Preemption
 from megatron_rlvr.rollout import EngineDiedError, make_engine
 from megatron_rlvr.validation import load_validation_items, validate
 
@@ -68,7 +70,13 @@ def revive_engine(cfg: Config, actor: MegatronActor, engine):
 
 
 def train(cfg: Config) -> list[dict[str, float]]:
-    """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics."""
+    """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics.
+    On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the run returns early."""
+    with Preemption.installed() as preemption:
+        return _train(cfg, preemption)
+
+
+def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
     from transformers import AutoTokenizer
 
     from megatron_rlvr.models import load_hf_config
@@ -96,7 +104,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
               f"{stats.too_long} over data.max_prompt_tokens skipped)", flush=True)
     actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature, total_steps=t.steps)
 
-    start_step, nonfinite_in_a_row, history = 0, 0, []
+    start_step, nonfinite_in_a_row, history, preempted = 0, 0, [], False
     resume_from = checkpoint.resolve(ckpt_root, cfg.checkpoint.resume)
     if resume_from is not None:
         state = checkpoint.load(resume_from, actor)
@@ -139,7 +147,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
                         loader.load_state_dict(drawn_from)
             engine.sleep()  # a colocated GPU engine hands its KV cache (level 2: weights too) to the update
             with timer("statistics"):
-                exp.batch.old_logp = actor.compute_old_logp(exp.batch)
+                if actor.needs_statistics_pass(t.mini_batches_per_step):  # else update() fills batch.old_logp
+                    exp.batch.old_logp = actor.compute_old_logp(exp.batch)
                 if cfg.algo.kl_coef > 0:  # the frozen reference's log-probs for the loss's KL term
                     exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
             with timer("update"):
@@ -160,11 +169,17 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 logger.log(step + 1, metrics)
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
-            if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
+            preempted = preemption.requested()  # a collective: every rank stops after the same step
+            if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):
                 checkpoint.save(ckpt_root, step + 1, actor, {
                     "loader": loader.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row, "config": to_dict(cfg)},
                     cfg.checkpoint.keep_last, hf_dir=cfg.model.hf_dir)
-    if t.save_hf:
+            if preempted:
+                if rank0:
+                    print(f"[preempt] {preemption.reason}: stopped after step {step + 1} with its checkpoint; "
+                          "rerun the same command to resume", flush=True)
+                break
+    if t.save_hf and not preempted:
         checkpoint.save_hf(actor, cfg.model.hf_dir, out / "hf", cfg.rollout.bucket_bytes)
     if logger is not None:
         logger.close()
@@ -208,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={'null' if args.resume == 'none' else args.resume}")
     cfg = load_config(args.config, overrides)
+    attach_log_file(cfg.trainer.output_dir, "train")  # vLLM / megatron-core lines: the run's log, not the console
     history = train(cfg)
     if distributed.rank() == 0 and history:
         last = history[-1]

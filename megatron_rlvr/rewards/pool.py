@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ def check_memory_fits(cfg: RewardConfig) -> None:
 
 
 def _worker_main(conn: Connection, cfg: RewardConfig, extra_scorers: Mapping[str, Callable] | None) -> None:
+    # Slurm's warning signal (USR1) goes to every process of the job step; a verifier dying of it mid-item would
+    # score that item 0. The trainer's ranks handle it (preemption.py); the workers ignore it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if cfg.worker_memory_mb > 0:
         import resource
 
