@@ -146,6 +146,12 @@ class Config:
                     f"{key}={new_tokens} + data.max_prompt_tokens={self.data.max_prompt_tokens} exceeds "
                     f"rollout.max_model_len={self.rollout.max_model_len}{why}: the longest prompt could not be answered"
                 )
+        r = self.reward
+        if not 0 <= r.overlong_buffer < self.rollout.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer: expected 0 (off) or a buffer L_c < rollout.max_new_tokens = "
+                              f"{self.rollout.max_new_tokens} tokens, got {r.overlong_buffer}")
+        if not r.overlong_penalty >= 0:
+            raise ConfigError(f"reward.overlong_penalty: expected >= 0, got {r.overlong_penalty}")
         if self.trainer.prompts_per_step % self.trainer.mini_batches_per_step != 0:
             raise ConfigError(
                 f"trainer.mini_batches_per_step={self.trainer.mini_batches_per_step} must divide "

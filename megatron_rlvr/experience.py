@@ -29,7 +29,6 @@ from megatron_rlvr.rollout import Completion, EngineDiedError, RolloutConfig, Ro
 if TYPE_CHECKING:
     from megatron_rlvr.config import Config
     from megatron_rlvr.data import PromptLoader
-    from megatron_rlvr.rewards.config import RewardConfig
 
 
 @dataclass
@@ -122,17 +121,6 @@ def score(pool, items: list[PromptItem], completions: list[list[Completion]]) ->
     return out, total
 
 
-def check_overlong(reward: "RewardConfig", max_new_tokens: int) -> None:
-    """The soft overlong penalty's knobs against the token budget (errors name the key)."""
-    from megatron_rlvr.config import ConfigError
-
-    if not 0 <= reward.overlong_buffer < max_new_tokens:
-        raise ConfigError(f"reward.overlong_buffer: expected 0 (off) or a buffer L_c < rollout.max_new_tokens = "
-                          f"{max_new_tokens} tokens, got {reward.overlong_buffer}")
-    if not reward.overlong_penalty >= 0:
-        raise ConfigError(f"reward.overlong_penalty: expected >= 0, got {reward.overlong_penalty}")
-
-
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
     """DAPO's soft length penalty per response of ``lengths`` tokens: 0 up to ``L_max - L_c``, then falling linearly
     to ``-penalty`` at the budget ``L_max`` (``penalty * (L_max - L_c - L) / L_c``), and ``-penalty`` beyond."""
@@ -172,7 +160,6 @@ def collect(engine: RolloutEngine, pool, loader: "PromptLoader", cfg: "Config", 
             step: int) -> Experience:
     """One step's experience from ``loader.batch_size`` prompts (more with dynamic sampling, see the module doc).
     The loader advances by every prompt drawn; a caller retrying a failed collect restores its state first."""
-    check_overlong(cfg.reward, cfg.rollout.max_new_tokens)
     want, refill = loader.batch_size, cfg.algo.drop_uniform_groups
     counters: dict[str, int] = {}
     groups = _sample_round(engine, pool, loader.next_batch(), cfg, run_seed=run_seed, step=step, refill_round=0,
