@@ -15,10 +15,14 @@ import os
 import signal
 import time
 import traceback
+import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 import psutil
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_rlvr.distributed import free_port
 
@@ -157,3 +161,32 @@ class WorkerGroup:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages that ops create while active and that are still alive: the CPU benchmarks' memory
+    accounting (``with LiveBytes() as t: ...; t.peak``), the counterpart of ``torch.cuda.max_memory_allocated``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # views and in-place results share an input's storage: only storages no input has are new memory
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self._seen and key not in inputs and storage.nbytes() > 0:
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._release, key, storage.nbytes())
+        return out

@@ -27,15 +27,14 @@ import statistics
 import sys
 import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rlvr.testing import LiveBytes  # noqa: E402  (after the path insert)
 
 
 @dataclasses.dataclass
@@ -55,33 +54,6 @@ class BenchConfig:
 
 
 QUICK = dict(sequences=32, max_len=384, median_len=64, prompt_len=24, micro_batch_size=2, repeats=2, model={})
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages that ops create while active and that are still alive (CPU memory accounting)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self._seen and key not in inputs and storage.nbytes() > 0:
-                    self._seen.add(key)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._release, key, storage.nbytes())
-        return out
 
 
 def workload_lengths(cfg: BenchConfig) -> list[int]:
@@ -122,7 +94,7 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def _peak_bytes(fn: Callable[[], Any]) -> int:
-    with _LiveBytes() as tracker:
+    with LiveBytes() as tracker:
         fn()
     return tracker.peak
 

@@ -21,15 +21,14 @@ import json
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rlvr.testing import LiveBytes  # noqa: E402  (after the path insert)
 
 
 @dataclasses.dataclass
@@ -44,34 +43,6 @@ class BenchConfig:
     threads_per_rank: int = 1
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages that ops create while active and that are still alive (CPU memory accounting)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # views and in-place results share an input's storage: only storages no input has are new memory
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self._seen and key not in inputs and storage.nbytes() > 0:
-                    self._seen.add(key)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._release, key, storage.nbytes())
-        return out
-
-
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Peak bytes allocated while fn runs (its results included), beyond what existed before."""
     if device.type == "cuda":
@@ -82,7 +53,7 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
         torch.cuda.synchronize()
         del result
         return torch.cuda.max_memory_allocated() - before
-    with _LiveBytes() as tracker:
+    with LiveBytes() as tracker:
         result = fn()
         del result
     return tracker.peak
