@@ -19,6 +19,7 @@ import json
 import logging
 import logging.handlers
 import os
+import signal
 import sys
 import time
 import traceback
@@ -167,8 +168,14 @@ def torchrun(argv: list[str]) -> int:
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as e:
-        messages = [f.message for f in e.failures.values()]
-        if messages and all(isinstance(m, str) and m.startswith("error: ") for m in messages):
+        def user_error(failure) -> bool:
+            return isinstance(failure.message, str) and failure.message.startswith("error: ")
+
+        # The first rank to fail is the root cause; torchrun then SIGTERMs the others, which may not have reached
+        # the same error yet: those count as collateral, anything else keeps the report.
+        _, first = e.get_first_failure()
+        terminated = -signal.SIGTERM
+        if user_error(first) and all(user_error(f) or f.exitcode == terminated for f in e.failures.values()):
             return 2
         raise
     return 0
