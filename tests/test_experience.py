@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_rlvr.algos import AlgoConfig
+from megatron_rlvr.config import ConfigError, load_config
 from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.experience import collect, overlong_penalty
 from megatron_rlvr.rewards.config import RewardConfig
@@ -167,10 +168,12 @@ def test_overlong_penalty_enters_the_rewards_and_its_knobs_are_checked():
     exp = _collect(loader, _cfg(drop=False, buffer=2))
     torch.testing.assert_close(exp.rewards.view(4, G)[0], torch.tensor([1.0, 0.0, 0.5, -1.0]))
     assert exp.metrics["reward/overlong_penalty"] == pytest.approx(-0.375)
-    for kw, key in ((dict(buffer=5), "reward.overlong_buffer"), (dict(buffer=-1), "reward.overlong_buffer"),
-                    (dict(buffer=2, penalty=-1.0), "reward.overlong_penalty")):
-        with pytest.raises(ValueError, match=key):
-            _collect(PromptLoader(_items([MIXED] * 4), 4, seed=0), _cfg(**kw))
+    # the knobs are checked with the rest of the config when it loads, against rollout.max_new_tokens
+    for overrides, key in ((["reward.overlong_buffer=5"], "reward.overlong_buffer"),
+                           (["reward.overlong_buffer=-1"], "reward.overlong_buffer"),
+                           (["reward.overlong_buffer=2", "reward.overlong_penalty=-1.0"], "reward.overlong_penalty")):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, ["rollout.max_new_tokens=5", *overrides]).validate()
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
