@@ -97,8 +97,7 @@ def _agree_ok(ok: bool) -> bool:
     """True only if every rank succeeded (a collective: every rank must call it)."""
     if not dist.is_initialized():
         return ok
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    flag = torch.tensor([0 if ok else 1], device=device)
+    flag = torch.tensor([0 if ok else 1])  # a CPU tensor: gloo carries it on GPU machines too (distributed.backend)
     dist.all_reduce(flag)
     return int(flag) == 0
 

@@ -61,7 +61,9 @@ class Preemption:
 
     @classmethod
     @contextlib.contextmanager
-    def installed(cls, signals: Sequence[int] = SIGNALS, same_request_s: float = SAME_REQUEST_S) -> Iterator["Preemption"]:
+    def installed(
+        cls, signals: Sequence[int] = SIGNALS, same_request_s: float = SAME_REQUEST_S
+    ) -> Iterator["Preemption"]:
         """Handle ``signals`` inside the block; the previous handlers come back after it. Outside the main thread
         (where Python cannot handle signals) nothing is installed and `requested` stays False."""
         handler = cls(signals, same_request_s)
@@ -152,8 +154,7 @@ class Preemption:
         the same point, so every rank stops after the same step)."""
         local = self.signum
         if dist.is_initialized():
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-            flag = torch.tensor([local], dtype=torch.int64, device=device)
+            flag = torch.tensor([local], dtype=torch.int64)  # CPU: gloo's half of distributed.backend() carries it
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             local = int(flag)
         if local:

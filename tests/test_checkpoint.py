@@ -74,20 +74,28 @@ def _warnings_of(logger_name: str):
         logger.removeHandler(handler)
 
 
-def _round_trip(hf_dir: str, ckpt_root: str, tp: int):
-    import torch
-
-    from megatron_rlvr import checkpoint, distributed
+@contextlib.contextmanager
+def _actors(hf_dir: str, tp: int, *overrides: str):
+    """Inside megatron's parallel state at (tp, pp=1): a function building a fresh actor of the test's recipe."""
+    from megatron_rlvr import distributed
     from megatron_rlvr.actor import MegatronActor
     from megatron_rlvr.config import load_config
 
     cfg = load_config(None, [f"model.hf_dir={hf_dir}", f"actor.tp={tp}", "actor.pp=1", "actor.micro_batch_size=2",
-                             "actor.lr=1e-3", "actor.lr_warmup_steps=2", "algo.loss=casp"])
+                             "actor.lr=1e-3", "algo.loss=casp", *overrides])
     distributed.initialize_model_parallel(tp=tp, pp=1, seed=0)
     try:
-        def build() -> MegatronActor:
-            return MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=10)
+        yield lambda: MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=10)
+    finally:
+        distributed.destroy_model_parallel()
 
+
+def _round_trip(hf_dir: str, ckpt_root: str, tp: int):
+    import torch
+
+    from megatron_rlvr import checkpoint
+
+    with _actors(hf_dir, tp, "actor.lr_warmup_steps=2") as build:
         live = build()
         for seed in range(2):
             _update(live, seed)
@@ -102,8 +110,6 @@ def _round_trip(hf_dir: str, ckpt_root: str, tp: int):
         next_restored = [_update(restored, seed) for seed in (5, 6)]
         return (differing, before["distinct_step_tensors"], after["distinct_step_tensors"], next_live, next_restored,
                 save_warnings)
-    finally:
-        distributed.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -134,41 +140,27 @@ def _params(actor) -> list:
 
 def _two_saves(hf_dir: str, ckpt_root: str):
     """One update, save step 1; another, save step 2 (TP=2). Returns this rank's weights at step 1."""
-    from megatron_rlvr import checkpoint, distributed
-    from megatron_rlvr.actor import MegatronActor
-    from megatron_rlvr.config import load_config
+    from megatron_rlvr import checkpoint
 
-    cfg = load_config(None, [f"model.hf_dir={hf_dir}", "actor.tp=2", "actor.pp=1", "actor.micro_batch_size=2",
-                             "actor.lr=1e-3", "algo.loss=casp"])
-    distributed.initialize_model_parallel(tp=2, pp=1, seed=0)
-    try:
-        actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=10)
+    with _actors(hf_dir, 2) as build:
+        actor = build()
         _update(actor, 0)
         checkpoint.save(ckpt_root, 1, actor, {"step": 1}, keep_last=2)
         at_step_one = _params(actor)
         _update(actor, 1)
         checkpoint.save(ckpt_root, 2, actor, {"step": 2}, keep_last=2)
         return at_step_one
-    finally:
-        distributed.destroy_model_parallel()
 
 
 def _resume_latest(hf_dir: str, ckpt_root: str):
     """What every rank resolves "latest" to, and the weights loaded from it."""
-    from megatron_rlvr import checkpoint, distributed
-    from megatron_rlvr.actor import MegatronActor
-    from megatron_rlvr.config import load_config
+    from megatron_rlvr import checkpoint
 
-    cfg = load_config(None, [f"model.hf_dir={hf_dir}", "actor.tp=2", "actor.pp=1", "actor.micro_batch_size=2",
-                             "actor.lr=1e-3", "algo.loss=casp"])
-    distributed.initialize_model_parallel(tp=2, pp=1, seed=0)
-    try:
-        actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=10)
+    with _actors(hf_dir, 2) as build:
+        actor = build()
         path = checkpoint.resolve(ckpt_root, "latest")
         state = checkpoint.load(path, actor)
         return path.name, state["step"], _params(actor)
-    finally:
-        distributed.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
