@@ -20,7 +20,7 @@ import torch
 from megatron_rlvr import checkpoint, distributed
 from megatron_rlvr.actor import MegatronActor
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
-from megatron_rlvr.console import attach_log_file
+from megatron_rlvr.console import attach_log_file, has_log_file
 from megatron_rlvr.data import PromptLoader, load_items
 from megatron_rlvr.experience import collect
 from megatron_rlvr.preemption import Preemption
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={'null' if args.resume == 'none' else args.resume}")
     cfg = load_config(args.config, overrides)
-    attach_log_file(cfg.trainer.output_dir, "train")  # vLLM / megatron-core lines: the run's log, not the console
+    if not has_log_file():  # the demo has its own; `train` alone: <output_dir>/logs/train-rank<r>.log
+        attach_log_file(cfg.trainer.output_dir, "train")  # vLLM / megatron-core lines go there, off the console
     history = train(cfg)
     if distributed.rank() == 0 and history:
         last = history[-1]
