@@ -82,6 +82,9 @@ class TrainerConfig:
     tensorboard: bool = True
     wandb_project: str | None = None
     save_hf: bool = True  # write the final weights as an HF checkpoint to <output_dir>/hf
+    # 1: the engines generate step t+1 with the weights before update t while the actor runs update t (needs
+    # rollout.placement=separate); the staleness is logged as rollout/staleness
+    off_policy_steps: int = 0
 
 
 @dataclass

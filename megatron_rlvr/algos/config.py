@@ -45,6 +45,16 @@ class AlgoConfig:
     tau_q: float = 0.8  # per-response entropy quantile; 0 = every response token
     weights: Literal["uniform", "softmax"] = "uniform"
     apply_to: Literal["both", "positive", "negative"] = "both"
+    # adaptive candidate sets (ALGORITHMS.md "Beside CaSP"): the smallest top-ranked set reaching candidate_mass of
+    # the probability, at most top_n, replaces the fixed top-N of CaSP's positive smoothing
+    candidates: Literal["fixed", "adaptive"] = "fixed"
+    candidate_mass: float = 0.9
+    # PBA, per-problem base anchoring: M frozen-base samples per training prompt (drawn once, stored in the run
+    # directory); prompts with fewer than pba_min_correct correct ones get the k3 KL to the base with pba_kl_coef
+    pba: bool = False
+    pba_base_samples: int = 16
+    pba_min_correct: int = 2
+    pba_kl_coef: float = 0.1
     # baselines
     beta: float = 0.01  # entropy_bonus / entropy_adv / kl_cov coefficient
     kappa: float = 2.0  # entropy_adv cap |A| / kappa
@@ -90,6 +100,16 @@ class AlgoConfig:
             raise bad("alpha", "a share in [0, 1]")
         if not 0 <= self.tau_q < 1:
             raise bad("tau_q", "a quantile in [0, 1)")
+        if self.candidates not in ("fixed", "adaptive"):
+            raise bad("candidates", "'fixed' or 'adaptive'")
+        if not 0 < self.candidate_mass <= 1:
+            raise bad("candidate_mass", "a probability share in (0, 1]")
+        if self.pba_base_samples < 1:
+            raise bad("pba_base_samples", ">= 1")
+        if not 0 <= self.pba_min_correct <= self.pba_base_samples:
+            raise bad("pba_min_correct", f"in [0, pba_base_samples={self.pba_base_samples}]")
+        if not self.pba_kl_coef >= 0:
+            raise bad("pba_kl_coef", ">= 0")
         if not self.kappa > 0:
             raise bad("kappa", "> 0")
         if not 0 <= self.cov_fraction <= 1:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SyncStaging = Literal["full", "streaming"]
+Placement = Literal["colocated", "separate"]
 
 
 @dataclass
@@ -33,6 +34,15 @@ class RolloutConfig:
     check_sync: bool = False  # compare engine weights with the given ones after each sync (slow)
     # algo.drop_uniform_groups: extra generation rounds per step to replace the groups whose rewards were all equal
     refill_max_rounds: int = 3
+    # "colocated": every rank trains and serves an engine, taking turns. "separate": the last engine_ranks ranks of
+    # the torchrun world serve engines only, the others are the actor (DESIGN.md "Engines on their own ranks")
+    placement: Placement = "colocated"
+    engine_ranks: int = 0
+    # outer prefixes: a prefix_fraction share of each group continues a weaker model's answer (an HF directory with
+    # the same tokenizer), cut at a uniform fraction in prefix_cut of its tokens; the prefix is context, not trained
+    prefix_model: str | None = None
+    prefix_fraction: float = 0.25
+    prefix_cut: tuple[float, float] = (0.2, 0.8)
 
     def __post_init__(self) -> None:
         for key in ("group_size", "max_new_tokens", "tp", "max_model_len", "kv_cache_memory_bytes", "bucket_bytes"):
@@ -48,5 +58,16 @@ class RolloutConfig:
             raise ValueError(f"rollout.gpu_memory_utilization: expected in (0, 1), got {self.gpu_memory_utilization!r}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level: expected 1 or 2, got {self.sleep_level!r}")
+        if self.placement not in ("colocated", "separate"):
+            raise ValueError(f"rollout.placement: expected 'colocated' or 'separate', got {self.placement!r}")
+        if self.engine_ranks < 0 or (self.placement == "separate") != (self.engine_ranks > 0):
+            raise ValueError(f"rollout.engine_ranks: expected >= 1 with placement 'separate' and 0 with 'colocated', "
+                             f"got {self.engine_ranks!r} with {self.placement!r}")
+        if not 0 <= self.prefix_fraction <= 1:
+            raise ValueError(f"rollout.prefix_fraction: expected a share in [0, 1], got {self.prefix_fraction!r}")
+        lo, hi = self.prefix_cut
+        if not 0 <= lo <= hi <= 1:
+            raise ValueError(f"rollout.prefix_cut: expected a range [lo, hi] with 0 <= lo <= hi <= 1, got "
+                             f"{list(self.prefix_cut)!r}")
         if self.sync_staging not in ("full", "streaming"):
             raise ValueError(f"rollout.sync_staging: expected 'full' or 'streaming', got {self.sync_staging!r}")
