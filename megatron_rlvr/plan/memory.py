@@ -8,7 +8,7 @@ follows from what the code of this project allocates (megatron_rlvr/actor.py, ro
 - main grads: DDP's grad buffer, fp32 (``grad_reduce_in_fp32=True``), one value per local parameter, not sharded;
 - optimizer: Adam's two fp32 moments plus fp32 main params when the model params are not fp32 (megatron keeps fp32
   params themselves as the main params), sharded over DP with the distributed optimizer;
-- the frozen reference (``algo.kl_coef > 0``, or PBA's ``algo.pba_kl_coef > 0`` once it lands): a second copy of the
+- the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``): a second copy of the
   weights, no grads, no optimizer;
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware),
   times the micro-batches the 1F1B schedule keeps in flight on a pipeline stage; the fused op's logits shard
@@ -139,20 +139,18 @@ class Layout:
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, gpu: bool = True) -> "Layout":
-        """The layout of ``cfg`` on ``world_size`` ranks. Knobs other issues are adding are read with getattr and
-        their defaults (actor.max_tokens_per_micro_batch: 0, rollout.placement: colocated, rollout.engine_ranks:
-        0, algo.pba_kl_coef: 0), so the plan follows them once they land."""
+        """The layout of ``cfg`` on ``world_size`` ranks."""
         a, r = cfg.actor, cfg.rollout
-        placement = getattr(r, "placement", "colocated")
-        engine_ranks = int(getattr(r, "engine_ranks", 0)) if placement == "separate" else 0
+        placement = r.placement
+        engine_ranks = r.engine_ranks if placement == "separate" else 0
         actor_world = world_size - engine_ranks
         dp = max(1, actor_world // (a.tp * a.pp))
-        budget = int(getattr(a, "max_tokens_per_micro_batch", 0) or 0)
+        budget = a.max_tokens_per_micro_batch
         # a sequence is never split across micro-batches: a budget below the longest sequence still holds one
         micro_tokens = max(budget, r.max_model_len) if budget else a.micro_batch_size * r.max_model_len
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * r.max_model_len
-        reference = cfg.algo.kl_coef > 0 or getattr(cfg.algo, "pba_kl_coef", 0) > 0
+        reference = cfg.algo.kl_coef > 0 or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
         return cls(
             tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp, sequence_parallel=a.sequence_parallel, recompute=a.recompute,
             micro_tokens=micro_tokens, max_seq_len=r.max_model_len,

@@ -42,7 +42,7 @@ class RolloutConfig:
     # the same tokenizer), cut at a uniform fraction in prefix_cut of its tokens; the prefix is context, not trained
     prefix_model: str | None = None
     prefix_fraction: float = 0.25
-    prefix_cut: tuple[float, float] = (0.2, 0.8)
+    prefix_cut: list[float] = field(default_factory=lambda: [0.2, 0.8])
 
     def __post_init__(self) -> None:
         for key in ("group_size", "max_new_tokens", "tp", "max_model_len", "kv_cache_memory_bytes", "bucket_bytes"):
@@ -65,8 +65,7 @@ class RolloutConfig:
                              f"got {self.engine_ranks!r} with {self.placement!r}")
         if not 0 <= self.prefix_fraction <= 1:
             raise ValueError(f"rollout.prefix_fraction: expected a share in [0, 1], got {self.prefix_fraction!r}")
-        lo, hi = self.prefix_cut
-        if not 0 <= lo <= hi <= 1:
+        if len(self.prefix_cut) != 2 or not 0 <= self.prefix_cut[0] <= self.prefix_cut[1] <= 1:
             raise ValueError(f"rollout.prefix_cut: expected a range [lo, hi] with 0 <= lo <= hi <= 1, got "
                              f"{list(self.prefix_cut)!r}")
         if self.sync_staging not in ("full", "streaming"):
