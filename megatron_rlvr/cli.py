@@ -1,4 +1,4 @@
-"""`megatron-rlvr` command line: train | eval | convert | demo | toy-tree | plan | data | ckpt.
+"""`megatron-rlvr` command line: train | eval | convert | demo | candidates | toy-tree | plan | data | ckpt.
 
 Each subcommand imports its implementation lazily, so `megatron-rlvr --help` is instant and a failure in one
 component never breaks the others' commands.
@@ -24,6 +24,8 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("megatron_rlvr.eval.command", "main", "large-K pass@k evaluation of one or more HF models"),
     "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "demo": ("megatron_rlvr.demo.command", "main", "the CPU demo: CaSP on the countdown task, then a pass@k report"),
+    "candidates": ("megatron_rlvr.monitor.candidates", "main",
+                   "per response token, the top-N candidates of one or more models as one heatmap (PNG)"),
     "toy-tree": ("megatron_rlvr.algos.toy_tree", "main", "the didactic tree MDP: GRPO vs entropy bonus vs CaSP"),
     "plan": ("megatron_rlvr.plan.command", "main", "per-GPU memory of a recipe's layout, before it is queued"),
     "data": ("megatron_rlvr.data.prepare", "main", "data prepare NAME: training sets from the public releases"),
