@@ -207,12 +207,16 @@ def _sampled_metrics(groups: list[_Group], penalized: bool) -> dict[str, float]:
     """The policy's behaviour on every prompt it sampled this step (all rounds: each an unbiased draw of prompts)."""
     rewards = torch.cat([g.rewards for g in groups])
     responses = [c for g in groups for c in g.completions]
+    prefixed = torch.tensor([getattr(c, "prefix_len", 0) > 0 for c in responses])
     metrics = {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         "response/length": sum(len(c.token_ids) for c in responses) / len(responses),
         "response/truncated_frac": sum(c.finish_reason == "length" for c in responses) / len(responses),
+        "rollout/prefix_frac": float(prefixed.float().mean()),  # responses that continue a weaker model's prefix
     }
+    if prefixed.any():
+        metrics["reward/mean_prefixed"] = float(rewards[prefixed].mean())
     if penalized:
         metrics["reward/overlong_penalty"] = float(torch.cat([g.penalty for g in groups]).mean())
     return metrics
@@ -223,20 +227,22 @@ def to_batch(
 ) -> tuple[SequenceBatch, torch.Tensor]:
     """Right-padded prompt + response sequences, one length for the whole step (pipeline stages exchange
     fixed-shape activations). The engine's per-token log-probs, placed at the same positions, are the batch's
-    ``rollout_logp`` (what the rollout correction reads) and come back beside it (the mismatch metric)."""
-    seqs, spans, engine = [], [], []
+    ``rollout_logp`` (what the rollout correction reads) and come back beside it (the mismatch metric). The first
+    ``Completion.prefix_len`` response tokens (a weaker model's prefix) are context only: masked out."""
+    seqs, spans, engine, prefixes = [], [], [], []
     for item, group in zip(items, completions):
         for c in group:
             seqs.append(list(item.prompt_ids) + list(c.token_ids))
             spans.append((len(item.prompt_ids), len(c.token_ids)))
             engine.append(c.logprobs)
+            prefixes.append(min(getattr(c, "prefix_len", 0), len(c.token_ids)))
     length = max(len(s) for s in seqs)
     tokens = torch.full((len(seqs), length), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), length - 1, dtype=torch.bool)
     engine_logp = torch.zeros(len(seqs), length - 1)
-    for i, (seq, (p, r), lp) in enumerate(zip(seqs, spans, engine)):
+    for i, (seq, (p, r), lp, k) in enumerate(zip(seqs, spans, engine, prefixes)):
         tokens[i, : len(seq)] = torch.tensor(seq)
-        mask[i, p - 1 : p - 1 + r] = True  # position t predicts token t + 1
+        mask[i, p - 1 + k : p - 1 + r] = True  # position t predicts token t + 1
         if lp:
             engine_logp[i, p - 1 : p - 1 + len(lp)] = torch.tensor(lp[:r])
     return SequenceBatch(tokens, mask, advantages.float(), rollout_logp=engine_logp), engine_logp

@@ -195,3 +195,27 @@ def test_engine_log_probs_are_the_batch_rollout_logp():
     # prompt of 2 tokens: response token t (t = 0..) is predicted at position 1 + t
     assert batch.rollout_logp[1, 1:4].tolist() == pytest.approx([-0.5, -0.6, -0.7])
     assert (batch.rollout_logp[~batch.response_mask] == 0).all()
+
+
+def test_prefix_tokens_are_context_not_trained_and_counted():
+    """A completion whose first prefix_len tokens came from a weaker model trains only the rest; the share of
+    prefixed responses and their mean reward are logged."""
+
+    class PrefixEngine(ScriptedEngine):
+        def generate(self, prompt_token_ids, n, sampling):
+            out = super().generate(prompt_token_ids, n, sampling)
+            for group in out:
+                for j, c in enumerate(group):
+                    c.prefix_len = 2 if j == 0 else 0  # sample 0 continues a 2-token prefix
+            return out
+
+    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    exp = _collect(loader, _cfg(drop=False), engine=PrefixEngine())
+    rows = exp.batch.response_mask.sum(dim=1).view(4, G)
+    assert rows[0].tolist() == [0, 3, 4, 5]  # 2 tokens, both prefix; then 3, 4, 5 trained as before
+    # the first trained token of sample 1 (no prefix) is predicted at position 1; of sample 0 none is left
+    assert exp.batch.response_mask[1, 1] and not exp.batch.response_mask[0].any()
+    assert exp.metrics["rollout/prefix_frac"] == pytest.approx(1 / G)
+    assert exp.metrics["reward/mean_prefixed"] == pytest.approx(1.0)  # sample 0 of a MIXED prompt says "yes"
+    plain = _collect(PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False), _cfg(drop=False))
+    assert plain.metrics["rollout/prefix_frac"] == 0.0 and "reward/mean_prefixed" not in plain.metrics
