@@ -7,6 +7,8 @@ and a loss name only chooses how its tokens are shaped (see ``_Shaping``):
 - CaSP's label-smoothed target on positive samples, and
 - extra per-token terms (kl_cov's penalty, the entropy bonus, the optional k3 KL to a reference).
 So ``grpo`` is ``casp`` with alpha = lambda_top1 = 0, by construction.
+Two options act on every loss alike: the KL coefficient may be given per sequence (PBA anchors only risky prompts'
+responses, pba.py), and the rollout correction reweights ``w``.
 
 The returned loss's value is the clipped surrogate ``-scale * min(rho * A, clip(rho) * A)`` (plus the extra terms),
 while its gradient is exactly that of the detached-weight form: ``value.detach() + (form - form.detach())``.
@@ -14,6 +16,13 @@ For every loss but CaSP's smoothed positives the two have the same gradient anyw
 
 Choices where ALGORITHMS.md leaves room (each checked by tests/algos against a dense oracle):
 - CaSP's candidate weights u are detached (a target distribution, not a path for gradient).
+- CaSP's adaptive candidate set C_t (``candidates: adaptive``, token_masks.adaptive_candidates) is decided from the
+  detached top-N probabilities: the smallest top-ranked prefix reaching ``candidate_mass`` (rank 1 always in, a
+  prefix reaching the mass exactly stops there, at most top_n, ``candidate_mass = 1`` keeps all top_n); u is
+  uniform 1/|C_t| or the softmax over C_t, 0 outside it. A full C_t gets the fixed path's u bit for bit, so
+  ``candidate_mass = 1`` is ``fixed`` exactly.
+- A per-sequence KL coefficient (``kl_coef`` [B]) replaces ``algo.kl_coef`` for the k3 term, row by row; 0 on a
+  row removes its KL term exactly (``torch.where``, so an infinite estimate on it cannot leak in as NaN).
 - The entropy bonus, k3 KL and kl_cov penalty are aggregated with the same ``loss_agg`` as the policy term.
 - kl_cov / clip_cov keep PPO-clip underneath and select the top ``cov_fraction`` tokens deterministically within
   the tokens of this call (verl's clip_cov samples among a covariance band instead).
@@ -35,7 +44,7 @@ from megatron_rlvr.algos.aggregate import aggregate, response_counts
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.metrics import loss_metrics
 from megatron_rlvr.algos.rollout_correction import correction_weights
-from megatron_rlvr.algos.token_masks import high_entropy_mask, top_covariance_mask
+from megatron_rlvr.algos.token_masks import adaptive_candidates, high_entropy_mask, top_covariance_mask
 
 if TYPE_CHECKING:
     from megatron_rlvr.ops import TokenStats
@@ -63,6 +72,7 @@ class _Shaping:
     advantages: Tensor  # the per-token advantages entering w and the clip condition
     weight_scale: Tensor | None = None  # detached multiplier of w (None = 1)
     smoothing: Tensor | None = None  # CaSP: the share alpha moved onto the top-N candidates, 0 elsewhere
+    candidates: Tensor | None = None  # CaSP adaptive: bool [B, T, top_n], the set C_t (None = every top-N column)
     penalty: Tensor | None = None  # extra per-token loss (kl_cov)
     entropy_coef: float = 0.0  # entropy bonus: loss -= coef * agg(entropy)
 
@@ -82,6 +92,8 @@ def _casp(v: TokenView) -> _Shaping:
     if cfg.apply_to in ("both", "positive"):
         smoothed = v.positive & v.high_entropy
         shaping.smoothing = _choose(smoothed, cfg.alpha, 0.0, v.logp)
+        if cfg.candidates == "adaptive":
+            shaping.candidates = adaptive_candidates(v.topn_logp, cfg.candidate_mass)
     if cfg.apply_to in ("both", "negative"):
         penalized = v.negative & v.high_entropy & v.is_top1
         shaping.weight_scale = _choose(penalized, 1.0 + cfg.lambda_top1, 1.0, v.logp)
@@ -128,7 +140,8 @@ def _forking_tokens(v: TokenView) -> _Shaping:
 
 # The terms of the loss among policy_loss's metrics. Given the whole mini-batch's counts, each micro-batch reports its
 # share of the mini-batch value: these add up over micro-batches and data-parallel ranks (the rest are averages).
-LOSS_TERMS: tuple[str, ...] = ("pg_loss", "kl_ref", "entropy_bonus", "cov_penalty")
+# kl_ref is the k3 estimate itself; kl_loss, present with per-sequence coefficients, is the term the loss adds.
+LOSS_TERMS: tuple[str, ...] = ("pg_loss", "kl_ref", "kl_loss", "entropy_bonus", "cov_penalty")
 
 LOSSES: dict[str, Callable[[TokenView], _Shaping]] = {
     "grpo": _grpo,
@@ -144,11 +157,21 @@ LOSSES: dict[str, Callable[[TokenView], _Shaping]] = {
 }
 
 
-def candidate_weights(topn_logp: Tensor, weights: str) -> Tensor:
-    """CaSP's detached weights u over the top-N candidates: uniform 1/N, or softmax of their log-probs."""
-    if weights == "uniform":
+def candidate_weights(topn_logp: Tensor, weights: str, inside: Tensor | None = None) -> Tensor:
+    """CaSP's detached weights u over the top-N candidates: uniform 1/N, or softmax of their log-probs; with
+    ``inside`` (bool like topn_logp, the adaptive set C_t) over C_t only, 0 outside it."""
+    if inside is not None:
+        if weights == "uniform":
+            # 1/k rounded as the fixed path rounds 1/N (a Python float cast to the dtype): a full set is bit-equal
+            table = torch.tensor([0.0] + [1.0 / k for k in range(1, topn_logp.shape[-1] + 1)],
+                                 dtype=topn_logp.dtype, device=topn_logp.device)
+            share = table[inside.sum(dim=-1)][..., None].expand_as(topn_logp)
+            return torch.where(inside, share, torch.zeros_like(share))
+        if weights == "softmax":
+            return torch.softmax(topn_logp.detach().masked_fill(~inside, float("-inf")), dim=-1)
+    elif weights == "uniform":
         return torch.full_like(topn_logp, 1.0 / topn_logp.shape[-1]).detach()
-    if weights == "softmax":
+    elif weights == "softmax":
         return torch.softmax(topn_logp.detach(), dim=-1)
     raise ValueError(f"algo.weights: got {weights!r}; allowed values: 'uniform', 'softmax'")
 
@@ -165,6 +188,7 @@ def policy_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     target_ids: Tensor | None = None,
+    kl_coef: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss ``cfg.loss`` of one (micro-)batch and its metrics (plain floats over this batch's response tokens).
 
@@ -178,12 +202,17 @@ def policy_loss(
     the mini-batch loss; default this batch's own counts. kl_cov / clip_cov select their tokens within this batch.
     ``target_ids`` [B, T], the sampled ids, make "y_t is rank 1" an id comparison (recommended); without them it is
     read from the statistics (logp equal to the rank-1 log-prob up to rounding).
+    ``kl_coef`` [B], per response, replaces cfg.kl_coef in the k3 KL term (PBA); ``ref_logp`` is then required
+    when any entry is > 0. Its term comes back as the metric ``kl_loss`` (``kl_ref`` stays the unweighted estimate).
     """
     if cfg.loss not in LOSSES:
         raise ValueError(f"algo.loss: got {cfg.loss!r}; allowed values: {', '.join(LOSSES)}")
     view = _token_view(stats, old_logp, advantages, mask, cfg, target_ids)
-    if cfg.kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"ref_logp: algo.kl_coef = {cfg.kl_coef} > 0 needs the reference model's log-probs [B, T]")
+    if kl_coef is None:
+        if cfg.kl_coef > 0 and ref_logp is None:
+            raise ValueError(f"ref_logp: algo.kl_coef = {cfg.kl_coef} > 0 needs the reference model's log-probs [B, T]")
+    else:
+        kl_coef = _sequence_kl_coef(kl_coef, view.logp, ref_logp is not None)
     for name, given in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
         if given is not None and given.shape != view.logp.shape:
             raise ValueError(f"{name}: expected shape {tuple(view.logp.shape)} like stats.logp, got {tuple(given.shape)}")
@@ -217,9 +246,15 @@ def policy_loss(
 
     target = view.logp
     if shaping.smoothing is not None:
-        u = candidate_weights(view.topn_logp, cfg.weights)
         s = shaping.smoothing.detach()
-        smoothed = (1 - s) * view.logp + s * (u * view.topn_logp).sum(dim=-1)
+        if shaping.candidates is None:
+            u = candidate_weights(view.topn_logp, cfg.weights)
+            spread = (u * view.topn_logp).sum(dim=-1)
+        else:  # where, not u = 0: a column outside C_t sends exactly no gradient (and no NaN from 0 * -inf)
+            u = candidate_weights(view.topn_logp, cfg.weights, shaping.candidates)
+            terms = u * view.topn_logp
+            spread = torch.where(shaping.candidates, terms, torch.zeros_like(terms)).sum(dim=-1)
+        smoothed = (1 - s) * view.logp + s * spread
         target = torch.where(s > 0, smoothed, view.logp)
     pg_form = agg(-weight * target)
     with torch.no_grad():
@@ -236,16 +271,35 @@ def policy_loss(
         loss = loss - extras["entropy_bonus"]
     if ref_logp is not None:
         delta = ref_logp.detach().to(view.logp.dtype) - view.logp
-        extras["kl_ref"] = agg(torch.exp(delta) - delta - 1)
-        if cfg.kl_coef > 0:
+        k3 = torch.exp(delta) - delta - 1
+        extras["kl_ref"] = agg(k3)
+        if kl_coef is not None:
+            coef = kl_coef[:, None].expand_as(k3)
+            extras["kl_loss"] = agg(torch.where(coef > 0, coef * k3, torch.zeros_like(k3)))
+            loss = loss + extras["kl_loss"]
+        elif cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * extras["kl_ref"]
 
-    metrics = loss_metrics(view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp)
+    metrics = loss_metrics(view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp,
+                           candidates=shaping.candidates)
     metrics.update(loss=float(loss.detach()), pg_loss=float(pg_value), num_tokens=local_tokens)
     metrics.update({name: float(value.detach()) for name, value in extras.items()})
     if correct:
         metrics.update(zip(correction_metrics, torch.stack(list(correction_metrics.values())).tolist()))
     return loss, metrics
+
+
+def _sequence_kl_coef(kl_coef: Tensor, logp: Tensor, have_ref: bool) -> Tensor:
+    """Check the per-sequence KL coefficients [B] (finite, >= 0; ref_logp given where any is > 0), in logp's dtype."""
+    if tuple(kl_coef.shape) != tuple(logp.shape[:1]):
+        raise ValueError(f"kl_coef: expected shape [B] = [{logp.shape[0]}] (one per response), got {tuple(kl_coef.shape)}")
+    coef = kl_coef.detach().to(device=logp.device, dtype=logp.dtype)
+    valid, anchored = torch.stack([(torch.isfinite(coef) & (coef >= 0)).all(), (coef > 0).any()]).tolist()
+    if not valid:
+        raise ValueError(f"kl_coef: expected finite values >= 0 per response, got {coef.tolist()}")
+    if anchored and not have_ref:
+        raise ValueError("ref_logp: a per-sequence kl_coef > 0 needs the reference model's log-probs [B, T]")
+    return coef
 
 
 def _token_view(

@@ -1,6 +1,7 @@
-"""Detached token selections the losses share: the per-response high-entropy mask and the top-covariance tokens.
+"""Detached token selections the losses share: the per-response high-entropy mask, the top-covariance tokens and
+CaSP's adaptive candidate sets.
 
-Both are functions of statistics that every TP rank holds identically (the fused op all-gathers its per-token
+All are functions of statistics that every TP rank holds identically (the fused op all-gathers its per-token
 records), so every TP rank selects the same tokens without communicating.
 """
 
@@ -51,3 +52,23 @@ def top_covariance_mask(logp: Tensor, advantages: Tensor, mask: Tensor, fraction
     flat[chosen] = True
     selected[mask] = flat
     return selected
+
+
+def adaptive_candidates(topn_logp: Tensor, mass: float) -> Tensor:
+    """CaSP's adaptive candidate set C_t: bool [..., N] over the top-N columns (sorted by probability), True for the
+    smallest top-ranked prefix whose probabilities reach ``mass``, at most all N.
+
+    Rank k is in C_t iff ranks 1..k-1 hold less than ``mass``: rank 1 always is (mass > 0), and a prefix reaching
+    ``mass`` exactly stops there ("reach" is >=). Equal probabilities need no rule of their own: the op's ranking
+    already orders ties by token id. The sums run in float64 on the detached probabilities. ``mass >= 1`` keeps
+    every column: the rest of the vocabulary always holds some probability, so a float sum rounding to 1 must not
+    cut the set (this is what makes ``candidate_mass = 1`` the fixed top-N exactly).
+    """
+    if mass >= 1:
+        return torch.ones_like(topn_logp, dtype=torch.bool)
+    probs = topn_logp.detach().to(torch.float64).exp()
+    before = torch.zeros_like(probs)  # the mass of the higher ranks
+    before[..., 1:] = torch.cumsum(probs[..., :-1], dim=-1)
+    inside = before < mass
+    inside[..., 0] = True  # rank 1 even if its column were NaN: the set is never empty
+    return inside

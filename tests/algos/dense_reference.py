@@ -82,8 +82,10 @@ def reference_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     rollout_logp: Tensor | None = None,
+    kl_coefs: Tensor | None = None,
 ) -> Tensor:
-    """The loss of ALGORITHMS.md: value = clipped surrogate (+ extra terms), gradient = detached-weight form."""
+    """The loss of ALGORITHMS.md: value = clipped surrogate (+ extra terms), gradient = detached-weight form.
+    ``kl_coefs`` [B]: the KL coefficient of each response in place of cfg.kl_coef (PBA)."""
     B, T, _ = logits.shape
     correction = reference_correction(old_logp, rollout_logp, mask, cfg) if rollout_logp is not None else None
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
@@ -130,11 +132,13 @@ def reference_loss(
             target = logp[b, t]
             if cfg.loss == "casp":
                 if A > 0 and high[b, t] and cfg.apply_to in ("both", "positive"):
+                    size = candidate_set_size(top_logp[b, t], cfg)
+                    candidates = top_logp[b, t, :size]
                     if cfg.weights == "uniform":
-                        u = torch.full((cfg.top_n,), 1.0 / cfg.top_n, dtype=logits.dtype)
+                        u = torch.full((size,), 1.0 / size, dtype=logits.dtype)
                     else:
-                        u = torch.softmax(top_logp[b, t].detach(), dim=-1)
-                    target = (1 - cfg.alpha) * logp[b, t] + cfg.alpha * (u * top_logp[b, t]).sum()
+                        u = torch.softmax(candidates.detach(), dim=-1)
+                    target = (1 - cfg.alpha) * logp[b, t] + cfg.alpha * (u * candidates).sum()
                 if A < 0 and high[b, t] and targets[b, t] == top_ids[b, t, 0] and cfg.apply_to in ("both", "negative"):
                     scale = 1.0 + cfg.lambda_top1
             elif cfg.loss == "w_reinforce" and A > 0:
@@ -158,9 +162,10 @@ def reference_loss(
                 extra = extra + cfg.beta * (logp[b, t] - old_logp[b, t]).abs()
             if cfg.loss == "entropy_bonus":
                 extra = extra - cfg.beta * entropy[b, t]
-            if ref_logp is not None and cfg.kl_coef > 0:
+            coef = cfg.kl_coef if kl_coefs is None else float(kl_coefs[b])
+            if ref_logp is not None and coef > 0:
                 d = ref_logp[b, t] - logp[b, t]
-                extra = extra + cfg.kl_coef * (torch.exp(d) - d - 1)
+                extra = extra + coef * (torch.exp(d) - d - 1)
             extra_terms[b, t] = extra
 
     def agg(x: Tensor) -> Tensor:
@@ -174,6 +179,24 @@ def reference_loss(
 
     grad_form = agg(grad_terms)
     return agg(value_terms) + (grad_form - grad_form.detach()) + agg(extra_terms)
+
+
+def sequence_coefs(rows: int) -> Tensor:
+    """A per-sequence KL coefficient [rows] with anchored (0.3, 0.1) and unanchored (0) rows, as PBA makes them."""
+    return torch.tensor([(0.3, 0.0, 0.1)[i % 3] for i in range(rows)], dtype=torch.float64)
+
+
+def candidate_set_size(top_logp: Tensor, cfg: AlgoConfig) -> int:
+    """|C_t|: all top_n columns (fixed, or candidate_mass = 1), else the fewest top ranks whose probabilities sum
+    to at least candidate_mass, at most top_n, summed one by one in Python floats."""
+    if cfg.candidates == "fixed" or cfg.candidate_mass >= 1:
+        return cfg.top_n
+    total = 0.0
+    for k in range(cfg.top_n):
+        total += math.exp(float(top_logp[k].detach()))
+        if total >= cfg.candidate_mass:
+            return k + 1
+    return cfg.top_n
 
 
 def reference_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: AlgoConfig) -> list[list[float]]:

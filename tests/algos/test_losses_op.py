@@ -1,5 +1,6 @@
 """Every loss through the fused op (logits -> vocab_parallel_token_stats -> policy_loss -> backward) against the
-dense float64 oracle, at TP = 1 in this process and TP = 2 on two gloo ranks with the vocabulary split between them."""
+dense float64 oracle, at TP = 1 in this process and TP = 2 on two gloo ranks with the vocabulary split between them;
+also CaSP's adaptive candidate sets (decided from the op's gathered top-N) and PBA's per-sequence KL coefficient."""
 
 from __future__ import annotations
 
@@ -9,19 +10,31 @@ import torch.distributed as dist
 
 from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
 from megatron_rlvr.ops import vocab_parallel_token_stats
-from tests.algos.dense_reference import random_problem, reference_loss
+from tests.algos.dense_reference import random_problem, reference_loss, sequence_coefs
 
 BASE = dict(alpha=0.3, lambda_top1=0.5, tau_q=0.5, beta=0.1, kappa=2.0, cov_fraction=0.2, lambda_pos=0.1)
 CASES = [dict(loss=name) for name in LOSS_NAMES] + [
     dict(loss="casp", loss_agg="seq_mean_token_mean", weights="softmax"),
     dict(loss="casp", loss_agg="seq_mean_token_sum_norm", kl_coef=0.2, top_n=5),
     dict(loss="grpo", kl_coef=0.2),
+    dict(loss="casp", candidates="adaptive", candidate_mass=0.5, top_n=4),
+    dict(loss="casp", candidates="adaptive", candidate_mass=0.7, weights="softmax", loss_agg="seq_mean_token_mean"),
+    # "seq_kl": the KL coefficient per sequence (PBA), replacing algo.kl_coef
+    dict(loss="grpo", kl_coef=0.2, seq_kl=True),
+    dict(loss="casp", candidates="adaptive", candidate_mass=0.5, seq_kl=True, loss_agg="seq_mean_token_sum_norm"),
 ]
 SEEDS = (11, 12)
 
 
 def _cfg(case: dict) -> AlgoConfig:
-    return AlgoConfig(**{**BASE, "max_len_norm": 16, **case})
+    return AlgoConfig(**{**BASE, "max_len_norm": 16, **{k: v for k, v in case.items() if k != "seq_kl"}})
+
+
+def _kl_inputs(case: dict, cfg: AlgoConfig, problem, dtype: torch.dtype) -> dict:
+    """policy_loss's ref_logp / kl_coef for the case (the oracle takes the same, in float64)."""
+    if case.get("seq_kl"):
+        return dict(ref_logp=problem.ref_logp.to(dtype), kl_coef=sequence_coefs(problem.mask.shape[0]).to(dtype))
+    return dict(ref_logp=problem.ref_logp.to(dtype) if cfg.kl_coef > 0 else None)
 
 
 def sharded_op_gradients(cases: list[dict], seeds: tuple[int, ...], dtype: torch.dtype) -> list[tuple[float, torch.Tensor]]:
@@ -42,7 +55,7 @@ def sharded_op_gradients(cases: list[dict], seeds: tuple[int, ...], dtype: torch
             )
             loss, _ = policy_loss(
                 stats, problem.old_logp.to(dtype), problem.advantages.to(dtype), problem.mask, cfg,
-                ref_logp=problem.ref_logp.to(dtype) if cfg.kl_coef > 0 else None, target_ids=problem.targets,
+                target_ids=problem.targets, **_kl_inputs(case, cfg, problem, dtype),
             )
             loss.backward()
             out.append((float(loss.detach()), shard.grad.detach().to(torch.float64)))
@@ -56,9 +69,10 @@ def _check_against_reference(per_rank: list[list[tuple[float, torch.Tensor]]], t
         for seed in SEEDS:
             problem = random_problem(seed, vocab_multiple=2)
             logits = problem.logits.clone().requires_grad_(True)
+            kl = _kl_inputs(case, cfg, problem, torch.float64)
             ref_loss = reference_loss(
                 logits, problem.targets, problem.old_logp, problem.advantages, problem.mask, cfg,
-                ref_logp=problem.ref_logp if cfg.kl_coef > 0 else None,
+                ref_logp=kl["ref_logp"], kl_coefs=kl.get("kl_coef"),
             )
             (ref_grad,) = torch.autograd.grad(ref_loss, logits)
             grad = torch.cat([rank_results[index][1] for rank_results in per_rank], dim=-1)
