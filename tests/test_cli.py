@@ -75,6 +75,16 @@ def test_benchmark_file_error(tmp_path):
     assert_one_line_error(result, "error: benchmark 'math500': no data file; tried ")
 
 
+def test_candidates_model_error(tmp_path):
+    result = run(CLI + ["candidates", "--model", "megatron_rlvr/demo/model", str(tmp_path / "nope"), "--prompt", "1 2 -> 3:"])
+    assert_one_line_error(result, f"error: --model {tmp_path / 'nope'}: not an HF model directory (no config.json)")
+
+
+def test_demo_report_runs_error(tmp_path):
+    result = run(CLI + ["demo", "report", "--runs", str(tmp_path / "nope")])
+    assert_one_line_error(result, f"error: --runs {tmp_path / 'nope'}: no finished demo run (")
+
+
 def test_launch_error():
     result = run([sys.executable, "launch/train.py", "--recipe", "demo_cpu", "--executor", "local", "--nodes", "2"])
     assert_one_line_error(result, "error: --nodes 2: the local executor runs on this machine only; use 1")

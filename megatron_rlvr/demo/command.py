@@ -1,10 +1,13 @@
 """`megatron-rlvr demo`: CaSP training of the embedded countdown model at TP=2 over 2 gloo processes with vLLM-CPU
 rollouts, then a pass@k evaluation of the base and the trained model, and a report folder.
 
-    megatron-rlvr demo [--out outputs/demo] [--algo casp|grpo] [key=value ...]
+    megatron-rlvr demo [--out outputs/demo] [--algo casp|grpo] [--seed N] [key=value ...]
+    megatron-rlvr demo report --runs OUT1 OUT2 ... [--group-by algo]     (one table over finished runs: multi_run.py)
 
 Training runs as `torchrun --nproc-per-node 2 -m megatron_rlvr.cli train configs/demo_cpu.yaml`; rerunning the same
 command after an interruption resumes from the last checkpoint (and the evaluation from its last sample chunk).
+``--seed`` is the training seed only: the eval prompts and their samples' seeds are fixed (the recipe's data seed and
+EVAL_SEED), so runs with different seeds are compared on the same evaluation draws.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "demo_cpu.yaml"
+EVAL_SEED = 1234  # the eval's sampling seed: the same for every demo run, whatever --seed trains with
+CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the recipe's N = 3, and two beyond)
 
 
 def _train(out: Path, algo: str, overrides: list[str], nproc: int) -> None:
@@ -57,6 +62,7 @@ def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[s
     cfg = EvalConfig(
         n_samples=n, chunk=min(n, 64), temperature=recipe.rollout.temperature, max_new_tokens=recipe.rollout.max_new_tokens,
         stop=list(recipe.rollout.stop), benchmarks=["countdown"], data_dir=str(data_dir), output_dir=str(out / "eval"),
+        seed=EVAL_SEED,
     )
     factory = vllm_engine_factory(recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes)
     paths = list(models.values())
@@ -71,16 +77,59 @@ def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[s
     return results
 
 
+def _candidate_figure(out: Path, samples: dict[str, list[dict]], models: dict[str, str], report_dir: Path) -> dict:
+    """The candidate matrix of base and trained on one eval prompt the trained model answers correctly: the prompt
+    where its correct count gains most on the base's (ties: the first in eval order), its first correct answer."""
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.demo.report import per_prompt
+    from megatron_rlvr.eval.benchmarks import load_benchmark
+    from megatron_rlvr.monitor import candidates
+
+    (base_label, base_rows), (trained_label, trained_rows) = list(samples.items())[:2]
+    base, trained = per_prompt(base_rows, base_label), per_prompt(trained_rows, trained_label)
+    prompts = {p.problem_id: p.prompt for p in load_benchmark("countdown", out / "eval_data")}
+    solved = [pid for pid in prompts if trained.get(pid, {}).get("correct", 0) > 0]
+    if not solved:
+        return {}
+    pid = max(solved, key=lambda p: trained[p]["correct"] - base.get(p, {}).get("correct", 0))  # max keeps the first
+    answer = min((r for r in trained_rows if str(r["prompt_id"]) == pid and float(r["reward"]) > 0.5),
+                 key=lambda r: r["sample"])["response"]
+    recipe = load_config(RECIPE)
+    result = candidates.build(list(models.values()), prompts[pid], response=answer, labels=list(models),
+                              top_n=CANDIDATES_TOP_N, temperature=recipe.rollout.temperature)
+    png = candidates.render(result["matrices"], report_dir / "candidates.png", title=f"{prompts[pid]!r} -> {answer!r}")
+    (report_dir / "candidates.json").write_text(json.dumps(candidates.to_json(result), indent=1) + "\n")
+    rate = lambda stats: f"{stats.get(pid, {}).get('correct', 0)}/{stats.get(pid, {}).get('n', 0)}"  # noqa: E731
+    return {"path": png, "prompt_id": pid, "prompt": prompts[pid], "response": answer, "caption": (
+        f"Prompt `{prompts[pid]}` (`{pid}`, correct samples: {base_label} {rate(base)}, {trained_label} "
+        f"{rate(trained)}); the response is {trained_label}'s first correct answer `{answer}`. Per response token "
+        f"(rows), each model's top-{CANDIDATES_TOP_N} candidates (columns, rank 1 first) and their probabilities; "
+        "the response's own token is outlined in red. The numbers: candidates.json.")}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:  # "report" is no key=value override, so the subcommand cannot shadow one
+        from megatron_rlvr.demo.multi_run import main as report_main
+
+        return report_main(argv[1:])
     parser = argparse.ArgumentParser(prog="megatron-rlvr demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/demo", help="output folder (rerun with the same one to resume)")
     parser.add_argument("--algo", default="casp", choices=["casp", "grpo"], help="the policy loss to train with")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="training seed (trainer.seed); the evaluation keeps its own seeds, the same for every run")
     parser.add_argument("--nproc", type=int, default=2, help="training processes (actor TP x PP x DP)")
     parser.add_argument("--eval-n", type=int, default=64, help="samples per eval prompt")
     parser.add_argument("--eval-prompts", type=int, default=512,
                         help="eval prompts (512: one prompt moves pass@64 by 0.2 points; the split holds ~620)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.steps=10")
     args = parser.parse_args(argv)
+    if args.seed is not None:
+        if any(o.split("=", 1)[0].strip() == "trainer.seed" for o in args.overrides):
+            from megatron_rlvr.errors import UserError
+
+            raise UserError("--seed and trainer.seed=... both given; give one")
+        args.overrides.append(f"trainer.seed={args.seed}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()
     from megatron_rlvr.console import attach_log_file
@@ -96,14 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     if not (trained / "config.json").is_file():
         raise SystemExit(f"megatron-rlvr demo: training finished without writing {trained}")
     train_s = time.perf_counter() - start
-    samples = _evaluate(out, {"base": str(base_model), f"trained ({args.algo})": str(trained)}, args.eval_n, args.eval_prompts)
+    models = {"base": str(base_model), f"trained ({args.algo})": str(trained)}
+    samples = _evaluate(out, models, args.eval_n, args.eval_prompts)
     from megatron_rlvr.demo.report import write_report
 
+    figure = _candidate_figure(out, samples, models, out / "report")
     minutes = (time.perf_counter() - start) / 60
-    summary = write_report(
-        out / "report", samples, metrics={args.algo: out / "train" / "metrics.jsonl"},
-        notes=[f"training {train_s / 60:.1f} min, total {minutes:.1f} min on this machine ({os.cpu_count()} cores)"],
-    )
+    notes = [f"training {train_s / 60:.1f} min, total {minutes:.1f} min on this machine ({os.cpu_count()} cores)"]
+    if args.seed is not None:
+        notes.append(f"training seed {args.seed}; the evaluation's seeds are the same for every run (eval seed {EVAL_SEED})")
+    summary = write_report(out / "report", samples, metrics={args.algo: out / "train" / "metrics.jsonl"}, notes=notes,
+                           candidates=figure or None)
     print((out / "report" / "report.md").read_text())
     print(f"report: {out / 'report'} ({len(summary.get('files', []))} files)")
     return 0

@@ -1,4 +1,5 @@
-"""The demo's report folder: report.md (pass@k table, distinct correct answers, prompts solved), results.json and PNGs.
+"""The demo's report folder: report.md (pass@k table, distinct correct answers, prompts solved), results.json and PNGs
+(plus, when the caller made one, a candidate matrix: monitor/candidates.py).
 
 Inputs are plain data, so the demo command (or anyone) can call it after training and evaluation:
 
@@ -121,8 +122,15 @@ def _coverage_lines(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return lines + ["", "Per prompt: correct samples, distinct correct and distinct answers in results.json."]
 
 
+def _candidate_lines(candidates: Mapping[str, Any] | None) -> list[str]:
+    if not candidates:
+        return []
+    path = Path(candidates["path"])
+    return ["## Candidate matrix", "", str(candidates.get("caption", "")), "", f"![{path.stem}]({path.name})"]
+
+
 def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: Sequence[str],
-              validation: Sequence[str] = ()) -> str:
+              validation: Sequence[str] = (), candidates: Mapping[str, Any] | None = None) -> str:
     ks, models = summary["ks"], summary["models"]
     lines = [f"# {title}", ""]
     lines += [f"- {note}" for note in notes]
@@ -141,6 +149,8 @@ def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: S
     lines += ["", *_coverage_lines(models)]
     if validation:
         lines += ["", *validation]
+    if candidates:
+        lines += ["", *_candidate_lines(candidates)]
     if figures:
         lines += ["", "## Plots", ""]
         lines += [f"![{p.stem}]({p.name})" for p in figures]
@@ -153,11 +163,14 @@ def write_report(
     metrics: Mapping[str, str | os.PathLike] | str | os.PathLike | None = None,
     title: str = "megatron-rlvr demo: countdown",
     notes: Sequence[str] = (),
+    candidates: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write report.md, results.json and the plots into ``out_dir``; return the summary (with ``files``).
 
     ``samples``: model label -> per-sample results; ``metrics``: run label -> metrics.jsonl path (a bare path is
-    labelled "train"); a histograms.jsonl beside a metrics file is plotted too.
+    labelled "train"); a histograms.jsonl beside a metrics file is plotted too. ``candidates``: a candidate matrix
+    already rendered into ``out_dir`` ({path, caption, and what results.json should keep: prompt_id, prompt,
+    response}); report.md links it.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -184,12 +197,16 @@ def write_report(
         plots.plot_metric_panels(runs, OFF_POLICY_KEYS, out / "off_policy.png") if runs else None,
     ]
     figures = [f for f in figures if f is not None]
-    (out / "report.md").write_text(_markdown(summary, figures, title, notes, _validation_lines(runs)))
+    if candidates and Path(candidates["path"]).resolve().parent != out.resolve():
+        raise ValueError(f"write_report: the candidate matrix {candidates['path']} must lie in {out} (report.md links it)")
+    (out / "report.md").write_text(_markdown(summary, figures, title, notes, _validation_lines(runs), candidates))
     results = {
         "ks": summary["ks"],
         "models": {label: {k: v for k, v in m.items() if k != "per_prompt"} for label, m in summary["models"].items()},
         "per_prompt": {label: m["per_prompt"] for label, m in summary["models"].items()},
     }
+    if candidates:
+        results["candidates"] = {k: (Path(v).name if k == "path" else v) for k, v in candidates.items() if k != "caption"}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    summary["files"] = [out / "report.md", out / "results.json"] + figures
+    summary["files"] = [out / "report.md", out / "results.json"] + figures + ([Path(candidates["path"])] if candidates else [])
     return summary

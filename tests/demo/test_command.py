@@ -1,0 +1,85 @@
+"""`megatron-rlvr demo` around training and evaluation: --seed reaches training only (the eval's seeds are fixed),
+and the report gets a base-vs-trained candidate matrix on a prompt the trained model answers correctly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from megatron_rlvr.demo import MODEL_DIR, command
+from megatron_rlvr.errors import UserError
+
+
+def _rows(pid: str, rewards: list[float], right: str = "9-7+6*3", wrong: str = "1+1") -> list[dict]:
+    return [{"prompt_id": pid, "sample": i, "response": right if r else wrong, "reward": r} for i, r in enumerate(rewards)]
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    """The demo with training and vLLM evaluation replaced: training copies the base model, evaluation returns
+    fixed samples on the first 4 prompts of the real eval split."""
+    calls = {}
+    monkeypatch.setattr("megatron_rlvr.console.attach_log_file", lambda *a, **k: None)
+
+    def train(out, algo, overrides, nproc):
+        calls["overrides"] = list(overrides)
+        shutil.copytree(MODEL_DIR, out / "train" / "hf")
+        (out / "train" / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.2}) + "\n")
+
+    def evaluate(out, models, n, prompts):
+        calls["models"] = dict(models)
+        command._write_eval_split(out / "eval_data", 4, seed=1234)
+        ids = [json.loads(line)["id"] for line in (out / "eval_data" / "countdown.jsonl").read_text().splitlines()]
+        calls["ids"] = ids
+        base = _rows(ids[0], [1, 0, 0, 0]) + _rows(ids[1], [0, 0, 0, 0]) + _rows(ids[2], [0, 0, 0, 0]) + _rows(ids[3], [0] * 4)
+        trained = (_rows(ids[0], [1, 1, 0, 0]) + _rows(ids[1], [0, 0, 1, 1], right="9*(7-6)+9")
+                   + _rows(ids[2], [0, 1, 1, 1], right="6*3") + _rows(ids[3], [0] * 4))
+        return {label: rows for label, rows in zip(models, (base, trained))}
+
+    monkeypatch.setattr(command, "_train", train)
+    monkeypatch.setattr(command, "_evaluate", evaluate)
+    return calls
+
+
+def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, fake_run):
+    out = tmp_path / "demo"
+    assert command.main(["--out", str(out), "--seed", "7", "--eval-n", "4", "--eval-prompts", "4", "trainer.steps=2"]) == 0
+    assert fake_run["overrides"][-2:] == ["trainer.steps=2", "trainer.seed=7"]
+    report = out / "report"
+    md = (report / "report.md").read_text()
+    assert "## Candidate matrix" in md and "![candidates](candidates.png)" in md
+    assert (report / "candidates.png").read_bytes()[:4] == b"\x89PNG"
+    # the prompt where the trained model gains most on the base (3 vs 0), and its first correct answer
+    chosen = json.loads((report / "results.json").read_text())["candidates"]
+    assert chosen["prompt_id"] == fake_run["ids"][2] and chosen["response"] == "6*3" and chosen["path"] == "candidates.png"
+    numbers = json.loads((report / "candidates.json").read_text())
+    assert [m["label"] for m in numbers["models"]] == ["base", "trained (casp)"]
+    assert numbers["response"] == "6*3" and numbers["top_n"] == command.CANDIDATES_TOP_N
+
+
+def test_seed_and_a_trainer_seed_override_conflict(tmp_path, fake_run):
+    with pytest.raises(UserError, match="--seed and trainer.seed"):
+        command.main(["--out", str(tmp_path), "--seed", "1", "trainer.seed=2"])
+
+
+def test_the_evaluation_does_not_depend_on_the_training_seed(tmp_path, monkeypatch):
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def evaluate(paths, cfg, *a, **k):
+        seen.append((cfg.seed, (tmp_path / "eval_data" / "countdown.jsonl").read_text()))
+        raise Stop
+
+    monkeypatch.setattr("megatron_rlvr.eval.command.evaluate", evaluate)
+    with pytest.raises(Stop):
+        command._evaluate(tmp_path, {"base": MODEL_DIR}, 4, 8)
+    assert seen[0][0] == command.EVAL_SEED
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.demo.task import generate
+
+    ids = [json.loads(line)["id"] for line in seen[0][1].splitlines()]
+    assert ids == [p.id for p in generate(load_config(command.RECIPE).data.seed, 8, "eval")]
