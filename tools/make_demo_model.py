@@ -2,6 +2,11 @@
 
     python tools/make_demo_model.py [--out megatron_rlvr/demo/model] [--seed 0] [--steps 300]
     python tools/make_demo_model.py --init-from DIR --out DIR2 --seed 1 ...   # continue SFT from a checkpoint
+    python tools/make_demo_model.py --weak     # the weaker prefix model (megatron_rlvr/demo/weak_model)
+
+``--weak`` builds the demo's weaker model for outer prefixes (``rollout.prefix_model``): the demo model's tokenizer
+(``--tokenizer-from``), two small layers and a short training, written to megatron_rlvr/demo/weak_model; any flag
+given beside it overrides its preset.
 
 The defaults rebuild the first stage of the committed model; its training_info.json records every stage's arguments
 (``continued_from`` holds the earlier stage's record) and the measured base pass@1 / pass@64.
@@ -147,9 +152,16 @@ def train(model, ids: torch.Tensor, labels: torch.Tensor, steps: int, batch: int
     model.eval()
 
 
+DEMO = Path(__file__).resolve().parent.parent / "megatron_rlvr/demo"
+# ours: a model that solves some countdown prompts (its prefixes are plausible starts) but clearly fewer than the
+# demo model; measured figures in its training_info.json
+WEAK_PRESET = dict(out=str(DEMO / "weak_model"), tokenizer_from=str(DEMO / "model"), layers=2, hidden=64,
+                   intermediate=128, steps=300, batch=64, train_problems=1000)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "megatron_rlvr/demo/model"))
+    ap.add_argument("--out", default=str(DEMO / "model"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-problems", type=int, default=2500)
     ap.add_argument("--answers-per-problem", type=int, default=6)
@@ -162,10 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-vocab", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--init-from", default="", help="continue SFT from this checkpoint (its tokenizer and shape)")
+    ap.add_argument("--tokenizer-from", default="",
+                    help="a new model (the shape flags) with this checkpoint's tokenizer and vocabulary size")
+    ap.add_argument("--weak", action="store_true", help="preset for the weaker prefix model (see the module doc)")
     ap.add_argument("--eval-seed", type=int, default=0, help="seed of the eval problems the base model is measured on")
     ap.add_argument("--eval-problems", type=int, default=32)
     ap.add_argument("--eval-samples", type=int, default=64)
     args = ap.parse_args(argv)
+    if args.weak:  # the preset replaces the defaults only: flags given on the command line still win
+        ap.set_defaults(**WEAK_PRESET)
+        args = ap.parse_args(argv)
+    if args.init_from and args.tokenizer_from:
+        ap.error("--init-from and --tokenizer-from exclude each other (a continued model keeps its own tokenizer)")
 
     # One intra-op thread: on a shared 2-core machine, OpenMP threads spin against other jobs and run 3-10x slower.
     torch.set_num_threads(args.threads)
@@ -188,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         args.intermediate = model.config.intermediate_size
         info_path = Path(args.init_from) / "training_info.json"
         previous = json.loads(info_path.read_text()) if info_path.is_file() else None
+    elif args.tokenizer_from:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_from)
+        # the donor's embedding rows, not len(tokenizer): token ids must index both models alike
+        vocab = json.loads((Path(args.tokenizer_from) / "config.json").read_text())["vocab_size"]
+        model = build_model(vocab, args.layers, args.hidden, args.intermediate, tokenizer, args.seed)
     else:
         # Prompts and answers apart: the actor feeds prompt ids then generated ids, so no merge may span the seam.
         texts = [t for pair in examples[:5000] for t in pair]
@@ -214,11 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     model.generation_config.max_new_tokens = 32
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    info = {"args": vars(args) | {"out": None}, "parameters": n_params, "vocab_size": vocab,
+    info = {"args": vars(args) | {"out": None, "tokenizer_from": _portable(args.tokenizer_from)}, "parameters": n_params, "vocab_size": vocab,
             "base_eval": results["summary"], "seconds": round(time.time() - t0), "continued_from": previous}
     (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"wrote {out} in {time.time() - t0:.0f}s", flush=True)
     return 0
+
+
+def _portable(path: str) -> str:
+    """A path inside the repository as relative to its root (what a record committed with the model can name)."""
+    root = DEMO.parent.parent
+    resolved = Path(path).resolve() if path else None
+    return str(resolved.relative_to(root)) if resolved and resolved.is_relative_to(root) else path
 
 
 if __name__ == "__main__":

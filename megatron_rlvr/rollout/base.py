@@ -24,12 +24,16 @@ class Sampling:
 
 @dataclass
 class Completion:
-    """One sampled response: generated token ids (prompt excluded), their log-probs under the engine, and text."""
+    """One sampled response: generated token ids (prompt excluded), their log-probs under the engine, and text.
+
+    ``prefix_len``: the first ``prefix_len`` entries of ``token_ids`` (and of ``logprobs``) were written by a weaker
+    model (rollout/prefixes.py): context for the policy, never trained; the rest is the engine's own continuation."""
 
     token_ids: list[int]
     logprobs: list[float]
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    prefix_len: int = 0
 
 
 class EngineDiedError(RuntimeError):

@@ -43,3 +43,33 @@ def test_tool_writes_a_checkpoint_whose_tokenizer_survives_autotokenizer(tmp_pat
                          "--train-problems", "30", "--eval-problems", "1", "--eval-samples", "2"]) == 0
     assert (out2 / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
     assert json.loads((out2 / "training_info.json").read_text())["continued_from"]["args"]["layers"] == 2
+
+
+@pytest.mark.slow
+def test_weak_preset_builds_a_smaller_model_on_the_demo_tokenizer(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlvr.rollout.prefixes import check_same_tokenizer
+
+    demo = TOOL.parents[1] / "megatron_rlvr" / "demo" / "model"
+    out = tmp_path / "weak"
+    # --out and the size flags beside --weak override its preset; the tokenizer still comes from the demo model
+    assert _tool().main(["--weak", "--out", str(out), "--steps", "3", "--train-problems", "30", "--eval-problems", "1",
+                         "--eval-samples", "2", "--layers", "1"]) == 0
+    info = json.loads((out / "training_info.json").read_text())
+    assert info["args"]["tokenizer_from"] == "megatron_rlvr/demo/model" and info["args"]["hidden"] == 64
+    assert (out / "tokenizer.json").read_text() == (demo / "tokenizer.json").read_text()
+    weak, base = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(demo)
+    assert weak.config.vocab_size == base.config.vocab_size and weak.config.num_hidden_layers == 1
+    assert weak.num_parameters() < base.num_parameters()
+    check_same_tokenizer(demo, out)  # what make_engine checks before serving it as rollout.prefix_model
+
+
+def test_committed_weak_model_shares_the_demo_tokenizer_and_is_smaller():
+    from megatron_rlvr.rollout.prefixes import check_same_tokenizer
+
+    demo = TOOL.parents[1] / "megatron_rlvr" / "demo"
+    check_same_tokenizer(demo / "model", demo / "weak_model")
+    weak, base = (json.loads((demo / d / "training_info.json").read_text()) for d in ("weak_model", "model"))
+    assert weak["parameters"] < base["parameters"]
+    assert weak["base_eval"]["pass@1"] < base["base_eval"]["pass@1"]  # measured when each was made (same eval set)
