@@ -103,10 +103,13 @@ def _agree_ok(ok: bool) -> bool:
 
 
 def save(
-    root: str | Path, step: int, actor, trainer_state: dict[str, Any], keep_last: int = 2, hf_dir: str | None = None
+    root: str | Path, step: int, actor, trainer_state: dict[str, Any], keep_last: int = 2, hf_dir: str | None = None,
+    objects: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` (a collective over all ranks). Returns its directory. With ``hf_dir``, the HF
-    config and tokenizer files are copied into it too, so `convert mcore-to-hf` can export the step directly."""
+    config and tokenizer files are copied into it too, so `convert mcore-to-hf` can export the step directly.
+    ``objects`` (rank 0's; None values skipped) are pickled beside the trainer state, one file each, read back with
+    `load_object` (e.g. the rollout a one-step-off run sampled ahead with weights the checkpoint does not hold)."""
     from megatron.core import dist_checkpointing
 
     from megatron_rlvr.bridge.dist_ckpt import write_hf_side_files
@@ -128,6 +131,9 @@ def save(
             if _rank() == 0:
                 state = dict(trainer_state, step=step, scheduler=actor.scheduler.state_dict())
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=float))
+                for name, obj in (objects or {}).items():
+                    if obj is not None:
+                        torch.save(obj, tmp / f"{name}.pt")
                 if hf_dir:
                     write_hf_side_files(hf_dir, tmp)
         except BaseException as e:  # noqa: BLE001 - any failure must leave the previous checkpoint intact
@@ -239,6 +245,17 @@ def load(path: str | Path, actor) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: no RNG state for rank {_rank()} (saved with another world size?)")
     _set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+def load_object(path: str | Path, name: str) -> Any:
+    """The object `save` stored as ``name`` in checkpoint ``path``, or None when it stored none."""
+    file = Path(path) / f"{name}.pt"
+    if not file.is_file():
+        return None
+    try:
+        return torch.load(file, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a damaged file must name itself
+        raise CheckpointError(f"checkpoint {path}: {file.name} could not be read ({type(e).__name__}: {e})") from e
 
 
 def _restore_torch_adam_steps(optimizer) -> None:

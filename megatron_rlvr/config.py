@@ -114,7 +114,7 @@ class Config:
         for key in ("tp", "pp", "micro_batch_size"):
             if getattr(a, key) < 1:
                 raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
-        if world_size is not None:
+        if world_size is not None and self.rollout.placement != "separate":  # separate: _validate_placement
             if world_size % (a.tp * a.pp) != 0:
                 raise ConfigError(
                     f"actor.tp * actor.pp = {a.tp} * {a.pp} = {a.tp * a.pp} must divide the world size {world_size} "
@@ -160,7 +160,45 @@ class Config:
                 f"trainer.mini_batches_per_step={self.trainer.mini_batches_per_step} must divide "
                 f"trainer.prompts_per_step={self.trainer.prompts_per_step}"
             )
+        self._validate_placement(world_size)
         return self
+
+    def _validate_placement(self, world_size: int | None) -> None:
+        """Separate placement and one-step-off training (DESIGN.md "Engines on their own ranks")."""
+        r, a, off = self.rollout, self.actor, self.trainer.off_policy_steps
+        if off not in (0, 1):
+            raise ConfigError(f"trainer.off_policy_steps: expected 0 (on-policy) or 1 (one-step-off), got {off!r}")
+        if off and r.placement != "separate":
+            raise ConfigError("trainer.off_policy_steps=1 needs rollout.placement=separate (with rollout.engine_ranks "
+                              "> 0): colocated engines share the actor's devices and cannot generate during an update")
+        if r.placement != "separate":
+            return
+        if r.engine_ranks % r.tp != 0:
+            raise ConfigError(f"rollout.engine_ranks={r.engine_ranks} must be a multiple of rollout.tp={r.tp} "
+                              f"(each engine spans rollout.tp engine ranks)")
+        if world_size is None:
+            return
+        if r.engine_ranks >= world_size:
+            raise ConfigError(f"rollout.engine_ranks={r.engine_ranks} must be less than the world size {world_size}: "
+                              "the other ranks are the actor")
+        actors = world_size - r.engine_ranks
+        if actors % (a.tp * a.pp) != 0:
+            raise ConfigError(
+                f"actor.tp * actor.pp = {a.tp * a.pp} must divide the actor's ranks: world size {world_size} - "
+                f"rollout.engine_ranks {r.engine_ranks} = {actors}"
+            )
+
+    def warnings(self) -> list[str]:
+        """Settings that run but probably not as meant; the trainer prints them at start."""
+        out = []
+        if self.trainer.off_policy_steps and self.algo.rollout_correction == "none":
+            out.append(
+                "trainer.off_policy_steps=1 with algo.rollout_correction=none: the loss's old log-probs are the "
+                "current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
+                "by the weights one update older; set algo.rollout_correction (e.g. tis) for the decoupled "
+                "correction exp(old_logp - engine_logp) (ALGORITHMS.md, 'Rollout correction')"
+            )
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from megatron_rlvr import checkpoint, distributed
-from megatron_rlvr.actor import MegatronActor
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
 from megatron_rlvr.console import attach_log_file, has_log_file
 from megatron_rlvr.data import PromptLoader, load_items
-from megatron_rlvr.experience import collect
 from megatron_rlvr.preemption import Preemption
-from megatron_rlvr.rollout import EngineDiedError, make_engine
-from megatron_rlvr.validation import load_validation_items, validate
+from megatron_rlvr.validation import load_validation_items
 
 
 class Timer:
@@ -45,30 +40,6 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
-def sync_weights(actor: MegatronActor, engine, bucket_bytes: int) -> None:
-    """Stream the actor's weights (HF names) into this rank's engine; a collective over the model-parallel group.
-    The buckets are lent (views of the exchange's shared memory where TP ranks share a host): the engine consumes
-    each tensor before it draws the next bucket, so no rank allocates the model's size anew per sync."""
-    engine.update_weights(itertools.chain.from_iterable(actor.export_weights(bucket_bytes, lend=True)), lent=True)
-
-
-def build_engine(cfg: Config, actor: MegatronActor):
-    """This rank's engine, with the actor's current weights. The ranks of one engine's TP group share its seed."""
-    seed = cfg.trainer.seed + distributed.rank() // cfg.rollout.tp
-    engine = make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype="bfloat16" if cfg.actor.bf16 else "float32")
-    sync_weights(actor, engine, cfg.rollout.bucket_bytes)
-    return engine
-
-
-def revive_engine(cfg: Config, actor: MegatronActor, engine):
-    """After an engine died somewhere (every rank learns it together): dead engines are rebuilt, live ones re-synced,
-    since the weight export is a collective every rank joins. The actor's state is untouched."""
-    if getattr(engine, "alive", True):
-        sync_weights(actor, engine, cfg.rollout.bucket_bytes)
-        return engine
-    return build_engine(cfg, actor)
-
-
 def train(cfg: Config) -> list[dict[str, float]]:
     """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics.
     On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the run returns early."""
@@ -86,6 +57,18 @@ def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
     distributed.init_process_group()
     cfg.validate(distributed.world_size(), load_hf_config(cfg.model.hf_dir))
     t = cfg.trainer
+    roles = None
+    if cfg.rollout.placement == "separate":  # the last rollout.engine_ranks ranks serve engines from here on
+        roles = distributed.split_roles(cfg.rollout.engine_ranks)
+        distributed.pin_cpu_cores()  # an engine rank and an actor rank on different cores (DESIGN.md)
+        if roles.is_engine:
+            from megatron_rlvr.rollout.engine_rank import serve
+
+            serve(cfg, roles)
+            return []
+    from megatron_rlvr.actor import MegatronActor
+    from megatron_rlvr.experience_source import make_source
+
     distributed.initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed)
     rank0 = distributed.rank() == 0
     out = Path(t.output_dir)
@@ -102,18 +85,20 @@ def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
     if rank0:
         print(f"[data] {len(items)} prompts from {stats.rows} rows ({stats.bad_rows} bad rows skipped, "
               f"{stats.too_long} over data.max_prompt_tokens skipped)", flush=True)
+        for warning in cfg.warnings():
+            print(f"[config] warning: {warning}", file=sys.stderr, flush=True)
     actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature, total_steps=t.steps)
 
-    start_step, nonfinite_in_a_row, history, preempted = 0, 0, [], False
+    start_step, nonfinite_in_a_row, history, preempted, pending = 0, 0, [], False, None
     resume_from = checkpoint.resolve(ckpt_root, cfg.checkpoint.resume)
     if resume_from is not None:
         state = checkpoint.load(resume_from, actor)
         loader.load_state_dict(state["loader"])
+        pending = checkpoint.load_object(resume_from, "pending_rollout")  # one-step-off: the step sampled ahead
         changed = differences(state["config"], to_dict(cfg)) if "config" in state else []
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
             print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
         start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
-    engine = build_engine(cfg, actor)
     logger = MetricLogger(
         str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project, resume_step=start_step or None
     ) if rank0 else None
@@ -121,70 +106,74 @@ def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
 
     def run_validation(step: int, timer: Timer | None = None) -> dict[str, float]:
         with timer("eval") if timer else contextlib.nullcontext():
-            metrics, entropy = validate(engine, pool, actor, val_items, cfg, pad_id)
-            engine.sleep()
+            metrics, entropy = source.validate(step, val_items, pad_id)
         if logger is not None:
             logger.log_histogram(step, "val/entropy", entropy)
         return metrics
 
     with RewardPool(cfg.reward) as pool:
-        if val_items and start_step == 0:  # the base model's numbers, the reference every later validation meets
-            base = run_validation(0)
-            if logger is not None:
-                logger.log(0, base)
-        for step in range(start_step, t.steps):
-            timer = Timer()
-            with timer("rollout+reward"):
-                drawn_from = loader.state_dict()  # a retried step draws the same prompts again
-                for attempt in range(2):
-                    try:
-                        exp = collect(engine, pool, loader, cfg, pad_id=pad_id, run_seed=t.seed, step=step)
-                        break
-                    except EngineDiedError:  # raised on every rank together: revive the engines, retry once
-                        if attempt:
-                            raise
-                        engine = revive_engine(cfg, actor, engine)
-                        loader.load_state_dict(drawn_from)
-            engine.sleep()  # a colocated GPU engine hands its KV cache (level 2: weights too) to the update
-            with timer("statistics"):
-                if actor.needs_statistics_pass(t.mini_batches_per_step):  # else update() fills batch.old_logp
-                    exp.batch.old_logp = actor.compute_old_logp(exp.batch)
-                if cfg.algo.kl_coef > 0:  # the frozen reference's log-probs for the loss's KL term
-                    exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
-            with timer("update"):
-                update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
-            nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0
-            if nonfinite_in_a_row > cfg.actor.max_nonfinite_in_a_row:
-                raise NonFiniteError(
-                    f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
-                    f"(actor.max_nonfinite_in_a_row={cfg.actor.max_nonfinite_in_a_row}); stopping at step {step}"
-                )
-            with timer("sync"):
-                sync_weights(actor, engine, cfg.rollout.bucket_bytes)
-            if val_items and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-                update_metrics |= run_validation(step + 1, timer)
-            metrics = {"step": step + 1, **_rollout_metrics(exp), **_named(update_metrics), **timer.seconds}
-            history.append(metrics)
-            if logger is not None:
-                logger.log(step + 1, metrics)
-                progress.update(1)
-                progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
-            preempted = preemption.requested()  # a collective: every rank stops after the same step
-            if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):
-                checkpoint.save(ckpt_root, step + 1, actor, {
-                    "loader": loader.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row, "config": to_dict(cfg)},
-                    cfg.checkpoint.keep_last, hf_dir=cfg.model.hf_dir)
-            if preempted:
-                if rank0:
-                    print(f"[preempt] {preemption.reason}: stopped after step {step + 1} with its checkpoint; "
-                          "rerun the same command to resume", flush=True)
-                break
+        # colocated: this rank's engine; separate: the engine ranks, fed with the actor's weights
+        source = make_source(cfg, roles, actor, pool, loader, pad_id, start_step=start_step, pending=pending)
+        history, preempted = _loop(cfg, actor, source, preemption, logger, progress, run_validation, ckpt_root,
+                                   start_step, nonfinite_in_a_row, bool(val_items))
+        # not after an error: a rank that raised alone must exit (engine ranks see it go and exit too), not wait here
+        source.close()
     if t.save_hf and not preempted:
         checkpoint.save_hf(actor, cfg.model.hf_dir, out / "hf", cfg.rollout.bucket_bytes)
     if logger is not None:
         logger.close()
         progress.close()
     return history
+
+
+def _loop(cfg: Config, actor, source, preemption: Preemption, logger, progress, run_validation, ckpt_root: Path,
+          start_step: int, nonfinite_in_a_row: int, validating: bool) -> tuple[list[dict[str, float]], bool]:
+    """Steps ``start_step`` .. ``trainer.steps``: experience -> statistics -> update -> weights out -> validation,
+    logs, checkpoint. Returns the logged metrics and whether a preemption stopped it."""
+    t, history, preempted = cfg.trainer, [], False
+    if validating and start_step == 0:  # the base model's numbers, the reference every later validation meets
+        base = run_validation(0)
+        if logger is not None:
+            logger.log(0, base)
+    for step in range(start_step, t.steps):
+        timer = Timer()
+        with timer("rollout+reward"):
+            exp, source_metrics = source.next(step)
+        with timer("statistics"):
+            if actor.needs_statistics_pass(t.mini_batches_per_step):  # else update() fills batch.old_logp
+                exp.batch.old_logp = actor.compute_old_logp(exp.batch)
+            if cfg.algo.kl_coef > 0:  # the frozen reference's log-probs for the loss's KL term
+                exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
+        with timer("update"):
+            update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
+        nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0
+        if nonfinite_in_a_row > cfg.actor.max_nonfinite_in_a_row:
+            raise NonFiniteError(
+                f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
+                f"(actor.max_nonfinite_in_a_row={cfg.actor.max_nonfinite_in_a_row}); stopping at step {step}"
+            )
+        with timer("sync"):
+            source_metrics |= source.after_update(step)
+        if validating and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            update_metrics |= run_validation(step + 1, timer)
+        metrics = {"step": step + 1, **_rollout_metrics(exp), **_named(update_metrics), **source_metrics,
+                   **timer.seconds}
+        history.append(metrics)
+        if logger is not None:
+            logger.log(step + 1, metrics)
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
+        preempted = preemption.requested()  # a collective: every rank stops after the same step
+        if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):
+            state = {**source.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row, "config": to_dict(cfg)}
+            checkpoint.save(ckpt_root, step + 1, actor, state, cfg.checkpoint.keep_last, hf_dir=cfg.model.hf_dir,
+                            objects={"pending_rollout": source.pending()})
+        if preempted:
+            if logger is not None:
+                print(f"[preempt] {preemption.reason}: stopped after step {step + 1} with its checkpoint; "
+                      "rerun the same command to resume", flush=True)
+            break
+    return history, preempted
 
 
 def _rollout_metrics(exp) -> dict[str, float]:

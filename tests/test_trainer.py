@@ -103,9 +103,9 @@ def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
     """Rank 1's engine is closed (dead) just before the second step's rollout; the run must still finish."""
     import torch.distributed as dist
 
-    from megatron_rlvr import trainer
+    from megatron_rlvr import experience_source
 
-    real_collect, calls = trainer.collect, []
+    real_collect, calls = experience_source.collect, []
 
     def collect(engine, *args, **kwargs):
         calls.append(kwargs["step"])
@@ -113,11 +113,11 @@ def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
             engine.close()
         return real_collect(engine, *args, **kwargs)
 
-    trainer.collect = collect
+    experience_source.collect = collect
     try:
         return _train(hf_dir, out_dir, 2, 1, 2), calls
     finally:
-        trainer.collect = real_collect
+        experience_source.collect = real_collect
 
 
 def _nonfinite_losses(hf_dir: str, out_dir: str):

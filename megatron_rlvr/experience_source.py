@@ -1,0 +1,311 @@
+"""The one source of experience the trainer reads, step by step: it either generates in place or hands over what the
+engine ranks produced (DESIGN.md "Engines on their own ranks").
+
+- `ColocatedSource` (``rollout.placement: colocated``): every rank's own engine samples (`experience.collect`), then
+  sleeps while the actor trains; after each update the weights are synced into it. A dead engine is rebuilt and the
+  step retried once.
+- `EngineRanksSource` (``rollout.placement: separate``): the engine ranks (rollout/engine_rank.py) generate, score
+  and refill whole steps from their own copy of the prompt stream; actor rank 0 commands them over the cross group,
+  sends the weights (rollout/transfer.py) and receives each step's experience, which it hands to the other actor
+  ranks. With ``trainer.off_policy_steps: 1`` the engines sample step t+1 with the weights the update t starts from,
+  while the actor runs update t: one update stale, logged as ``rollout/staleness``.
+
+Protocol (member 0 of the cross group is actor rank 0; engine rank 0 replies): a command is broadcast to every
+engine rank; "weights" is followed by the transfer; "collect" and "generate" are answered by one reply each. At most
+one request is outstanding, and its reply is received before the next command goes out (a gloo send waits for its
+receive, so a command sent while the engines are sending would deadlock).
+
+Exact resume: a step's rollout is a function of the run seed, the step, the prompt stream's state and the weight
+version that samples it. With off_policy_steps 0 that version is the checkpoint's own weights, so a resumed run
+regenerates the step. With 1, the step after a checkpoint was sampled by the weights before the last update, which
+the checkpoint no longer holds: that rollout is received before the checkpoint is written and stored with it
+(`pending`), and a resumed run trains on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlvr import distributed
+from megatron_rlvr.experience import Experience, collect
+from megatron_rlvr.rollout import EngineDiedError, make_engine
+from megatron_rlvr.validation import validate
+
+
+class EngineRankError(RuntimeError):
+    """An engine rank failed, died or went silent; the message names the rank and what happened."""
+
+
+@dataclass
+class Rollout:
+    """One step's experience as the engine ranks ship it."""
+
+    step: int
+    version: int  # the weight version that sampled it (the actor step whose weights the engines held)
+    loader_after: dict[str, Any]  # the prompt stream's state after this step's draws
+    experience: Experience
+    seconds: float = 0.0  # the engines' time for it (generation, scoring, refill)
+
+
+@dataclass
+class Command:
+    kind: str  # "weights" | "collect" | "generate" | "stop"
+    step: int = 0
+    version: int = 0
+    loader: dict[str, Any] | None = None
+    requests: list[Any] = field(default_factory=list)  # "generate": (prompt ids, n, Sampling) per actor rank
+
+
+@dataclass
+class Failure:
+    """An engine rank's reply when it could not serve a request (it exits afterwards)."""
+
+    rank: int
+    what: str
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Colocated
+
+
+def sync_weights(actor, engine, bucket_bytes: int) -> None:
+    """Stream the actor's weights (HF names) into this rank's engine; a collective over the model-parallel group.
+    The buckets are lent (views of the exchange's shared memory where TP ranks share a host): the engine consumes
+    each tensor before it draws the next bucket, so no rank allocates the model's size anew per sync."""
+    engine.update_weights(itertools.chain.from_iterable(actor.export_weights(bucket_bytes, lend=True)), lent=True)
+
+
+def build_engine(cfg, actor):
+    """This rank's engine, with the actor's current weights. The ranks of one engine's TP group share its seed."""
+    seed = cfg.trainer.seed + distributed.rank() // cfg.rollout.tp
+    engine = make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype="bfloat16" if cfg.actor.bf16 else "float32")
+    sync_weights(actor, engine, cfg.rollout.bucket_bytes)
+    return engine
+
+
+def revive_engine(cfg, actor, engine):
+    """After an engine died somewhere (every rank learns it together): dead engines are rebuilt, live ones re-synced,
+    since the weight export is a collective every rank joins. The actor's state is untouched."""
+    if getattr(engine, "alive", True):
+        sync_weights(actor, engine, cfg.rollout.bucket_bytes)
+        return engine
+    return build_engine(cfg, actor)
+
+
+class ColocatedSource:
+    """Every rank samples with its own engine and trains; they take turns."""
+
+    def __init__(self, cfg, actor, pool, loader, pad_id: int) -> None:
+        self.cfg, self.actor, self.pool, self.loader, self.pad_id = cfg, actor, pool, loader, pad_id
+        self.engine = build_engine(cfg, actor)
+
+    def next(self, step: int) -> tuple[Experience, dict[str, float]]:
+        drawn_from = self.loader.state_dict()  # a retried step draws the same prompts again
+        for attempt in range(2):
+            try:
+                exp = collect(self.engine, self.pool, self.loader, self.cfg, pad_id=self.pad_id,
+                              run_seed=self.cfg.trainer.seed, step=step)
+                break
+            except EngineDiedError:  # raised on every rank together: revive the engines, retry once
+                if attempt:
+                    raise
+                self.engine = revive_engine(self.cfg, self.actor, self.engine)
+                self.loader.load_state_dict(drawn_from)
+        self.engine.sleep()  # a colocated GPU engine hands its KV cache (level 2: weights too) to the update
+        return exp, {}
+
+    def after_update(self, step: int) -> dict[str, float]:
+        sync_weights(self.actor, self.engine, self.cfg.rollout.bucket_bytes)
+        return {}
+
+    def validate(self, step: int, val_items, pad_id: int):
+        metrics, entropy = validate(self.engine, self.pool, self.actor, val_items, self.cfg, pad_id)
+        self.engine.sleep()
+        return metrics, entropy
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict()}
+
+    def pending(self) -> Rollout | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Separate placement, actor side
+
+
+class EngineRanksSource:
+    """Actor side of separate placement (see the module doc). A collective over the actor ranks at every call."""
+
+    def __init__(self, cfg, roles: distributed.Roles, actor, pool, loader, pad_id: int, *, start_step: int,
+                 pending: Rollout | None = None) -> None:
+        self.cfg, self.roles, self.actor, self.pool, self.loader = cfg, roles, actor, pool, loader
+        self.off_policy = cfg.trainer.off_policy_steps
+        self.group = roles.cross_objects  # None on actor ranks other than 0
+        self.sender = None
+        if roles.cross is not None:
+            from megatron_rlvr.rollout.transfer import WeightSender
+
+            self.sender = WeightSender(roles.cross, timeout_s=distributed.ROLE_TIMEOUT_S)
+        self.engine_version: int | None = None  # the weight version the engines hold
+        self.inflight: int | None = None  # the step the engines are collecting (off_policy_steps 1)
+        self.prefetched = pending
+        self.transfer: dict[str, float] = {}
+        self.engine = RemoteEngine(self)  # validation samples through it (validation.validate)
+        self._ensure_weights(start_step)
+
+    # -- the trainer's interface
+
+    def next(self, step: int) -> tuple[Experience, dict[str, float]]:
+        self._drain()
+        rollout, self.prefetched = self.prefetched, None
+        if rollout is None:
+            self._ensure_weights(step)
+            self._command(Command("collect", step=step, loader=self.loader.state_dict()))
+            rollout = self._receive()
+        if rollout.step != step:
+            raise EngineRankError(f"the engine ranks sent step {rollout.step}'s experience for step {step}")
+        self.loader.load_state_dict(rollout.loader_after)
+        metrics = {"rollout/staleness": float(step - rollout.version), "time/engine_rollout": rollout.seconds}
+        if self.off_policy and step + 1 < self.cfg.trainer.steps:
+            # step + 1 samples with the weights update `step` starts from, while the actor runs that update
+            self._ensure_weights(step)
+            self._command(Command("collect", step=step + 1, loader=self.loader.state_dict()))
+            self.inflight = step + 1
+        metrics |= self._take_transfer_metrics()
+        return rollout.experience, metrics
+
+    def after_update(self, step: int) -> dict[str, float]:
+        if not self.off_policy and step + 1 < self.cfg.trainer.steps:
+            self._ensure_weights(step + 1)  # the next step samples with the weights just trained
+        return self._take_transfer_metrics()
+
+    def validate(self, step: int, val_items, pad_id: int):
+        self._drain()
+        self._ensure_weights(step)
+        return validate(self.engine, self.pool, self.actor, val_items, self.cfg, pad_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        self._drain()  # a checkpoint holds the rollout the engines sampled with weights it no longer has
+        return {"loader": self.loader.state_dict()}
+
+    def pending(self) -> Rollout | None:
+        return self.prefetched
+
+    def close(self) -> None:
+        """Tell the engine ranks to stop (they exit their loop); the reply of an outstanding request is dropped."""
+        try:
+            self._drain()
+            self._command(Command("stop"))
+        except EngineRankError:
+            pass
+
+    # -- the protocol
+
+    def _first(self, fn, what: str):
+        """``fn()`` on actor rank 0; its result, or its failure, on every actor rank."""
+        result: Any = None
+        if dist.get_rank() == 0:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - a dead peer surfaces as gloo's RuntimeError
+                result = Failure(-1, f"{what}: {type(e).__name__}: {e}")
+        if dist.get_world_size() > 1:
+            box = [result]
+            dist.broadcast_object_list(box, src=0)
+            result = box[0]
+        if isinstance(result, Failure):
+            who = "an engine rank" if result.rank < 0 else f"engine rank {result.rank}"
+            raise EngineRankError(f"{who} failed ({result.what}); the run stops (rerun to resume from the last "
+                                  "checkpoint)")
+        return result
+
+    def _command(self, command: Command) -> None:
+        self._first(lambda: distributed.broadcast_object(self.group, command, root=0), f"sending {command.kind!r}")
+
+    def _receive(self):
+        return self._first(lambda: distributed.recv_object(self.group, 1), "waiting for the engine ranks' reply")
+
+    def _drain(self) -> None:
+        if self.inflight is not None:
+            step, self.inflight = self.inflight, None
+            self.prefetched = self._receive()
+            if self.prefetched.step != step:
+                raise EngineRankError(f"the engine ranks sent step {self.prefetched.step} for step {step}")
+
+    def _ensure_weights(self, version: int) -> None:
+        """The engines hold the actor's current weights (version ``version``) afterwards; a collective over the
+        actor ranks (every rank joins the export)."""
+        if self.engine_version == version:
+            return
+        self._drain()
+        self._command(Command("weights", version=version))
+        buckets = self.actor.export_weights(self.cfg.rollout.bucket_bytes, lend=True)
+        start = time.perf_counter()
+        if self.sender is not None:
+            def send():
+                try:
+                    return self.sender.send(buckets, version)
+                except Exception:
+                    for _ in buckets:  # the other actor ranks finish the export collective: join it to the end
+                        pass
+                    raise
+
+            stats = self._first(send, "sending the weights")
+        else:
+            for _ in buckets:  # the export is a collective over the actor's model-parallel group
+                pass
+            stats = self._first(lambda: None, "sending the weights")
+        self.engine_version = version
+        self.transfer["time/transfer"] = self.transfer.get("time/transfer", 0.0) + time.perf_counter() - start
+        for key, value in (stats or {}).items():
+            self.transfer[key] = self.transfer.get(key, 0.0) + float(value)
+
+    def _take_transfer_metrics(self) -> dict[str, float]:
+        taken, self.transfer = self.transfer, {}
+        return taken
+
+    def generate_remote(self, requests: list[Any]) -> list[Any]:
+        """Every actor rank's (prompt ids, n, sampling) request answered by the engine ranks, in order."""
+        self._drain()
+        self._command(Command("generate", requests=requests))
+        return self._receive()
+
+
+class RemoteEngine:
+    """The engine ranks behind the `RolloutEngine` protocol on the actor ranks, for validation (`generate` only):
+    each actor rank's request, with its own sampling seed, is answered as that rank's own engine would."""
+
+    def __init__(self, source: EngineRanksSource) -> None:
+        self.source = source
+
+    def generate(self, prompt_token_ids, n, sampling):
+        mine = (list(map(list, prompt_token_ids)), n, sampling)
+        requests: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(requests, mine)
+        return self.source.generate_remote(requests)[dist.get_rank()]
+
+    def update_weights(self, weights, lent: bool = False) -> None:
+        raise NotImplementedError("the engine ranks receive weights through EngineRanksSource")
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+def make_source(cfg, roles, actor, pool, loader, pad_id: int, *, start_step: int, pending: Rollout | None = None):
+    """The run's experience source for ``rollout.placement``."""
+    if cfg.rollout.placement == "separate":
+        return EngineRanksSource(cfg, roles, actor, pool, loader, pad_id, start_step=start_step, pending=pending)
+    return ColocatedSource(cfg, actor, pool, loader, pad_id)

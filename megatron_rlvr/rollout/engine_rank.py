@@ -1,0 +1,107 @@
+"""The engine ranks' loop (``rollout.placement: separate``): serve the actor's commands until it says stop.
+
+An engine rank never builds Megatron. It holds a vLLM engine, a verifier pool and its own copy of the prompt stream,
+and per command (experience_source.py describes the protocol):
+- "weights": receive the actor's weights over the cross group (rollout/transfer.py) and load them; the version
+  number travels with them. Only ever between generations.
+- "collect": one whole step of experience (`experience.collect`: generate, score, dynamic-sampling refill) from the
+  prompt-stream state the command carries; engine rank 0 replies with it, the stream's state after the draws and
+  the weight version that sampled it. The engine ranks split the prompts as the colocated ranks do (rollout DP).
+- "generate": the actor ranks' validation requests, each with its own sampling, answered in order.
+A failure is replied as a `Failure` naming this rank (a failed weight load, at the next request that has a reply),
+and the rank then exits. An actor that dies or goes silent makes the next cross-group call raise here: the rank
+exits too, so nothing waits on a dead peer.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_rlvr import distributed
+
+
+def serve(cfg, roles: distributed.Roles) -> None:
+    """Run this engine rank until the actor's "stop" (returns) or a failure (raises)."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlvr.data import PromptLoader, load_items
+    from megatron_rlvr.experience import collect
+    from megatron_rlvr.experience_source import Failure, Rollout
+    from megatron_rlvr.rewards import RewardPool
+    from megatron_rlvr.rollout import make_engine
+    from megatron_rlvr.rollout.transfer import WeightReceiver
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    items, _ = load_items(cfg.data, tokenizer, "train")
+    loader = PromptLoader(items, cfg.trainer.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    rank, tp = dist.get_rank(), cfg.rollout.tp
+    engine = make_engine(cfg.model.hf_dir, cfg.rollout, seed=cfg.trainer.seed + rank // tp,
+                         dtype="bfloat16" if cfg.actor.bf16 else "float32")
+    # vLLM's own weight loading slices full HF tensors for its TP rank, so the engine takes them whole
+    receiver = WeightReceiver(roles.cross, engine_tp=tp, engine_tp_rank=rank % tp, dims=None, shard=False)
+    version: int | None = None
+    failure: Failure | None = None
+    group = roles.cross_objects
+    with RewardPool(cfg.reward) as pool:
+        while True:
+            command = distributed.broadcast_object(group, None, root=0)
+            reply: Any = None
+            if command.kind == "stop":
+                return
+            try:
+                if failure is not None:
+                    raise RuntimeError(failure.what)
+                if command.kind == "weights":
+                    new_version, stream = receiver.receive()
+                    try:
+                        engine.update_weights(stream, lent=True)
+                    finally:
+                        for _ in stream:  # the transfer runs to its end whatever the engine made of it
+                            pass
+                    version = new_version
+                    continue
+                if version is None:
+                    raise RuntimeError(f"{command.kind!r} before any weights arrived")
+                if command.kind == "collect":
+                    started = time.perf_counter()
+                    loader.load_state_dict(command.loader)
+                    exp = collect(engine, pool, loader, cfg, pad_id=pad_id, run_seed=cfg.trainer.seed,
+                                  step=command.step)
+                    reply = Rollout(command.step, version, loader.state_dict(), exp, time.perf_counter() - started)
+                elif command.kind == "generate":
+                    reply = _generate(engine, command.requests, tp)
+                else:
+                    raise RuntimeError(f"unknown command {command.kind!r}")
+            except Exception as e:  # noqa: BLE001 - reported to the actor, then this rank exits
+                failure = failure or Failure(roles.global_rank, f"{command.kind}: {type(e).__name__}: {e}")
+                print(f"[engine rank {roles.global_rank}] {failure.what}", file=sys.stderr, flush=True)
+                if command.kind == "weights":
+                    continue  # the actor learns it with the reply to its next request
+                reply = failure
+            if rank == 0:
+                distributed.send_object(group, reply, 0)
+            if isinstance(reply, Failure):
+                raise RuntimeError(f"engine rank {roles.global_rank} stopped: {reply.what}")
+
+
+def _generate(engine, requests: list[Any], tp: int) -> list[Any]:
+    """Each request (prompt ids, n, sampling) answered in order; the engine ranks' rollout-DP groups share them."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, dp_rank = world // tp, rank // tp
+    mine = [(i, engine.generate(prompts, n, sampling) if prompts else [])
+            for i, (prompts, n, sampling) in enumerate(requests) if i % dp == dp_rank]
+    shares: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(shares, mine if rank % tp == 0 else [])
+    else:
+        shares = [mine]
+    answers: list[Any] = [None] * len(requests)
+    for share in shares:
+        for i, out in share:
+            answers[i] = out
+    return answers
