@@ -11,7 +11,10 @@
 #            it once; torchrun itself exits 1 after forwarding a signal (torch elastic re-raises it), the ranks 0
 #   damage   kill -9 (by default after 11 logged steps: two checkpoints), then truncate the newest checkpoint's
 #            largest shard: the rerun must name the file, fall back to the previous checkpoint and still match
-# key=value arguments are passed to both runs (e.g. algo.drop_uniform_groups=true). PYTHON overrides the interpreter.
+# key=value arguments are passed to both runs (e.g. algo.drop_uniform_groups=true). PYTHON overrides the interpreter,
+# NPROC the number of processes (default 2: the recipe's actor TP=2, or actor.tp=1 beside one engine rank with
+# rollout.placement=separate rollout.engine_ranks=1; with trainer.off_policy_steps=1 a checkpoint also holds the
+# rollout sampled ahead, so a kill at any point resumes to the same steps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=kill9; POS=(); OVERRIDES=()
@@ -26,12 +29,12 @@ done
 case "$MODE" in kill9|sigterm|sigterm-all|damage) ;; *) echo "--mode $MODE: expected kill9, sigterm, sigterm-all or damage"; exit 2 ;; esac
 DEFAULT_KILL=7; [ "$MODE" = damage ] && DEFAULT_KILL=11
 OUT=${POS[0]:-/tmp/kill_resume}; STEPS=${POS[1]:-12}; SAVE=${POS[2]:-5}; KILL_AFTER=${POS[3]:-$DEFAULT_KILL}
-PYTHON=${PYTHON:-.venv/bin/python}
+PYTHON=${PYTHON:-.venv/bin/python}; NPROC=${NPROC:-2}
 rm -rf "$OUT"; mkdir -p "$OUT"
 # torchrun gives its workers this long to exit after forwarding a signal, before SIGKILL (default 30 s)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600
 train() {
-  OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=2 -m megatron_rlvr.cli \
+  OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" -m megatron_rlvr.cli \
     train configs/demo_cpu.yaml trainer.steps="$STEPS" checkpoint.save_every="$SAVE" trainer.prompts_per_step=8 \
     trainer.eval_every=0 trainer.tensorboard=false trainer.save_hf=false trainer.output_dir="$1" \
     ${OVERRIDES[@]+"${OVERRIDES[@]}"}
@@ -40,7 +43,7 @@ train() {
 descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
 logged() { [ -f "$OUT/cut/metrics.jsonl" ] && wc -l < "$OUT/cut/metrics.jsonl" || echo 0; }
 train "$OUT/full" > "$OUT/full.log" 2>&1
-setsid bash -c "$(declare -f train); $(declare -p OVERRIDES); PYTHON=$PYTHON OUT=$OUT STEPS=$STEPS SAVE=$SAVE \
+setsid bash -c "$(declare -f train); $(declare -p OVERRIDES); PYTHON=$PYTHON NPROC=$NPROC OUT=$OUT STEPS=$STEPS SAVE=$SAVE \
   train $OUT/cut" > "$OUT/cut1.log" 2>&1 &
 PID=$!
 until [ "$(logged)" -ge "$KILL_AFTER" ]; do
