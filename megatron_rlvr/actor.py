@@ -14,8 +14,9 @@ micro-batch count on every DP rank. With ``pack_sequences`` (the default) a micr
 and its per-token outputs are put back into the right-padded [b, S - 1] view the losses read; so no loss knows
 whether a batch was packed, and packing changes no number beyond float rounding.
 
-With ``algo.kl_coef > 0`` the actor also holds a frozen reference policy (the same chunks, loaded from the same
-initial weights, never trained) whose log-probs feed the loss's k3 KL term; without it nothing extra is built.
+With ``algo.kl_coef > 0`` (or PBA with ``algo.pba_kl_coef > 0``) the actor also holds a frozen reference policy (the
+same chunks, loaded from the same initial weights, never trained) whose log-probs feed the loss's k3 KL term; without
+it nothing extra is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from megatron_rlvr import distributed
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
-from megatron_rlvr.algos.losses import LOSS_TERMS
+from megatron_rlvr.algos.losses import LOSS_TERMS, SUBSET_MEANS
 from megatron_rlvr.config import ActorConfig, ModelConfig
 from megatron_rlvr.monitor.dynamics import token_weighted_mean
 from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
@@ -48,15 +49,17 @@ class SequenceBatch:
     response_mask: torch.Tensor  # [B, S - 1] bool: target position t+1 is a response token
     advantages: torch.Tensor  # [B] float32
     old_logp: torch.Tensor | None = None  # [B, S - 1] from the statistics pass
-    ref_logp: torch.Tensor | None = None  # [B, S - 1] of the frozen reference, when algo.kl_coef > 0
+    ref_logp: torch.Tensor | None = None  # [B, S - 1] of the frozen reference, when the loss has a KL term
     rollout_logp: torch.Tensor | None = None  # [B, S - 1] the engine's log-probs of the sampled tokens (responses)
+    kl_coef: torch.Tensor | None = None  # [B] the KL term's coefficient per sequence (PBA), in place of algo.kl_coef
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def _map(self, fn) -> "SequenceBatch":
         return SequenceBatch(*(None if t is None else fn(t) for t in (
-            self.tokens, self.response_mask, self.advantages, self.old_logp, self.ref_logp, self.rollout_logp)))
+            self.tokens, self.response_mask, self.advantages, self.old_logp, self.ref_logp, self.rollout_logp,
+            self.kl_coef)))
 
     def select(self, index: torch.Tensor | slice) -> "SequenceBatch":
         return self._map(lambda t: t[index])
@@ -99,7 +102,7 @@ class MegatronActor:
         # The KL term's frozen reference: bare chunks (no DDP, no optimizer, no grad) in eval mode. Checkpoints do
         # not hold it: a resumed run rebuilds it from the same initial weights, which is the reference it had.
         self.reference: list[torch.nn.Module] | None = None
-        if algo_cfg.kl_coef > 0:
+        if needs_reference(algo_cfg):
             self.reference = self._build_chunks(model_cfg)
             for c in self.reference:
                 c.requires_grad_(False)
@@ -273,9 +276,11 @@ class MegatronActor:
         return self._per_token(batch, "logp", self.model)
 
     def compute_ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
-        """The frozen reference's log-probs of the whole batch [B, S - 1], on every rank (needs algo.kl_coef > 0)."""
+        """The frozen reference's log-probs of the whole batch [B, S - 1], on every rank (needs a reference model:
+        algo.kl_coef > 0, or algo.pba with algo.pba_kl_coef > 0)."""
         if self.reference is None:
-            raise RuntimeError("compute_ref_logp: the actor has no reference model (algo.kl_coef = 0)")
+            raise RuntimeError("compute_ref_logp: the actor has no reference model (algo.kl_coef = 0 and no PBA "
+                               "anchor: algo.pba false or algo.pba_kl_coef = 0)")
         return self._per_token(batch, "logp", self.reference)
 
     def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
@@ -342,7 +347,7 @@ class MegatronActor:
                 loss, metrics = policy_loss(
                     stats, old_logp, seqs.advantages, seqs.response_mask, self.algo_cfg, ref_logp=seqs.ref_logp,
                     rollout_logp=seqs.rollout_logp, num_tokens=num_tokens, num_seqs=num_seqs,
-                    target_ids=seqs.tokens[:, 1:],
+                    target_ids=seqs.tokens[:, 1:], kl_coef=seqs.kl_coef,
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()}
@@ -366,11 +371,20 @@ class MegatronActor:
                 parts = [{k: float(v) for k, v in o.items()} for o in outputs]
                 step_metrics.update({f"loss/{k}": v for k, v in token_weighted_mean(parts).items()})
                 step_metrics.update({f"loss/{k}": sum(p[k] for p in parts) for k in LOSS_TERMS if k in parts[0]})
+                for key, count in SUBSET_MEANS.items():  # sums here; divided by their counts after the DP sum
+                    if key in parts[0]:
+                        step_metrics[f"loss/{key}"] = sum(p[key] * p[count] for p in parts)
+                        step_metrics[f"loss/{count}"] = sum(p[count] for p in parts)
             for key, value in step_metrics.items():
                 totals.setdefault(key, []).append(value)
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}
-        summed = ("actor/loss", "loss/num_tokens", *(f"loss/{k}" for k in LOSS_TERMS))
-        return _from_last_stage(_across_data_parallel(metrics, summed=summed))
+        subsets = [part for pair in SUBSET_MEANS.items() for part in pair]
+        summed = ("actor/loss", "loss/num_tokens", *(f"loss/{k}" for k in (*LOSS_TERMS, *subsets)))
+        metrics = _across_data_parallel(metrics, summed=summed)
+        for key, count in SUBSET_MEANS.items():
+            if f"loss/{key}" in metrics:
+                metrics[f"loss/{key}"] /= max(metrics[f"loss/{count}"], 1.0)
+        return _from_last_stage(metrics)
 
     def _all_finite(self, outputs: list[dict]) -> bool:
         bad = any(not math.isfinite(float(o["loss"])) for o in outputs)
@@ -393,6 +407,11 @@ class MegatronActor:
         return export_hf_weights(
             self.model_chunks, self.hf, bucket_bytes=bucket_bytes, include_lm_head=include_lm_head, lend=lend
         )
+
+
+def needs_reference(cfg: AlgoConfig) -> bool:
+    """Whether the loss has a KL-to-reference term: a global coefficient, or PBA's anchor on risky prompts."""
+    return cfg.kl_coef > 0 or (cfg.pba and cfg.pba_kl_coef > 0)
 
 
 def _across_data_parallel(metrics: dict[str, float], summed: tuple[str, ...]) -> dict[str, float]:

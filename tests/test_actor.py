@@ -1,6 +1,7 @@
 """MegatronActor: the statistics pass and the update give the same numbers at every (TP, PP) layout, and the update
 is exactly the gradient of the whole mini-batch loss whatever the micro-batch size; with algo.kl_coef > 0 the frozen
-reference starts equal to the policy and stays put while the policy trains."""
+reference starts equal to the policy and stays put while the policy trains; PBA builds the reference too, and the
+batch's per-sequence KL coefficient reaches the loss through the micro-batches in place of algo.kl_coef."""
 
 from __future__ import annotations
 
@@ -104,3 +105,71 @@ def test_reference_is_the_initial_policy_and_stays_frozen(workers2, tiny_qwen, t
     assert 0 < second["loss/kl_ref"] < float("inf")
     total = second["loss/pg_loss"] + 0.1 * second["loss/kl_ref"]  # the logged terms add up to the loss
     assert second["actor/loss"] == pytest.approx(total, rel=1e-5)
+
+
+def test_sequence_batch_carries_the_kl_coefficient():
+    batch = _batch(10)
+    batch.kl_coef = torch.tensor([0.1, 0.0, 0.2, 0.3])
+    picked = batch.select(torch.tensor([2, 0]))
+    assert picked.kl_coef.tolist() == pytest.approx([0.2, 0.1]) and picked.advantages.tolist() == [0.5, 1.0]
+    assert batch.select(slice(1, 3)).kl_coef.tolist() == pytest.approx([0.0, 0.2])
+    assert batch.to(torch.device("cpu")).kl_coef is not None and _batch(10).select(slice(0, 2)).kl_coef is None
+
+
+def _per_sequence_kl_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int):
+    """Updates at lr = 0 (the weights stay) with a reference log-prob off the policy: the loss and gradient with a
+    per-sequence coefficient against algo.kl_coef, and the metrics with a mixed one."""
+    from megatron_rlvr.actor import MegatronActor
+    from megatron_rlvr.algos.config import AlgoConfig
+    from megatron_rlvr.config import ActorConfig, ModelConfig
+    from megatron_rlvr.distributed import model_parallel
+
+    with model_parallel(tp=tp, pp=pp, seed=11):
+        pba = AlgoConfig(loss="casp", tau_q=0.5, pba=True, pba_kl_coef=0.1)
+        actor = MegatronActor(
+            ModelConfig(hf_dir=hf_dir), ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=0.0),
+            pba, temperature=0.9, total_steps=2,
+        )
+        assert actor.reference is not None  # PBA's anchor needs the frozen base even with algo.kl_coef = 0
+        batch = _batch(actor.vocab_size)
+        batch.old_logp = actor.compute_old_logp(batch)
+        batch.ref_logp = actor.compute_ref_logp(batch) + 0.3 * torch.randn(
+            batch.old_logp.shape, generator=torch.Generator().manual_seed(2))
+
+        def update(cfg, kl_coef):
+            actor.algo_cfg = cfg
+            run = batch.select(slice(None))
+            run.kl_coef = None if kl_coef is None else torch.tensor(kl_coef)
+            metrics = actor.update(run, mini_batches=1)
+            grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])
+            return metrics, grads
+
+        from dataclasses import replace
+
+        return {
+            "global": update(replace(pba, kl_coef=0.1), None),
+            "uniform": update(pba, [0.1, 0.1, 0.1, 0.1]),
+            "mixed": update(pba, [0.1, 0.0, 0.1, 0.0]),
+            "zero": update(replace(pba, kl_coef=0.5), [0.0, 0.0, 0.0, 0.0]),
+            "none": update(replace(pba, pba=False), None),
+        }
+
+
+@pytest.mark.parametrize("tp,pp,mbs", [(2, 1, 1), (1, 2, 1)])
+def test_per_sequence_kl_coefficient_reaches_the_loss(workers2, tiny_qwen, tp, pp, mbs):
+    runs = workers2.run(_per_sequence_kl_numbers, tiny_qwen, tp, pp, mbs)[0]
+    (m_global, g_global), (m_uniform, g_uniform) = runs["global"], runs["uniform"]
+    # the same coefficient for every sequence is algo.kl_coef (up to the order of float sums)
+    assert m_uniform["actor/loss"] == pytest.approx(m_global["actor/loss"], rel=1e-5)
+    torch.testing.assert_close(g_uniform, g_global, rtol=1e-5, atol=1e-7)
+    assert m_uniform["loss/kl_loss"] == pytest.approx(0.1 * m_global["loss/kl_ref"], rel=1e-5)
+    # mixed: only the anchored rows' KL; the logged terms add up to the loss
+    m_mixed, g_mixed = runs["mixed"]
+    assert 0 < m_mixed["loss/kl_loss"] < m_uniform["loss/kl_loss"]
+    assert m_mixed["actor/loss"] == pytest.approx(m_mixed["loss/pg_loss"] + m_mixed["loss/kl_loss"], rel=1e-5)
+    assert not torch.allclose(g_mixed, g_uniform)
+    # zero everywhere: no KL, whatever algo.kl_coef says
+    (m_zero, g_zero), (m_none, g_none) = runs["zero"], runs["none"]
+    assert m_zero["loss/kl_loss"] == 0.0
+    assert m_zero["actor/loss"] == pytest.approx(m_none["actor/loss"], rel=1e-6)
+    torch.testing.assert_close(g_zero, g_none, rtol=0, atol=0)

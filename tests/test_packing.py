@@ -1,7 +1,8 @@
 """Packed sequences and token-budget micro-batches: the plan (balanced DP split, budgets, equal micro-batch counts),
 the THD layout, and the actor's packed path against its padded path at (TP, PP, DP) = (1,1,1), (2,1,1), (1,2,1),
-(1,1,2) for every loss and aggregation: same loss, gradients and metrics (fp32, relative 1e-5), on a batch with
-lengths 1 .. the budget, one sequence over the budget (it gets a micro-batch of its own) and sequences of length 1.
+(1,1,2) for every loss and aggregation (also PBA's per-sequence KL coefficient and CaSP's adaptive candidates):
+same loss, gradients and metrics (fp32, relative 1e-5), on a batch with lengths 1 .. the budget, one sequence over
+the budget (it gets a micro-batch of its own) and sequences of length 1.
 Also: the update without a statistics pass (old log-probs = its own, detached) equals the one after it."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ LOSSES = ("grpo", "casp", "entropy_bonus", "entropy_adv", "kl_cov", "clip_cov", 
           "forking_tokens")
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 RTOL = 1e-5
+SEQ_KL = [0.1, 0.0, 0.2, 0.0, 0.05, 0.1, 0.0, 0.3]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,8 +144,11 @@ def _update(actor, batch, algo_kwargs: dict, *, pack: bool, budget: int, mbs: in
     from megatron_rlvr.algos.config import AlgoConfig
 
     actor.cfg.pack_sequences, actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = pack, budget, mbs
-    actor.algo_cfg = AlgoConfig(**algo_kwargs)
+    kwargs = dict(algo_kwargs)
+    seq_kl = kwargs.pop("seq_kl", False)  # PBA's per-sequence KL coefficient travels with its rows
+    actor.algo_cfg = AlgoConfig(**kwargs)
     run = batch.select(slice(None))
+    run.kl_coef = torch.tensor(SEQ_KL) if seq_kl else None
     run.old_logp = old_logp
     metrics = actor.update(run, mini_batches=1)
     return metrics, _grads(actor), run
@@ -196,6 +201,8 @@ def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: 
                 out[f"{key}/grad"] = _rel(g1, g0)
                 out[f"{key}/metrics"] = _metric_diff(m1, m0)
                 out[f"{key}/loss_nonzero"] = float(abs(m0["actor/loss"]) > 0 and float(g0.abs().max()) > 0)
+                if "candidate_mass" in kwargs:  # the adaptive sets differ from the fixed top-N on this batch
+                    out[f"{key}/loss_nonzero"] *= float(1 < m0["loss/casp_candidates"] < 3)
         # exactly on-policy: no statistics pass, the update's own detached log-probs are the old ones
         on_policy = dict(loss="casp", tau_q=0.5)
         actor.reference = None  # needs_statistics_pass: not with a reference model
@@ -216,7 +223,10 @@ def _configs() -> tuple[list[dict], list[dict]]:
     ]
     # the engine's log-probs reach the loss (rollout correction), at token and at sequence level
     every += [dict(loss="grpo", rollout_correction="tis", rollout_is_cap=1.5),
-              dict(loss="casp", tau_q=0.5, rollout_correction="mis", rollout_correction_level="sequence")]
+              dict(loss="casp", tau_q=0.5, rollout_correction="mis", rollout_correction_level="sequence"),
+              # PBA's per-sequence KL coefficient; CaSP's adaptive candidates (the tiny model's top-3 hold ~1.5% of
+              # the probability, so a 1% share gives sets of every size)
+              dict(loss="casp", tau_q=0.5, seq_kl=True, candidates="adaptive", candidate_mass=0.01)]
     few = [every[0], every[4], every[3 * LOSSES.index("kl_cov") + 2]]
     return every, few
 

@@ -142,6 +142,9 @@ def _forking_tokens(v: TokenView) -> _Shaping:
 # share of the mini-batch value: these add up over micro-batches and data-parallel ranks (the rest are averages).
 # kl_ref is the k3 estimate itself; kl_loss, present with per-sequence coefficients, is the term the loss adds.
 LOSS_TERMS: tuple[str, ...] = ("pg_loss", "kl_ref", "kl_loss", "entropy_bonus", "cov_penalty")
+# Metrics that average over a subset of the tokens, with the metric holding that subset's count: combined over
+# micro-batches and ranks by that count (a token-weighted mean would count batches without such tokens as 0).
+SUBSET_MEANS: dict[str, str] = {"casp_candidates": "casp_smoothed_tokens"}
 
 LOSSES: dict[str, Callable[[TokenView], _Shaping]] = {
     "grpo": _grpo,
@@ -292,7 +295,8 @@ def policy_loss(
 def _sequence_kl_coef(kl_coef: Tensor, logp: Tensor, have_ref: bool) -> Tensor:
     """Check the per-sequence KL coefficients [B] (finite, >= 0; ref_logp given where any is > 0), in logp's dtype."""
     if tuple(kl_coef.shape) != tuple(logp.shape[:1]):
-        raise ValueError(f"kl_coef: expected shape [B] = [{logp.shape[0]}] (one per response), got {tuple(kl_coef.shape)}")
+        raise ValueError(f"kl_coef: expected shape [B] = [{logp.shape[0]}] (one per response), "
+                         f"got {tuple(kl_coef.shape)}")
     coef = kl_coef.detach().to(device=logp.device, dtype=logp.dtype)
     valid, anchored = torch.stack([(torch.isfinite(coef) & (coef >= 0)).all(), (coef > 0).any()]).tolist()
     if not valid:

@@ -3,7 +3,8 @@
 Names: clip_frac, entropy, high_entropy_frac, rank{k}_prob and rank{k}_prob_high_entropy (k = 1..3, as far as the
 statistics hold top-k columns), neg_rank1_frac (negative-sample tokens whose sampled token was rank 1), kl_old (k3
 estimate of KL(old || new) on the sampled tokens); with CaSP's adaptive candidates also casp_candidates, the mean
-size of C_t over the high-entropy tokens of positive samples (the ones CaSP smooths). A mean over no tokens is 0. Averaging over micro-batches is the
+size of C_t over the high-entropy tokens of positive samples (the ones CaSP smooths), and casp_smoothed_tokens, their
+count (to combine batches: see losses.SUBSET_MEANS). A mean over no tokens is 0. Averaging over micro-batches is the
 caller's: weight each by its ``num_tokens`` metric.
 """
 
@@ -44,6 +45,8 @@ def loss_metrics(
         values[f"rank{k + 1}_prob"] = _mean(probs[..., k], mask)
         values[f"rank{k + 1}_prob_high_entropy"] = _mean(probs[..., k], high)
     if candidates is not None:
-        values["casp_candidates"] = _mean(candidates.sum(dim=-1).to(rho.dtype), view.positive & high)
+        smoothed = view.positive & high
+        values["casp_candidates"] = _mean(candidates.sum(dim=-1).to(rho.dtype), smoothed)
+        values["casp_smoothed_tokens"] = smoothed.sum().to(rho.dtype)
     # One device-to-host copy for all of them (each float() would be a separate sync on GPU).
     return dict(zip(values, torch.stack(list(values.values())).tolist()))

@@ -65,7 +65,8 @@ def test_per_prompt_kl_term_by_hand():
     logits = torch.randn(4, 3, 6, generator=g, dtype=torch.float64)
     targets = torch.randint(0, 6, (4, 3), generator=g)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
-    ref_logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0] + 0.4 * torch.randn(4, 3, generator=g, dtype=torch.float64)
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    ref_logp = logp + 0.4 * torch.randn(4, 3, generator=g, dtype=torch.float64)
     leaf = logits.clone().requires_grad_(True)
     stats = dense_token_stats(leaf, targets, 3)
     loss, metrics = policy_loss(stats, stats.logp.detach(), torch.zeros(4, dtype=torch.float64), mask, cfg,
