@@ -79,7 +79,7 @@ def test_each_token_gets_its_own_set_and_the_metric_is_their_mean_size(provider)
     q_flat = torch.tensor([0.1, 0.1, 0.1, 0.0, 0.7], dtype=torch.float64)
     torch.testing.assert_close(grad[0], (torch.tensor(peaked, dtype=torch.float64) - q_peaked) / 2, **tol)
     torch.testing.assert_close(grad[1], (torch.tensor(flat, dtype=torch.float64) - q_flat) / 2, **tol)
-    assert metrics["casp_candidates"] == 2.0  # (1 + 3) / 2
+    assert metrics["casp_candidates"] == 2.0 and metrics["casp_smoothed_tokens"] == 2.0  # (1 + 3) / 2 over 2
 
 
 def _loss_and_grad(problem, cfg, stats_fn, dtype):
@@ -110,7 +110,7 @@ def test_mass_one_is_the_fixed_top_n_bit_for_bit(stats, weights, loss_agg):
         loss_f, grad_f, metrics_f = _loss_and_grad(problem, fixed, fn, dtype)
         loss_a, grad_a, metrics_a = _loss_and_grad(problem, adaptive, fn, dtype)
         assert torch.equal(loss_a, loss_f) and torch.equal(grad_a, grad_f)
-        assert metrics_a.pop("casp_candidates") == 3.0
+        assert metrics_a.pop("casp_candidates") == 3.0 and metrics_a.pop("casp_smoothed_tokens") > 0
         assert metrics_a == metrics_f
 
 
@@ -166,6 +166,6 @@ def test_adaptive_candidates_compose_with_every_loss(loss_name):
         fixed_loss, fixed_grad, _ = _loss_and_grad(problem, dataclasses.replace(cfg, candidates="fixed"),
                                                    dense_token_stats, torch.float64)
         assert torch.equal(loss, fixed_loss) and torch.equal(grad, fixed_grad)
-        assert "casp_candidates" not in metrics
+        assert "casp_candidates" not in metrics and "casp_smoothed_tokens" not in metrics
     else:
         assert 1 <= metrics["casp_candidates"] <= cfg.top_n
