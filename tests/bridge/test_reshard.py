@@ -1,0 +1,207 @@
+"""Engine-TP shards of exported weights: for actors at (TP, PP) = (1,1), (2,1), (1,2), (4,1) the export cut into each
+engine rank's shard at engine TP 1, 2, 4 equals an independent slicing of the HF checkpoint bit for bit, and the
+shards put back together (one copy of each replicated kv head) give the full tensors; the partitioning is the one
+vLLM's own weight loaders apply; a TP vLLM cannot split and a tensor of the wrong shape are refused naming it."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_rlvr.bridge.mapping import ModelDims
+from megatron_rlvr.bridge.reshard import ReshardError, engine_shard, engine_tp_problems, rule_of
+from tests.models.mp_helpers import build_chunks
+
+ENGINE_TPS = (1, 2, 4)
+BUCKET_BYTES = 100_000
+
+# "gqa": 8 heads over 2 kv heads (engine TP 4 replicates each kv head twice), qkv bias, untied, vocab 1001 (no TP
+# divides it). "tied": 8 heads over 4 kv heads (the actor can run at TP 4), tied embeddings, a 40-token vocabulary
+# (vLLM pads it to 64: at engine TP 4 the last rank holds no row of it).
+MODELS = {
+    "gqa": ("qwen2", dict(seed=11, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)),
+    "tied": ("llama", dict(seed=12, num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_hidden_layers=2,
+                           vocab_size=40)),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from megatron_rlvr.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("tiny_reshard")
+    return {key: str(make_tiny_hf_model(arch, root / key, **kw)) for key, (arch, kw) in MODELS.items()}
+
+
+def _dims(hf_dir: str) -> ModelDims:
+    from megatron_rlvr.models import load_hf_config
+
+    return ModelDims.from_hf(load_hf_config(hf_dir))
+
+
+def _hf_reference(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as an engine must receive them (a tied model's lm_head is the embedding)."""
+    from megatron_rlvr.bridge import HFCheckpointReader
+
+    with HFCheckpointReader(hf_dir) as reader:
+        ref = {n: reader.read(n) for n in reader.names()}
+    ref.setdefault("lm_head.weight", ref["model.embed_tokens.weight"])
+    return ref
+
+
+def reference_slice(name: str, full: torch.Tensor, dims: ModelDims, tp: int, rank: int) -> torch.Tensor:
+    """An engine rank's shard written another way than ``engine_shard`` (whole heads, chunks, explicit padding)."""
+    d = dims.head_dim
+    if name.endswith("norm.weight"):
+        return full
+    if ".q_proj." in name:
+        return full.unflatten(0, (dims.heads, d)).chunk(tp)[rank].flatten(0, 1)
+    if ".k_proj." in name or ".v_proj." in name:
+        heads = full.unflatten(0, (dims.groups, d))
+        part = heads.chunk(tp)[rank] if tp <= dims.groups else heads[rank * dims.groups // tp][None]
+        return part.flatten(0, 1)
+    if ".gate_proj." in name or ".up_proj." in name:
+        return full.chunk(tp, dim=0)[rank]
+    if ".o_proj." in name or ".down_proj." in name:
+        return full.chunk(tp, dim=1)[rank]
+    padded = F.pad(full, (0, 0, 0, (-full.shape[0]) % 64))
+    rows = padded.shape[0] // tp
+    return padded.chunk(tp)[rank][: max(0, min(rows, full.shape[0] - rank * rows))]
+
+
+def reassemble(name: str, shards: list[torch.Tensor], dims: ModelDims) -> torch.Tensor:
+    """The full tensor from every rank's shard: the split dim concatenated, one copy of each replicated kv head."""
+    rule, tp = rule_of(name), len(shards)
+    if rule == "replicated":
+        assert all(torch.equal(s, shards[0]) for s in shards), f"{name}: replicated shards differ"
+        return shards[0]
+    if rule == "kv" and tp > dims.groups:
+        replicas = tp // dims.groups
+        for r, s in enumerate(shards):
+            assert torch.equal(s, shards[r - r % replicas]), f"{name}: replicas of one kv head differ"
+        shards = shards[::replicas]
+    return torch.cat(shards, dim=1 if rule in ("o", "down") else 0)
+
+
+def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], bucket_bytes: int) -> dict:
+    """Export at (tp, pp), cut every tensor for each engine TP on arrival (as an engine rank would) and compare."""
+    from megatron_rlvr import distributed
+    from megatron_rlvr.bridge import export_hf_weights
+
+    try:
+        hf, chunks = build_chunks(hf_dir, tp, pp)
+        dims, ref = _dims(hf_dir), _hf_reference(hf_dir)
+        problems, seen = [], set()
+        stats = {"empty_vocab_shards": 0, "replicated_kv": 0, "shards": 0}
+        for bucket in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes):
+            for name, t in bucket:
+                seen.add(name)
+                if not torch.equal(t, ref[name]):
+                    problems.append(f"{name}: exported tensor differs from the checkpoint")
+                for e in engine_tps:
+                    shards = [engine_shard(name, t, dims, e, r) for r in range(e)]
+                    for r, s in enumerate(shards):
+                        want = reference_slice(name, ref[name], dims, e, r)
+                        stats["shards"] += 1
+                        stats["empty_vocab_shards"] += s.numel() == 0
+                        if s.dtype != want.dtype or not torch.equal(s, want):
+                            problems.append(f"{name} e={e} rank {r}: shape {list(s.shape)} != {list(want.shape)} "
+                                            f"or values differ")
+                    stats["replicated_kv"] += rule_of(name) == "kv" and e > dims.groups
+                    if not torch.equal(reassemble(name, shards, dims), t):
+                        problems.append(f"{name} e={e}: the shards do not reassemble to the full tensor")
+        missing = sorted(set(ref) - seen)
+        return {"problems": problems + [f"{n}: never exported" for n in missing], **stats}
+    finally:
+        distributed.destroy_model_parallel()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model,tp,pp", [("gqa", 1, 1), ("gqa", 2, 1), ("gqa", 1, 2),
+                                         ("tied", 1, 2), ("tied", 2, 1), ("tied", 4, 1)])
+def test_engine_shards_of_the_export_equal_the_sliced_checkpoint(workers4, tiny_models, model, tp, pp):
+    results = workers4.run(_reshard_worker, tiny_models[model], tp, pp, ENGINE_TPS, BUCKET_BYTES)
+    dims = _dims(tiny_models[model])
+    for rank, r in enumerate(results):
+        assert r["problems"] == [], f"rank {rank}: {r['problems'][:5]}"
+        assert r["shards"] > 0
+        # the cases the models were chosen for did occur
+        assert (r["replicated_kv"] > 0) == (dims.groups < max(ENGINE_TPS)), f"rank {rank}: kv replication"
+        assert (r["empty_vocab_shards"] > 0) == (model == "tied"), f"rank {rank}: empty vocabulary shards"
+
+
+def _vllm_layers(monkeypatch, dims: ModelDims, tp: int, rank: int):
+    """vLLM's own parallel layers as engine TP rank ``rank`` of ``tp`` builds them (the TP group stubbed)."""
+    import vllm.distributed.parallel_state as ps
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    monkeypatch.setattr(ps, "get_tp_group", lambda: types.SimpleNamespace(rank_in_group=rank, world_size=tp))
+    kw = dict(params_dtype=torch.float32)
+    with set_current_vllm_config(VllmConfig()):
+        return types.SimpleNamespace(
+            qkv=QKVParallelLinear(dims.hidden, dims.head_dim, dims.heads, dims.groups, bias=True, **kw),
+            o=RowParallelLinear(dims.heads * dims.head_dim, dims.hidden, bias=False, **kw),
+            gate_up=MergedColumnParallelLinear(dims.hidden, [dims.ffn] * 2, bias=False, **kw),
+            down=RowParallelLinear(dims.ffn, dims.hidden, bias=False, **kw),
+            embed=VocabParallelEmbedding(dims.vocab, dims.hidden, **kw),
+            lm_head=ParallelLMHead(dims.vocab, dims.hidden, **kw),
+        )
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("tp", ENGINE_TPS)
+def test_engine_shard_is_what_vllms_weight_loaders_keep(monkeypatch, tiny_models, model, tp):
+    """Load the checkpoint through vLLM's QKV/merged/row/vocab loaders at each rank and compare what they kept."""
+    pytest.importorskip("vllm")
+    dims, ref = _dims(tiny_models[model]), _hf_reference(tiny_models[model])
+    p = "model.layers.0."
+    for rank in range(tp):
+        layers = _vllm_layers(monkeypatch, dims, tp, rank)
+        weights, biases = [], []
+        for part in ("q", "k", "v"):
+            rows = (dims.heads if part == "q" else dims.groups) * dims.head_dim
+            for kind, param, kept in (("weight", layers.qkv.weight, weights), ("bias", layers.qkv.bias, biases)):
+                name = f"{p}self_attn.{part}_proj.{kind}"
+                full = ref[name] if name in ref else torch.randn(rows)  # llama has no qkv bias: vLLM's rule still
+                layers.qkv.weight_loader(param, full, part)
+                kept.append(engine_shard(name, full, dims, tp, rank))
+        assert torch.equal(layers.qkv.weight, torch.cat(weights)), f"qkv weight tp={tp} rank {rank}"
+        assert torch.equal(layers.qkv.bias, torch.cat(biases)), f"qkv bias tp={tp} rank {rank}"
+        for i, part in enumerate(("gate", "up")):
+            layers.gate_up.weight_loader(layers.gate_up.weight, ref[f"{p}mlp.{part}_proj.weight"], i)
+        want = torch.cat([engine_shard(f"{p}mlp.{g}_proj.weight", ref[f"{p}mlp.{g}_proj.weight"], dims, tp, rank)
+                          for g in ("gate", "up")])
+        assert torch.equal(layers.gate_up.weight, want), f"gate_up tp={tp} rank {rank}"
+        for layer, name in ((layers.o, f"{p}self_attn.o_proj.weight"), (layers.down, f"{p}mlp.down_proj.weight")):
+            layer.weight_loader(layer.weight, ref[name])
+            assert torch.equal(layer.weight, engine_shard(name, ref[name], dims, tp, rank)), f"{name} tp={tp}"
+        for layer, name in ((layers.embed, "model.embed_tokens.weight"), (layers.lm_head, "lm_head.weight")):
+            layer.weight_loader(layer.weight, ref[name])
+            shard = engine_shard(name, ref[name], dims, tp, rank)
+            rows = shard.shape[0]
+            assert torch.equal(layer.weight[:rows], shard), f"{name} tp={tp} rank {rank}"
+            assert not layer.weight[rows:].any(), f"{name}: vLLM's padding rows beyond the shard are not zero"
+
+
+def test_a_tp_vllm_cannot_split_is_refused_naming_the_tensor_and_sizes():
+    dims = ModelDims(hidden=128, heads=8, groups=2, head_dim=16, ffn=256, vocab=1001, layers=2, tied=False,
+                     qkv_bias=True)
+    with pytest.raises(ReshardError, match=r"q_proj\.weight: engine tp=3 does not divide its 8 attention heads"):
+        engine_shard("model.layers.1.self_attn.q_proj.weight", torch.zeros(128, 128), dims, 3, 0)
+    with pytest.raises(ReshardError, match=r"k_proj\.bias: engine tp=3 is not a multiple of its 2 kv heads"):
+        engine_shard("model.layers.0.self_attn.k_proj.bias", torch.zeros(32), dims, 3, 0)
+    with pytest.raises(ReshardError, match=r"lm_head\.weight: engine tp=3 .* padding of 1001 to 1024"):
+        engine_shard("lm_head.weight", torch.zeros(1001, 128), dims, 3, 0)
+    with pytest.raises(ReshardError, match=r"down_proj\.weight: shape \[128, 200\], expected 256 columns"):
+        engine_shard("model.layers.0.mlp.down_proj.weight", torch.zeros(128, 200), dims, 2, 0)
+    with pytest.raises(ReshardError, match=r"model\.layers\.0\.rotary_emb\.inv_freq: no engine partitioning rule"):
+        engine_shard("model.layers.0.rotary_emb.inv_freq", torch.zeros(8), dims, 2, 0)
+    with pytest.raises(ReshardError, match=r"rank 2 is not in \[0, 2\)"):
+        engine_shard("model.norm.weight", torch.zeros(128), dims, 2, 2)
+    assert engine_tp_problems(dims, 4) == [] and engine_tp_problems(dims, 8) == []
+    assert len(engine_tp_problems(dims, 3)) == 4  # heads, kv heads, intermediate size, padded vocabulary
