@@ -1,4 +1,5 @@
-"""Rollout engines behind one protocol (`RolloutEngine`): vLLM on GPU (colocated, sleep mode) and on CPU (in-process).
+"""Rollout engines behind one protocol (`RolloutEngine`): vLLM on GPU (colocated, sleep mode) and on CPU (in-process),
+optionally wrapped so that part of each group continues a weaker model's prefix (`prefixes.PrefixedEngine`).
 
 Importing this package does not import vLLM; `make_engine` does, on first use.
 """
@@ -13,14 +14,31 @@ from megatron_rlvr.rollout.config import RolloutConfig
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError
 
 if TYPE_CHECKING:
+    from megatron_rlvr.rollout.prefixes import PrefixedEngine
     from megatron_rlvr.rollout.vllm_engine import VLLMEngine
 
 
-def make_engine(model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> "VLLMEngine":
-    """Build the engine ``cfg.engine`` names from an HF directory; sync the actor's weights into it afterwards."""
+def make_engine(
+    model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32"
+) -> "VLLMEngine | PrefixedEngine":
+    """Build the engine ``cfg.engine`` names from an HF directory; sync the actor's weights into it afterwards.
+    With ``cfg.prefix_model`` set, a second (frozen) engine serves that weaker model and the returned wrapper mixes
+    its prefixes into each group; the two must share the tokenizer (checked before either engine starts)."""
     from megatron_rlvr.rollout.vllm_engine import make_engine as make_vllm_engine
 
-    return make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype)
+    if not cfg.prefix_model:
+        return make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype)
+    from megatron_rlvr.rollout.prefixes import PrefixedEngine, check_same_tokenizer
+
+    tokenizer = check_same_tokenizer(model_dir, cfg.prefix_model)
+    target = make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype)
+    try:
+        weak = make_vllm_engine(cfg.prefix_model, cfg, seed=seed, dtype=dtype)
+    except BaseException:
+        target.close()
+        raise
+    return PrefixedEngine(target, weak, cfg.prefix_fraction, cfg.prefix_cut,
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 __all__ = [
