@@ -145,8 +145,9 @@ def table(runs: Sequence[RunStats], group_by: Sequence[str] = ()) -> str:
         "|---|---|---|" + "---|" * (len(ks) + 4),
     ]
     base = [r.base for r in runs]
-    lines.append(f"| base | {len(runs)} | - | " + " | ".join(_cell([b["pass_at_k"][k] for b in base], 100) for k in ks)
-                 + f" | {_cell([b['distinct_correct'] for b in base], digits=2)} | {_cell([b['solved'] for b in base], 1, 1, 0)} | - | - |")
+    cells = [_cell([b["pass_at_k"][k] for b in base], 100) for k in ks]
+    cells += [_cell([b["distinct_correct"] for b in base], digits=2), _cell([b["solved"] for b in base], 1, 1, 0)]
+    lines.append(f"| base | {len(runs)} | - | " + " | ".join(cells) + " | - | - |")
     for label, members in groups.items():
         seeds = ",".join(_fmt(r.config.get(SEED_KEY, "?")) for r in members)
         cells = [_cell([r.pass_at_k[k] for r in members], 100) for k in ks]

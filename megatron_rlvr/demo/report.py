@@ -208,5 +208,6 @@ def write_report(
     if candidates:
         results["candidates"] = {k: (Path(v).name if k == "path" else v) for k, v in candidates.items() if k != "caption"}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    summary["files"] = [out / "report.md", out / "results.json"] + figures + ([Path(candidates["path"])] if candidates else [])
+    summary["files"] = [out / "report.md", out / "results.json"] + figures
+    summary["files"] += [Path(candidates["path"])] if candidates else []
     return summary

@@ -279,7 +279,8 @@ def benchmark_prompt(benchmark: str, row: int, data_dir: str = "data") -> str:
     elif benchmark in BENCHMARKS:
         name = benchmark
     else:
-        raise CandidatesError(f"--benchmark {benchmark}: no such file, and not a benchmark name ({', '.join(sorted(BENCHMARKS))})")
+        raise CandidatesError(
+            f"--benchmark {benchmark}: no such file, and not a benchmark name ({', '.join(sorted(BENCHMARKS))})")
     problems = load_benchmark(name, data_dir, limit=row + 1)
     if row >= len(problems):
         raise CandidatesError(f"--row {row}: benchmark {name} under {data_dir} has {len(problems)} rows")
@@ -288,7 +289,8 @@ def benchmark_prompt(benchmark: str, row: int, data_dir: str = "data") -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlvr candidates", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", nargs="+", required=True, help="HF model directories sharing one tokenizer; the first samples")
+    parser.add_argument("--model", nargs="+", required=True,
+                        help="HF model directories sharing one tokenizer; the first samples")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text (encoded as `megatron-rlvr eval` encodes it)")
     source.add_argument("--benchmark", help="a benchmark file (e.g. data/math500.jsonl) or name under --data-dir")
