@@ -1,4 +1,5 @@
-"""The didactic tree (CaSP paper, Section 4.3): GRPO, GRPO+entropy bonus and CaSP on a tree MDP with 6 rewarding leaves.
+"""The didactic tree (CaSP paper, Section 4.3): GRPO, GRPO+entropy bonus, CaSP and CaSP with adaptive candidate sets
+on a tree MDP with 6 rewarding leaves.
 
 The policy is a table of logits, one row of ``branching`` actions per decision node; a response is a root-to-leaf
 path of ``depth`` = 2 tokens. The start policy (the "base model") puts its top candidates on plausible branches:
@@ -12,12 +13,14 @@ own loss code: logits -> ``vocab_parallel_token_stats`` -> ``compute_advantages`
 
 Reported per method and seed: accuracy (probability mass on rewarding leaves), rewarding modes kept (leaves with
 probability >= 1%), and the entropy of the leaf distribution (nats). Every method and seed shares the steps, G and
-lr (``Schedule``). Each coefficient (CaSP's alpha, the entropy bonus's beta) is chosen once, by one rule applied
-identically to both: on the sweep seeds 100, 101, 102 (never the reported 0, 1, 2), over the same grid
-0.1 * 1.1**k, k = 0..24 (0.1 to 0.985 in 10% steps), take the coefficient that keeps the most rewarding modes on
-every sweep seed (the minimum over seeds), ties broken by higher mean accuracy -- i.e. the most accurate
+lr (``Schedule``). Each coefficient (CaSP's alpha, fixed or adaptive, the entropy bonus's beta) is chosen once, by
+one rule applied identically to all three: on the sweep seeds 100, 101, 102 (never the reported 0, 1, 2), over the
+same grid 0.1 * 1.1**k, k = 0..24 (0.1 to 0.985 in 10% steps), take the coefficient that keeps the most rewarding
+modes on every sweep seed (the minimum over seeds), ties broken by higher mean accuracy -- i.e. the most accurate
 coefficient that keeps all six modes when one does, the choice most favourable to each method. ``--sweep`` reruns
-that sweep and prints its table.
+that sweep and prints its table. ``casp_adaptive`` is CaSP with ``candidates: adaptive`` at the knob's default
+``candidate_mass`` = 0.9 (not swept): its positive smoothing spreads over the fewest top candidates holding 90% of a
+node's probability (at most top_n = 3) instead of always the top 3.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.losses import policy_loss
 from megatron_rlvr.ops import vocab_parallel_token_stats
 
-METHODS = ("grpo", "entropy_bonus", "casp")
+METHODS = ("grpo", "entropy_bonus", "casp", "casp_adaptive")
+ADAPTIVE_MASS = AlgoConfig.candidate_mass  # casp_adaptive's candidate_mass: the knob's default
 MODE_THRESHOLD = 0.01
 
 
@@ -87,11 +91,13 @@ class Schedule:
 
 # Each method's coefficient as `sweep` chose it (rule in the module docstring) and never per seed; `--sweep` reruns
 # it and says whether it still agrees. CaSP's other knobs stay fixed: top_n = 3, lambda_top1 = 0.5, and tau_q = 0
-# because the tree's responses are two tokens long and both are forks.
-CHOSEN = {"grpo": {}, "entropy_bonus": {"beta": 0.214}, "casp": {"alpha": 0.814}}
+# because the tree's responses are two tokens long and both are forks. casp_adaptive keeps all six modes on every
+# sweep seed only at the grid's top (0.985; 0.895 keeps five): its sets shrink to rank 1 wherever rank 1 holds 90%.
+CHOSEN = {"grpo": {}, "entropy_bonus": {"beta": 0.214}, "casp": {"alpha": 0.814}, "casp_adaptive": {"alpha": 0.985}}
 # The same grid for alpha and beta: 0.1 to ~1 in 10% steps (log-spaced: both act multiplicatively on the loss).
 GRID = tuple(round(0.1 * 1.1**k, 3) for k in range(25))
-SWEEP_GRID = {"grpo": [{}], "entropy_bonus": [{"beta": b} for b in GRID], "casp": [{"alpha": a} for a in GRID]}
+SWEEP_GRID = {"grpo": [{}], "entropy_bonus": [{"beta": b} for b in GRID], "casp": [{"alpha": a} for a in GRID],
+              "casp_adaptive": [{"alpha": a} for a in GRID]}
 REPORT_SEEDS = (0, 1, 2)
 SWEEP_SEEDS = (100, 101, 102)
 
@@ -99,7 +105,10 @@ SWEEP_SEEDS = (100, 101, 102)
 def method_config(method: str, coefficients: dict[str, float]) -> AlgoConfig:
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; allowed values: {', '.join(METHODS)}")
-    base = AlgoConfig(loss=method, tau_q=0.0, top_n=3, lambda_top1=0.5, alpha=0.0, beta=0.0)
+    base = AlgoConfig(loss=method if method != "casp_adaptive" else "casp", tau_q=0.0, top_n=3, lambda_top1=0.5,
+                      alpha=0.0, beta=0.0)
+    if method == "casp_adaptive":
+        base = dataclasses.replace(base, candidates="adaptive", candidate_mass=ADAPTIVE_MASS)
     return dataclasses.replace(base, **coefficients)
 
 
@@ -245,9 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="rerun the coefficient sweep (seeds 100-102) first")
     parser.add_argument("--beta", type=float, help="override the chosen entropy-bonus coefficient (not the default)")
     parser.add_argument("--alpha", type=float, help="override the chosen CaSP alpha (not the default)")
+    parser.add_argument("--adaptive-alpha", type=float, help="override the chosen casp_adaptive alpha")
+    parser.add_argument("--candidate-mass", type=float,
+                        help=f"casp_adaptive's candidate_mass (default {ADAPTIVE_MASS})")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.group_size < 2 or not args.lr > 0 or not args.seeds or args.branching < 8:
         parser.error("expected --steps >= 1, --group-size >= 2, --lr > 0, --branching >= 8 and at least one seed")
+    if args.candidate_mass is not None and not 0 < args.candidate_mass <= 1:
+        parser.error(f"--candidate-mass: expected a probability share in (0, 1], got {args.candidate_mass}")
     torch.set_num_threads(1)
     tree, schedule = Tree(branching=args.branching), Schedule(args.steps, args.group_size, args.lr)
     coefficients = {method: dict(values) for method, values in CHOSEN.items()}
@@ -255,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         coefficients["entropy_bonus"]["beta"] = args.beta
     if args.alpha is not None:
         coefficients["casp"]["alpha"] = args.alpha
+    if args.adaptive_alpha is not None:
+        coefficients["casp_adaptive"]["alpha"] = args.adaptive_alpha
+    if args.candidate_mass is not None:
+        coefficients["casp_adaptive"]["candidate_mass"] = args.candidate_mass
     seeds = tuple(args.seeds)
     print(f"tree: depth 2, {tree.branching} actions per node, 2 x 3 rewarding leaves; G={schedule.group_size}, "
           f"steps={schedule.steps}, SGD lr={schedule.lr}, seeds {list(seeds)}")

@@ -1,4 +1,5 @@
-"""The didactic tree through the real loss code: the qualitative result of the CaSP paper's Section 4.3."""
+"""The didactic tree through the real loss code: the qualitative result of the CaSP paper's Section 4.3, and CaSP with
+adaptive candidate sets beside it on the same sweep rule."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_casp_keeps_all_modes_where_grpo_collapses_and_the_bonus_leaks(capsys, t
     """The real command with its swept coefficients on the reported seeds 0, 1, 2 (the Show item, per seed)."""
     plot = tmp_path / "tree.png"
     results = _run(capsys, "--plot", str(plot))
-    assert set(results) == {"grpo", "entropy_bonus", "casp"}
+    assert set(results) == {"grpo", "entropy_bonus", "casp", "casp_adaptive"}
     assert plot.stat().st_size > 10_000
     assert [r["seed"] for r in results["casp"]] == [0, 1, 2]
     for grpo, bonus, casp in zip(results["grpo"], results["entropy_bonus"], results["casp"]):
@@ -68,15 +69,29 @@ def test_casp_keeps_all_modes_where_grpo_collapses_and_the_bonus_leaks(capsys, t
         assert bonus["modes"] > grpo["modes"], (bonus, grpo)
         assert bonus["accuracy"] < casp["accuracy"] - 0.1, (bonus, casp)  # kept by leaking, not by being precise
         assert casp["entropy"] > grpo["entropy"]
+    for fixed, adaptive in zip(results["casp"], results["casp_adaptive"]):
+        # adaptive sets keep every mode too; at the root (2 plausible actions) they leave the implausible rank 3 out
+        assert adaptive["modes"] == 6 and adaptive["accuracy"] > fixed["accuracy"], (adaptive, fixed)
 
 
 @pytest.mark.slow
 def test_the_chosen_coefficients_are_the_grids_first_that_keep_six_modes_on_every_sweep_seed():
     """The grid step below each chosen coefficient loses a mode on some sweep seed: the rule could not have picked a
     smaller (more accurate) one, and the coefficients in CHOSEN are the sweep's, not hand-set."""
-    grid = {"entropy_bonus": [], "casp": []}
-    for method, name in (("entropy_bonus", "beta"), ("casp", "alpha")):
+    grid = {"entropy_bonus": [], "casp": [], "casp_adaptive": []}
+    for method, name in (("entropy_bonus", "beta"), ("casp", "alpha"), ("casp_adaptive", "alpha")):
         value = CHOSEN[method][name]
         grid[method] = [{name: GRID[GRID.index(value) - 1]}, {name: value}]
     table, chosen = sweep(Tree(), Schedule(), SWEEP_SEEDS, grid)
-    assert chosen == {"entropy_bonus": CHOSEN["entropy_bonus"], "casp": CHOSEN["casp"]}, table
+    assert chosen == {method: CHOSEN[method] for method in grid}, table
+
+
+def test_adaptive_method_is_casp_with_adaptive_sets_and_a_bad_mass_is_named(capsys):
+    from megatron_rlvr.algos.toy_tree import method_config
+
+    cfg = method_config("casp_adaptive", CHOSEN["casp_adaptive"])
+    assert (cfg.loss, cfg.candidates, cfg.candidate_mass, cfg.top_n) == ("casp", "adaptive", 0.9, 3)
+    assert method_config("casp", CHOSEN["casp"]).candidates == "fixed"
+    with pytest.raises(SystemExit):
+        main(["--candidate-mass", "1.5"])
+    assert "--candidate-mass: expected a probability share in (0, 1]" in capsys.readouterr().err
