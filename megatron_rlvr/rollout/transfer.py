@@ -117,14 +117,13 @@ class _Link:
             ok = work.wait(datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError or DistBackendError
             self.broken = f"{self.role}: {what}: {e}"
-            raise TransferError(
-                f"weight transfer ({self.role}, member {self.rank}): {what} failed within {timeout_s:.0f} s (a "
-                f"member died or did not answer): {e}"
-            ) from e
+            how = (f"no answer within {timeout_s:g} s" if "timed out" in str(e).lower()
+                   else "the connection failed (the peer died?)")
+            raise TransferError(f"weight transfer ({self.role}, member {self.rank}): {what}: {how}: {e}") from e
         if ok is False:  # NCCL may report a timeout by returning False
             self.broken = f"{self.role}: {what}: timed out"
             raise TransferError(f"weight transfer ({self.role}, member {self.rank}): {what}: no answer within "
-                                f"{timeout_s:.0f} s")
+                                f"{timeout_s:g} s")
 
     def broadcast(self, tensor: torch.Tensor, timeout_s: float):
         opts = dist.BroadcastOptions()
@@ -138,7 +137,11 @@ def _hand(count: int, index: int) -> torch.Tensor:
 
 
 class WeightSender:
-    """On member 0: sends each transfer (a stream of buckets with its weight version) to every engine rank."""
+    """On member 0: sends each transfer (a stream of buckets with its weight version) to every engine rank.
+
+    ``bucket_bytes``: a bucket over it is cut (the export's own bound, so normally nothing is). ``device``: where the
+    buffers live; default CUDA for an NCCL group, CPU otherwise (give it for a group with several backends). Extra
+    keyword arguments beyond the agreed API: ``bucket_bytes``, ``device``, and ``send(..., wait_s=)``."""
 
     def __init__(self, group, *, timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  device: torch.device | str | None = None) -> None:
@@ -211,14 +214,16 @@ class WeightSender:
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, *,
              wait_s: float | None = None) -> dict[str, float]:
         """Send one transfer; returns once every engine rank has consumed it. ``version`` must grow from transfer to
-        transfer. ``wait_s``: how long the engine ranks may take to start receiving (default ``timeout_s``)."""
+        transfer. ``wait_s``: how long the engine ranks may take to start receiving (default ``timeout_s``).
+        Returns bytes of tensors sent (once, whatever the number of engine ranks), seconds, messages (buckets) and the
+        largest message's tensor bytes."""
         link = self.link
         link.check()
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"WeightSender.send: version {version} after version {self.last_version}; versions must "
                              f"grow")
         start = time.perf_counter()
-        sent, index, in_flight = 0, 0, [None, None]
+        sent, largest, index, in_flight = 0, 0, 0, [None, None]
         hands = self._post_hands(0)
         messages = self._split(buckets)
         while True:
@@ -233,7 +238,7 @@ class WeightSender:
                               f"ready for message {index}")
             hands = self._post_hands(-1 if last else index + 1)
             in_flight[slot] = [link.broadcast(header, link.timeout_s), link.broadcast(buf, link.timeout_s)]
-            sent += payload
+            sent, largest = sent + payload, max(largest, payload)
             index += 1
             if last:
                 break
@@ -244,11 +249,14 @@ class WeightSender:
         self.count += 1
         self.last_version = version
         return {"transfer/bytes": float(sent), "transfer/seconds": time.perf_counter() - start,
-                "transfer/buckets": float(index - 1)}
+                "transfer/buckets": float(index - 1), "transfer/max_bucket_bytes": float(largest)}
 
 
 class WeightReceiver:
-    """On each engine rank: receives each transfer and yields its tensors (full, or this rank's engine-TP shard)."""
+    """On each engine rank: receives each transfer and yields its tensors (full, or this rank's engine-TP shard).
+
+    Extra keyword arguments beyond the agreed API: ``timeout_s``, ``device`` (as the sender's) and
+    ``receive(wait_s=)``."""
 
     def __init__(self, group, *, engine_tp: int, engine_tp_rank: int, dims: ModelDims | None, shard: bool,
                  timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None) -> None:
@@ -263,6 +271,7 @@ class WeightReceiver:
         self.count = 0  # transfers completed
         self.last_version: int | None = None
         self._open = False
+        self._version: int | None = None  # the transfer in progress
         self._buffer = torch.empty(0, dtype=torch.uint8, device=self.link.device)
         self._header = torch.empty(4, dtype=torch.int64, device=self.link.device)
 
@@ -277,17 +286,19 @@ class WeightReceiver:
     def _message(self, index: int, timeout_s: float) -> tuple[dict, torch.Tensor, int]:
         """Announce readiness for message ``index`` and receive it: (metadata, buffer, metadata bytes)."""
         link, sender = self.link, self.link.who(0)
+        of = f"message {index} of version {self._version}" if index else "the next transfer's first message"
         hand = self._hand(index)
-        link.wait(link.broadcast(self._header, timeout_s), f"waiting for {sender} to send message {index}", timeout_s)
-        link.wait(hand, f"handshake with {sender} before message {index}", link.timeout_s)
-        magic, meta_len, end, _ = self._header.tolist()
+        link.wait(link.broadcast(self._header, timeout_s), f"waiting for {sender} to send {of}", timeout_s)
+        link.wait(hand, f"handshake with {sender} before {of}", link.timeout_s)
+        magic, meta_len, end, self._version = self._header.tolist()
+        of = f"message {index} of version {self._version}"
         if magic != MAGIC:
             link.broken = "bad header"
             raise TransferError(f"weight transfer: message {index} from {sender} has no valid header (out of step)")
         if self._buffer.numel() < end:
             self._buffer = torch.empty(end, dtype=torch.uint8, device=link.device)
         buf = self._buffer[:end]
-        link.wait(link.broadcast(buf, link.timeout_s), f"receiving message {index} from {sender}", link.timeout_s)
+        link.wait(link.broadcast(buf, link.timeout_s), f"receiving {of} from {sender}", link.timeout_s)
         meta = json.loads(bytes(buf[:meta_len].cpu().numpy()))
         if meta["index"] != index:
             link.broken = "out of step"
@@ -323,7 +334,8 @@ class WeightReceiver:
                     yield name, full
             index += 1
             meta, buf, meta_len = self._message(index, self.link.timeout_s)
-        self.link.wait(self._hand(-1), f"telling {self.link.who(0)} the transfer is done", self.link.timeout_s)
+        done = f"telling {self.link.who(0)} version {self._version} is done"
+        self.link.wait(self._hand(-1), done, self.link.timeout_s)
         self.count += 1
         self.last_version = meta["version"]
         self._open = False
