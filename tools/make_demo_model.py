@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     model.generation_config.max_new_tokens = 32
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    info = {"args": vars(args) | {"out": None, "tokenizer_from": _portable(args.tokenizer_from)}, "parameters": n_params, "vocab_size": vocab,
+    info = {"args": vars(args) | {"out": None, "tokenizer_from": _portable(args.tokenizer_from)},
+            "parameters": n_params, "vocab_size": vocab,
             "base_eval": results["summary"], "seconds": round(time.time() - t0), "continued_from": previous}
     (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"wrote {out} in {time.time() - t0:.0f}s", flush=True)

@@ -114,7 +114,8 @@ def test_prefix_tokens_are_masked_out_of_the_loss():
     from megatron_rlvr.experience import to_batch
 
     out = _engine(fraction=0.5)[0].generate(PROMPTS, 4, _sampling())
-    items = [PromptItem(id=str(i), prompt="", prompt_ids=tuple(p), answer="", task="math") for i, p in enumerate(PROMPTS)]
+    items = [PromptItem(id=str(i), prompt="", prompt_ids=tuple(p), answer="", task="math")
+             for i, p in enumerate(PROMPTS)]
     batch, engine_logp = to_batch(items, out, torch.zeros(12), pad_id=0)
     row = 0
     for prompt, group in zip(PROMPTS, out):
