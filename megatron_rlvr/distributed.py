@@ -380,6 +380,7 @@ class model_parallel:  # noqa: N801 - used as a context manager, reads like a st
 # How long a peer across the role split may stay silent (an engine's generation included) before the wait raises.
 ROLE_TIMEOUT_S = 1800.0
 _splits = 0  # role splits made in this process: each takes keys of its own in the store
+_whole_world: tuple[Any, int, int, float] | None = None  # (store, rank, size, timeout) while the world is split
 
 
 @dataclass
@@ -418,12 +419,15 @@ def split_roles(engine_ranks: int, timeout_s: float = ROLE_TIMEOUT_S) -> Roles:
 
     Each role re-initializes the default group from the world's store under a prefix of its own, so megatron-core's
     `initialize_model_parallel` spans the actor ranks only; the cross groups are built directly on that store."""
-    global _splits
+    global _splits, _whole_world
     init_process_group(timeout_s)
     from torch.distributed import distributed_c10d as c10d
 
+    if _whole_world is not None:
+        raise RuntimeError("split_roles: the world is split already (unsplit_roles first)")
     store = c10d._get_default_store()
     grank, world = dist.get_rank(), dist.get_world_size()
+    _whole_world = (store, grank, world, timeout_s)
     if not 0 < engine_ranks < world:
         raise ValueError(f"rollout.engine_ranks={engine_ranks}: expected 1 .. world size - 1 = {world - 1}")
     _splits += 1
@@ -448,6 +452,20 @@ def split_roles(engine_ranks: int, timeout_s: float = ROLE_TIMEOUT_S) -> Roles:
             if torch.cuda.is_available() else roles.cross_objects
         )
     return roles
+
+
+def unsplit_roles() -> None:
+    """Undo `split_roles` (tests, tools that go on in the same processes): the default group is the whole world
+    again, under keys of its own; the cross groups of the split must not be used afterwards."""
+    global _whole_world
+    if _whole_world is None:
+        return
+    store, grank, world, timeout_s = _whole_world
+    _whole_world = None
+    dist.destroy_process_group()
+    dist.init_process_group(backend=backend(), store=dist.PrefixStore(f"megatron-rlvr/split-{_splits}/world/", store),
+                            rank=grank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.barrier()
 
 
 def _gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:

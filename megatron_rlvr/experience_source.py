@@ -25,7 +25,6 @@ the checkpoint no longer holds: that rollout is received before the checkpoint i
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,19 +174,20 @@ class EngineRanksSource:
         if rollout.step != step:
             raise EngineRankError(f"the engine ranks sent step {rollout.step}'s experience for step {step}")
         self.loader.load_state_dict(rollout.loader_after)
-        metrics = {"rollout/staleness": float(step - rollout.version), "time/engine_rollout": rollout.seconds}
+        # staleness: updates between the weights that sampled and those the update starts from
+        metrics = {"rollout/staleness": float(step - rollout.version), "rollout/engine_seconds": rollout.seconds}
         if self.off_policy and step + 1 < self.cfg.trainer.steps:
             # step + 1 samples with the weights update `step` starts from, while the actor runs that update
             self._ensure_weights(step)
             self._command(Command("collect", step=step + 1, loader=self.loader.state_dict()))
             self.inflight = step + 1
-        metrics |= self._take_transfer_metrics()
+        metrics |= self.take_transfer_metrics()
         return rollout.experience, metrics
 
     def after_update(self, step: int) -> dict[str, float]:
         if not self.off_policy and step + 1 < self.cfg.trainer.steps:
             self._ensure_weights(step + 1)  # the next step samples with the weights just trained
-        return self._take_transfer_metrics()
+        return self.take_transfer_metrics()
 
     def validate(self, step: int, val_items, pad_id: int):
         self._drain()
@@ -224,7 +224,7 @@ class EngineRanksSource:
             dist.broadcast_object_list(box, src=0)
             result = box[0]
         if isinstance(result, Failure):
-            who = "an engine rank" if result.rank < 0 else f"engine rank {result.rank}"
+            who = "the exchange with the engine ranks" if result.rank < 0 else f"engine rank {result.rank}"
             raise EngineRankError(f"{who} failed ({result.what}); the run stops (rerun to resume from the last "
                                   "checkpoint)")
         return result
@@ -250,7 +250,6 @@ class EngineRanksSource:
         self._drain()
         self._command(Command("weights", version=version))
         buckets = self.actor.export_weights(self.cfg.rollout.bucket_bytes, lend=True)
-        start = time.perf_counter()
         if self.sender is not None:
             def send():
                 try:
@@ -266,11 +265,10 @@ class EngineRanksSource:
                 pass
             stats = self._first(lambda: None, "sending the weights")
         self.engine_version = version
-        self.transfer["time/transfer"] = self.transfer.get("time/transfer", 0.0) + time.perf_counter() - start
         for key, value in (stats or {}).items():
             self.transfer[key] = self.transfer.get(key, 0.0) + float(value)
 
-    def _take_transfer_metrics(self) -> dict[str, float]:
+    def take_transfer_metrics(self) -> dict[str, float]:
         taken, self.transfer = self.transfer, {}
         return taken
 

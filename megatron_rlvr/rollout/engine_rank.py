@@ -57,13 +57,7 @@ def serve(cfg, roles: distributed.Roles) -> None:
                 if failure is not None:
                     raise RuntimeError(failure.what)
                 if command.kind == "weights":
-                    new_version, stream = receiver.receive()
-                    try:
-                        engine.update_weights(stream, lent=True)
-                    finally:
-                        for _ in stream:  # the transfer runs to its end whatever the engine made of it
-                            pass
-                    version = new_version
+                    version = load_weights(engine, receiver)
                     continue
                 if version is None:
                     raise RuntimeError(f"{command.kind!r} before any weights arrived")
@@ -87,6 +81,23 @@ def serve(cfg, roles: distributed.Roles) -> None:
                 distributed.send_object(group, reply, 0)
             if isinstance(reply, Failure):
                 raise RuntimeError(f"engine rank {roles.global_rank} stopped: {reply.what}")
+
+
+def load_weights(engine, receiver) -> int:
+    """Receive one transfer into ``engine``; returns its weight version. The stream is read to its end whatever
+    the engine made of it (the sender waits for every engine rank to finish it).
+
+    Each tensor is copied as it arrives: the receiver's views live only until the next item, while the engine's
+    lent path (``lent=True``) keeps the parts of a packed weight (q/k/v) until the last one arrives, which holds for
+    the bridge's buckets but not for the transfer's messages (with actor PP=2 q and k/v came in different messages
+    and q was overwritten)."""
+    version, stream = receiver.receive()
+    try:
+        engine.update_weights(((name, tensor.clone()) for name, tensor in stream), lent=False)
+    finally:
+        for _ in stream:
+            pass
+    return version
 
 
 def _generate(engine, requests: list[Any], tp: int) -> list[Any]:
