@@ -52,7 +52,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rlvr", "megatron_rlvr.*"]),
     include_package_data=True,
-    package_data={"megatron_rlvr": ["demo/model/*"]},  # the demo's committed tiny HF checkpoint
+    package_data={"megatron_rlvr": ["demo/model/*", "demo/weak_model/*"]},  # the demo's tiny HF checkpoints
     install_requires=[
         "torch>=2.5",
         "megatron-core>=0.16.1",

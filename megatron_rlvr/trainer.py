@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import torch
+
 from megatron_rlvr import checkpoint, distributed
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
 from megatron_rlvr.console import attach_log_file, has_log_file
@@ -114,8 +116,9 @@ def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
     with RewardPool(cfg.reward) as pool:
         # colocated: this rank's engine; separate: the engine ranks, fed with the actor's weights
         source = make_source(cfg, roles, actor, pool, loader, pad_id, start_step=start_step, pending=pending)
+        anchor = _pba_anchor(cfg, source, pool, items, out / "base_evidence.json", start_step) if cfg.algo.pba else None
         history, preempted = _loop(cfg, actor, source, preemption, logger, progress, run_validation, ckpt_root,
-                                   start_step, nonfinite_in_a_row, bool(val_items))
+                                   start_step, nonfinite_in_a_row, bool(val_items), anchor)
         # not after an error: a rank that raised alone must exit (engine ranks see it go and exit too), not wait here
         source.close()
     if t.save_hf and not preempted:
@@ -127,7 +130,8 @@ def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
 
 
 def _loop(cfg: Config, actor, source, preemption: Preemption, logger, progress, run_validation, ckpt_root: Path,
-          start_step: int, nonfinite_in_a_row: int, validating: bool) -> tuple[list[dict[str, float]], bool]:
+          start_step: int, nonfinite_in_a_row: int, validating: bool,
+          anchor=None) -> tuple[list[dict[str, float]], bool]:
     """Steps ``start_step`` .. ``trainer.steps``: experience -> statistics -> update -> weights out -> validation,
     logs, checkpoint. Returns the logged metrics and whether a preemption stopped it."""
     t, history, preempted = cfg.trainer, [], False
@@ -139,10 +143,13 @@ def _loop(cfg: Config, actor, source, preemption: Preemption, logger, progress, 
         timer = Timer()
         with timer("rollout+reward"):
             exp, source_metrics = source.next(step)
+        if anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
+            exp.batch.kl_coef, pba_stats = anchor(exp.items)
+            source_metrics |= pba_stats
         with timer("statistics"):
             if actor.needs_statistics_pass(t.mini_batches_per_step):  # else update() fills batch.old_logp
                 exp.batch.old_logp = actor.compute_old_logp(exp.batch)
-            if cfg.algo.kl_coef > 0:  # the frozen reference's log-probs for the loss's KL term
+            if actor.reference is not None:  # algo.kl_coef > 0, or PBA's anchor: the loss's KL term
                 exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
         with timer("update"):
             update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
@@ -174,6 +181,27 @@ def _loop(cfg: Config, actor, source, preemption: Preemption, logger, progress, 
                       "rerun the same command to resume", flush=True)
             break
     return history, preempted
+
+
+def _pba_anchor(cfg: Config, source, pool, items, path: Path, start_step: int):
+    """PBA: the frozen base's correct counts per training prompt (drawn now, before the first update, or read back
+    from ``path``) and a function from a step's prompts to per-response KL coefficients and the pba/* metrics."""
+    from megatron_rlvr.algos.pba import pba_metrics, sequence_kl_coef
+    from megatron_rlvr.base_evidence import base_evidence
+    from megatron_rlvr.config import ConfigError
+
+    if cfg.rollout.placement != "colocated":
+        raise ConfigError("algo.pba: needs rollout.placement=colocated (the base evidence is drawn by this rank's engine)")
+    if start_step > 0 and not path.is_file():  # the engine now holds trained weights: they are not the base
+        raise ConfigError(f"algo.pba: resuming at step {start_step} but {path} (the base's evidence) is missing; "
+                          "start the run afresh or restore the file")
+    evidence = base_evidence(source.engine, pool, items, cfg, path, run_seed=cfg.trainer.seed)
+
+    def anchor(step_items) -> tuple[torch.Tensor, dict[str, float]]:
+        correct = torch.tensor([evidence[item.id] for item in step_items])
+        return sequence_kl_coef(correct, cfg.rollout.group_size, cfg.algo), pba_metrics(correct, cfg.algo)
+
+    return anchor
 
 
 def _rollout_metrics(exp) -> dict[str, float]:

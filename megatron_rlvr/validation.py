@@ -76,7 +76,7 @@ def validate(
         cfg.rollout, group_size=e.n_samples, temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
         stop=list(e.stop) or list(cfg.rollout.stop),
     )
-    completions = generate(engine, items, rollout_cfg, run_seed=e.seed, step=_VALIDATION_STEP)
+    completions = generate(getattr(engine, "target", engine), items, rollout_cfg, run_seed=e.seed, step=_VALIDATION_STEP)
     rewards, _ = score(pool, items, completions)
     correct = (rewards.view(len(items), e.n_samples) >= 1.0).sum(-1).numpy()
     batch, _ = to_batch(items, completions, torch.zeros(len(rewards)), pad_id)

@@ -375,6 +375,10 @@ def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> d
             tensor_parallel_size=1,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
             enforce_eager=True,
+            # chunked prefill splits a seeded batch over >4096 prompt tokens, which the CPU sampler refuses
+            # ("CPU Generator does not use offset"), e.g. PBA's base draw
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(4096, cfg.max_model_len),
         )
     return kwargs
 
