@@ -97,21 +97,21 @@ def _train_signalled(hf_dir: str, out_dir: str, steps: int, signal_at_step: int)
     """_train, with rank 1 sent SIGTERM in the middle of step ``signal_at_step`` (its rollout)."""
     import torch.distributed as dist
 
-    from megatron_rlvr import trainer
+    from megatron_rlvr import experience_source
     from tests.test_trainer import _train
 
-    real_collect = trainer.collect
+    real_collect = experience_source.collect
 
     def collect(engine, *args, **kwargs):
         if kwargs["step"] + 1 == signal_at_step and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_collect(engine, *args, **kwargs)
 
-    trainer.collect = collect
+    experience_source.collect = collect
     try:
         return _train(hf_dir, out_dir, 2, 1, steps)
     finally:
-        trainer.collect = real_collect
+        experience_source.collect = real_collect
 
 
 @pytest.mark.dist
