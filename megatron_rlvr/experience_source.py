@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr import distributed
+from megatron_rlvr.roles import ROLE_TIMEOUT_S, Roles, broadcast_object, recv_object
 from megatron_rlvr.experience import Experience, collect
 from megatron_rlvr.rollout import EngineDiedError, make_engine
 from megatron_rlvr.validation import validate
@@ -145,7 +146,7 @@ class ColocatedSource:
 class EngineRanksSource:
     """Actor side of separate placement (see the module doc). A collective over the actor ranks at every call."""
 
-    def __init__(self, cfg, roles: distributed.Roles, actor, pool, loader, pad_id: int, *, start_step: int,
+    def __init__(self, cfg, roles: Roles, actor, pool, loader, pad_id: int, *, start_step: int,
                  pending: Rollout | None = None) -> None:
         self.cfg, self.roles, self.actor, self.pool, self.loader = cfg, roles, actor, pool, loader
         self.off_policy = cfg.trainer.off_policy_steps
@@ -154,7 +155,7 @@ class EngineRanksSource:
         if roles.cross is not None:
             from megatron_rlvr.rollout.transfer import WeightSender
 
-            self.sender = WeightSender(roles.cross, timeout_s=distributed.ROLE_TIMEOUT_S)
+            self.sender = WeightSender(roles.cross, timeout_s=ROLE_TIMEOUT_S)
         self.engine_version: int | None = None  # the weight version the engines hold
         self.inflight: int | None = None  # the step the engines are collecting (off_policy_steps 1)
         self.prefetched = pending
@@ -230,10 +231,10 @@ class EngineRanksSource:
         return result
 
     def _command(self, command: Command) -> None:
-        self._first(lambda: distributed.broadcast_object(self.group, command, root=0), f"sending {command.kind!r}")
+        self._first(lambda: broadcast_object(self.group, command, root=0), f"sending {command.kind!r}")
 
     def _receive(self):
-        return self._first(lambda: distributed.recv_object(self.group, 1), "waiting for the engine ranks' reply")
+        return self._first(lambda: recv_object(self.group, 1), "waiting for the engine ranks' reply")
 
     def _drain(self) -> None:
         if self.inflight is not None:

@@ -61,8 +61,10 @@ def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
     t = cfg.trainer
     roles = None
     if cfg.rollout.placement == "separate":  # the last rollout.engine_ranks ranks serve engines from here on
-        roles = distributed.split_roles(cfg.rollout.engine_ranks)
-        distributed.pin_cpu_cores()  # an engine rank and an actor rank on different cores (DESIGN.md)
+        from megatron_rlvr.roles import pin_cpu_cores, split_roles
+
+        roles = split_roles(cfg.rollout.engine_ranks)
+        pin_cpu_cores()  # an engine rank and an actor rank on different cores (DESIGN.md)
         if roles.is_engine:
             from megatron_rlvr.rollout.engine_rank import serve
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rlvr import distributed
+from megatron_rlvr.roles import Roles, broadcast_object, send_object
 
 
-def serve(cfg, roles: distributed.Roles) -> None:
+def serve(cfg, roles: Roles) -> None:
     """Run this engine rank until the actor's "stop" (returns) or a failure (raises)."""
     from transformers import AutoTokenizer
 
@@ -49,7 +49,7 @@ def serve(cfg, roles: distributed.Roles) -> None:
     group = roles.cross_objects
     with RewardPool(cfg.reward) as pool:
         while True:
-            command = distributed.broadcast_object(group, None, root=0)
+            command = broadcast_object(group, None, root=0)
             reply: Any = None
             if command.kind == "stop":
                 return
@@ -78,7 +78,7 @@ def serve(cfg, roles: distributed.Roles) -> None:
                     continue  # the actor learns it with the reply to its next request
                 reply = failure
             if rank == 0:
-                distributed.send_object(group, reply, 0)
+                send_object(group, reply, 0)
             if isinstance(reply, Failure):
                 raise RuntimeError(f"engine rank {roles.global_rank} stopped: {reply.what}")
 

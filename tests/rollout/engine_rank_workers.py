@@ -26,10 +26,11 @@ def separate_sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int
     """Split the world (last rank: the engine), send the actor's weights twice (a change between), and return each
     side's log-probs of ``seqs`` after each transfer."""
     from megatron_rlvr import distributed
+    from megatron_rlvr import roles as roles_mod
     from megatron_rlvr.experience_source import EngineRanksSource
     from megatron_rlvr.rollout import RolloutConfig
 
-    roles = distributed.split_roles(1, timeout_s=300)
+    roles = roles_mod.split_roles(1, timeout_s=300)
     engine = None
     rollout = RolloutConfig(max_model_len=256, kv_cache_memory_bytes=32 << 20, bucket_bytes=bucket_bytes)
     try:
@@ -41,7 +42,7 @@ def separate_sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int
             engine = make_engine(hf_dir, rollout)
             receiver = WeightReceiver(roles.cross, engine_tp=1, engine_tp_rank=0, dims=None, shard=False)
             rounds = []
-            while (command := distributed.broadcast_object(roles.cross_objects)).kind != "stop":
+            while (command := roles_mod.broadcast_object(roles.cross_objects)).kind != "stop":
                 assert command.kind == "weights", command
                 version = load_weights(engine, receiver)
                 rounds.append({"version": version, "logp": [torch.tensor(x) for x in engine.prompt_logprobs(seqs)]})
@@ -67,4 +68,4 @@ def separate_sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int
             engine.close()
         if not roles.is_engine:
             distributed.destroy_model_parallel()
-        distributed.unsplit_roles()
+        roles_mod.unsplit_roles()
