@@ -93,8 +93,12 @@ class MegatronActor:
         self.tcfg = transformer_config_from_hf(
             self.hf, tp=actor_cfg.tp, pp=actor_cfg.pp, vpp=actor_cfg.vpp, params_dtype=dtype,
             sequence_parallel=actor_cfg.sequence_parallel, recompute=actor_cfg.recompute,
-            # micro-batches differ in length (packed streams, token budgets): stages exchange each one's shape
-            variable_seq_lengths=actor_cfg.pp > 1,
+            # micro-batches differ in length (packed streams, token budgets): stages exchange each one's shape. Not
+            # under the interleaved schedule: megatron-core's shape exchange posts its sends to the previous and the
+            # next stage in one order and its receives in that order too, so at PP=2 (both are one rank) the
+            # combined exchanges of the interleaved steady state swap the two shapes. There every packed stream is
+            # padded to one length instead (`_plan`).
+            variable_seq_lengths=actor_cfg.pp > 1 and not actor_cfg.vpp,
         )
         # the schedules call it after the last backward: DP grad reduce(-scatter) and tied-embedding sync over PP
         self.tcfg.finalize_model_grads_func = finalize_model_grads
@@ -177,12 +181,16 @@ class MegatronActor:
         )
         # sequence parallelism splits the stream's tokens over the TP ranks: a multiple of tp
         multiple = self.cfg.tp if self.cfg.sequence_parallel else 1
+        mine = plan[ps.get_data_parallel_rank()]
+        total = None  # the stream's own length, rounded up to the multiple
+        if self.cfg.vpp:  # one shape for every micro-batch (see variable_seq_lengths); the same on every PP stage
+            total = max(-(-sum(lengths[i] for i in rows) // multiple) * multiple for rows in mine)
         micro = []
-        for rows in plan[ps.get_data_parallel_rank()]:
+        for rows in mine:
             seqs = batch.select(torch.tensor(rows))
             packed = None
             if self.cfg.pack_sequences:
-                packed = pack(seqs.tokens, [lengths[i] for i in rows], multiple)
+                packed = pack(seqs.tokens, [lengths[i] for i in rows], multiple, total)
             micro.append(_MicroBatch(seqs, packed))
         return plan, micro
 

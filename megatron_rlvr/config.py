@@ -128,6 +128,10 @@ class Config:
             )
         if a.vpp is not None and a.pp < 2:
             raise ConfigError(f"actor.vpp: virtual pipeline stages need actor.pp >= 2, got pp={a.pp}")
+        if a.vpp is not None and not a.pack_sequences:
+            # the interleaved schedule exchanges one activation shape: packed streams are padded to it, [b, S] blocks
+            # of varying b are not (actor.py, variable_seq_lengths)
+            raise ConfigError("actor.vpp: the interleaved schedule needs actor.pack_sequences=true")
         if a.sequence_parallel and a.tp < 2:
             raise ConfigError("actor.sequence_parallel: needs actor.tp >= 2")
         if model_shape:

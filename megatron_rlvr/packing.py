@@ -123,16 +123,19 @@ class PackedLayout:
         return int(self.tokens.shape[1])
 
 
-def pack(tokens: torch.Tensor, lengths: Sequence[int], multiple: int = 1) -> PackedLayout:
+def pack(tokens: torch.Tensor, lengths: Sequence[int], multiple: int = 1, total: int | None = None) -> PackedLayout:
     """Sequences ``tokens[i, :lengths[i]]`` end to end, padded at the tail to a multiple of ``multiple`` tokens
-    (e.g. the TP size under sequence parallelism). Position t of a sequence predicts its token t + 1."""
+    (e.g. the TP size under sequence parallelism), or to exactly ``total`` tokens when given (one stream shape for
+    every micro-batch). Position t of a sequence predicts its token t + 1."""
     if tokens.dim() != 2 or tokens.shape[0] != len(lengths):
         raise ValueError(f"tokens: expected [{len(lengths)}, S], got shape {tuple(tokens.shape)}")
     if any(n < 1 or n > tokens.shape[1] for n in lengths):
         raise ValueError(f"lengths: expected 1..{tokens.shape[1]} each, got {list(lengths)}")
     lens = torch.tensor(list(lengths), dtype=torch.long)
     real = int(lens.sum())
-    pad = -real % multiple
+    pad = -real % multiple if total is None else total - real
+    if pad < 0 or (real + pad) % multiple:
+        raise ValueError(f"total={total}: expected a multiple of {multiple} of at least the {real} tokens packed")
     segments = lens if not pad else torch.cat([lens, torch.tensor([pad])])
     cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(segments, 0)

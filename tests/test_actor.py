@@ -1,7 +1,8 @@
-"""MegatronActor: the statistics pass and the update give the same numbers at every (TP, PP) layout, and the update
-is exactly the gradient of the whole mini-batch loss whatever the micro-batch size; with algo.kl_coef > 0 the frozen
-reference starts equal to the policy and stays put while the policy trains; PBA builds the reference too, and the
-batch's per-sequence KL coefficient reaches the loss through the micro-batches in place of algo.kl_coef."""
+"""MegatronActor: the statistics pass and the update give the same numbers at every (TP, PP) layout, the interleaved
+schedule (virtual pipeline stages) included, and the update is exactly the gradient of the whole mini-batch loss
+whatever the micro-batch size; with algo.kl_coef > 0 the frozen reference starts equal to the policy and stays put
+while the policy trains; PBA builds the reference too, and the batch's per-sequence KL coefficient reaches the loss
+through the micro-batches in place of algo.kl_coef."""
 
 from __future__ import annotations
 
@@ -25,15 +26,16 @@ def _batch(vocab: int, seed: int = 0):
     return SequenceBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
 
 
-def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: str = "casp"):
+def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: str = "casp", vpp: int | None = None):
     from megatron_rlvr.actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.config import ActorConfig, ModelConfig
     from megatron_rlvr.distributed import model_parallel
 
-    with model_parallel(tp=tp, pp=pp, seed=11):
+    with model_parallel(tp=tp, pp=pp, vpp=vpp, seed=11):
         actor = MegatronActor(
-            ModelConfig(hf_dir=hf_dir), ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=1e-3),
+            ModelConfig(hf_dir=hf_dir),
+            ActorConfig(tp=tp, pp=pp, vpp=vpp, micro_batch_size=micro_batch_size, lr=1e-3),
             AlgoConfig(loss=loss, tau_q=0.5), temperature=0.9, total_steps=2,
         )
         assert actor.reference is None  # no kl_coef: no reference model, no memory spent on one
@@ -78,10 +80,10 @@ def reference(workers2, tiny_qwen):
     return workers2.run(_actor_numbers, tiny_qwen, 1, 1, 1)[0]
 
 
-@pytest.mark.parametrize("tp,pp,mbs", [(2, 1, 2), (1, 2, 1)])
-def test_update_matches_reference_layout(workers2, tiny_qwen, reference, tp, pp, mbs):
+@pytest.mark.parametrize("tp,pp,vpp,mbs", [(2, 1, None, 2), (1, 2, None, 1), (1, 2, 2, 1)])
+def test_update_matches_reference_layout(workers2, tiny_qwen, reference, tp, pp, vpp, mbs):
     ref_old, ref_new, ref_metrics = reference
-    old, new, metrics = workers2.run(_actor_numbers, tiny_qwen, tp, pp, mbs)[0]
+    old, new, metrics = workers2.run(_actor_numbers, tiny_qwen, tp, pp, mbs, vpp=vpp)[0]
     torch.testing.assert_close(old, ref_old, rtol=0, atol=1e-5)
     assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-4)
     assert metrics["actor/loss"] == pytest.approx(ref_metrics["actor/loss"], rel=1e-4, abs=1e-6)

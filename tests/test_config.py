@@ -63,6 +63,8 @@ def test_bad_parallel_sizes_name_the_constraint():
         load_config(None, ["actor.tp=0"]).validate(world_size=1)
     with pytest.raises(ConfigError, match=r"actor\.vpp: virtual pipeline stages need actor\.pp >= 2"):
         load_config(None, ["actor.vpp=2"]).validate(world_size=1)
+    with pytest.raises(ConfigError, match=r"actor\.vpp: the interleaved schedule needs actor\.pack_sequences=true"):
+        load_config(None, ["actor.pp=2", "actor.vpp=2", "actor.pack_sequences=false"]).validate(world_size=2)
 
 
 def test_prompt_plus_answer_must_fit_the_engine_context():

@@ -106,6 +106,17 @@ def test_pack_lays_sequences_end_to_end_and_unpack_puts_values_back():
     assert torch.equal(view.detach(), expected)  # [b, S - 1]: every statistic back at its padded position
 
 
+def test_pack_to_a_fixed_total_pads_the_tail_and_rejects_a_total_too_small():
+    tokens = torch.arange(100, 100 + 3 * 6).view(3, 6)
+    layout = pack(tokens, [4, 1, 6], multiple=2, total=16)  # the interleaved schedule's one stream shape
+    assert layout.cu_seqlens.tolist() == [0, 4, 5, 11, 16] and layout.num_tokens == 16 and layout.real_tokens == 11
+    assert torch.equal(layout.targets[0, :11], pack(tokens, [4, 1, 6]).targets[0])
+    with pytest.raises(ValueError, match="total=10: expected a multiple of 2 of at least the 11 tokens packed"):
+        pack(tokens, [4, 1, 6], multiple=2, total=10)
+    with pytest.raises(ValueError, match="total=13"):
+        pack(tokens, [4, 1, 6], multiple=2, total=13)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The actor: packed against padded
 

@@ -99,6 +99,12 @@ def transformer_config_from_hf(
         kwargs.update(recompute_granularity="selective")
     elif recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if vpp:
+        # The interleaved schedule's steady state sends to the previous and the next stage in one exchange. At PP=2
+        # those are one rank, and megatron-core's batched exchange posts both sends (and both receives) in one fixed
+        # order, so the two are matched crosswise: activations arrive as gradients. Its unbatched exchange orders
+        # them by rank parity and runs one direction on another group (what Megatron-LM's training sets too).
+        kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=True)
     if megatron_overrides.get("variable_seq_lengths"):
         # TransformerConfig rejects its default MoE dispatcher (allgather) with variable lengths even in a dense
         # model, which has no experts to dispatch: name the one it accepts.
