@@ -73,7 +73,8 @@ def generate(
     rollout_dp, rollout_rank = world // cfg.tp, rank // cfg.tp
     mine = list(range(rollout_rank, len(items), rollout_dp))
     sampling = Sampling(
-        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
+        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, min_tokens=cfg.min_new_tokens,
+        stop=list(cfg.stop),
         seed=sampling_seed(run_seed, step, rollout_rank, refill_round), logprobs=True,
     )
     died = ""

@@ -3,10 +3,10 @@
 One run of this tool trains the demo recipe twice on 2 processes (torchrun): actor TP=1 on rank 0, one CPU vLLM
 engine on rank 1 (``rollout.placement=separate rollout.engine_ranks=1``; each rank pinned to its own core), first
 with ``trainer.off_policy_steps=0`` (the engine waits for each update, the actor for each generation), then with 1
-(the engine samples step t+1 while the actor runs update t). To bring generation and the update closer (the ideal
-speedup is 2 when they take the same time) the answers may run past the newline to a larger budget, and the update is
-one mini-batch without the KL term (no statistics or reference pass). The demo model still ends most answers with
-EOS after ~8 tokens (no knob forces longer ones), so here the update stays the longer part (see gen_s, update_s).
+(the engine samples step t+1 while the actor runs update t). The ideal speedup is 2 when generation and the update
+take the same time; the answer length sets that balance. Every answer is exactly ``--max-new-tokens`` long
+(``rollout.min_new_tokens`` = max: the demo model would end most answers with EOS after ~8 tokens), and the update is
+one mini-batch without the KL term (no statistics or reference pass). ``gen_s`` and ``update_s`` show the balance.
 
 A step's time is the trainer's own per-step breakdown summed (rollout wait, statistics, update, weight sync; logging
 and the first steps, which include the engine start, are left out); each figure is the median over the measured
@@ -39,7 +39,8 @@ def _train(out: Path, off_policy: int, args: argparse.Namespace) -> list[dict]:
         f"trainer.steps={args.steps}", f"trainer.output_dir={out}", "trainer.eval_every=0", "trainer.save_hf=false",
         "trainer.tensorboard=false", "checkpoint.save_every=0", "checkpoint.resume=null",
         "rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=1", f"trainer.off_policy_steps={off_policy}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.stop=[]", f"eval.max_new_tokens={args.max_new_tokens}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.min_new_tokens={args.max_new_tokens}",
+        "rollout.stop=[]", f"eval.max_new_tokens={args.max_new_tokens}",
         f"trainer.prompts_per_step={args.prompts}", "algo.rollout_correction=tis", "algo.kl_coef=0",
         "trainer.mini_batches_per_step=1", *args.overrides,
     ]

@@ -17,6 +17,8 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 64
+    # no end (EOS, stop string) before this many tokens: fixes the length of answers for benchmarks (vLLM min_tokens)
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     logprobs: bool = True  # return the sampled token's log-prob per generated token

@@ -19,6 +19,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
+    min_new_tokens: int = 0  # no EOS or stop string before this many tokens (benchmarks: a fixed generation length)
     stop: list[str] = field(default_factory=list)
     tp: int = 1  # engine tensor-parallel size (GPU; a CPU engine is always TP=1)
     max_model_len: int = 2048  # prompt + response tokens the engine accepts per sequence
@@ -48,6 +49,9 @@ class RolloutConfig:
         for key in ("group_size", "max_new_tokens", "tp", "max_model_len", "kv_cache_memory_bytes", "bucket_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key}: expected >= 1, got {getattr(self, key)!r}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"rollout.min_new_tokens: expected 0 .. rollout.max_new_tokens={self.max_new_tokens}, "
+                             f"got {self.min_new_tokens!r}")
         if self.refill_max_rounds < 0:
             raise ValueError(f"rollout.refill_max_rounds: expected >= 0, got {self.refill_max_rounds!r}")
         if self.temperature <= 0:

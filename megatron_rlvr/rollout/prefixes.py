@@ -87,7 +87,8 @@ class PrefixedEngine:
         continued: dict[tuple[int, int], Completion] = {}
         for budget in sorted(by_budget):
             keys = by_budget[budget]
-            call = replace(sampling, max_tokens=budget, seed=derived_seed(sampling.seed, f"continue/{budget}"))
+            call = replace(sampling, max_tokens=budget, seed=derived_seed(sampling.seed, f"continue/{budget}"),
+                           min_tokens=max(0, sampling.min_tokens - (sampling.max_tokens - budget)))
             outs = self.target.generate([list(prompt_token_ids[i]) + prefixes[i, j][0] for i, j in keys], 1, call)
             for key, out in zip(keys, outs):
                 continued[key] = out[0]

@@ -145,6 +145,7 @@ class VLLMEngine:
                 top_p=sampling.top_p,
                 top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
                 max_tokens=sampling.max_tokens,
+                min_tokens=sampling.min_tokens,
                 stop=list(sampling.stop) or None,
                 seed=prompt_seed(sampling.seed, i),
                 logprobs=0 if sampling.logprobs else None,  # 0 = only the sampled token's log-prob

@@ -72,14 +72,14 @@ def _engine(fraction=0.5, cut=(0.2, 0.8)):
     return PrefixedEngine(target, weak, fraction, cut, decode=decode), target, weak
 
 
-def _sampling(seed=7, max_tokens=12, logprobs=True):
-    return Sampling(max_tokens=max_tokens, seed=seed, stop=[";"], logprobs=logprobs)
+def _sampling(seed=7, max_tokens=12, logprobs=True, min_tokens=0):
+    return Sampling(max_tokens=max_tokens, min_tokens=min_tokens, seed=seed, stop=[";"], logprobs=logprobs)
 
 
 def test_prefixed_samples_carry_the_weak_prefix_and_the_targets_continuation():
     engine, target, weak = _engine(fraction=0.5)
     assert isinstance(engine, RolloutEngine)
-    sampling = _sampling()
+    sampling = _sampling(min_tokens=6)
     out = engine.generate(PROMPTS, 4, sampling)
     plain_call, weak_call = target.calls[0], weak.calls[0]
     assert plain_call[1] == 2 and plain_call[2] == sampling  # the plain half: the same call as without prefixes
@@ -100,6 +100,7 @@ def test_prefixed_samples_carry_the_weak_prefix_and_the_targets_continuation():
             # the continuation came from one call on prompt + prefix, with the budget left
             (call,) = [call for call in continuation_calls if PROMPTS[i] + c.token_ids[:p] in call[0]]
             assert call[1] == 1 and call[2].max_tokens == sampling.max_tokens - p
+            assert call[2].min_tokens == max(0, 6 - p)  # prefix + continuation: at least min_tokens in all
             assert len(c.token_ids) <= sampling.max_tokens
             k = call[0].index(PROMPTS[i] + c.token_ids[:p])
             cont = target.generate(call[0], 1, call[2])[k][0]

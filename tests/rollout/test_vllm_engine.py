@@ -137,6 +137,11 @@ def test_max_tokens_and_stop_string_end_generation(qwen):
     greedy = Sampling(temperature=0.0, max_tokens=24, seed=0)
     capped = engine.generate([[9, 8, 7]], 1, Sampling(temperature=0.0, max_tokens=5, seed=0))[0][0]
     assert len(capped.token_ids) == 5 and capped.finish_reason == "length"
+    # min_tokens: no end before it, whatever the model prefers (a stop string on every character, EOS sampled)
+    every = [chr(c) for c in range(32, 127)]
+    early = engine.generate([[9, 8, 7]], 4, Sampling(temperature=1.0, max_tokens=12, seed=0, stop=every))[0]
+    floor = engine.generate([[9, 8, 7]], 4, Sampling(temperature=1.0, max_tokens=12, min_tokens=7, seed=0, stop=every))[0]
+    assert min(len(c.token_ids) for c in early) < 7 <= min(len(c.token_ids) for c in floor)
     for prompt in ([9, 8, 7], [1, 2, 3, 4], [70, 80, 90], [33, 44], [101, 102, 103]):
         full = engine.generate([prompt], 1, greedy)[0][0]
         chars = [(i, ch) for i, ch in enumerate(full.text) if i > 0 and ch.isprintable() and ch.isascii()]

@@ -72,7 +72,8 @@ def test_non_float_and_non_pairs_are_refused(llama_dir, llama_sd):
 
 
 @pytest.mark.parametrize(
-    "key, value", [("tp", 0), ("temperature", 0.0), ("top_p", 1.5), ("sleep_level", 3), ("sync_staging", "lazy")]
+    "key, value",
+    [("tp", 0), ("temperature", 0.0), ("top_p", 1.5), ("sleep_level", 3), ("sync_staging", "lazy"), ("min_new_tokens", 65)],
 )
 def test_rollout_config_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ValueError, match=f"rollout.{key}"):
