@@ -68,9 +68,12 @@ def generate(
     refill_round: int = 0,
 ) -> list[list[Completion]]:
     """Every rank of a rollout group generates its share of the prompts; all ranks get every completion. An engine
-    that died on any rank raises EngineDiedError on every rank."""
+    that died on any rank raises EngineDiedError on every rank. The ranks that drive one engine together are
+    ``rollout.tp`` colocated ranks, or the engine's own ``ranks_per_engine`` (the engine ranks seen from the actor:
+    each actor rank asks for itself)."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    rollout_dp, rollout_rank = world // cfg.tp, rank // cfg.tp
+    tp = getattr(engine, "ranks_per_engine", cfg.tp)
+    rollout_dp, rollout_rank = world // tp, rank // tp
     mine = list(range(rollout_rank, len(items), rollout_dp))
     sampling = Sampling(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, min_tokens=cfg.min_new_tokens,
@@ -84,7 +87,7 @@ def generate(
         produced, died = [], f"rank {rank}: {e}"
     shares: list[Any] = [None] * world
     if world > 1:
-        dist.all_gather_object(shares, (mine, produced, died) if rank % cfg.tp == 0 else ([], [], died))
+        dist.all_gather_object(shares, (mine, produced, died) if rank % tp == 0 else ([], [], died))
     else:
         shares = [(mine, produced, died)]
     deaths = [d for _, _, d in shares if d]

@@ -282,7 +282,11 @@ class EngineRanksSource:
 
 class RemoteEngine:
     """The engine ranks behind the `RolloutEngine` protocol on the actor ranks, for validation (`generate` only):
-    each actor rank's request, with its own sampling seed, is answered as that rank's own engine would."""
+    each actor rank's request, with its own sampling seed, is answered as that rank's own engine would. The engine
+    ranks sample the target model itself (no outer prefixes): these requests are validation and PBA's base evidence.
+    """
+
+    ranks_per_engine = 1  # experience.generate: every actor rank asks on its own, whatever rollout.tp is
 
     def __init__(self, source: EngineRanksSource) -> None:
         self.source = source

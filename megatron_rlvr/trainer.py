@@ -192,11 +192,10 @@ def _pba_anchor(cfg: Config, source, pool, items, path: Path, start_step: int):
     from megatron_rlvr.base_evidence import base_evidence
     from megatron_rlvr.config import ConfigError
 
-    if cfg.rollout.placement != "colocated":
-        raise ConfigError("algo.pba: needs rollout.placement=colocated (the base evidence is drawn by this rank's engine)")
     if start_step > 0 and not path.is_file():  # the engine now holds trained weights: they are not the base
         raise ConfigError(f"algo.pba: resuming at step {start_step} but {path} (the base's evidence) is missing; "
                           "start the run afresh or restore the file")
+    # colocated: this rank's engine; separate: the engine ranks, which hold the initial weights (version 0) here
     evidence = base_evidence(source.engine, pool, items, cfg, path, run_seed=cfg.trainer.seed)
 
     def anchor(step_items) -> tuple[torch.Tensor, dict[str, float]]:

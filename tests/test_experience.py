@@ -219,3 +219,15 @@ def test_prefix_tokens_are_context_not_trained_and_counted():
     assert exp.metrics["reward/mean_prefixed"] == pytest.approx(1.0)  # sample 0 of a MIXED prompt says "yes"
     plain = _collect(PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False), _cfg(drop=False))
     assert plain.metrics["rollout/prefix_frac"] == 0.0 and "reward/mean_prefixed" not in plain.metrics
+
+
+def test_an_engine_served_elsewhere_takes_each_ranks_request_whatever_rollout_tp_is():
+    from megatron_rlvr.experience import generate
+
+    class Remote(ScriptedEngine):
+        ranks_per_engine = 1  # like experience_source.RemoteEngine
+
+    items, cfg = _items([SOLVED, MIXED, FAILED]), RolloutConfig(group_size=G, max_new_tokens=5, tp=2)
+    engine = Remote()
+    out = generate(engine, items, cfg, run_seed=11, step=0)  # one rank, rollout.tp=2: no colocated TP group
+    assert [len(group) for group in out] == [G] * 3 and engine.calls[0][0] == 3

@@ -84,6 +84,30 @@ def test_demo_trains_one_step_off_on_an_engine_rank(tmp_path):
 @pytest.mark.dist
 @pytest.mark.engine
 @pytest.mark.slow
+def test_pba_outer_prefixes_and_validation_compose_with_engine_ranks(tmp_path):
+    out = tmp_path / "run"
+    proc = _torchrun(out, 2, ["algo.pba=true", "algo.pba_base_samples=2", "algo.kl_coef=0",
+                              "rollout.prefix_model=megatron_rlvr/demo/weak_model", "rollout.prefix_fraction=0.25",
+                              "trainer.eval_every=2", "algo.rollout_correction=tis"])
+    try:
+        assert proc.wait(timeout=900) == 0, out.with_suffix(".log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # the base's evidence came from the engine ranks before the first update: every training prompt, M = 2 each
+    counts = json.loads((out / "base_evidence.json").read_text())["counts"]
+    assert len(counts) > 100 and set(counts.values()) <= {0, 1, 2} and 0 < sum(counts.values())
+    rows = _logged(out)
+    assert [r["step"] for r in rows if "loss/pg_loss" in r] == [1, 2]
+    trained = [r for r in rows if "loss/pg_loss" in r]
+    assert all(0 < r["pba/anchored_frac"] <= 1 for r in trained)
+    assert all(r["rollout/prefix_frac"] == pytest.approx(0.25) for r in trained)  # 2 of each group of 8
+    assert [r["step"] for r in rows if "val/pass@1" in r] == [0, 2]  # validation through the engine ranks
+
+
+@pytest.mark.dist
+@pytest.mark.engine
+@pytest.mark.slow
 def test_a_killed_engine_rank_stops_the_run_within_the_timeout(tmp_path):
     import psutil
 

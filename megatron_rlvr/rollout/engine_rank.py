@@ -7,7 +7,8 @@ and per command (experience_source.py describes the protocol):
 - "collect": one whole step of experience (`experience.collect`: generate, score, dynamic-sampling refill) from the
   prompt-stream state the command carries; engine rank 0 replies with it, the stream's state after the draws and
   the weight version that sampled it. The engine ranks split the prompts as the colocated ranks do (rollout DP).
-- "generate": the actor ranks' validation requests, each with its own sampling, answered in order.
+- "generate": the actor ranks' requests (validation, PBA's base evidence), each with its own sampling, answered in
+  order by the target model alone: outer prefixes are for training samples only.
 A failure is replied as a `Failure` naming this rank (a failed weight load, at the next request that has a reply),
 and the rank then exits. An actor that dies or goes silent makes the next cross-group call raise here: the rank
 exits too, so nothing waits on a dead peer.
@@ -68,7 +69,7 @@ def serve(cfg, roles: Roles) -> None:
                                   step=command.step)
                     reply = Rollout(command.step, version, loader.state_dict(), exp, time.perf_counter() - started)
                 elif command.kind == "generate":
-                    reply = _generate(engine, command.requests, tp)
+                    reply = _generate(getattr(engine, "target", engine), command.requests, tp)
                 else:
                     raise RuntimeError(f"unknown command {command.kind!r}")
             except Exception as e:  # noqa: BLE001 - reported to the actor, then this rank exits
