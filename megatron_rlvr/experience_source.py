@@ -136,7 +136,10 @@ class ColocatedSource:
         return None
 
     def close(self) -> None:
-        pass
+        # now, not from __del__ at interpreter exit, when vLLM's shutdown finds its modules torn down
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ exits too, so nothing waits on a dead peer.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any
@@ -48,7 +49,7 @@ def serve(cfg, roles: Roles) -> None:
     version: int | None = None
     failure: Failure | None = None
     group = roles.cross_objects
-    with RewardPool(cfg.reward) as pool:
+    with RewardPool(cfg.reward) as pool, contextlib.closing(engine):
         while True:
             command = broadcast_object(group, None, root=0)
             reply: Any = None
