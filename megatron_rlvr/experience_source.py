@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr import distributed
-from megatron_rlvr.roles import ROLE_TIMEOUT_S, Roles, broadcast_object, recv_object
 from megatron_rlvr.experience import Experience, collect
+from megatron_rlvr.roles import ROLE_TIMEOUT_S, Roles, broadcast_object, recv_object
 from megatron_rlvr.rollout import EngineDiedError, make_engine
 from megatron_rlvr.validation import validate
 
