@@ -70,7 +70,7 @@ def serve(cfg, roles: Roles) -> None:
                                   step=command.step)
                     reply = Rollout(command.step, version, loader.state_dict(), exp, time.perf_counter() - started)
                 elif command.kind == "generate":
-                    reply = _generate(getattr(engine, "target", engine), command.requests, tp)
+                    reply = answer(engine, command.requests, tp)
                 else:
                     raise RuntimeError(f"unknown command {command.kind!r}")
             except Exception as e:  # noqa: BLE001 - reported to the actor, then this rank exits
@@ -102,9 +102,12 @@ def load_weights(engine, receiver) -> int:
     return version
 
 
-def _generate(engine, requests: list[Any], tp: int) -> list[Any]:
-    """Each request (prompt ids, n, sampling) answered in order; the engine ranks' rollout-DP groups share them."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def answer(engine, requests: list[Any], tp: int) -> list[Any]:
+    """The actor's requests (prompt ids, n, sampling), each answered in order by the target model (never with outer
+    prefixes: validation and base evidence measure the model itself); the engine ranks' rollout-DP groups share
+    them."""
+    engine = getattr(engine, "target", engine)  # a PrefixedEngine's own model
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     dp, dp_rank = world // tp, rank // tp
     mine = [(i, engine.generate(prompts, n, sampling) if prompts else [])
             for i, (prompts, n, sampling) in enumerate(requests) if i % dp == dp_rank]

@@ -203,6 +203,16 @@ def test_weights_and_sleep_go_to_the_target_only():
     assert engine.alive
 
 
+def test_engine_ranks_answer_the_actors_requests_with_the_target_alone():
+    from megatron_rlvr.rollout.engine_rank import answer
+
+    engine, target, weak = _engine(fraction=1.0)
+    requests = [(PROMPTS[:2], 3, _sampling(seed=1)), ([], 2, _sampling(seed=2)), (PROMPTS[2:], 1, _sampling(seed=3))]
+    answers = answer(engine, requests, tp=1)  # validation, PBA's base evidence: the model itself, no prefixes
+    assert weak.calls == [] and all(c.prefix_len == 0 for a in answers for group in a for c in group)
+    assert answers == [target.generate(p, n, s) if p else [] for p, n, s in requests]
+
+
 DEMO = Path(__file__).resolve().parents[2] / "megatron_rlvr" / "demo"
 
 
