@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.experience import generate, score
-from megatron_rlvr.rollout.prefixes import PrefixedEngine
+from megatron_rlvr.rollout.prefixes import without_prefixes
 
 if TYPE_CHECKING:
     from megatron_rlvr.config import Config
@@ -56,8 +56,7 @@ def base_evidence(engine: "RolloutEngine", pool, items: list["PromptItem"], cfg:
     ids = list(dict.fromkeys(item.id for item in items))  # first occurrence: the chunks' fixed layout
     if all(i in counts for i in ids):
         return {i: counts[i] for i in ids}
-    if isinstance(engine, PrefixedEngine):
-        engine = engine.target
+    engine = without_prefixes(engine)
     first = {}
     for item in items:
         first.setdefault(item.id, item)

@@ -136,10 +136,7 @@ class ColocatedSource:
         return None
 
     def close(self) -> None:
-        # now, not from __del__ at interpreter exit, when vLLM's shutdown finds its modules torn down
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()  # now, not from __del__ at interpreter exit, when vLLM's shutdown finds its modules gone
 
 
 # ---------------------------------------------------------------------------------------------------------------

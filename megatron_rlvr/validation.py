@@ -19,6 +19,7 @@ from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem, Row, items_from_rows, load_items
 from megatron_rlvr.eval.passk import pass_at_k
 from megatron_rlvr.experience import generate, score, to_batch
+from megatron_rlvr.rollout.prefixes import without_prefixes
 
 # Training rollouts use sampling_seed(run seed, step >= 0, rank): a negative step keeps validation seeds apart.
 _VALIDATION_STEP = -1
@@ -76,7 +77,7 @@ def validate(
         cfg.rollout, group_size=e.n_samples, temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
         stop=list(e.stop) or list(cfg.rollout.stop),
     )
-    completions = generate(getattr(engine, "target", engine), items, rollout_cfg, run_seed=e.seed, step=_VALIDATION_STEP)
+    completions = generate(without_prefixes(engine), items, rollout_cfg, run_seed=e.seed, step=_VALIDATION_STEP)
     rewards, _ = score(pool, items, completions)
     correct = (rewards.view(len(items), e.n_samples) >= 1.0).sum(-1).numpy()
     batch, _ = to_batch(items, completions, torch.zeros(len(rewards)), pad_id)

@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_rlvr.roles import Roles, broadcast_object, send_object
+from megatron_rlvr.rollout.prefixes import without_prefixes
 
 
 def serve(cfg, roles: Roles) -> None:
@@ -106,7 +107,7 @@ def answer(engine, requests: list[Any], tp: int) -> list[Any]:
     """The actor's requests (prompt ids, n, sampling), each answered in order by the target model (never with outer
     prefixes: validation and base evidence measure the model itself); the engine ranks' rollout-DP groups share
     them."""
-    engine = getattr(engine, "target", engine)  # a PrefixedEngine's own model
+    engine = without_prefixes(engine)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     dp, dp_rank = world // tp, rank // tp
     mine = [(i, engine.generate(prompts, n, sampling) if prompts else [])

@@ -20,7 +20,8 @@ The result carries ``token_ids = prefix + continuation``, ``logprobs`` likewise 
 ``text = decode(prefix) + continuation text``, the continuation's ``finish_reason`` and ``prefix_len = p``; the
 prefixed samples come last in their group. The prefix is context: experience.to_batch masks it out of the loss.
 
-Weights, sleep and wake go to the target only: the weak model is frozen.
+Weights, sleep and wake go to the target only: the weak model is frozen. `without_prefixes(engine)` is the target
+alone, for what measures the model itself (validation, PBA's base evidence).
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ class PrefixedEngine:
             close = getattr(engine, "close", None)
             if close is not None:
                 close()
+
+
+def without_prefixes(engine: RolloutEngine) -> RolloutEngine:
+    """The engine that samples the model itself: a PrefixedEngine's target, any other engine as it is. Validation,
+    PBA's base evidence and the engine ranks' answers to the actor go through it; prefixes are for training only."""
+    return engine.target if isinstance(engine, PrefixedEngine) else engine
 
 
 def check_same_tokenizer(model_dir: str | Path, prefix_model: str | Path) -> Any:
