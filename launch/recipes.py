@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch.executors import REPO_ROOT  # noqa: F401 - the launch tests' name
-from megatron_rlvr.config import Config, ConfigError, dump_config, load_config
+from megatron_rlvr.config import Config, dump_config, load_config
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.plan.recipe_files import (  # noqa: F401 - the launchers' and the recipe tests' names
     CONFIGS_DIR,
     MODEL_CONFIGS_DIR,

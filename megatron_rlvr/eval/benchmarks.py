@@ -188,7 +188,7 @@ def _humanevalplus_row(row: Row, i: int, bench: str) -> Problem:
 
 
 def _countdown_row(row: Row, i: int, bench: str) -> Problem:
-    from megatron_rlvr.demo.task import format_prompt
+    from megatron_rlvr.tasks.countdown import format_prompt
 
     numbers, target = row.get("numbers"), row.get("target")
     if not isinstance(numbers, list) or not all(isinstance(x, int) for x in numbers) or not isinstance(target, int):

@@ -108,7 +108,7 @@ def evaluate(
     problems = [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
     rank, world = _join_world()
     out = Path(cfg.output_dir)
-    from megatron_rlvr.console import attach_log_file, has_log_file
+    from megatron_rlvr.runtime.console import attach_log_file, has_log_file
 
     if not has_log_file():  # the demo has its own; `eval` alone: <out>/logs/eval.log takes vLLM's INFO lines
         attach_log_file(out, "eval")
@@ -124,9 +124,7 @@ def evaluate(
                                     model=str(Path(model).resolve()), rank=rank, world=world, tp=tp)
                 runner.run(problems)
             finally:
-                close = getattr(engine, "close", None)
-                if callable(close):
-                    close()
+                engine.close()
             log.info("%s: %d requests, %d samples drawn, reward counters %s", tag, runner.requests_drawn,
                      runner.samples_drawn, dict(runner.reward_counters))
             if rank == 0:
@@ -142,7 +140,7 @@ def _join_world() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
-    from megatron_rlvr.distributed import init_process_group, rank
+    from megatron_rlvr.runtime.distributed import init_process_group, rank
 
     init_process_group()
     return rank(), world
@@ -189,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_rlvr.console import report_user_error, setup_console
+    from megatron_rlvr.runtime.console import report_user_error, setup_console
 
     args = build_parser().parse_args(argv)
     setup_console()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.scoring import IN_PROCESS_TASKS, check_reference, code_limits, score
 
@@ -41,7 +42,6 @@ def check_memory_fits(cfg: RewardConfig) -> None:
     """ConfigError naming the keys when ``workers`` sandboxes at their full budgets exceed the available memory."""
     import psutil
 
-    from megatron_rlvr.config import ConfigError  # here, not at the top: megatron_rlvr.config imports this package
 
     per_program = cfg.code_memory_mb + cfg.code_tmpfs_mb
     memory = psutil.virtual_memory()
@@ -57,7 +57,7 @@ def check_memory_fits(cfg: RewardConfig) -> None:
 
 def _worker_main(conn: Connection, cfg: RewardConfig, extra_scorers: Mapping[str, Callable] | None) -> None:
     # Slurm's warning signal (USR1) goes to every process of the job step; a verifier dying of it mid-item would
-    # score that item 0. The trainer's ranks handle it (preemption.py); the workers ignore it.
+    # score that item 0. The trainer's ranks handle it (runtime/preemption.py); the workers ignore it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if cfg.worker_memory_mb > 0:
         import resource

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from launch.recipes import CONFIGS_DIR, MODEL_CONFIGS_DIR, find_recipe, load_and_validate, load_hf_config, recipe_names
-from megatron_rlvr.config import ConfigError
+from megatron_rlvr.errors import ConfigError
 
 CPU_RECIPES = {"demo_cpu", "demo_cpu_grpo", "eval_cpu"}
 PAPER_RECIPES = sorted(set(recipe_names()) - CPU_RECIPES)
@@ -126,7 +126,7 @@ def _meta_parameter_counts(models: list[str]) -> dict[str, int]:
     """Runs on a 1-process gloo worker: build each model on the meta device and count its parameters."""
     import torch
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
 
     counts = {}
@@ -142,7 +142,7 @@ def _meta_parameter_counts(models: list[str]) -> dict[str, int]:
 
 
 def test_megatron_model_on_meta_device_matches_the_published_size():
-    from megatron_rlvr.testing import WorkerGroup
+    from megatron_rlvr.testing.workers import WorkerGroup
 
     with WorkerGroup(1, timeout_s=600) as group:
         (counts,) = group.run(_meta_parameter_counts, sorted(KNOWN_SIZES))

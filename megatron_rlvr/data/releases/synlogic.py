@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from megatron_rlvr.data.releases import Options, Prepared, Release, Skip, chat_text, first
+from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, chat_text, first
 
 
 def _answer(record: dict) -> object:
