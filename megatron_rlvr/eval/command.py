@@ -62,7 +62,7 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         )
         if kv_cache_memory_bytes:
             rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
-        return VLLMEngine(model_dir, rollout, seed=cfg.seed)
+        return VLLMEngine(model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype)
 
     return build
 
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=d.output_dir, help="output directory (rerun with the same one to resume)")
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--top-p", type=float, default=d.top_p)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype,
+                        help="the engines' weights and compute (bfloat16 on GPUs)")
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -181,7 +183,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
         n_samples=args.n, chunk=min(args.chunk, args.n), temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, stop=list(args.stop), seed=args.seed, benchmarks=benchmarks,
         data_dir=args.data_dir, output_dir=args.out, limit=args.limit, chat_template=args.chat_template,
-        save_text=not args.no_text, request_samples=args.request_samples,
+        save_text=not args.no_text, request_samples=args.request_samples, dtype=args.dtype,
     )
     return cfg, RewardConfig(workers=args.workers)
 
