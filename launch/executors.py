@@ -103,7 +103,7 @@ class LaunchOptions:
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by train/eval/convert. Slurm ones default to environment variables (see README)."""
+    """Options shared by train/eval/convert. Slurm ones default to environment variables (docs/cluster.md)."""
     env = os.environ.get
     g = parser.add_argument_group("where it runs")
     g.add_argument("--executor", choices=EXECUTORS, default=env("MEGATRON_RLVR_EXECUTOR", "local"))

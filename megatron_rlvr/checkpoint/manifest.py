@@ -7,7 +7,7 @@ torch.distributed is initialized (the files are split over the ranks, each rank 
 functions otherwise (`megatron-rlvr ckpt verify`).
 
 CRC-32 (zlib, in the standard library) detects truncation and flipped bits, which is what a checksum here is for
-(not tampering); it was the fastest of the standard library's choices on this machine (see the README's figure).
+(not tampering); it was the fastest of the standard library's choices on this machine.
 A checkpoint written before manifests existed has none: it is accepted with a warning, unverified.
 """
 

@@ -3,7 +3,7 @@
 Nothing is downloaded. Each benchmark is looked up under ``data_dir`` by the file names in its `BenchmarkSpec`
 (``<name>.jsonl`` or ``<name>.parquet``); field names follow each benchmark's public release, with the alternates
 listed. A missing file or field is an error naming the file (and row) and the expected layout. `LAYOUTS` renders
-the table the README documents.
+the table docs/evaluation.md documents ("Benchmark files").
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def load_benchmark(name: str, data_dir: str | Path, limit: int | None = None) ->
 
 
 def layouts_markdown() -> str:
-    """The README table of file names and field layouts."""
+    """The table of file names and field layouts (docs/evaluation.md, "Benchmark files")."""
     lines = ["| benchmark | file under --data-dir (.jsonl or .parquet) | fields |", "|---|---|---|"]
     for name, spec in BENCHMARKS.items():
         files = " or ".join(f"`{s}`" for s in spec.files) + (" or `bbh/<task>.jsonl`" if spec.per_task_dir else "")

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlvr eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", required=True, help="HF model directories (several: one comparison table)")
     parser.add_argument("--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)")
-    parser.add_argument("--data-dir", default=d.data_dir, help="local benchmark files (see the README's layouts)")
+    parser.add_argument("--data-dir", default=d.data_dir, help="local benchmark files (docs/evaluation.md, 'Benchmark files')")
     parser.add_argument("--n", type=int, default=d.n_samples, help="samples per problem (up to 1024 and beyond)")
     parser.add_argument("--chunk", type=int, default=d.chunk, help="samples per problem in one request (unit of seeding and resume)")
     parser.add_argument("--request-samples", type=int, default=d.request_samples,

@@ -71,7 +71,7 @@ def test_recipe_loads_and_validates_at_its_documented_world_size(name):
 def test_casp_recipes_use_the_papers_candidate_count(name):
     _, cfg = load_and_validate(name, [], world_size=None)
     assert cfg.algo.loss == "casp" and cfg.algo.top_n == 3 and cfg.algo.apply_to == "both"
-    if name != "demo_cpu":  # the demo's alpha (0.2) is ours, chosen on held-out prompts (README, "What the demo shows")
+    if name != "demo_cpu":  # the demo's alpha (0.2) is ours, chosen on held-out prompts (docs/demo.md)
         assert 0 < cfg.algo.alpha <= 0.1, "inside the paper's alpha sweep"
     assert cfg.algo.alpha > 0
 

@@ -3,7 +3,7 @@
 Parameter counts per rank of the paper models (the meta-device build of the recipe tests) at TP/PP 1 and 2, and the
 measured bytes of weights, DDP's grad buffer, optimizer state and the frozen reference of a real MegatronActor after
 one update at (TP, PP) = (1, 1), (2, 1), (1, 2), with and without the distributed optimizer and the reference.
-The update's peak memory is compared by tools/measure_memory.py (README), not here: it needs a bigger model to rise
+The update's peak memory is compared by tools/measure_memory.py (docs/plan.md), not here: it needs a bigger model to rise
 above allocator noise."""
 
 from __future__ import annotations
