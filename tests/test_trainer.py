@@ -155,16 +155,16 @@ def _failing_checkpoint(hf_dir: str, out_dir: str):
     """Train 2 steps saving every step, with the disk 'full' on the second save."""
     import errno
 
-    from megatron.core import dist_checkpointing
+    from pathlib import Path
 
-    from megatron_rlvr import checkpoint
+    from megatron.core import dist_checkpointing
 
     real_save, calls = dist_checkpointing.save, []
 
     def save(sharded_state_dict, ckpt_dir, *args, **kwargs):
         calls.append(ckpt_dir)
         if len(calls) == 2:
-            (checkpoint.Path(ckpt_dir) / "partial.distcp").write_bytes(b"\0" * 16)
+            (Path(ckpt_dir) / "partial.distcp").write_bytes(b"\0" * 16)
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(sharded_state_dict, ckpt_dir, *args, **kwargs)
 

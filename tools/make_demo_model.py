@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlvr.demo import task
+from megatron_rlvr.tasks import countdown as task
 from megatron_rlvr.demo.sampling import measure_pass_at_k
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
