@@ -30,11 +30,15 @@ def dataset_name(task: str) -> str | None:
     return task[len(TASK_PREFIX):] if task.startswith(TASK_PREFIX) else None
 
 
-@lru_cache(maxsize=None)
+_found = False  # set once the package was found: routing checks every row
+
+
 def require_reasoning_gym(why: str = "") -> None:
     """ReasoningGymMissing (one line, how to install) unless the package can be imported; cheap: no import."""
-    if importlib.util.find_spec("reasoning_gym") is None:
+    global _found
+    if not _found and importlib.util.find_spec("reasoning_gym") is None:
         raise ReasoningGymMissing(f"reasoning-gym is not installed{' (' + why + ')' if why else ''}; {INSTALL_HINT}")
+    _found = True
 
 
 def check_reference(task: str, reference: Any) -> None:
