@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("reasoning-gym (generated: no --src)")
     g.add_argument("--tasks", default=None, help="reasoning-gym dataset names, comma-separated")
     g.add_argument("--size", type=int, default=None, help="rows per task")
-    g.add_argument("--seed", type=int, default=None, help="the generators' seed (the same seed, the same rows)")
+    g.add_argument("--seed", type=int, default=None, help="the generators' seed (the same seed, the same rows; most "
+                   "tasks draw entry i from seed + i, so sets meant to be disjoint need seeds --size apart)")
     g.add_argument("--config", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="a field of task NAME's reasoning-gym config (repeatable)")
     return parser

@@ -99,3 +99,26 @@ def test_a_file_that_fails_to_import_and_a_taken_task_name_are_errors_naming_the
         load_config(None, [f"reward.plugins.math={HELPERS}:exact_word"])
     with pytest.raises(ConfigError, match=r"reward\.plugins\.reasoning_gym:leg_counting: .*reasoning-gym"):
         load_config(None, [f"reward.plugins.reasoning_gym:leg_counting={HELPERS}:exact_word"])
+
+
+def test_the_docs_worked_example(tmp_path, monkeypatch):
+    """docs/rewards.md's plugin, its row and its config, as written there."""
+    import json
+    import re
+    from pathlib import Path
+
+    from megatron_rlvr.rewards.verifiers import VerifierTable
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
+    section = doc[doc.index("### A worked example"):]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    row = json.loads(re.search(r"```json\n(.*?)```", section, re.DOTALL).group(1))
+    (tmp_path / "my_verifiers.py").write_text(code)
+    monkeypatch.chdir(tmp_path)  # the docs' spec is relative to the working directory
+    cfg = load_config(None, ["reward.plugins.unordered_list=my_verifiers.py:same_items"])
+    table = VerifierTable(cfg.reward)
+    route = table.route(row["task"], row["answer"])
+    assert route == "plugin:unordered_list" and not table.in_process(route)
+    responses = ["<answer>Blue, red, green</answer>", "<answer>red, green</answer>", "Blue, red, green"]
+    assert [table.score(route, row["task"], r, row["answer"]) for r in responses] == [1.0, 0.0, 0.0]
+    assert table.score("logic", "logic", responses[0], row["answer"]) == 0.0  # the string matcher's verdict

@@ -3,6 +3,8 @@
 
 Each task NAME is reasoning-gym's dataset of that name, made with ``create_dataset(NAME, size=N, seed=S, **config)``
 (``--config NAME.KEY=VALUE`` sets a field of its config): N entries, a pure function of the seed and the config.
+Most datasets draw entry i from ``Random(seed + i)``: seeds S and S + 1 share all entries but one, so sets meant
+to be disjoint (train and eval) need seeds at least N apart.
 Each entry becomes the row ``{"id": "reasoning_gym-NAME-S-<index>", "problem": <question>, "answer": {"answer":
 <gold or null>, "metadata": {...}, <any other field of the entry>}, "task": "reasoning_gym:NAME", "source":
 "reasoning-gym"}``; the question gets an instruction to answer between ``<answer>`` tags unless --no-instruction.
