@@ -1,4 +1,5 @@
-"""One entry for every verifier: `score(task, response, reference)` dispatching on the task type.
+"""One entry for the built-in verifiers: `score(task, response, reference)` dispatching on the task type (which
+verifier scores a row, plugins, SynLogic and reasoning-gym included, is `verifiers.py`'s decision).
 
 Tasks and their references: ``"math"`` — the gold answer string; ``"code"`` — a dict with ``tests`` or ``io`` (see
 `code.py`); ``"logic"`` — the gold answer string; ``"countdown"`` — ``{"numbers": [ints], "target": int}``.
