@@ -48,13 +48,13 @@ H200_ENV = {
 }
 
 
-# Training stops cleanly on this signal (megatron_rlvr/preemption.py): Slurm sends it to every process of the job
+# Training stops cleanly on this signal (megatron_rlvr/runtime/preemption.py): Slurm sends it to every process of the job
 # step this many seconds before the time limit; the run finishes its step, writes a checkpoint and exits.
 DEFAULT_SIGNAL = "USR1@300"
 # torchrun's own list (its default) plus the warning signal: it forwards them to the ranks instead of dying of one.
 _TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _SIGNAL_RE = re.compile(r"(?:SIG)?([A-Z0-9]+)@(\d+)")
-_STOP_SIGNALS = ("USR1", "TERM")  # the ones megatron_rlvr.preemption handles
+_STOP_SIGNALS = ("USR1", "TERM")  # the ones megatron_rlvr.runtime.preemption handles
 
 
 class LaunchError(ValueError):
@@ -103,7 +103,7 @@ class LaunchOptions:
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by train/eval/convert. Slurm ones default to environment variables (see README)."""
+    """Options shared by train/eval/convert. Slurm ones default to environment variables (docs/cluster.md)."""
     env = os.environ.get
     g = parser.add_argument_group("where it runs")
     g.add_argument("--executor", choices=EXECUTORS, default=env("MEGATRON_RLVR_EXECUTOR", "local"))
@@ -371,7 +371,7 @@ def run_task(
     # the git packager archives the repository of the current directory, and local ranks start here too
     os.chdir(REPO_ROOT)
     ship = dict(ship or {})
-    # only `megatron-rlvr train` stops cleanly on the warning signal (megatron_rlvr/preemption.py)
+    # only `megatron-rlvr train` stops cleanly on the warning signal (megatron_rlvr/runtime/preemption.py)
     executor = make_executor(opts, run, launcher, preemptible=module == CLI_MODULE and cli_args[:1] == ["train"])
     if opts.executor == "local":
         paths = _ship_locally(ship, name) if ship else {}

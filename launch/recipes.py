@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch.executors import REPO_ROOT  # noqa: F401 - the launch tests' name
-from megatron_rlvr.config import Config, ConfigError, dump_config, load_config
+from megatron_rlvr.config import Config, dump_config, load_config
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.plan.recipe_files import (  # noqa: F401 - the launchers' and the recipe tests' names
     CONFIGS_DIR,
     MODEL_CONFIGS_DIR,
@@ -86,7 +87,8 @@ def eval_cli_args(cfg: Config) -> list[str]:
         raise ConfigError("eval.benchmarks: empty; name at least one benchmark, e.g. eval.benchmarks=[math500]")
     args = ["eval", "--model", cfg.model.hf_dir, "--benchmarks", *e.benchmarks, "--data-dir", e.data_dir,
             "--n", str(e.n_samples), "--chunk", str(e.chunk), "--out", e.output_dir,
-            "--temperature", str(e.temperature), "--top-p", str(e.top_p), "--max-new-tokens", str(e.max_new_tokens),
+            "--temperature", str(e.temperature), "--top-p", str(e.top_p), "--dtype", e.dtype,
+            "--max-new-tokens", str(e.max_new_tokens),
             "--seed", str(e.seed), "--limit", str(e.limit), "--max-model-len", str(cfg.rollout.max_model_len),
             "--tp", str(cfg.rollout.tp), "--workers", str(cfg.reward.workers)]
     if e.stop:

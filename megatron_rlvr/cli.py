@@ -5,7 +5,7 @@ component never breaks the others' commands.
 
 Global flags, before the command: ``--debug`` (tracebacks for user errors; also MEGATRON_RLVR_DEBUG=1) and
 ``--verbose`` (vLLM / megatron-core INFO and WARNING lines on the console; also MEGATRON_RLVR_VERBOSE=1). A
-`UserError` raised anywhere in a command prints one line ``error: ...`` and exits 2 (see console.py).
+`UserError` raised anywhere in a command prints one line ``error: ...`` and exits 2 (see runtime/console.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "toy-tree": ("megatron_rlvr.algos.toy_tree", "main", "the didactic tree MDP: GRPO vs entropy bonus vs CaSP (fixed and adaptive candidates)"),
     "plan": ("megatron_rlvr.plan.command", "main", "per-GPU memory of a recipe's layout, before it is queued"),
     "data": ("megatron_rlvr.data.prepare", "main", "data prepare NAME: training sets from the public releases"),
-    "ckpt": ("megatron_rlvr.checkpoint", "main", "ckpt verify DIR: check a checkpoint's recorded checksums"),
+    "ckpt": ("megatron_rlvr.checkpoint.command", "main", "ckpt verify DIR: check a checkpoint's recorded checksums"),
 }
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     args = parser.parse_args(flags + argv[:1])
-    from megatron_rlvr import console
+    from megatron_rlvr.runtime import console
 
     # before the command imports vLLM (it reads its logging settings at import)
     console.configure_environment(debug=args.debug, verbose=args.verbose)

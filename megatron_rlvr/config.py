@@ -9,6 +9,7 @@ the world size, model shapes against TP).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,55 +18,15 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
+from megatron_rlvr.actor.config import ActorConfig
 from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.checkpoint.config import CheckpointConfig
 from megatron_rlvr.data.config import DataConfig
-from megatron_rlvr.errors import UserError
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.eval.config import EvalConfig
+from megatron_rlvr.models.config import ModelConfig
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout.config import RolloutConfig
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value is missing, unknown, of the wrong type or inconsistent; the message names the key."""
-
-
-@dataclass
-class ModelConfig:
-    """Where the actor's weights come from: an HF directory (config.json + safetensors) or a dist checkpoint."""
-
-    hf_dir: str = ""
-    load: str | None = None  # megatron dist checkpoint; overrides hf_dir's weights when given
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    make_vocab_size_divisible_by: int = 128
-    use_transformer_engine: Literal["auto", "on", "off"] = "auto"
-
-
-@dataclass
-class ActorConfig:
-    """Megatron actor: parallel layout, optimizer and the memory knobs a large run needs."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
-    sequence_parallel: bool = False
-    recompute: Literal["none", "selective", "full"] = "none"
-    micro_batch_size: int = 1  # sequences per micro-batch when max_tokens_per_micro_batch is 0
-    # > 0: micro-batches by real-token budget (micro_batch_size unused); a longer sequence gets a micro-batch alone
-    max_tokens_per_micro_batch: int = 0
-    pack_sequences: bool = True  # one THD stream per micro-batch (no padding); false: right-padded [b, S] blocks
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    use_distributed_optimizer: bool = True
-    bf16: bool = False  # bf16 compute with fp32 main grads and params in the optimizer
-    stats_chunk_tokens: int = 4096  # token chunk of the fused statistics op (bounds its scratch memory)
-    max_nonfinite_in_a_row: int = 3
 
 
 @dataclass
@@ -77,7 +38,7 @@ class TrainerConfig:
     mini_batches_per_step: int = 1
     seed: int = 1234
     output_dir: str = "outputs/run"
-    log_every: int = 1
+    log_every: int = 1  # write metrics (metrics.jsonl, TensorBoard, W&B) every N steps, and the last step always
     eval_every: int = 0  # validate before training, every N steps and after the last (0 = never); see validation.py
     tensorboard: bool = True
     wandb_project: str | None = None
@@ -85,13 +46,6 @@ class TrainerConfig:
     # 1: the engines generate step t+1 with the weights before update t while the actor runs update t (needs
     # rollout.placement=separate); the staleness is logged as rollout/staleness
     off_policy_steps: int = 0
-
-
-@dataclass
-class CheckpointConfig:
-    save_every: int = 0  # 0 = never
-    keep_last: int = 2
-    resume: str | None = "latest"  # "latest", a step directory, or null for a fresh start
 
 
 @dataclass
@@ -130,7 +84,7 @@ class Config:
             raise ConfigError(f"actor.vpp: virtual pipeline stages need actor.pp >= 2, got pp={a.pp}")
         if a.vpp is not None and not a.pack_sequences:
             # the interleaved schedule exchanges one activation shape: packed streams are padded to it, [b, S] blocks
-            # of varying b are not (actor.py, variable_seq_lengths)
+            # of varying b are not (actor/megatron_actor.py, variable_seq_lengths)
             raise ConfigError("actor.vpp: the interleaved schedule needs actor.pack_sequences=true")
         if a.sequence_parallel and a.tp < 2:
             raise ConfigError("actor.sequence_parallel: needs actor.tp >= 2")
@@ -168,7 +122,7 @@ class Config:
         return self
 
     def _validate_placement(self, world_size: int | None) -> None:
-        """Separate placement and one-step-off training (DESIGN.md "Engines on their own ranks")."""
+        """Separate placement and one-step-off training (docs/separate-placement.md)."""
         r, a, off = self.rollout, self.actor, self.trainer.off_policy_steps
         if off not in (0, 1):
             raise ConfigError(f"trainer.off_policy_steps: expected 0 (on-policy) or 1 (one-step-off), got {off!r}")
@@ -200,13 +154,19 @@ class Config:
                 "trainer.off_policy_steps=1 with algo.rollout_correction=none: the loss's old log-probs are the "
                 "current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
                 "by the weights one update older; set algo.rollout_correction (e.g. tis) for the decoupled "
-                "correction exp(old_logp - engine_logp) (ALGORITHMS.md, 'Rollout correction')"
+                "correction exp(old_logp - engine_logp) (docs/algorithms.md, 'Rollout correction')"
             )
         return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Typed construction from plain data
+
+# Keys that existed once and changed nothing, or moved: a recipe that still sets one is told what to set instead.
+REMOVED_KEYS: dict[str, str] = {
+    "model.dtype": "actor.bf16 (true: bf16 compute; the rollout engines serve in the same dtype) and, for "
+                   "evaluation, eval.dtype",
+}
 
 
 def from_dict(cls: type, data: Mapping[str, Any] | None, prefix: str = "") -> Any:
@@ -218,8 +178,12 @@ def from_dict(cls: type, data: Mapping[str, Any] | None, prefix: str = "") -> An
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"{where}{unknown[0]}: unknown key; allowed keys: {', '.join(sorted(fields))}")
+        key = _join(prefix, unknown[0])
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{key}: removed; set {REMOVED_KEYS[key]}")
+        near = difflib.get_close_matches(unknown[0], fields, n=1, cutoff=0.6)
+        hint = f"did you mean {_join(prefix, near[0])}? " if near else ""
+        raise ConfigError(f"{key}: unknown key; {hint}allowed keys: {', '.join(sorted(fields))}")
     kwargs = {name: _convert(hints[name], value, _join(prefix, name)) for name, value in data.items()}
     try:
         return cls(**kwargs)
@@ -358,7 +322,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
     data = apply_overrides(data, overrides)
-    return from_dict(Config, data)
+    cfg = from_dict(Config, data)
+    from megatron_rlvr.rewards.verifiers import check_config  # reward.plugins, reward.synlogic_dir: imported once here
+
+    check_config(cfg.reward)
+    return cfg
 
 
 def dump_config(cfg: Config) -> str:

@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """Bad input the user can correct; the message alone says what and where."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is missing, unknown, of the wrong type or inconsistent; the message names the key."""

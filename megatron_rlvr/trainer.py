@@ -1,8 +1,10 @@
-"""The RLVR loop: generate -> reward -> advantages -> statistics -> update -> sync weights -> validate / log /
-checkpoint.
+"""The RLVR loop: experience (generate -> reward -> advantages) -> statistics -> update -> sync weights ->
+validate / log / checkpoint.
 
 Run under torchrun (one process per GPU, or per CPU worker with gloo): `megatron-rlvr train RECIPE.yaml k=v ...`.
-Every rank runs the same loop; rank 0 alone writes metrics and the progress bar.
+Every rank runs the same loop; rank 0 alone writes metrics and the progress bar. Under separate placement the last
+``rollout.engine_ranks`` ranks serve the engines instead (experience/engine_server.py) and the loop reads their
+experience through the same `ExperienceSource` (docs/design.md, "One training step").
 """
 
 from __future__ import annotations
@@ -12,17 +14,16 @@ import contextlib
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
-import torch
-
-from megatron_rlvr import checkpoint, distributed
+from megatron_rlvr import checkpoint
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
-from megatron_rlvr.console import attach_log_file, has_log_file
-from megatron_rlvr.data import PromptLoader, load_items
-from megatron_rlvr.preemption import Preemption
-from megatron_rlvr.validation import load_validation_items
+from megatron_rlvr.experience.validation import load_validation_items
+from megatron_rlvr.runtime import distributed
+from megatron_rlvr.runtime.console import attach_log_file, has_log_file
+from megatron_rlvr.runtime.preemption import Preemption
 
 
 class Timer:
@@ -42,62 +43,83 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
+@dataclass
+class Run:
+    """What the loop reads: the run's config, its actor and experience source, and where it logs and saves."""
+
+    cfg: Config
+    actor: Any  # actor.megatron_actor.MegatronActor (imported with megatron-core, inside `_train`)
+    source: Any  # experience.source.ExperienceSource
+    preemption: Preemption
+    logger: Any  # monitor.MetricLogger on rank 0, None elsewhere
+    progress: Any  # the tqdm bar (disabled off rank 0)
+    ckpt_root: Path
+    val_items: list[Any]
+    pad_id: int
+    start_step: int
+    nonfinite_in_a_row: int
+    anchor: Callable | None = None  # PBA: a step's prompts -> per-response KL coefficients and pba/* metrics
+
+    def validate(self, step: int, timer: Timer | None = None) -> dict[str, float]:
+        with timer("eval") if timer else contextlib.nullcontext():
+            metrics, entropy = self.source.validate(step, self.val_items, self.pad_id)
+        if self.logger is not None:
+            self.logger.log_histogram(step, "val/entropy", entropy)
+        return metrics
+
+
 def train(cfg: Config) -> list[dict[str, float]]:
     """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics.
     On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the run returns early."""
-    with Preemption.installed() as preemption:
-        return _train(cfg, preemption)
-
-
-def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
-    from transformers import AutoTokenizer
-
     from megatron_rlvr.models import load_hf_config
+
+    with Preemption.installed() as preemption:
+        distributed.init_process_group()
+        cfg.validate(distributed.world_size(), load_hf_config(cfg.model.hf_dir))
+        roles = None
+        if cfg.rollout.placement == "separate":  # the last rollout.engine_ranks ranks serve engines from here on
+            from megatron_rlvr.experience.engine_server import serve
+            from megatron_rlvr.runtime.roles import pin_cpu_cores, split_roles
+
+            roles = split_roles(cfg.rollout.engine_ranks)
+            pin_cpu_cores()  # an engine rank and an actor rank on different cores (docs/separate-placement.md)
+            if roles.is_engine:
+                serve(cfg, roles)
+                return []
+        return _train(cfg, roles, preemption)
+
+
+def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]:
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
+    from megatron_rlvr.experience.base_evidence import pba_anchor
+    from megatron_rlvr.experience.construction import prompt_stream
+    from megatron_rlvr.experience.source import make_source
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.rewards import RewardPool
 
-    distributed.init_process_group()
-    cfg.validate(distributed.world_size(), load_hf_config(cfg.model.hf_dir))
     t = cfg.trainer
-    roles = None
-    if cfg.rollout.placement == "separate":  # the last rollout.engine_ranks ranks serve engines from here on
-        from megatron_rlvr.roles import pin_cpu_cores, split_roles
-
-        roles = split_roles(cfg.rollout.engine_ranks)
-        pin_cpu_cores()  # an engine rank and an actor rank on different cores (DESIGN.md)
-        if roles.is_engine:
-            from megatron_rlvr.rollout.engine_rank import serve
-
-            serve(cfg, roles)
-            return []
-    from megatron_rlvr.actor import MegatronActor
-    from megatron_rlvr.experience_source import make_source
-
     distributed.initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed)
     rank0 = distributed.rank() == 0
     out = Path(t.output_dir)
-    ckpt_root = out / "checkpoints"
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_config(cfg))
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    items, stats = load_items(cfg.data, tokenizer, "train")
-    loader = PromptLoader(items, t.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    val_items = load_validation_items(cfg, tokenizer) if t.eval_every else []
+    prompts = prompt_stream(cfg)
+    val_items = load_validation_items(cfg, prompts.tokenizer) if t.eval_every else []
     if rank0:
-        print(f"[data] {len(items)} prompts from {stats.rows} rows ({stats.bad_rows} bad rows skipped, "
-              f"{stats.too_long} over data.max_prompt_tokens skipped)", flush=True)
+        print(f"[data] {len(prompts.items)} prompts from {prompts.stats.rows} rows ({prompts.stats.bad_rows} bad rows "
+              f"skipped, {prompts.stats.too_long} over data.max_prompt_tokens skipped)", flush=True)
         for warning in cfg.warnings():
             print(f"[config] warning: {warning}", file=sys.stderr, flush=True)
     actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature, total_steps=t.steps)
 
-    start_step, nonfinite_in_a_row, history, preempted, pending = 0, 0, [], False, None
+    ckpt_root = out / "checkpoints"
+    start_step, nonfinite_in_a_row, pending = 0, 0, None
     resume_from = checkpoint.resolve(ckpt_root, cfg.checkpoint.resume)
     if resume_from is not None:
         state = checkpoint.load(resume_from, actor)
-        loader.load_state_dict(state["loader"])
+        prompts.loader.load_state_dict(state["loader"])
         pending = checkpoint.load_object(resume_from, "pending_rollout")  # one-step-off: the step sampled ahead
         changed = differences(state["config"], to_dict(cfg)) if "config" in state else []
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
@@ -108,19 +130,15 @@ def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
     ) if rank0 else None
     progress = _progress(rank0, start_step, t.steps)
 
-    def run_validation(step: int, timer: Timer | None = None) -> dict[str, float]:
-        with timer("eval") if timer else contextlib.nullcontext():
-            metrics, entropy = source.validate(step, val_items, pad_id)
-        if logger is not None:
-            logger.log_histogram(step, "val/entropy", entropy)
-        return metrics
-
     with RewardPool(cfg.reward) as pool:
         # colocated: this rank's engine; separate: the engine ranks, fed with the actor's weights
-        source = make_source(cfg, roles, actor, pool, loader, pad_id, start_step=start_step, pending=pending)
-        anchor = _pba_anchor(cfg, source, pool, items, out / "base_evidence.json", start_step) if cfg.algo.pba else None
-        history, preempted = _loop(cfg, actor, source, preemption, logger, progress, run_validation, ckpt_root,
-                                   start_step, nonfinite_in_a_row, bool(val_items), anchor)
+        source = make_source(cfg, roles, actor, pool, prompts.loader, prompts.pad_id, start_step=start_step,
+                             pending=pending)
+        anchor = pba_anchor(cfg, source.engine, pool, prompts.items, out / "base_evidence.json",
+                            start_step) if cfg.algo.pba else None
+        run = Run(cfg, actor, source, preemption, logger, progress, ckpt_root, val_items, prompts.pad_id,
+                  start_step, nonfinite_in_a_row, anchor)
+        history, preempted = _loop(run)
         # not after an error: a rank that raised alone must exit (engine ranks see it go and exit too), not wait here
         source.close()
     if t.save_hf and not preempted:
@@ -131,22 +149,22 @@ def _train(cfg: Config, preemption: Preemption) -> list[dict[str, float]]:
     return history
 
 
-def _loop(cfg: Config, actor, source, preemption: Preemption, logger, progress, run_validation, ckpt_root: Path,
-          start_step: int, nonfinite_in_a_row: int, validating: bool,
-          anchor=None) -> tuple[list[dict[str, float]], bool]:
+def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
     """Steps ``start_step`` .. ``trainer.steps``: experience -> statistics -> update -> weights out -> validation,
-    logs, checkpoint. Returns the logged metrics and whether a preemption stopped it."""
-    t, history, preempted = cfg.trainer, [], False
-    if validating and start_step == 0:  # the base model's numbers, the reference every later validation meets
-        base = run_validation(0)
-        if logger is not None:
-            logger.log(0, base)
-    for step in range(start_step, t.steps):
+    logs, checkpoint. Returns the metrics of every step and whether a preemption stopped it."""
+    cfg, actor, source = run.cfg, run.actor, run.source
+    t, history, preempted, nonfinite_in_a_row = cfg.trainer, [], False, run.nonfinite_in_a_row
+    validating = bool(run.val_items)
+    if validating and run.start_step == 0:  # the base model's numbers, the reference every later validation meets
+        base = run.validate(0)
+        if run.logger is not None:
+            run.logger.log(0, base)
+    for step in range(run.start_step, t.steps):
         timer = Timer()
         with timer("rollout+reward"):
             exp, source_metrics = source.next(step)
-        if anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
-            exp.batch.kl_coef, pba_stats = anchor(exp.items)
+        if run.anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
+            exp.batch.kl_coef, pba_stats = run.anchor(exp.items)
             source_metrics |= pba_stats
         with timer("statistics"):
             if actor.needs_statistics_pass(t.mini_batches_per_step):  # else update() fills batch.old_logp
@@ -163,46 +181,28 @@ def _loop(cfg: Config, actor, source, preemption: Preemption, logger, progress, 
             )
         with timer("sync"):
             source_metrics |= source.after_update(step)
-        if validating and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-            update_metrics |= run_validation(step + 1, timer)
-        metrics = {"step": step + 1, **_rollout_metrics(exp), **_named(update_metrics), **source_metrics,
-                   **timer.seconds}
+        last = step + 1 == t.steps
+        if validating and ((step + 1) % t.eval_every == 0 or last):
+            update_metrics |= run.validate(step + 1, timer)
+        metrics = {"step": step + 1, **_rollout_metrics(exp), **update_metrics, **source_metrics, **timer.seconds}
         history.append(metrics)
-        if logger is not None:
-            logger.log(step + 1, metrics)
-            progress.update(1)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
-        preempted = preemption.requested()  # a collective: every rank stops after the same step
+        preempted = run.preemption.requested()  # a collective: every rank stops after the same step
+        if run.logger is not None:
+            if (step + 1) % t.log_every == 0 or last or preempted:
+                run.logger.log(step + 1, metrics)
+            run.progress.update(1)
+            run.progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+                                     loss=f"{metrics.get('actor/loss', 0):.4f}")
         if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):
             state = {**source.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row, "config": to_dict(cfg)}
-            checkpoint.save(ckpt_root, step + 1, actor, state, cfg.checkpoint.keep_last, hf_dir=cfg.model.hf_dir,
+            checkpoint.save(run.ckpt_root, step + 1, actor, state, cfg.checkpoint.keep_last, hf_dir=cfg.model.hf_dir,
                             objects={"pending_rollout": source.pending()})
         if preempted:
-            if logger is not None:
-                print(f"[preempt] {preemption.reason}: stopped after step {step + 1} with its checkpoint; "
+            if run.logger is not None:
+                print(f"[preempt] {run.preemption.reason}: stopped after step {step + 1} with its checkpoint; "
                       "rerun the same command to resume", flush=True)
             break
     return history, preempted
-
-
-def _pba_anchor(cfg: Config, source, pool, items, path: Path, start_step: int):
-    """PBA: the frozen base's correct counts per training prompt (drawn now, before the first update, or read back
-    from ``path``) and a function from a step's prompts to per-response KL coefficients and the pba/* metrics."""
-    from megatron_rlvr.algos.pba import pba_metrics, sequence_kl_coef
-    from megatron_rlvr.base_evidence import base_evidence
-    from megatron_rlvr.config import ConfigError
-
-    if start_step > 0 and not path.is_file():  # the engine now holds trained weights: they are not the base
-        raise ConfigError(f"algo.pba: resuming at step {start_step} but {path} (the base's evidence) is missing; "
-                          "start the run afresh or restore the file")
-    # colocated: this rank's engine; separate: the engine ranks, which hold the initial weights (version 0) here
-    evidence = base_evidence(source.engine, pool, items, cfg, path, run_seed=cfg.trainer.seed)
-
-    def anchor(step_items) -> tuple[torch.Tensor, dict[str, float]]:
-        correct = torch.tensor([evidence[item.id] for item in step_items])
-        return sequence_kl_coef(correct, cfg.rollout.group_size, cfg.algo), pba_metrics(correct, cfg.algo)
-
-    return anchor
 
 
 def _rollout_metrics(exp) -> dict[str, float]:
@@ -217,12 +217,6 @@ def _rollout_metrics(exp) -> dict[str, float]:
     }
     metrics.update({f"reward/{k}": float(v) for k, v in exp.reward_counters.items()})
     return metrics
-
-
-def _named(update_metrics: dict[str, float]) -> dict[str, float]:
-    """The actor logs every loss metric as loss/<key>; the rollout correction's keep their own family."""
-    prefix = "loss/rollout_correction/"
-    return {k[len("loss/"):] if k.startswith(prefix) else k: v for k, v in update_metrics.items()}
 
 
 def _progress(enabled: bool, start: int, total: int):

@@ -9,7 +9,7 @@ import pytest
 # Tests run with one intra-op thread per process: the machine has 2 cores and multi-process tests share them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megatron_rlvr.testing import WorkerGroup  # noqa: E402
+from megatron_rlvr.testing.workers import WorkerGroup  # noqa: E402
 
 _GROUP_TIMEOUT_S = float(os.environ.get("MEGATRON_RLVR_TEST_TIMEOUT", "300"))
 

@@ -111,7 +111,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
 @pytest.mark.slow
 def test_user_error_in_train_under_torchrun_is_one_line_from_rank_0():
-    cmd = [sys.executable, "-m", "megatron_rlvr.console", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "megatron_rlvr.runtime.console", "--standalone", "--nproc-per-node", "2",
            "-m", "megatron_rlvr.cli", "train", "configs/demo_cpu.yaml", "actor.nope=1"]
     result = run(cmd)
     assert result.returncode == 2, result.stderr[-3000:]
@@ -124,7 +124,7 @@ def test_user_error_in_train_under_torchrun_is_one_line_from_rank_0():
 
 CHATTER = """
 import logging, warnings
-from megatron_rlvr.console import setup_console
+from megatron_rlvr.runtime.console import setup_console
 setup_console(log_dir={log_dir!r}, name="probe")
 logging.getLogger("vllm.v1.engine").info("Successfully reset prefix cache")
 logging.getLogger("megatron.core.utils").warning("a megatron-core warning")

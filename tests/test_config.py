@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megatron_rlvr.config import Config, ConfigError, dump_config, load_config
+from megatron_rlvr.config import Config, dump_config, load_config
+from megatron_rlvr.errors import ConfigError
 
 
 def _write(tmp_path, text: str):
@@ -33,9 +34,9 @@ def test_dump_then_load_roundtrips(tmp_path):
 
 
 def test_unknown_key_names_key_and_allowed(tmp_path):
-    with pytest.raises(ConfigError, match=r"algo\.alhpa: unknown key; allowed keys: .*alpha"):
+    with pytest.raises(ConfigError, match=r"algo\.alhpa: unknown key; did you mean algo\.alpha\? allowed keys: .*alpha"):
         load_config(None, ["algo.alhpa=0.1"])
-    with pytest.raises(ConfigError, match=r"^actorr: unknown key; allowed keys: actor, algo"):
+    with pytest.raises(ConfigError, match=r"^actorr: unknown key; did you mean actor\? allowed keys: actor, algo"):
         load_config(_write(tmp_path, "actorr:\n  tp: 2\n"))
 
 
@@ -103,3 +104,42 @@ def test_differences_name_every_changed_key():
 
 def test_defaults_validate():
     assert Config().validate(world_size=1)
+
+
+def test_an_unknown_key_names_the_nearest_known_one():
+    with pytest.raises(ConfigError, match=r"^actor\.tpp: unknown key; did you mean actor\.tp\? allowed keys: "):
+        load_config(None, ["actor.tpp=2"])
+    with pytest.raises(ConfigError, match=r"^algo\.zzz: unknown key; allowed keys: "):  # nothing near: no guess
+        load_config(None, ["algo.zzz=1"])
+
+
+def test_a_removed_key_names_its_replacement(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.dtype: removed; set actor\.bf16 .*eval\.dtype"):
+        load_config(_write(tmp_path, "model:\n  hf_dir: x\n  dtype: bfloat16\n"))
+
+
+def _config_fields(cls, prefix=""):
+    import dataclasses
+
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+            yield from _config_fields(f.type, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f.name
+
+
+def test_every_config_key_is_read_by_the_package():
+    """A key that nothing reads changes nothing: each leaf of Config must be read (``.name`` or ``getattr(x,
+    "name"``) somewhere in the package outside the modules that define the config dataclasses."""
+    import re
+    import typing
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "megatron_rlvr"
+    sources = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "config.py")
+    unread = []
+    for section, cls in typing.get_type_hints(Config).items():
+        for key, name in _config_fields(cls, f"{section}."):
+            if not re.search(rf"\.{name}\b|getattr\([^)]*[\"']{name}[\"']", sources):
+                unread.append(key)
+    assert not unread, f"config keys nothing reads: {unread}"

@@ -28,7 +28,7 @@ def _config(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list
 
 
 def _train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.trainer import train
 
     try:
@@ -48,7 +48,7 @@ def _first_token_rewards(pool, items, completions):
 
 def _train_first_token_rewards(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
     """_train with _first_token_rewards in place of the verifier pool."""
-    from megatron_rlvr import experience
+    from megatron_rlvr.experience import collect as experience
 
     real_score, experience.score = experience.score, _first_token_rewards
     try:
@@ -59,7 +59,7 @@ def _train_first_token_rewards(hf_dir: str, out_dir: str, tp: int, pp: int, step
 
 def _engine_logp_shifted(hf_dir: str, out_dir: str, shift: float, extra: list[str]):
     """_train (1 step) with every log-prob the engine reports lowered by ``shift``: rho = exp(shift) on every token."""
-    from megatron_rlvr import experience
+    from megatron_rlvr.experience import collect as experience
 
     real_generate = experience.generate
 
@@ -79,7 +79,7 @@ def _engine_logp_shifted(hf_dir: str, out_dir: str, shift: float, extra: list[st
 
 def _train_recording_calls(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str]):
     """_train, with the order of the engine's and the actor's calls recorded."""
-    from megatron_rlvr.actor import MegatronActor
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.rollout.vllm_engine import VLLMEngine
 
     calls, real = [], {}
@@ -103,7 +103,7 @@ def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
     """Rank 1's engine is closed (dead) just before the second step's rollout; the run must still finish."""
     import torch.distributed as dist
 
-    from megatron_rlvr import experience_source
+    from megatron_rlvr.experience import colocated as experience_source
 
     real_collect, calls = experience_source.collect, []
 
@@ -125,7 +125,7 @@ def _nonfinite_losses(hf_dir: str, out_dir: str):
     more than actor.max_nonfinite_in_a_row steps in a row were skipped."""
     import torch
 
-    from megatron_rlvr import actor as actor_module
+    from megatron_rlvr.actor import megatron_actor as actor_module
     from megatron_rlvr import trainer
 
     real_loss, real_update, seen = actor_module.policy_loss, actor_module.MegatronActor.update, []
@@ -198,7 +198,7 @@ def _assert_step_exports_like_final_hf(step_dir, final_hf):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen"), seed=5))
 

@@ -54,12 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = parse_args(argv)
-    from megatron_rlvr.console import setup_console
+    from megatron_rlvr.runtime.console import setup_console
 
     setup_console()
     from vllm import SamplingParams
 
-    from megatron_rlvr.demo.task import generate as countdown_problems
+    from megatron_rlvr.tasks.countdown import generate as countdown_problems
     from megatron_rlvr.eval.benchmarks import load_benchmark
     from megatron_rlvr.eval.command import hf_encoder_factory, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig

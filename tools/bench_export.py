@@ -18,11 +18,10 @@ SHAPES_0_3B = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, n
 
 
 def _worker(hf_dir: str, tp: int, bucket_bytes: int, repeats: int) -> dict:
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_hf_weights, export_local_shards, load_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
 
@@ -64,8 +63,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from megatron_rlvr.models.tiny import write_random_hf_checkpoint
-    from megatron_rlvr.testing import WorkerGroup
+    from megatron_rlvr.testing.tiny_models import write_random_hf_checkpoint
+    from megatron_rlvr.testing.workers import WorkerGroup
 
     work = Path(tempfile.mkdtemp(prefix="bench_export_"))
     try:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rlvr.testing import LiveBytes  # noqa: E402  (after the path insert)
+from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402(after the path insert)
 
 
 @dataclasses.dataclass
@@ -66,7 +66,7 @@ def workload_lengths(cfg: BenchConfig) -> list[int]:
 
 
 def make_batch(lengths: list[int], vocab: int, prompt_len: int, seed: int):
-    from megatron_rlvr.actor import SequenceBatch
+    from megatron_rlvr.actor.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -100,10 +100,11 @@ def _peak_bytes(fn: Callable[[], Any]) -> int:
 
 
 def _worker(hf_dir: str, cfg: BenchConfig, lengths: list[int]) -> dict[str, Any]:
-    from megatron_rlvr.actor import MegatronActor
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.config import ActorConfig, ModelConfig
-    from megatron_rlvr.distributed import model_parallel
+    from megatron_rlvr.actor.config import ActorConfig
+    from megatron_rlvr.models.config import ModelConfig
+    from megatron_rlvr.runtime.distributed import model_parallel
 
     budget = cfg.micro_batch_size * cfg.max_len
     with model_parallel(tp=2, pp=1, seed=1):
@@ -151,8 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
 
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
-    from megatron_rlvr.testing import WorkerGroup
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
+    from megatron_rlvr.testing.workers import WorkerGroup
 
     lengths = workload_lengths(cfg)
     real = sum(lengths)

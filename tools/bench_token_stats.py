@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rlvr.testing import LiveBytes  # noqa: E402  (after the path insert)
+from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402(after the path insert)
 
 
 @dataclasses.dataclass
@@ -112,7 +112,7 @@ def bench_rank(cfg: BenchConfig) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.ops import backends, vocab_parallel_token_stats
 
     distributed.initialize_model_parallel(tp=cfg.tp)
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(threads)
         per_rank = [bench_rank(cfg)]
     else:
-        from megatron_rlvr.testing import WorkerGroup
+        from megatron_rlvr.testing.workers import WorkerGroup
 
         env = {"MEGATRON_RLVR_WORKER_THREADS": str(threads)}
         with WorkerGroup(cfg.tp, timeout_s=3600, env=env) as group:

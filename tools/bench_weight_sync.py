@@ -48,7 +48,7 @@ def bench_rank(hf_dir: str, repeats: int, bucket_bytes: int, check: bool, stagin
     """On every rank of a 2-rank gloo group: build the TP=2 actor, then time export+sync, export, update, copy."""
     import torch.distributed as dist
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
 
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
 
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
-    from megatron_rlvr.testing import WorkerGroup
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
+    from megatron_rlvr.testing.workers import WorkerGroup
 
     with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
         hf_dir = make_tiny_hf_model("qwen2", Path(tmp) / "model", num_hidden_layers=args.layers, **BENCH_MODEL)

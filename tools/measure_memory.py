@@ -65,7 +65,9 @@ class Case:
 def config_of(case: Case, hf_dir: str, world: int):
     """The run Config of a case (CPU: fp32), as the plan reads it."""
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.config import ActorConfig, Config, ModelConfig, TrainerConfig
+    from megatron_rlvr.actor.config import ActorConfig
+    from megatron_rlvr.config import Config, TrainerConfig
+    from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.rollout.config import RolloutConfig
 
     return Config(
@@ -163,8 +165,9 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
     if warm_up and update:
         measure_rank(dataclasses.replace(case, seq_len=16), hf_dir, update=True, warm_up=False)
 
-    from megatron_rlvr.actor import MegatronActor, SequenceBatch
-    from megatron_rlvr.distributed import model_parallel, world_size
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
+    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.runtime.distributed import model_parallel, world_size
 
     cfg = config_of(case, hf_dir, world_size())
     _trim()
@@ -198,7 +201,7 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
 
 
 def run(cases: list[Case], hf_dir: str, world: int) -> list[dict]:
-    from megatron_rlvr.testing import WorkerGroup
+    from megatron_rlvr.testing.workers import WorkerGroup
 
     rows = []
     for case in cases:
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     cases = [Case.parse(t, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size) for t in args.layouts]
     # The workers (spawned: they inherit this environment) get every allocation of 64 KiB or more from mmap, so a

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv/ (made if missing, reused if present), build, and run the whole suite.
+# The README's test command: set up .venv/ (made if missing, reused if present), build, check the house rules, and
+# run the whole suite. Extra arguments go to pytest (e.g. `bash tools/run_tests.sh tests/algos -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# The house checks first: seconds each, and a failure names the rule it breaks.
+echo "[checks] ruff check, ruff format --check, lint-imports, tools/check_imports.py"
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
+.venv/bin/lint-imports --no-cache
+.venv/bin/python tools/check_imports.py
 # --timeout is a per-test backstop on top of the worker groups' own hang detection.
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1200 "$@"

@@ -2,7 +2,7 @@
 
 ``compute_advantages(rewards, group_size, cfg) -> (advantages [B], keep [B])``,
 ``policy_loss(stats, old_logp, advantages, mask, cfg, ...) -> (loss, metrics)`` and PBA's per-response KL
-coefficients ``sequence_kl_coef(base_correct, group_size, cfg)``; see ALGORITHMS.md for the math.
+coefficients ``sequence_kl_coef(base_correct, group_size, cfg)``; see docs/algorithms.md for the math.
 """
 
 from megatron_rlvr.algos.advantages import compute_advantages

@@ -1,4 +1,4 @@
-"""Configuration of advantages and the policy loss (see shared ALGORITHMS.md for every knob's meaning).
+"""Configuration of advantages and the policy loss (see docs/algorithms.md for every knob's meaning).
 
 Plain data; ``__post_init__`` only checks ranges so a bad recipe fails at load time with the key's name.
 """
@@ -32,7 +32,7 @@ class AlgoConfig:
     loss_agg: LossAgg = "token_mean"
     max_len_norm: int = 1024  # the constant of seq_mean_token_sum_norm
     kl_coef: float = 0.0  # k3 KL to a frozen reference; 0 = no reference model
-    # rollout correction: rho = exp(old_logp - engine logp) reweights w (ALGORITHMS.md "Rollout correction")
+    # rollout correction: rho = exp(old_logp - engine logp) reweights w (docs/algorithms.md, "Rollout correction")
     rollout_correction: RolloutCorrection = "none"
     rollout_correction_level: Literal["token", "sequence"] = "token"
     rollout_is_cap: float = 2.0  # tis: C, the truncation of the weight
@@ -45,7 +45,7 @@ class AlgoConfig:
     tau_q: float = 0.8  # per-response entropy quantile; 0 = every response token
     weights: Literal["uniform", "softmax"] = "uniform"
     apply_to: Literal["both", "positive", "negative"] = "both"
-    # adaptive candidate sets (ALGORITHMS.md "Beside CaSP"): the smallest top-ranked set reaching candidate_mass of
+    # adaptive candidate sets (docs/algorithms.md, "Adaptive candidates"): the smallest top-ranked set reaching candidate_mass of
     # the probability, at most top_n, replaces the fixed top-N of CaSP's positive smoothing
     candidates: Literal["fixed", "adaptive"] = "fixed"
     candidate_mass: float = 0.9

@@ -1,6 +1,6 @@
 """Policy losses (GRPO, CaSP and the paper's baselines) on per-token statistics only, through one code path.
 
-Every loss is PPO-clip's detached-weight form ``-w[t] * target[t]`` with ``w = A_t * rho * keep`` (ALGORITHMS.md),
+Every loss is PPO-clip's detached-weight form ``-w[t] * target[t]`` with ``w = A_t * rho * keep`` (docs/algorithms.md),
 and a loss name only chooses how its tokens are shaped (see ``_Shaping``):
 - the per-token advantage ``A_t`` (entropy_adv adds an entropy term),
 - a detached multiplier of ``w`` (CaSP's rank-1 penalty, w_reinforce, psr/nsr, forking_tokens, clip_cov),
@@ -14,7 +14,7 @@ The returned loss's value is the clipped surrogate ``-scale * min(rho * A, clip(
 while its gradient is exactly that of the detached-weight form: ``value.detach() + (form - form.detach())``.
 For every loss but CaSP's smoothed positives the two have the same gradient anyway (PPO-clip equivalence).
 
-Choices where ALGORITHMS.md leaves room (each checked by tests/algos against a dense oracle):
+Choices where docs/algorithms.md leaves room (each checked by tests/algos against a dense oracle):
 - CaSP's candidate weights u are detached (a target distribution, not a path for gradient).
 - CaSP's adaptive candidate set C_t (``candidates: adaptive``, token_masks.adaptive_candidates) is decided from the
   detached top-N probabilities: the smallest top-ranked prefix reaching ``candidate_mass`` (rank 1 always in, a
@@ -44,27 +44,11 @@ from megatron_rlvr.algos.aggregate import aggregate, response_counts
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.metrics import loss_metrics
 from megatron_rlvr.algos.rollout_correction import correction_weights
+from megatron_rlvr.algos.token_view import TokenView
 from megatron_rlvr.algos.token_masks import adaptive_candidates, high_entropy_mask, top_covariance_mask
 
 if TYPE_CHECKING:
     from megatron_rlvr.ops import TokenStats
-
-
-@dataclass
-class TokenView:
-    """What a loss's shaping may read: the statistics and inputs broadcast to [B, T] (top-N cut to cfg.top_n)."""
-
-    logp: Tensor
-    old_logp: Tensor
-    entropy: Tensor
-    topn_logp: Tensor  # [B, T, top_n]
-    is_top1: Tensor  # bool: the sampled token is the rank-1 candidate
-    advantages: Tensor  # A_i broadcast over the response's tokens
-    mask: Tensor  # bool: response tokens
-    high_entropy: Tensor  # bool: h[t], per-response quantile tau_q
-    positive: Tensor  # bool: response token of a sample with A_i > 0
-    negative: Tensor  # bool: response token of a sample with A_i < 0
-    cfg: AlgoConfig
 
 
 @dataclass
@@ -141,11 +125,6 @@ def _forking_tokens(v: TokenView) -> _Shaping:
 # The terms of the loss among policy_loss's metrics. Given the whole mini-batch's counts, each micro-batch reports its
 # share of the mini-batch value: these add up over micro-batches and data-parallel ranks (the rest are averages).
 # kl_ref is the k3 estimate itself; kl_loss, present with per-sequence coefficients, is the term the loss adds.
-LOSS_TERMS: tuple[str, ...] = ("pg_loss", "kl_ref", "kl_loss", "entropy_bonus", "cov_penalty")
-# Metrics that average over a subset of the tokens, with the metric holding that subset's count: combined over
-# micro-batches and ranks by that count (a token-weighted mean would count batches without such tokens as 0).
-SUBSET_MEANS: dict[str, str] = {"casp_candidates": "casp_smoothed_tokens"}
-
 LOSSES: dict[str, Callable[[TokenView], _Shaping]] = {
     "grpo": _grpo,
     "casp": _casp,

@@ -1,4 +1,4 @@
-"""PBA, per-problem base anchoring (ALGORITHMS.md "Beside CaSP"): which responses get the KL-to-base term.
+"""PBA, per-problem base anchoring (docs/algorithms.md, "PBA"): which responses get the KL-to-base term.
 
 Base evidence ``c_b`` is the number of correct answers among ``pba_base_samples`` samples of the frozen base per
 training prompt (drawn once before training: base_evidence.py). Prompts with ``c_b >= pba_min_correct`` are

@@ -2,7 +2,7 @@
 policy that trains on it, so each sampled token's policy-gradient weight is reweighted by the ratio of the two.
 
 ``rho_t = exp(old_logp[t] - rollout_logp[t])``: the actor's behaviour log-prob of the sampled token over the
-engine's (ALGORITHMS.md "Rollout correction"). The correction ``c`` is a detached per-token factor of ``w``:
+engine's (docs/algorithms.md, "Rollout correction"). The correction ``c`` is a detached per-token factor of ``w``:
 - ``tis``    token: ``min(rho_t, C)``;                 sequence: ``min(prod_t rho_t, C)`` on all of its tokens.
 - ``icepop`` token: ``rho_t * [lo <= rho_t <= hi]``;   sequence: ``g * [lo <= g <= hi]``, g the geometric mean of rho.
 - ``mis``    token: ``[lo <= rho_t <= hi]``;           sequence: ``[lo <= g <= hi]``.

@@ -27,7 +27,8 @@ from megatron_rlvr.bridge.hf_reader import HFCheckpointError, HFCheckpointReader
 from megatron_rlvr.bridge.layout import load_shard, to_hf
 from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes, mapping_table, megatron_local_shape
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.models.hf_config import UnsupportedModelError, load_hf_config
+from megatron_rlvr.models.family import UnsupportedModelError
+from megatron_rlvr.models.hf_config import load_hf_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,7 +76,7 @@ def _staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
 
 @contextmanager
 def _single_process_megatron() -> Iterator[None]:
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
 
     import torch.distributed as dist
 

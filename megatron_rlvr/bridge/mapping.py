@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megatron_rlvr.models.builder import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
-from megatron_rlvr.models.hf_config import family_of, head_dim, num_kv_heads
+from megatron_rlvr.models.family import head_dim, num_kv_heads
+from megatron_rlvr.models.hf_config import family_of
 
 KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 

@@ -61,7 +61,7 @@ def _describe(stats: LoadStats, cfg: DataConfig) -> str:
 
 
 def _demo_rows(cfg: DataConfig, split: Split) -> Iterable[Row]:
-    from megatron_rlvr.demo import task
+    from megatron_rlvr.tasks import countdown as task
 
     count = cfg.demo_train_problems if split == "train" else cfg.demo_eval_problems
     for i, p in enumerate(task.generate(cfg.seed, count, split), start=1):

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "configs" / "demo_cpu.yaml"
+from megatron_rlvr.demo import RECIPE, REPO
+
 EVAL_SEED = 1234  # the eval's sampling seed: the same for every demo run, whatever --seed trains with
 CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the recipe's N = 3, and two beyond)
 
@@ -39,7 +39,7 @@ def _train(out: Path, algo: str, overrides: list[str], nproc: int) -> None:
 
 
 def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
-    from megatron_rlvr.demo.task import generate
+    from megatron_rlvr.tasks.countdown import generate
 
     data_dir.mkdir(parents=True, exist_ok=True)
     rows = [{"id": p.id, "numbers": list(p.numbers), "target": p.target} for p in generate(seed, count, "eval")]
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.append(f"trainer.seed={args.seed}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()
-    from megatron_rlvr.console import attach_log_file
+    from megatron_rlvr.runtime.console import attach_log_file
 
     attach_log_file(out, "demo")  # vLLM / megatron-core lines of every process go to <out>/logs, not the console
     # the base model is copied first: the evaluation compares against exactly the weights training started from

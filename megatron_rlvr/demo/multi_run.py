@@ -103,7 +103,7 @@ def _fmt(value: Any) -> str:
 def recipe_values() -> dict[str, Any]:
     """The demo recipe's full config (dotted keys): what a run's overrides are measured against."""
     from megatron_rlvr.config import load_config, to_dict
-    from megatron_rlvr.demo.command import RECIPE
+    from megatron_rlvr.demo import RECIPE
 
     return flatten(to_dict(load_config(RECIPE)))
 

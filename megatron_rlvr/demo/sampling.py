@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_rlvr.demo import task
+from megatron_rlvr.tasks import countdown as task
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
 Nothing is downloaded. Each benchmark is looked up under ``data_dir`` by the file names in its `BenchmarkSpec`
 (``<name>.jsonl`` or ``<name>.parquet``); field names follow each benchmark's public release, with the alternates
 listed. A missing file or field is an error naming the file (and row) and the expected layout. `LAYOUTS` renders
-the table the README documents.
+the table docs/evaluation.md documents ("Benchmark files").
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _humanevalplus_row(row: Row, i: int, bench: str) -> Problem:
 
 
 def _countdown_row(row: Row, i: int, bench: str) -> Problem:
-    from megatron_rlvr.demo.task import format_prompt
+    from megatron_rlvr.tasks.countdown import format_prompt
 
     numbers, target = row.get("numbers"), row.get("target")
     if not isinstance(numbers, list) or not all(isinstance(x, int) for x in numbers) or not isinstance(target, int):
@@ -289,7 +289,7 @@ def load_benchmark(name: str, data_dir: str | Path, limit: int | None = None) ->
 
 
 def layouts_markdown() -> str:
-    """The README table of file names and field layouts."""
+    """The table of file names and field layouts (docs/evaluation.md, "Benchmark files")."""
     lines = ["| benchmark | file under --data-dir (.jsonl or .parquet) | fields |", "|---|---|---|"]
     for name, spec in BENCHMARKS.items():
         files = " or ".join(f"`{s}`" for s in spec.files) + (" or `bbh/<task>.jsonl`" if spec.per_task_dir else "")

@@ -62,7 +62,7 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         )
         if kv_cache_memory_bytes:
             rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
-        return VLLMEngine(model_dir, rollout, seed=cfg.seed)
+        return VLLMEngine(model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype)
 
     return build
 
@@ -108,7 +108,7 @@ def evaluate(
     problems = [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
     rank, world = _join_world()
     out = Path(cfg.output_dir)
-    from megatron_rlvr.console import attach_log_file, has_log_file
+    from megatron_rlvr.runtime.console import attach_log_file, has_log_file
 
     if not has_log_file():  # the demo has its own; `eval` alone: <out>/logs/eval.log takes vLLM's INFO lines
         attach_log_file(out, "eval")
@@ -124,9 +124,7 @@ def evaluate(
                                     model=str(Path(model).resolve()), rank=rank, world=world, tp=tp)
                 runner.run(problems)
             finally:
-                close = getattr(engine, "close", None)
-                if callable(close):
-                    close()
+                engine.close()
             log.info("%s: %d requests, %d samples drawn, reward counters %s", tag, runner.requests_drawn,
                      runner.samples_drawn, dict(runner.reward_counters))
             if rank == 0:
@@ -142,7 +140,7 @@ def _join_world() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
-    from megatron_rlvr.distributed import init_process_group, rank
+    from megatron_rlvr.runtime.distributed import init_process_group, rank
 
     init_process_group()
     return rank(), world
@@ -153,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlvr eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", required=True, help="HF model directories (several: one comparison table)")
     parser.add_argument("--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)")
-    parser.add_argument("--data-dir", default=d.data_dir, help="local benchmark files (see the README's layouts)")
+    parser.add_argument("--data-dir", default=d.data_dir, help="local benchmark files (docs/evaluation.md, 'Benchmark files')")
     parser.add_argument("--n", type=int, default=d.n_samples, help="samples per problem (up to 1024 and beyond)")
     parser.add_argument("--chunk", type=int, default=d.chunk, help="samples per problem in one request (unit of seeding and resume)")
     parser.add_argument("--request-samples", type=int, default=d.request_samples,
@@ -161,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=d.output_dir, help="output directory (rerun with the same one to resume)")
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--top-p", type=float, default=d.top_p)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype,
+                        help="the engines' weights and compute (bfloat16 on GPUs)")
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -183,13 +183,13 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
         n_samples=args.n, chunk=min(args.chunk, args.n), temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, stop=list(args.stop), seed=args.seed, benchmarks=benchmarks,
         data_dir=args.data_dir, output_dir=args.out, limit=args.limit, chat_template=args.chat_template,
-        save_text=not args.no_text, request_samples=args.request_samples,
+        save_text=not args.no_text, request_samples=args.request_samples, dtype=args.dtype,
     )
     return cfg, RewardConfig(workers=args.workers)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_rlvr.console import report_user_error, setup_console
+    from megatron_rlvr.runtime.console import report_user_error, setup_console
 
     args = build_parser().parse_args(argv)
     setup_console()

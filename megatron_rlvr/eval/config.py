@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -14,6 +15,7 @@ class EvalConfig:
     request_samples: int = 4096
     temperature: float = 1.0
     top_p: float = 1.0
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the engines' weights and compute (bfloat16 on GPU recipes)
     max_new_tokens: int = 512
     stop: list[str] = field(default_factory=list)
     seed: int = 1234  # each chunk's sampling seed derives from (seed, benchmark, problem id, chunk index)

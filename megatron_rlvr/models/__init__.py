@@ -11,7 +11,7 @@ Cross-team API::
 
 A model's forward returns logits sharded over TP along the vocab (``parallel_output=True``): the local shard holds
 global ids ``[r * Vp / tp, (r + 1) * Vp / tp)`` with ``Vp = padded_vocab_size(...)``; ids >= ``hf["vocab_size"]``
-are padding. ``make_tiny_hf_model`` (``megatron_rlvr.models.tiny``) writes a random HF checkpoint for tests.
+are padding. ``make_tiny_hf_model`` (``megatron_rlvr.testing.tiny_models``) writes a random HF checkpoint for tests.
 """
 
 from megatron_rlvr.models.builder import (
@@ -21,7 +21,8 @@ from megatron_rlvr.models.builder import (
     padded_vocab_size,
     transformer_config_from_hf,
 )
-from megatron_rlvr.models.hf_config import UnsupportedModelError, family_of, load_hf_config
+from megatron_rlvr.models.family import UnsupportedModelError
+from megatron_rlvr.models.hf_config import family_of, load_hf_config
 
 __all__ = [
     "DEFAULT_VOCAB_DIVISIBLE_BY",

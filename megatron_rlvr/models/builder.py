@@ -1,7 +1,7 @@
 """HF config -> megatron-core ``TransformerConfig`` and ``GPTModel`` (local spec on CPU, TE spec when installed).
 
 Both specs take packed (THD) sequences: TE's attention natively, the local spec through
-``megatron_rlvr.cpu_attention.PackedDotProductAttention`` in place of megatron's ``DotProductAttention`` (which
+``megatron_rlvr.runtime.cpu.attention.PackedDotProductAttention`` in place of megatron's ``DotProductAttention`` (which
 asserts ``packed_seq_params is None``).
 
 The vocabulary is padded here, once, by :func:`padded_vocab_size`; the token-statistics op and the actor use the
@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron_rlvr.models.hf_config import family_of, head_dim, num_kv_heads, rope_settings
+from megatron_rlvr.models.family import UnsupportedModelError, head_dim, num_kv_heads, rope_settings
+from megatron_rlvr.models.hf_config import family_of
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 
@@ -31,6 +32,16 @@ def transformer_engine_available() -> bool:
     except Exception:  # an installed but broken TE (no CUDA) counts as absent
         return False
     return torch.cuda.is_available()
+
+
+def resolve_use_te(setting: str) -> bool | None:
+    """``model.use_transformer_engine`` -> the ``use_te`` of `layer_spec` (None: whatever is installed)."""
+    if setting == "auto":
+        return None
+    if setting == "on" and not transformer_engine_available():
+        raise UnsupportedModelError("model.use_transformer_engine=on: transformer_engine is not importable here; "
+                                    "install it (the NVIDIA container has it) or set auto/off")
+    return setting == "on"
 
 
 def transformer_config_from_hf(
@@ -125,7 +136,7 @@ def layer_spec(use_te: bool | None = None):
         use_te = transformer_engine_available()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec()
-    from megatron_rlvr.cpu_attention import PackedDotProductAttention
+    from megatron_rlvr.runtime.cpu.attention import PackedDotProductAttention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
@@ -143,7 +154,7 @@ def build_gpt_model(
 ):
     """One megatron-core ``GPTModel`` chunk for this rank (pipeline stage / virtual stage ``vp_stage``).
 
-    Needs megatron's parallel_state initialized (``megatron_rlvr.distributed.initialize_model_parallel``).
+    Needs megatron's parallel_state initialized (``megatron_rlvr.runtime.distributed.initialize_model_parallel``).
     Weights are randomly initialized; fill them with ``megatron_rlvr.bridge.load_hf_weights``.
     """
     from megatron.core.models.gpt.gpt_model import GPTModel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from megatron_rlvr.models.hf_config import UnsupportedModelError, validate_common
+from megatron_rlvr.models.family import UnsupportedModelError, validate_common
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 QKV_BIAS = True

@@ -24,23 +24,6 @@ ENTROPY_HIGH_KEYS = ("loss/entropy_high_entropy", "policy/entropy_high_entropy",
 REWARD_KEYS = ("reward/mean", "reward")
 
 
-def token_weighted_mean(parts: Sequence[Mapping[str, float]], weight_key: str = "num_tokens") -> dict[str, float]:
-    """Combine per-micro-batch metric dicts into one, each weighted by its token count (``weight_key``)."""
-    if not parts:
-        return {}
-    weights = [float(p.get(weight_key, 1.0)) for p in parts]
-    total = sum(weights)
-    out: dict[str, float] = {}
-    for key in parts[0]:
-        if key == weight_key:
-            out[key] = total
-            continue
-        values = [(float(p[key]), w) for p, w in zip(parts, weights) if key in p]
-        wsum = sum(w for _, w in values)
-        out[key] = sum(v * w for v, w in values) / wsum if wsum > 0 else 0.0
-    return out
-
-
 def first_present(record: Mapping[str, Any], keys: Iterable[str]) -> float | None:
     for key in keys:
         value = record.get(key)

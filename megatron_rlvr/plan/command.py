@@ -39,7 +39,8 @@ LABELS = {
 def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_per_node: int):
     """(config, HF config, nodes): the recipe with overrides, validated at its world size; nodes default to the
     recipe header's `--nodes N`, else 1."""
-    from megatron_rlvr.config import ConfigError, load_config
+    from megatron_rlvr.errors import ConfigError
+    from megatron_rlvr.config import load_config
     from megatron_rlvr.plan.recipe_files import documented_nodes, find_recipe, load_hf_config
 
     path = find_recipe(recipe)

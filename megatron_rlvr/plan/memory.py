@@ -1,7 +1,7 @@
 """Per-GPU memory of a recipe's layout, as pure arithmetic of (Config, HF config, nodes, GPU memory).
 
 Nothing here imports torch or megatron: the plan runs on a login node before a job is queued. Every byte count
-follows from what the code of this project allocates (megatron_rlvr/actor.py, rollout/vllm_engine.py):
+follows from what the code of this project allocates (megatron_rlvr/actor/megatron_actor.py, rollout/vllm_engine.py):
 
 - actor weights: this rank's parameters (the exact count megatron-core builds, ``stage_params``) x the parameter dtype
   (bf16 2 B on GPU, fp32 4 B on CPU);
@@ -55,7 +55,8 @@ class ModelDims:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelDims":
-        from megatron_rlvr.models.hf_config import family_of, head_dim, num_kv_heads
+        from megatron_rlvr.models.family import head_dim, num_kv_heads
+        from megatron_rlvr.models.hf_config import family_of
 
         return cls(
             hidden=int(hf["hidden_size"]), ffn=int(hf["intermediate_size"]), layers=int(hf["num_hidden_layers"]),

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from megatron_rlvr.config import ConfigError
+from megatron_rlvr.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "configs"

@@ -20,20 +20,15 @@ class RewardConfig:
     code_file_size_mb: int = 16
     code_nproc: int = 32  # processes of the program's own uid (fork bombs stop here)
     code_tmpfs_mb: int = 64  # the program's private writable tmpfs (work dir, /tmp, /dev/shm): RAM, not disk
-    # DAPO's soft overlong penalty (ALGORITHMS.md): with budget L_max = rollout.max_new_tokens and buffer
+    # DAPO's soft overlong penalty (docs/algorithms.md): with budget L_max = rollout.max_new_tokens and buffer
     # L_c = overlong_buffer, a response of L tokens gets overlong_penalty * min(0, (L_max - L_c - L) / L_c) added to
     # its reward, floored at -overlong_penalty. 0 = off.
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
-    # verifiers users bring (docs/rewards.md): TASK -> "package.module:function" or "path/to/file.py:function",
-    # fn(response, reference) -> float in [0, 1], run in the workers; imported (and checked) when the config loads
+    # verifiers users bring (docs/rewards.md): TASK -> "package.module:function" or "FILE.py:function" (a path),
+    # fn(response, reference) -> float in [0, 1], run in the workers; imported and checked when the config loads
+    # (load_config calls verifiers.check_config) and by every pool worker
     plugins: dict[str, str] = field(default_factory=dict)
     # a checkout of github.com/MiniMax-AI/SynLogic: logic rows whose data_source it verifies use its official verifier
     synlogic_dir: str = ""
     logic_fallback: bool = True  # other logic rows: the generic matcher (true) or an error naming the row (false)
-
-    def __post_init__(self) -> None:
-        if self.plugins or self.synlogic_dir:
-            from megatron_rlvr.rewards.verifiers import check_config
-
-            check_config(self)

@@ -1,7 +1,7 @@
 """Verifier plugins a user names in the config: ``reward.plugins: {TASK: "package.module:function"}``.
 
-A spec is ``package.module:function`` (imported from ``sys.path``) or ``path/to/file.py:function`` (a file, read
-relative to the working directory). The function is a `Verifier`: ``fn(response: str, reference) -> float`` in
+A spec is ``package.module:function`` (imported from ``sys.path``) or ``FILE.py:function`` (a path to a file,
+read relative to the working directory). The function is a `Verifier`: ``fn(response: str, reference) -> float`` in
 [0, 1], where ``reference`` is the row's answer column as written (a string or any JSON value). It runs in the
 reward pool's worker processes, under the pool's guarantees (see `pool.py`).
 
@@ -17,8 +17,11 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
+
+from megatron_rlvr.errors import ConfigError
 
 
 class Verifier(Protocol):
@@ -31,18 +34,16 @@ _LOADED: dict[str, Callable[[str, Any], float]] = {}  # spec (file paths resolve
 
 
 def _error(task: str, message: str) -> Exception:
-    from megatron_rlvr.config import ConfigError  # here: megatron_rlvr.config imports this package
-
     return ConfigError(f"reward.plugins.{task}: {message}")
 
 
 def _split(task: str, spec: Any) -> tuple[str, str, bool]:
     """(module or file, function name, is a file) of a spec."""
     if not isinstance(spec, str) or ":" not in spec:
-        raise _error(task, f"expected 'package.module:function' or 'path/to/file.py:function', got {spec!r}")
+        raise _error(task, f"expected 'package.module:function' or 'FILE.py:function' (a path), got {spec!r}")
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
-        raise _error(task, f"expected 'package.module:function' or 'path/to/file.py:function', got {spec!r}")
+        raise _error(task, f"expected 'package.module:function' or 'FILE.py:function' (a path), got {spec!r}")
     is_file = target.endswith(".py") or "/" in target or "\\" in target
     return target, name, is_file
 

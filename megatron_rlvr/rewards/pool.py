@@ -25,10 +25,12 @@ import os
 import signal
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards import reasoning_gym
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.scoring import code_limits
@@ -46,7 +48,6 @@ def check_memory_fits(cfg: RewardConfig) -> None:
     """ConfigError naming the keys when ``workers`` sandboxes at their full budgets exceed the available memory."""
     import psutil
 
-    from megatron_rlvr.config import ConfigError  # here, not at the top: megatron_rlvr.config imports this package
 
     per_program = cfg.code_memory_mb + cfg.code_tmpfs_mb
     memory = psutil.virtual_memory()
@@ -63,7 +64,7 @@ def check_memory_fits(cfg: RewardConfig) -> None:
 def _worker_main(conn: Connection, cfg: RewardConfig, extra_scorers: Mapping[str, Callable] | None,
                  warm: Sequence[str] = ()) -> None:
     # Slurm's warning signal (USR1) goes to every process of the job step; a verifier dying of it mid-item would
-    # score that item 0. The trainer's ranks handle it (preemption.py); the workers ignore it.
+    # score that item 0. The trainer's ranks handle it (runtime/preemption.py); the workers ignore it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     import resource
 
@@ -140,7 +141,7 @@ class RewardPool:
         self._warm: list[str] = []  # verifiers whose setup every worker has done (replacements do it at start)
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
-        self.totals: Counter = Counter({key: 0 for key in COUNTER_KEYS})
+        self.totals: Counter = Counter(dict.fromkeys(COUNTER_KEYS, 0))
         self.last_errors: list[str] = []  # the messages of the last batch's verifier errors (for logs)
         self._start_failures = 0
         for _ in range(self.cfg.workers):
@@ -178,7 +179,7 @@ class RewardPool:
             worker.conn.close()
         self._workers = []
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -217,7 +218,7 @@ class RewardPool:
             except ValueError as exc:
                 raise ValueError(f"RewardPool.score_batch: item {i}: {exc}") from None
         rewards = [0.0] * len(tasks)
-        counters = Counter({key: 0 for key in COUNTER_KEYS})
+        counters = Counter(dict.fromkeys(COUNTER_KEYS, 0))
         counters["items"] = len(tasks)
         counters.update(f"verifier/{route}" for route in routes)
         self.last_errors = []

@@ -12,8 +12,9 @@ numbers, 0.01 for one that does not parse), and a row counts as correct (pass@k,
 from __future__ import annotations
 
 import importlib.util
-from functools import lru_cache
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from functools import cache
+from typing import Any
 
 from megatron_rlvr.errors import UserError
 
@@ -21,7 +22,7 @@ TASK_PREFIX = "reasoning_gym:"
 INSTALL_HINT = "pip install 'megatron-rlvr[tasks]' (or pip install reasoning-gym==0.1.25)"
 
 
-class ReasoningGymMissing(UserError, ImportError):
+class ReasoningGymMissingError(UserError, ImportError):
     """reasoning-gym is not installed; the message says how to install it."""
 
 
@@ -34,10 +35,11 @@ _found = False  # set once the package was found: routing checks every row
 
 
 def require_reasoning_gym(why: str = "") -> None:
-    """ReasoningGymMissing (one line, how to install) unless the package can be imported; cheap: no import."""
+    """ReasoningGymMissingError (one line, how to install) unless the package can be imported; cheap: no import."""
     global _found
     if not _found and importlib.util.find_spec("reasoning_gym") is None:
-        raise ReasoningGymMissing(f"reasoning-gym is not installed{' (' + why + ')' if why else ''}; {INSTALL_HINT}")
+        where = f" ({why})" if why else ""
+        raise ReasoningGymMissingError(f"reasoning-gym is not installed{where}; {INSTALL_HINT}")
     _found = True
 
 
@@ -50,12 +52,11 @@ def check_reference(task: str, reference: Any) -> None:
                          f"`data prepare reasoning-gym` writes, got {reference!r:.200}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def scorer(name: str) -> Callable[[str | None, dict], float]:
     """The ``score_answer`` of dataset ``name`` (built once per process: some datasets load word lists)."""
     require_reasoning_gym(f"task {TASK_PREFIX}{name}")
     import reasoning_gym
-
     from reasoning_gym.factory import DATASETS
 
     if name not in DATASETS:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rlvr.rewards.config import RewardConfig
-from megatron_rlvr.rewards.countdown import check_reference as check_countdown_reference, score_countdown
+from megatron_rlvr.rewards.countdown import check_reference as check_countdown_reference
+from megatron_rlvr.rewards.countdown import score_countdown
 from megatron_rlvr.rewards.logic import verify_logic
 
 TASKS = ("math", "code", "logic", "countdown")

@@ -3,8 +3,8 @@
 The checkout's interface (the repository's layout): ``task2verifier.py`` at its root defines ``verifier_classes``,
 a dict from a task name (a row's ``data_source``: "arrow_maze", "sudoku", "bbh_web_of_lies", ...) to a class whose
 instances have ``verify(data, test_solution) -> bool | float``; ``data`` is a ``base.data.Data(question, answer,
-difficulty, metadata)`` (``base/data.py``) and ``test_solution`` the whole response (each verifier extracts its own
-answer: an ``<answer>`` tag, a fenced block, ...). task2verifier imports every task's verifier module
+difficulty, metadata)`` and ``test_solution`` the whole response (each verifier extracts its own answer: an
+``<answer>`` tag, a fenced block, ...). task2verifier imports every task's verifier module
 (``games/tasks/<task>/scripts/..._verifier.py``, ``corpus/misc/tasks/...``) with the checkout on ``sys.path``.
 
 The reference of a SynLogic row (written by ``data prepare synlogic``) is ``{"data_source", "answer", "metadata",
@@ -19,20 +19,21 @@ import importlib
 import importlib.util
 import io
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+from megatron_rlvr.errors import ConfigError
 
 
 def _error(message: str) -> Exception:
-    from megatron_rlvr.config import ConfigError  # here: megatron_rlvr.config imports this package
-
     return ConfigError(f"reward.synlogic_dir: {message}")
 
 
 class SynLogicVerifiers:
     """The official verifiers of one checkout: ``tasks`` (the names it verifies) and ``verify``."""
 
-    _CHECKOUTS: dict[Path, "SynLogicVerifiers"] = {}
+    _CHECKOUTS: dict[Path, SynLogicVerifiers] = {}
 
     def __init__(self, root: Path, classes: Mapping[str, type], data_cls: type):
         self.root, self._classes, self._data_cls = root, dict(classes), data_cls
@@ -40,7 +41,7 @@ class SynLogicVerifiers:
         self.tasks = frozenset(self._classes)
 
     @classmethod
-    def load(cls, synlogic_dir: str) -> "SynLogicVerifiers":
+    def load(cls, synlogic_dir: str) -> SynLogicVerifiers:
         """The checkout at ``synlogic_dir``, imported once per process; ConfigError naming the key if unusable."""
         root = Path(synlogic_dir).expanduser().resolve()
         if root in cls._CHECKOUTS:

@@ -21,7 +21,8 @@ scorer) before any item's deadline starts.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from megatron_rlvr.rewards import plugins, reasoning_gym
 from megatron_rlvr.rewards.config import RewardConfig
@@ -40,7 +41,8 @@ def reserved_task(task: str) -> str | None:
 
 
 def check_config(cfg: RewardConfig) -> None:
-    """Import what ``cfg`` names (plugins, the SynLogic checkout) once; ConfigError naming the key if unusable."""
+    """Import what ``cfg`` names (plugins, the SynLogic checkout) once; ConfigError naming the key if unusable.
+    `megatron_rlvr.config.load_config` calls it, so that a bad spec stops a run before anything starts."""
     plugins.check_plugins(cfg.plugins, reserved_task)
     if cfg.synlogic_dir:
         from megatron_rlvr.rewards.synlogic import SynLogicVerifiers

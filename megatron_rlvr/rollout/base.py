@@ -44,6 +44,12 @@ class EngineDiedError(RuntimeError):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    """What every engine is to the rest of the system; nothing reads an engine beyond this."""
+
+    # how many ranks drive this engine together (its generate is a collective over them); None: the colocated
+    # rollout.tp ranks of the recipe
+    ranks_per_engine: int | None
+
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
         """`n` completions for each prompt, in prompt order."""
 
@@ -56,3 +62,10 @@ class RolloutEngine(Protocol):
 
     def wake(self) -> None:
         """Undo `sleep`."""
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine died (it raised `EngineDiedError`); the caller rebuilds it."""
+
+    def close(self) -> None:
+        """Release the engine now (not from ``__del__`` at interpreter exit). Idempotent."""

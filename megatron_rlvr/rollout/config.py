@@ -36,7 +36,7 @@ class RolloutConfig:
     # algo.drop_uniform_groups: extra generation rounds per step to replace the groups whose rewards were all equal
     refill_max_rounds: int = 3
     # "colocated": every rank trains and serves an engine, taking turns. "separate": the last engine_ranks ranks of
-    # the torchrun world serve engines only, the others are the actor (DESIGN.md "Engines on their own ranks")
+    # the torchrun world serve engines only, the others are the actor (docs/separate-placement.md)
     placement: Placement = "colocated"
     engine_ranks: int = 0
     # outer prefixes: a prefix_fraction share of each group continues a weaker model's answer (an HF directory with

@@ -1,4 +1,4 @@
-"""Outer prefixes: part of each group continues a weaker model's partial answer (ALGORITHMS.md, "Beside CaSP").
+"""Outer prefixes: part of each group continues a weaker model's partial answer (docs/algorithms.md, "Outer prefixes").
 
 `PrefixedEngine(target, weak, fraction, cut, decode=...)` is a `RolloutEngine`. For each prompt and its ``n``
 samples, ``k = round(fraction * n)`` (halves round up) samples are prefixed, the other ``n - k`` are the target's
@@ -138,15 +138,17 @@ class PrefixedEngine:
         self.target.wake()
 
     @property
+    def ranks_per_engine(self) -> int | None:
+        return self.target.ranks_per_engine
+
+    @property
     def alive(self) -> bool:
         """False when either engine died (the trainer then rebuilds both through make_engine)."""
-        return bool(getattr(self.target, "alive", True) and getattr(self.weak, "alive", True))
+        return self.target.alive and self.weak.alive
 
     def close(self) -> None:
         for engine in (self.target, self.weak):
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()
+            engine.close()
 
 
 def without_prefixes(engine: RolloutEngine) -> RolloutEngine:
@@ -162,7 +164,7 @@ def check_same_tokenizer(model_dir: str | Path, prefix_model: str | Path) -> Any
 
     from transformers import AutoTokenizer
 
-    from megatron_rlvr.config import ConfigError
+    from megatron_rlvr.errors import ConfigError
 
     weak_dir = Path(prefix_model)
     if not (weak_dir / "config.json").is_file():

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 class VLLMEngine:
     """A vLLM engine behind the `RolloutEngine` protocol. After any failure inside vLLM it reports itself dead."""
 
+    ranks_per_engine: int | None = None  # colocated: the recipe's rollout.tp ranks drive it together
+
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> None:
         self._llm: Any = None  # set first: close() (also run by __del__) must work if a check below raises
         self._death: str | None = None

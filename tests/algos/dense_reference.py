@@ -1,4 +1,4 @@
-"""Test oracle: every loss written directly from ALGORITHMS.md on full-vocabulary float64 logits, token by token.
+"""Test oracle: every loss written directly from docs/algorithms.md on full-vocabulary float64 logits, token by token.
 
 Deliberately naive and independent of megatron_rlvr.algos: full log_softmax, a Python loop over tokens, per-row
 torch.quantile, explicit if/else per loss. Also a dense TokenStats builder (for tests that check the loss code on its
@@ -84,7 +84,7 @@ def reference_loss(
     rollout_logp: Tensor | None = None,
     kl_coefs: Tensor | None = None,
 ) -> Tensor:
-    """The loss of ALGORITHMS.md: value = clipped surrogate (+ extra terms), gradient = detached-weight form.
+    """The loss of docs/algorithms.md: value = clipped surrogate (+ extra terms), gradient = detached-weight form.
     ``kl_coefs`` [B]: the KL coefficient of each response in place of cfg.kl_coef (PBA)."""
     B, T, _ = logits.shape
     correction = reference_correction(old_logp, rollout_logp, mask, cfg) if rollout_logp is not None else None
@@ -200,7 +200,7 @@ def candidate_set_size(top_logp: Tensor, cfg: AlgoConfig) -> int:
 
 
 def reference_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: AlgoConfig) -> list[list[float]]:
-    """The rollout correction c[b][t] of ALGORITHMS.md with Python floats, response by response (1 off the mask)."""
+    """The rollout correction c[b][t] of docs/algorithms.md with Python floats, response by response (1 off the mask)."""
     B, T = mask.shape
     out = [[1.0] * T for _ in range(B)]
     for b in range(B):

@@ -1,4 +1,4 @@
-"""CaSP's adaptive candidate sets (ALGORITHMS.md "Beside CaSP"): the set rule, a hand-worked target, its two limits
+"""CaSP's adaptive candidate sets (docs/algorithms.md, "Adaptive candidates"): the set rule, a hand-worked target, its two limits
 (candidate_mass = 1 is the fixed top-N bit for bit; a tiny mass is CaSP with top_n = 1) and the dense oracle.
 The op at TP = 1 / 2 is in test_losses_op.py."""
 

@@ -1,4 +1,4 @@
-"""PBA (ALGORITHMS.md "Beside CaSP"): the split of prompts by base evidence, the per-response KL coefficient, and the
+"""PBA (docs/algorithms.md, "PBA"): the split of prompts by base evidence, the per-response KL coefficient, and the
 loss's k3 KL term with a per-sequence coefficient, by hand in float64 and against the dense oracle for every loss.
 The op at TP = 1 / 2 is in test_losses_op.py."""
 

@@ -15,7 +15,7 @@ import torch
 
 from megatron_rlvr.bridge import HFCheckpointReader
 from megatron_rlvr.bridge.convert import main as convert
-from megatron_rlvr.models.tiny import make_tiny_hf_model
+from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("dist_ckpt")
     return {arch: str(make_tiny_hf_model(arch, root / arch, seed=21)) for arch in ("qwen2", "llama")}
@@ -29,7 +29,7 @@ def _save_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int, megatron_default:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge.dist_ckpt import save_dist_checkpoint
 
     try:
@@ -46,7 +46,7 @@ def _save_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int, megatron_default:
 
 
 def _load_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int, ids: torch.Tensor):
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge.dist_ckpt import load_dist_checkpoint
 
     try:

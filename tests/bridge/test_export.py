@@ -21,7 +21,7 @@ BUCKET_BYTES = 100_000  # smaller than the embedding (~512 KB): exercises both r
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("tiny_export")
     return {
@@ -42,7 +42,7 @@ def _hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
 
 def _export_worker(hf_dir: str, tp: int, pp: int, bucket_bytes: int, vpp: int | None = None, shm: bool = True,
                    receive_ranks: tuple[int, ...] | None = None, lend_ranks: tuple[int, ...] = ()):
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export, export_hf_weights
 
     shm_before, export.SHM_EXCHANGE = export.SHM_EXCHANGE, shm  # worker processes are shared by tests: restored
@@ -217,7 +217,7 @@ def test_gathered_export_is_exact_tp2_pp2(workers4, tiny_models, arch):
 def _local_shards_worker(hf_dir: str, tp: int, pp: int):
     from megatron.core import parallel_state as ps
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_local_shards
 
     try:
@@ -265,7 +265,7 @@ def test_local_shards_reassemble_to_hf_tp2_pp2(workers4, tiny_models, arch):
 
 
 def _broken_worker(hf_dir: str, how: str):
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import BridgeError, export_hf_weights
 
     try:

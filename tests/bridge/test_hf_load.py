@@ -16,13 +16,13 @@ pytestmark = pytest.mark.dist
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     return make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("hf_load") / "qwen2", seed=2)
 
 
 def _load_worker(build_dir: str, load_dir: str):
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import BridgeError, HFCheckpointError, load_hf_weights
 
     try:

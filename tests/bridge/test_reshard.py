@@ -30,7 +30,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("tiny_reshard")
     return {key: str(make_tiny_hf_model(arch, root / key, **kw)) for key, (arch, kw) in MODELS.items()}
@@ -88,7 +88,7 @@ def reassemble(name: str, shards: list[torch.Tensor], dims: ModelDims) -> torch.
 
 def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], bucket_bytes: int) -> dict:
     """Export at (tp, pp), cut every tensor for each engine TP on arrival (as an engine rank would) and compare."""
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_hf_weights
 
     try:

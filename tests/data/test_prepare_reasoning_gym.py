@@ -75,7 +75,7 @@ def test_gym_flags_on_another_release_and_a_missing_install_are_errors(tmp_path,
               "--seed", "1"])
     monkeypatch.setattr(rg_reward, "_found", False)
     monkeypatch.setattr(rg_reward.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(rg_reward.ReasoningGymMissing, match=r"^reasoning-gym is not installed \(data prepare "
+    with pytest.raises(rg_reward.ReasoningGymMissingError, match=r"^reasoning-gym is not installed \(data prepare "
                                                             r"reasoning-gym\); pip install 'megatron-rlvr\[tasks\]'"):
         main(["prepare", "reasoning-gym", "--tasks", "syllogism", "--size", "2", "--seed", "1", "--out",
               str(tmp_path / "x.jsonl")])

@@ -21,7 +21,7 @@ def fake_run(monkeypatch):
     """The demo with training and vLLM evaluation replaced: training copies the base model, evaluation returns
     fixed samples on the first 4 prompts of the real eval split."""
     calls = {}
-    monkeypatch.setattr("megatron_rlvr.console.attach_log_file", lambda *a, **k: None)
+    monkeypatch.setattr("megatron_rlvr.runtime.console.attach_log_file", lambda *a, **k: None)
 
     def train(out, algo, overrides, nproc):
         calls["overrides"] = list(overrides)
@@ -79,7 +79,7 @@ def test_the_evaluation_does_not_depend_on_the_training_seed(tmp_path, monkeypat
         command._evaluate(tmp_path, {"base": MODEL_DIR}, 4, 8)
     assert seen[0][0] == command.EVAL_SEED
     from megatron_rlvr.config import load_config
-    from megatron_rlvr.demo.task import generate
+    from megatron_rlvr.tasks.countdown import generate
 
     ids = [json.loads(line)["id"] for line in seen[0][1].splitlines()]
     assert ids == [p.id for p in generate(load_config(command.RECIPE).data.seed, 8, "eval")]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlvr.demo import MODEL_DIR, task
+from megatron_rlvr.demo import MODEL_DIR
+from megatron_rlvr.tasks import countdown as task
 
 MODEL = Path(MODEL_DIR)
 

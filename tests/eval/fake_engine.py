@@ -14,9 +14,10 @@ import signal
 import sys
 
 from megatron_rlvr.rollout.base import Completion, Sampling
+from megatron_rlvr.testing.engines import ScriptedEngineBase
 
 
-class FakeEngine:
+class FakeEngine(ScriptedEngineBase):
     def __init__(self, skill: float = 0.3):
         self.skill = skill  # probability of a correct-looking answer for "easy" prompts
         self.calls = 0

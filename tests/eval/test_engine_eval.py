@@ -36,7 +36,7 @@ def stored_lines(out: Path) -> int:
 
 @pytest.mark.timeout(1800)
 def test_n1024_eval_killed_midway_resumes_to_the_same_table(tmp_path):
-    from megatron_rlvr.demo import task
+    from megatron_rlvr.tasks import countdown as task
 
     data = tmp_path / "data"
     data.mkdir()

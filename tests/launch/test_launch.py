@@ -200,7 +200,7 @@ def test_a_failing_task_makes_the_launcher_exit_nonzero(tmp_path):
 
 @pytest.mark.slow
 def test_local_executor_converts_a_tiny_checkpoint_through_the_real_cli(tmp_path):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     hf_dir = make_tiny_hf_model("qwen2", tmp_path / "tiny_hf")
     out = launch("convert.py", ["--", "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "mcore")],

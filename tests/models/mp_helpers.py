@@ -12,7 +12,7 @@ def build_chunks(hf_dir: str, tp: int, pp: int, seed: int = 1234, load: bool = T
     """initialize_model_parallel(tp, pp, vpp) and this rank's model chunks (HF weights loaded when ``load``)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import load_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
 

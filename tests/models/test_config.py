@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_rlvr.models import UnsupportedModelError, load_hf_config, padded_vocab_size
-from megatron_rlvr.models.hf_config import rope_settings
-from megatron_rlvr.models.tiny import TINY_DEFAULTS, make_tiny_hf_config
+from megatron_rlvr.models.family import rope_settings
+from megatron_rlvr.testing.tiny_models import TINY_DEFAULTS, make_tiny_hf_config
 
 
 def _hf(arch: str, **overrides) -> dict:

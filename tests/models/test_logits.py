@@ -16,14 +16,14 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("tiny")
     return {arch: str(make_tiny_hf_model(arch, root / arch, seed=7)) for arch in ("qwen2", "llama")}
 
 
 def _logits_worker(hf_dir: str, tp: int, pp: int, input_ids: torch.Tensor):
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
 
     try:
         _, chunks = build_chunks(hf_dir, tp, pp)

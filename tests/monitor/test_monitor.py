@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from megatron_rlvr.monitor import MetricLogger, candidate_dynamics, histogram, read_metrics, token_weighted_mean
+from megatron_rlvr.algos.metrics import token_weighted_mean
+from megatron_rlvr.monitor import MetricLogger, candidate_dynamics, histogram, read_metrics
 from megatron_rlvr.monitor import plots
 
 

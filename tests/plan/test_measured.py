@@ -3,7 +3,7 @@
 Parameter counts per rank of the paper models (the meta-device build of the recipe tests) at TP/PP 1 and 2, and the
 measured bytes of weights, DDP's grad buffer, optimizer state and the frozen reference of a real MegatronActor after
 one update at (TP, PP) = (1, 1), (2, 1), (1, 2), with and without the distributed optimizer and the reference.
-The update's peak memory is compared by tools/measure_memory.py (README), not here: it needs a bigger model to rise
+The update's peak memory is compared by tools/measure_memory.py (docs/plan.md), not here: it needs a bigger model to rise
 above allocator noise."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _meta_stage_counts(models: list[str], tp: int, pp: int) -> dict[str, int]:
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
     from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR
 
@@ -53,7 +53,7 @@ def test_stage_params_equal_the_meta_device_build(workers2, tp, pp):
 
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen"), with_tokenizer=False))
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from megatron_rlvr.config import ConfigError, load_config
+from megatron_rlvr.config import load_config
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards import RewardPool
 
 HELPERS = "tests.rewards.plugin_helpers"
@@ -81,7 +82,7 @@ def test_a_raising_plugin_scores_0_with_its_message_in_the_log(pool, caplog):
     (f"{HELPERS}:one_argument", r"reward\.plugins\.mine: .*one_argument\(response\) cannot be called as "
                                 r"fn\(response, reference\)"),
     ("plugins/absent.py:score", r"reward\.plugins\.mine: file plugins/absent\.py not found"),
-    ("just_a_name", r"reward\.plugins\.mine: expected 'package\.module:function' or 'path/to/file\.py:function'"),
+    ("just_a_name", r"reward\.plugins\.mine: expected 'package\.module:function' or 'FILE\.py:function' \(a path\)"),
 ])
 def test_each_bad_spec_is_a_one_line_error_naming_the_key(spec, message):
     with pytest.raises(ConfigError, match=message) as info:

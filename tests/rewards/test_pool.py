@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_rlvr.config import ConfigError
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards import RewardConfig, RewardPool, score
 from tests.rewards import pool_helpers
 

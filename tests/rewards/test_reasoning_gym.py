@@ -60,6 +60,6 @@ def test_bad_rows_and_a_missing_install_are_one_line_errors(pool, rows, monkeypa
     assert "reasoning-gym has no dataset 'no_such_task'" in pool.last_errors[0]
     monkeypatch.setattr(rg_reward, "_found", False)
     monkeypatch.setattr(rg_reward.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(rg_reward.ReasoningGymMissing, match=r"^reasoning-gym is not installed \(task "
+    with pytest.raises(rg_reward.ReasoningGymMissingError, match=r"^reasoning-gym is not installed \(task "
                                                             r"'reasoning_gym:syllogism'\); pip install "):
         pool.score_batch(["reasoning_gym:syllogism"], ["Yes"], [rows[0]["answer"]])

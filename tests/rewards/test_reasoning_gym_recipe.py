@@ -35,8 +35,8 @@ def header_prepare_command() -> list[str]:
 
 
 def _train_two_steps(data_path: str, out_dir: str):
-    from megatron_rlvr import distributed
     from megatron_rlvr.config import load_config
+    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.trainer import train
 
     cfg = load_config(RECIPE, [

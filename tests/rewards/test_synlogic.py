@@ -8,8 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_rlvr.config import ConfigError, load_config
+from megatron_rlvr.config import load_config
 from megatron_rlvr.data.prepare import main as data_main
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards import RewardConfig, RewardPool
 from megatron_rlvr.rewards.synlogic import SynLogicVerifiers
 from megatron_rlvr.rewards.verifiers import VerifierTable

@@ -6,7 +6,6 @@ lent buckets (``lend=True`` / ``update_weights(lent=True)``), where the engine m
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.rollout.sync_workers import sync_and_compare
 
@@ -18,7 +17,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("actor_sync")
     return {arch: str(make_tiny_hf_model(arch, root / arch, seed=11)) for arch in ("qwen2", "llama")}

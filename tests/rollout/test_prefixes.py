@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rlvr.testing.engines import ScriptedEngineBase
 from megatron_rlvr.rollout import RolloutConfig, RolloutEngine, Sampling
 from megatron_rlvr.rollout.base import Completion
 from megatron_rlvr.rollout.prefixes import PrefixedEngine, check_same_tokenizer, prefixed_count
@@ -27,7 +28,7 @@ def decode(ids: list[int]) -> str:
     return "".join(CHARS[t] for t in ids if t != EOS)
 
 
-class Fake:
+class Fake(ScriptedEngineBase):
     """Deterministic engine: answers depend on (name, seed, position, prompt, sample). Log-probs mark the engine."""
 
     def __init__(self, name: str, mark: float):
@@ -112,7 +113,7 @@ def test_prefixed_samples_carry_the_weak_prefix_and_the_targets_continuation():
 
 def test_prefix_tokens_are_masked_out_of_the_loss():
     from megatron_rlvr.data import PromptItem
-    from megatron_rlvr.experience import to_batch
+    from megatron_rlvr.experience.collect import to_batch
 
     out = _engine(fraction=0.5)[0].generate(PROMPTS, 4, _sampling())
     items = [PromptItem(id=str(i), prompt="", prompt_ids=tuple(p), answer="", task="math")
@@ -204,7 +205,7 @@ def test_weights_and_sleep_go_to_the_target_only():
 
 
 def test_engine_ranks_answer_the_actors_requests_with_the_target_alone():
-    from megatron_rlvr.rollout.engine_rank import answer
+    from megatron_rlvr.experience.engine_server import answer
 
     engine, target, weak = _engine(fraction=1.0)
     requests = [(PROMPTS[:2], 3, _sampling(seed=1)), ([], 2, _sampling(seed=2)), (PROMPTS[2:], 1, _sampling(seed=3))]
@@ -217,7 +218,7 @@ DEMO = Path(__file__).resolve().parents[2] / "megatron_rlvr" / "demo"
 
 
 def test_tokenizer_mismatch_is_a_clear_error(tmp_path):
-    from megatron_rlvr.config import ConfigError
+    from megatron_rlvr.errors import ConfigError
 
     check_same_tokenizer(DEMO / "model", DEMO / "weak_model")
     other = tmp_path / "other"
@@ -244,7 +245,7 @@ def test_vllm_continuations_have_the_targets_logprobs_and_prefixes_the_weak_ones
     prompt + response gives the engine's log-probs: the weak's on the prefix, the target's on the continuation."""
     from transformers import AutoTokenizer
 
-    from megatron_rlvr.demo import task
+    from megatron_rlvr.tasks import countdown as task
     from megatron_rlvr.rollout import make_engine
     from tests.rollout.hf_reference import hf_token_logprobs, load_hf
 

@@ -16,8 +16,8 @@ import psutil
 import pytest
 import torch
 
-from megatron_rlvr.distributed import free_port
-from megatron_rlvr.testing import WorkerGroup
+from megatron_rlvr.runtime.distributed import free_port
+from megatron_rlvr.testing.workers import WorkerGroup
 
 pytestmark = pytest.mark.dist
 
@@ -34,7 +34,7 @@ def workers3():
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from megatron_rlvr.models.tiny import make_tiny_hf_model
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("transfer") / "qwen2", seed=5, num_hidden_layers=2))
 
@@ -150,7 +150,7 @@ def _timed(fn, *args, **kwargs) -> dict:
 
 def _member_main(port: int, member: int, hf_dir: str, job: dict) -> None:
     """A transfer-group member in a process of its own, so that it can die (a worker's death would end the test)."""
-    from megatron_rlvr.testing import _die_with_parent
+    from megatron_rlvr.testing.workers import _die_with_parent
 
     _die_with_parent()
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from megatron_rlvr.models.tiny import make_tiny_hf_model
+from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 from megatron_rlvr.rollout import EngineDiedError, RolloutConfig, RolloutEngine, Sampling, WeightSyncError
 from megatron_rlvr.rollout.vllm_engine import VLLMEngine, make_engine
 from tests.rollout.hf_reference import hf_state_dict, hf_token_logprobs, load_hf, load_into_hf, perturbed

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlvr.models.tiny import make_tiny_hf_model
+from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 from megatron_rlvr.rollout import RolloutConfig, WeightManifest, WeightSyncError
 from tests.rollout.hf_reference import hf_state_dict, load_hf
 

@@ -84,10 +84,12 @@ def preflight(args: argparse.Namespace) -> list[str]:
     import megatron.core.pipeline_parallel  # noqa: F401
     import torch  # noqa: F401
 
-    from megatron_rlvr.actor import MegatronActor, SequenceBatch  # noqa: F401
+    from megatron_rlvr.actor.megatron_actor import MegatronActor  # noqa: F401
+    from megatron_rlvr.actor.batch import SequenceBatch  # noqa: F401
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.config import ActorConfig, ModelConfig  # noqa: F401
-    from megatron_rlvr.models.tiny import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
+    from megatron_rlvr.actor.config import ActorConfig  # noqa: F401
+    from megatron_rlvr.models.config import ModelConfig  # noqa: F401
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
     from megatron_rlvr.ops import backends  # noqa: F401
 
     AlgoConfig(loss="casp")
@@ -105,7 +107,7 @@ def make_batch(vocab: int, args: argparse.Namespace):
     """Right-padded rollouts: a prompt, then a response of random length; advantages of both signs."""
     import torch
 
-    from megatron_rlvr.actor import SequenceBatch
+    from megatron_rlvr.actor.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(args.seed)
     b, s = args.sequences, args.prompt_len + args.max_response
@@ -129,7 +131,7 @@ def real_tokens(batch) -> int:
 
 
 def actor_config(args: argparse.Namespace, layout: str, bf16: bool):
-    from megatron_rlvr.config import ActorConfig
+    from megatron_rlvr.actor.config import ActorConfig
 
     extra = dict(LAYOUTS[layout])
     if extra.get("max_tokens_per_micro_batch") == -1:
@@ -161,9 +163,9 @@ def reset_peak(cuda: bool) -> None:
 
 
 def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool, total_steps: int):
-    from megatron_rlvr.actor import MegatronActor
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.config import ModelConfig
+    from megatron_rlvr.models.config import ModelConfig
 
     return MegatronActor(ModelConfig(hf_dir=str(hf_dir)), actor_config(args, layout, bf16), AlgoConfig(loss="casp"),
                          temperature=1.0, total_steps=total_steps)
@@ -178,7 +180,7 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
     """A fresh actor per (dtype, layout): statistics, ``steps`` updates, statistics again."""
     import torch
 
-    from megatron_rlvr.distributed import model_parallel
+    from megatron_rlvr.runtime.distributed import model_parallel
     from megatron_rlvr.ops import backends
 
     runs: dict[str, Any] = {}
@@ -217,7 +219,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
     writes the figures so far after each phase: a stage stopped at its time limit still leaves them."""
     import torch
 
-    from megatron_rlvr.distributed import model_parallel
+    from megatron_rlvr.runtime.distributed import model_parallel
     from megatron_rlvr.ops import backends
 
     out: dict[str, Any] = {"layouts": {}, "complete": False}

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors import safe_open
 
     from megatron_rlvr.bridge import load_hf_weights
-    from megatron_rlvr.distributed import model_parallel
+    from megatron_rlvr.runtime.distributed import model_parallel
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
 
     cuda = torch.cuda.is_available()

@@ -55,7 +55,7 @@ def param_count(cfg: dict[str, Any]) -> int:
 def model_dir(name: str, work: Path = DEFAULT_WORK) -> Path:
     """A random HF Qwen2 checkpoint (bf16 safetensors, config.json; no tokenizer: the actor reads token ids only),
     written once per machine: a finished directory holds the marker file ``.complete``."""
-    from megatron_rlvr.models.tiny import write_random_hf_checkpoint
+    from megatron_rlvr.testing.tiny_models import write_random_hf_checkpoint
 
     import fcntl
     import shutil
@@ -78,7 +78,7 @@ def init_process_group() -> str:
     """One rank's process group: the library's (nccl with CUDA, else gloo) unless gpu_check.sh set a backend."""
     import torch.distributed as dist
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
 
     backend = os.environ.get(PG_BACKEND_ENV)
     if backend and not dist.is_initialized():

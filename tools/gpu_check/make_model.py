@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def preflight(args: argparse.Namespace) -> list[str]:
-    from megatron_rlvr.models.tiny import write_random_hf_checkpoint  # noqa: F401
+    from megatron_rlvr.testing.tiny_models import write_random_hf_checkpoint  # noqa: F401
 
     return []
 

@@ -1,6 +1,6 @@
 """Before the actor and bridge stages: can the library's process group run every collective they use?
 
-``megatron_rlvr.distributed.init_process_group`` starts NCCL when CUDA is there, and NCCL runs only CUDA tensors;
+``megatron_rlvr.runtime.distributed.init_process_group`` starts NCCL when CUDA is there, and NCCL runs only CUDA tensors;
 the actor and the bridge also all-reduce small CPU flags (``MegatronActor._all_finite``, the export's
 ``_raise_everywhere``). This probe all-reduces a CPU and a CUDA tensor on the library's group, then on
 ``cuda:nccl,cpu:gloo``, and writes which works. gpu_check.sh runs the later stages with the library's backend when
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 def preflight(args: argparse.Namespace) -> list[str]:
     import torch.distributed  # noqa: F401
 
-    from megatron_rlvr import distributed  # noqa: F401
+    from megatron_rlvr.runtime import distributed  # noqa: F401
 
     return []
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_rlvr import distributed
+    from megatron_rlvr.runtime import distributed
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     distributed.init_process_group()

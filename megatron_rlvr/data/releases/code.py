@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from megatron_rlvr.data.releases import Options, Prepared, Release, Skip, first
+from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, first
 
 STDIN_INSTRUCTION = ("\n\nRead the input from standard input and write the answer to standard output."
                      "\n\nReturn the complete program in one ```python code block.")

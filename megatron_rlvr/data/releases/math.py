@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from megatron_rlvr.data.releases import Options, Prepared, Release, Skip, chat_text, first
+from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, chat_text, first
 
 # the instruction the eval gives math problems (eval/benchmarks.py), so training and eval prompts agree
 MATH_INSTRUCTION = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."

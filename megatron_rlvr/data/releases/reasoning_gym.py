@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import yaml
 
-from megatron_rlvr.data.releases import Skip
+from megatron_rlvr.data.releases.base import Skip
 from megatron_rlvr.data.sources import DataError
 
 ANSWER_INSTRUCTION = "\n\nGive only your final answer, between <answer> and </answer>."
@@ -44,7 +45,6 @@ def _registry() -> dict[str, Any]:
 
     require_reasoning_gym("data prepare reasoning-gym")
     import reasoning_gym  # noqa: F401 - registers the datasets
-
     from reasoning_gym.factory import DATASETS
 
     return DATASETS

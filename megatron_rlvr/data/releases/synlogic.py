@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from megatron_rlvr.data.releases import Options, Prepared, Release, Skip, chat_text, first
+from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, chat_text, first
 
 
 def _game_data(record: dict) -> dict:

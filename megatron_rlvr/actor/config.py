@@ -1,0 +1,34 @@
+"""Configuration of the Megatron actor: parallel layout, micro-batching, optimizer and memory knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class ActorConfig:
+    """Megatron actor: parallel layout, optimizer and the memory knobs a large run needs."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
+    sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    micro_batch_size: int = 1  # sequences per micro-batch when max_tokens_per_micro_batch is 0
+    # > 0: micro-batches by real-token budget (micro_batch_size unused); a longer sequence gets a micro-batch alone
+    max_tokens_per_micro_batch: int = 0
+    pack_sequences: bool = True  # one THD stream per micro-batch (no padding); false: right-padded [b, S] blocks
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    use_distributed_optimizer: bool = True
+    bf16: bool = False  # bf16 compute with fp32 main grads and params in the optimizer
+    stats_chunk_tokens: int = 4096  # token chunk of the fused statistics op (bounds its scratch memory)
+    max_nonfinite_in_a_row: int = 3

@@ -1,0 +1,10 @@
+"""Experience: what the loop trains on, and where it comes from.
+
+- `collect`: prompts -> sampled responses -> rewards -> group advantages -> one `SequenceBatch` (a whole step).
+- `source`: the `ExperienceSource` protocol the trainer holds, and `make_source` for ``rollout.placement``.
+- `colocated`: every rank samples with its own engine, then trains (they take turns).
+- `engine_ranks`: the actor side of separate placement (engines on ranks of their own, one-step-off).
+- `engine_server`: the engine ranks' side: serve the actor's commands.
+- `wire`: the messages between the two sides.
+- `validation`, `base_evidence`: sampling on the actor's behalf (val/pass@k; PBA's base evidence).
+"""

@@ -1,0 +1,252 @@
+"""Experience collection: prompts -> sampled responses (each rollout-DP rank on its own engine) -> rewards ->
+group advantages -> one padded `SequenceBatch`, identical on every rank.
+
+Dynamic sampling (``algo.drop_uniform_groups``, DAPO): a group whose G rewards are all equal carries no signal. Such
+groups are dropped and up to ``rollout.refill_max_rounds`` extra rounds draw and sample further prompts until the step
+has ``trainer.prompts_per_step`` informative groups (extra ones beyond that are not trained); after the last round it
+trains what it has. The batch keeps its shape (prompts_per_step groups): a short step is padded with dropped groups
+whose tokens are masked out, so no layout or micro-batch split changes with the luck of the draw.
+
+Determinism (exact resume): round r of step s samples with seeds that are a function of (run seed, s, r, rollout
+rank), and the prompts come from the loader's stream in order, so a run that resumes at step s draws and samples
+exactly what an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlvr.actor.batch import SequenceBatch
+from megatron_rlvr.algos import compute_advantages
+from megatron_rlvr.data import PromptItem
+from megatron_rlvr.rollout import Completion, EngineDiedError, RolloutConfig, RolloutEngine, Sampling
+
+if TYPE_CHECKING:
+    from megatron_rlvr.config import Config
+    from megatron_rlvr.data import PromptLoader
+
+
+@dataclass
+class Experience:
+    items: list[PromptItem]  # the batch's prompts, one per group, in batch order
+    completions: list[list[Completion]]  # [prompt][sample]
+    rewards: torch.Tensor  # [prompts * G] the batch's rewards (the overlong penalty included)
+    batch: SequenceBatch
+    engine_logp: torch.Tensor  # [B, S - 1] the engine's log-probs at response positions (0 elsewhere)
+    reward_counters: dict[str, int]
+    # reward/*, response/* over every response sampled this step (all rounds); batch/* about what trains
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    """One prompt's G responses, sampled in round ``round`` at position ``index`` of that round's draw."""
+
+    round: int
+    index: int
+    item: PromptItem
+    completions: list[Completion]
+    rewards: torch.Tensor  # [G], the overlong penalty included
+    penalty: torch.Tensor  # [G] the overlong penalty (<= 0)
+
+    @property
+    def uniform(self) -> bool:
+        return bool((self.rewards == self.rewards[0]).all())
+
+
+def sampling_seed(run_seed: int, step: int, rollout_rank: int, refill_round: int = 0) -> int:
+    return (run_seed * 1_000_003 + step * 10_007 + rollout_rank + refill_round * 7_919_993) % 2**31
+
+
+def generate(
+    engine: RolloutEngine, items: list[PromptItem], cfg: RolloutConfig, *, run_seed: int, step: int,
+    refill_round: int = 0,
+) -> list[list[Completion]]:
+    """Every rank of a rollout group generates its share of the prompts; all ranks get every completion. An engine
+    that died on any rank raises EngineDiedError on every rank. The ranks that drive one engine together are
+    ``rollout.tp`` colocated ranks, or the engine's own ``ranks_per_engine`` (the engine ranks seen from the actor:
+    each actor rank asks for itself)."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    tp = engine.ranks_per_engine or cfg.tp
+    rollout_dp, rollout_rank = world // tp, rank // tp
+    mine = list(range(rollout_rank, len(items), rollout_dp))
+    sampling = Sampling(
+        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, min_tokens=cfg.min_new_tokens,
+        stop=list(cfg.stop),
+        seed=sampling_seed(run_seed, step, rollout_rank, refill_round), logprobs=True,
+    )
+    died = ""
+    try:
+        produced = engine.generate([list(items[i].prompt_ids) for i in mine], cfg.group_size, sampling) if mine else []
+    except EngineDiedError as e:  # tell every rank (they are about to wait for this one), then fail together
+        produced, died = [], f"rank {rank}: {e}"
+    shares: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(shares, (mine, produced, died) if rank % tp == 0 else ([], [], died))
+    else:
+        shares = [(mine, produced, died)]
+    deaths = [d for _, _, d in shares if d]
+    if deaths:
+        raise EngineDiedError("rollout engine died: " + "; ".join(deaths))
+    completions: list[list[Completion] | None] = [None] * len(items)
+    for indices, outputs, _ in shares:
+        for i, out in zip(indices, outputs):
+            completions[i] = out
+    missing = [items[i].id for i, c in enumerate(completions) if c is None]
+    if missing:
+        raise RuntimeError(f"no completions came back for prompts {missing[:5]} (rollout ranks disagree)")
+    return completions  # type: ignore[return-value]
+
+
+def score(pool, items: list[PromptItem], completions: list[list[Completion]]) -> tuple[torch.Tensor, dict[str, int]]:
+    """Rewards of every response, in (prompt, sample) order. Each rank scores a share; all ranks get all."""
+    flat = [(item, c) for item, group in zip(items, completions) for c in group]
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    mine = list(range(rank, len(flat), world))
+    rewards, counters = pool.score_batch(
+        [flat[i][0].task for i in mine], [flat[i][1].text for i in mine], [flat[i][0].answer for i in mine]
+    )
+    shares: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(shares, (mine, rewards, counters))
+    else:
+        shares = [(mine, rewards, counters)]
+    out = torch.zeros(len(flat))
+    total: dict[str, int] = {}
+    for indices, values, ctr in shares:
+        out[indices] = torch.tensor(values, dtype=torch.float32)
+        for key, value in ctr.items():
+            total[key] = total.get(key, 0) + int(value)
+    return out, total
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft length penalty per response of ``lengths`` tokens: 0 up to ``L_max - L_c``, then falling linearly
+    to ``-penalty`` at the budget ``L_max`` (``penalty * (L_max - L_c - L) / L_c``), and ``-penalty`` beyond."""
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    start = max_new_tokens - buffer
+    over = ((start - lengths.double()) / buffer).clamp(-1.0, 0.0)
+    return (penalty * over).to(torch.float32)
+
+
+def _sample_round(
+    engine: RolloutEngine, pool, items: list[PromptItem], cfg: "Config", *, run_seed: int, step: int, refill_round: int,
+    counters: dict[str, int],
+) -> list[_Group]:
+    completions = generate(engine, items, cfg.rollout, run_seed=run_seed, step=step, refill_round=refill_round)
+    rewards, round_counters = score(pool, items, completions)
+    for key, value in round_counters.items():
+        counters[key] = counters.get(key, 0) + value
+    lengths = torch.tensor([len(c.token_ids) for group in completions for c in group])
+    penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer,
+                               cfg.reward.overlong_penalty)
+    rewards = rewards + penalty
+    g = cfg.rollout.group_size
+    return [_Group(refill_round, i, item, group, rewards[i * g : (i + 1) * g], penalty[i * g : (i + 1) * g])
+            for i, (item, group) in enumerate(zip(items, completions))]
+
+
+def _refill_count(missing: int, drawn: int, informative: int, prompts_per_step: int) -> int:
+    """Prompts to draw for ``missing`` informative groups: as many as this step's informative rate so far predicts
+    (a full batch when none was informative), at least ``missing``, at most one batch's worth."""
+    if informative == 0:
+        return prompts_per_step
+    return max(missing, min(prompts_per_step, math.ceil(missing * drawn / informative)))
+
+
+def collect(engine: RolloutEngine, pool, loader: "PromptLoader", cfg: "Config", *, pad_id: int, run_seed: int,
+            step: int) -> Experience:
+    """One step's experience from ``loader.batch_size`` prompts (more with dynamic sampling, see the module doc).
+    The loader advances by every prompt drawn; a caller retrying a failed collect restores its state first."""
+    want, refill = loader.batch_size, cfg.algo.drop_uniform_groups
+    counters: dict[str, int] = {}
+    groups = _sample_round(engine, pool, loader.next_batch(), cfg, run_seed=run_seed, step=step, refill_round=0,
+                           counters=counters)
+    rounds = 0
+    while refill and rounds < cfg.rollout.refill_max_rounds:
+        informative = sum(not g.uniform for g in groups)
+        if informative >= want:
+            break
+        rounds += 1
+        items = loader.draw(_refill_count(want - informative, len(groups), informative, want))
+        groups += _sample_round(engine, pool, items, cfg, run_seed=run_seed, step=step, refill_round=rounds,
+                                counters=counters)
+    chosen = _choose_groups(groups, want, refill)
+    rewards = torch.cat([g.rewards for g in chosen])
+    advantages, keep = compute_advantages(rewards, cfg.rollout.group_size, cfg.algo)
+    items, completions = [g.item for g in chosen], [g.completions for g in chosen]
+    batch, engine_logp = to_batch(items, completions, advantages, pad_id)
+    # dropped groups padding a short step keep their place (fixed batch shape) but contribute no tokens
+    batch.response_mask &= keep[:, None]
+    if cfg.algo.mask_truncated:  # DAPO overlong filtering: a response cut at the budget trains no tokens
+        truncated = torch.tensor([c.finish_reason == "length" for group in completions for c in group])
+        batch.response_mask &= ~truncated[:, None]
+    trained = sum(not g.uniform for g in chosen) if refill else len(chosen)
+    metrics = _sampled_metrics(groups, cfg.reward.overlong_buffer > 0)
+    metrics.update({
+        "batch/uniform_groups_dropped": float(sum(g.uniform for g in groups)) if refill else 0.0,
+        "batch/refill_rounds": float(rounds),
+        "batch/groups_trained": float(trained),
+    })
+    return Experience(items, completions, rewards, batch, engine_logp, counters, metrics)
+
+
+def _choose_groups(groups: list[_Group], want: int, refill: bool) -> list[_Group]:
+    """The step's ``want`` groups in draw order: without dropping, the first round's; with it, the first ``want``
+    informative ones, topped up with dropped groups (masked out later) when the rounds ran out."""
+    if not refill:
+        return groups[:want]
+    informative = [g for g in groups if not g.uniform][:want]
+    padding = [g for g in groups if g.uniform][: want - len(informative)]
+    return sorted(informative + padding, key=lambda g: (g.round, g.index))
+
+
+def _sampled_metrics(groups: list[_Group], penalized: bool) -> dict[str, float]:
+    """The policy's behaviour on every prompt it sampled this step (all rounds: each an unbiased draw of prompts)."""
+    rewards = torch.cat([g.rewards for g in groups])
+    responses = [c for g in groups for c in g.completions]
+    prefixed = torch.tensor([c.prefix_len > 0 for c in responses])
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "response/length": sum(len(c.token_ids) for c in responses) / len(responses),
+        "response/truncated_frac": sum(c.finish_reason == "length" for c in responses) / len(responses),
+        "rollout/prefix_frac": float(prefixed.float().mean()),  # responses that continue a weaker model's prefix
+    }
+    if prefixed.any():
+        metrics["reward/mean_prefixed"] = float(rewards[prefixed].mean())
+    if penalized:
+        metrics["reward/overlong_penalty"] = float(torch.cat([g.penalty for g in groups]).mean())
+    return metrics
+
+
+def to_batch(
+    items: list[PromptItem], completions: list[list[Completion]], advantages: torch.Tensor, pad_id: int
+) -> tuple[SequenceBatch, torch.Tensor]:
+    """Right-padded prompt + response sequences, one length for the whole step (pipeline stages exchange
+    fixed-shape activations). The engine's per-token log-probs, placed at the same positions, are the batch's
+    ``rollout_logp`` (what the rollout correction reads) and come back beside it (the mismatch metric). The first
+    ``Completion.prefix_len`` response tokens (a weaker model's prefix) are context only: masked out."""
+    seqs, spans, engine, prefixes = [], [], [], []
+    for item, group in zip(items, completions):
+        for c in group:
+            seqs.append(list(item.prompt_ids) + list(c.token_ids))
+            spans.append((len(item.prompt_ids), len(c.token_ids)))
+            engine.append(c.logprobs)
+            prefixes.append(min(c.prefix_len, len(c.token_ids)))
+    length = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length - 1, dtype=torch.bool)
+    engine_logp = torch.zeros(len(seqs), length - 1)
+    for i, (seq, (p, r), lp, k) in enumerate(zip(seqs, spans, engine, prefixes)):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        mask[i, p - 1 + k : p - 1 + r] = True  # position t predicts token t + 1
+        if lp:
+            engine_logp[i, p - 1 : p - 1 + len(lp)] = torch.tensor(lp[:r])
+    return SequenceBatch(tokens, mask, advantages.float(), rollout_logp=engine_logp), engine_logp

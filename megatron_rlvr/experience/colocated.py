@@ -1,0 +1,80 @@
+"""Colocated placement (``rollout.placement: colocated``): every rank samples with its own engine, then the engine
+sleeps while the actor trains and the new weights are synced into it; they take turns. A dead engine is rebuilt and
+the step retried once."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from megatron_rlvr.config import Config
+from megatron_rlvr.experience.collect import Experience, collect
+from megatron_rlvr.experience.construction import make_rollout_engine
+from megatron_rlvr.experience.wire import Rollout
+from megatron_rlvr.experience.validation import validate
+from megatron_rlvr.rollout import EngineDiedError
+from megatron_rlvr.runtime import distributed
+
+
+def sync_weights(actor, engine, bucket_bytes: int) -> None:
+    """Stream the actor's weights (HF names) into this rank's engine; a collective over the model-parallel group.
+    The buckets are lent (views of the exchange's shared memory where TP ranks share a host): the engine consumes
+    each tensor before it draws the next bucket, so no rank allocates the model's size anew per sync."""
+    engine.update_weights(itertools.chain.from_iterable(actor.export_weights(bucket_bytes, lend=True)), lent=True)
+
+
+def build_engine(cfg: Config, actor):
+    """This rank's engine, with the actor's current weights."""
+    engine = make_rollout_engine(cfg, distributed.rank())
+    sync_weights(actor, engine, cfg.rollout.bucket_bytes)
+    return engine
+
+
+def revive_engine(cfg, actor, engine):
+    """After an engine died somewhere (every rank learns it together): dead engines are rebuilt, live ones re-synced,
+    since the weight export is a collective every rank joins. The actor's state is untouched."""
+    if engine.alive:
+        sync_weights(actor, engine, cfg.rollout.bucket_bytes)
+        return engine
+    return build_engine(cfg, actor)
+
+
+class ColocatedSource:
+    """Every rank samples with its own engine and trains; they take turns."""
+
+    def __init__(self, cfg, actor, pool, loader, pad_id: int) -> None:
+        self.cfg, self.actor, self.pool, self.loader, self.pad_id = cfg, actor, pool, loader, pad_id
+        self.engine = build_engine(cfg, actor)
+
+    def next(self, step: int) -> tuple[Experience, dict[str, float]]:
+        drawn_from = self.loader.state_dict()  # a retried step draws the same prompts again
+        for attempt in range(2):
+            try:
+                exp = collect(self.engine, self.pool, self.loader, self.cfg, pad_id=self.pad_id,
+                              run_seed=self.cfg.trainer.seed, step=step)
+                break
+            except EngineDiedError:  # raised on every rank together: revive the engines, retry once
+                if attempt:
+                    raise
+                self.engine = revive_engine(self.cfg, self.actor, self.engine)
+                self.loader.load_state_dict(drawn_from)
+        self.engine.sleep()  # a colocated GPU engine hands its KV cache (level 2: weights too) to the update
+        return exp, {}
+
+    def after_update(self, step: int) -> dict[str, float]:
+        sync_weights(self.actor, self.engine, self.cfg.rollout.bucket_bytes)
+        return {}
+
+    def validate(self, step: int, val_items, pad_id: int):
+        metrics, entropy = validate(self.engine, self.pool, self.actor, val_items, self.cfg, pad_id)
+        self.engine.sleep()
+        return metrics, entropy
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict()}
+
+    def pending(self) -> Rollout | None:
+        return None
+
+    def close(self) -> None:
+        self.engine.close()  # now, not from __del__ at interpreter exit, when vLLM's shutdown finds its modules gone

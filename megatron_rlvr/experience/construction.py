@@ -1,0 +1,38 @@
+"""What both placements build the same way, so that an engine rank and a colocated rank agree: this rank's rollout
+engine (its seed and dtype) and the prompt stream (tokenizer, prompts, the resumable loader)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rlvr.config import Config
+from megatron_rlvr.data import LoadStats, PromptItem, PromptLoader, load_items
+from megatron_rlvr.rollout import RolloutEngine, make_engine
+
+
+def make_rollout_engine(cfg: Config, rank: int) -> RolloutEngine:
+    """The engine of ``rank``; the ranks of one engine's TP group share its seed."""
+    seed = cfg.trainer.seed + rank // cfg.rollout.tp
+    return make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype="bfloat16" if cfg.actor.bf16 else "float32")
+
+
+@dataclass
+class PromptStream:
+    """The training prompts of a run and the loader that draws them, identical on every rank that builds it."""
+
+    tokenizer: Any
+    pad_id: int
+    items: list[PromptItem]
+    stats: LoadStats  # rows read, bad rows skipped, prompts over data.max_prompt_tokens
+    loader: PromptLoader
+
+
+def prompt_stream(cfg: Config) -> PromptStream:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    items, stats = load_items(cfg.data, tokenizer, "train")
+    loader = PromptLoader(items, cfg.trainer.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    return PromptStream(tokenizer, pad_id, items, stats, loader)

@@ -1,0 +1,48 @@
+"""The one source of experience the trainer reads, step by step (`ExperienceSource`): it either generates in place
+(colocated.py) or hands over what the engine ranks produced (engine_ranks.py); docs/separate-placement.md describes
+both. `make_source` picks one for ``rollout.placement``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from megatron_rlvr.config import Config
+from megatron_rlvr.experience.collect import Experience
+from megatron_rlvr.experience.colocated import ColocatedSource
+from megatron_rlvr.experience.engine_ranks import EngineRanksSource
+from megatron_rlvr.experience.wire import Rollout
+from megatron_rlvr.rollout import RolloutEngine
+from megatron_rlvr.runtime.roles import Roles
+
+
+class ExperienceSource(Protocol):
+    """What the loop reads experience from. Every method is a collective over the actor ranks."""
+
+    engine: RolloutEngine  # samples the target model on the actor's behalf (validation, PBA's base evidence)
+
+    def next(self, step: int) -> tuple[Experience, dict[str, float]]:
+        """Step ``step``'s experience and the source's metrics for it."""
+
+    def after_update(self, step: int) -> dict[str, float]:
+        """The actor finished update ``step``: bring the engines its weights when they sample next."""
+
+    def validate(self, step: int, val_items: list[Any], pad_id: int) -> tuple[dict[str, float], Any]:
+        """val/* metrics and the per-token entropy of the answers to ``val_items`` with the current weights."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold to resume the stream exactly (the prompt loader's position)."""
+
+    def pending(self) -> Rollout | None:
+        """A rollout sampled ahead (one-step-off) that the next checkpoint stores."""
+
+    def close(self) -> None:
+        """Release the engines (not after an error: a rank that raised alone must exit, not wait here)."""
+
+
+def make_source(cfg: Config, roles: Roles | None, actor, pool, loader, pad_id: int, *, start_step: int,
+                pending: Rollout | None = None) -> ExperienceSource:
+    """The run's experience source for ``rollout.placement``."""
+    if cfg.rollout.placement == "separate":
+        return EngineRanksSource(cfg, roles, actor, pool, loader, pad_id, start_step=start_step, pending=pending)
+    return ColocatedSource(cfg, actor, pool, loader, pad_id)

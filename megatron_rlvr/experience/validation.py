@@ -1,0 +1,93 @@
+"""In-training validation: every `trainer.eval_every` steps the rollout engines sample `eval.n_samples` answers per
+held-out prompt; the verifier's verdicts give val/pass@k, and the actor's per-token entropy over those answers is
+the entropy histogram of that step (the candidate-dynamics view the CaSP paper plots).
+
+The held-out prompts are `eval.benchmarks` (files under `eval.data_dir`, as `megatron-rlvr eval` reads them) when
+any are named, else the dataset's eval split (`data.eval_path`, or the embedded task's). Every validation samples
+with the same seeds, so the differences between steps are the model's, not the sampler's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from megatron_rlvr.actor.batch import SequenceBatch
+from megatron_rlvr.config import Config
+from megatron_rlvr.data import PromptItem, Row, items_from_rows, load_items
+from megatron_rlvr.eval.passk import pass_at_k
+from megatron_rlvr.experience.collect import generate, score, to_batch
+from megatron_rlvr.rollout.prefixes import without_prefixes
+
+# Training rollouts use sampling_seed(run seed, step >= 0, rank): a negative step keeps validation seeds apart.
+_VALIDATION_STEP = -1
+
+
+def load_validation_items(cfg: Config, tokenizer) -> list[PromptItem]:
+    """The held-out prompts, tokenized under the data settings (template, length limit), `eval.limit` per source."""
+    limit = cfg.eval.limit or None
+    if not cfg.eval.benchmarks:
+        return load_items(cfg.data, tokenizer, "eval")[0][:limit]
+    from megatron_rlvr.eval.benchmarks import load_benchmark
+
+    data_cfg = dataclasses.replace(cfg.data, chat_template=cfg.eval.chat_template, skip_bad_rows=False)
+    items: list[PromptItem] = []
+    for bench in cfg.eval.benchmarks:
+        rows = (
+            Row(f"{bench}:{i}", bench, i, {data_cfg.problem_key: p.prompt, data_cfg.answer_key: p.reference,
+                                           data_cfg.task_key: p.task, data_cfg.id_key: f"{bench}/{p.problem_id}"})
+            for i, p in enumerate(load_benchmark(bench, cfg.eval.data_dir, limit), start=1)
+        )
+        items += items_from_rows(rows, data_cfg, tokenizer)[0]
+    if not items:
+        raise ValueError(f"eval.benchmarks={cfg.eval.benchmarks}: no prompt fits data.max_prompt_tokens="
+                         f"{cfg.data.max_prompt_tokens}")
+    return items
+
+
+def pass_at_k_metrics(correct: np.ndarray, n_samples: int) -> dict[str, float]:
+    """Mean pass@k over prompts, k = 1, 2, 4, ... up to n_samples (and n_samples itself)."""
+    ks = sorted({k for k in (2**i for i in range(n_samples.bit_length())) if k <= n_samples} | {n_samples})
+    return {f"val/pass@{k}": float(np.mean(pass_at_k(n_samples, correct, k))) for k in ks}
+
+
+def _pad_to_whole_micro_batches(batch: SequenceBatch, actor) -> SequenceBatch:
+    """Repeat the first sequence, masked out, until every data-parallel rank gets whole micro-batches (pipeline
+    stages exchange fixed-shape activations); the padding adds no entropy values."""
+    from megatron.core import parallel_state as ps
+
+    unit = ps.get_data_parallel_world_size() * actor.cfg.micro_batch_size
+    extra = -len(batch) % unit
+    if not extra:
+        return batch
+    padded = batch.select(torch.cat([torch.arange(len(batch)), torch.zeros(extra, dtype=torch.long)]))
+    padded.response_mask[len(batch):] = False
+    return padded
+
+
+def validate(
+    engine, pool, actor, items: list[PromptItem], cfg: Config, pad_id: int
+) -> tuple[dict[str, float], np.ndarray]:
+    """Sample, verify and measure; a collective over all ranks. Returns the val/ metrics and the per-token
+    entropies (nats) of every sampled answer token under the actor."""
+    e = cfg.eval
+    rollout_cfg = dataclasses.replace(
+        cfg.rollout, group_size=e.n_samples, temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
+        stop=list(e.stop) or list(cfg.rollout.stop),
+    )
+    completions = generate(without_prefixes(engine), items, rollout_cfg, run_seed=e.seed, step=_VALIDATION_STEP)
+    rewards, _ = score(pool, items, completions)
+    correct = (rewards.view(len(items), e.n_samples) >= 1.0).sum(-1).numpy()
+    batch, _ = to_batch(items, completions, torch.zeros(len(rewards)), pad_id)
+    batch = _pad_to_whole_micro_batches(batch, actor)
+    entropy = actor.compute_entropy(batch)[batch.response_mask].numpy()
+    lengths = [len(c.token_ids) for group in completions for c in group]
+    metrics = {
+        "val/reward_mean": float(rewards.mean()),
+        **pass_at_k_metrics(correct, e.n_samples),
+        "val/entropy": float(entropy.mean()) if entropy.size else 0.0,
+        "val/response_length": float(np.mean(lengths)),
+    }
+    return metrics, entropy

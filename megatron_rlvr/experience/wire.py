@@ -1,0 +1,47 @@
+"""The messages between actor rank 0 and the engine ranks under separate placement, and the protocol they follow.
+
+Member 0 of the cross group is actor rank 0; engine rank 0 replies. A `Command` is broadcast to every engine rank;
+"weights" is followed by the weight transfer (rollout/transfer.py); "collect" and "generate" are answered by one
+reply each (a `Rollout`, the answers, or a `Failure`); "stop" ends the engine ranks' loop. At most one request is
+outstanding, and its reply is received before the next command goes out (a gloo send waits for its receive, so a
+command sent while the engines are sending would deadlock). The transport is runtime/roles.py's object messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rlvr.experience.collect import Experience
+
+
+class EngineRankError(RuntimeError):
+    """An engine rank failed, died or went silent; the message names the rank and what happened."""
+
+
+@dataclass
+class Rollout:
+    """One step's experience as the engine ranks ship it."""
+
+    step: int
+    version: int  # the weight version that sampled it (the actor step whose weights the engines held)
+    loader_after: dict[str, Any]  # the prompt stream's state after this step's draws
+    experience: Experience
+    seconds: float = 0.0  # the engines' time for it (generation, scoring, refill)
+
+
+@dataclass
+class Command:
+    kind: str  # "weights" | "collect" | "generate" | "stop"
+    step: int = 0
+    version: int = 0
+    loader: dict[str, Any] | None = None
+    requests: list[Any] = field(default_factory=list)  # "generate": (prompt ids, n, Sampling) per actor rank
+
+
+@dataclass
+class Failure:
+    """An engine rank's reply when it could not serve a request (it exits afterwards)."""
+
+    rank: int
+    what: str

@@ -1,0 +1,185 @@
+"""What the console shows: one line per user error, our own progress, and third-party chatter only when asked.
+
+- A `UserError` (a config key, a data row, a file, a checkpoint, a model) prints ``error: <message>`` on stderr and
+  the command exits 2, without a traceback; ``--debug`` or ``MEGATRON_RLVR_DEBUG=1`` adds the traceback. Under
+  torchrun only rank 0 prints the line; every rank also writes it to torchrun's error file
+  (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure report names it instead of "To enable traceback see ...".
+- vLLM, megatron-core, torch and transformers log INFO/WARNING lines (and Python warnings) on every step; they go to
+  a log file only (``<run dir>/logs/<command>[-rank<r>].log``, where the command has a run directory) and reach the
+  console from ERROR up. ``--verbose`` or ``MEGATRON_RLVR_VERBOSE=1`` shows them all. Until a command names its run
+  directory (`attach_log_file`), records wait in memory; ``MEGATRON_RLVR_LOG_DIR`` names it for child processes.
+
+The settings travel to child processes (torchrun ranks, vLLM workers) as environment variables: vLLM reads
+``VLLM_CONFIGURE_LOGGING`` when it is imported, so `configure_environment` runs before any command imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+DEBUG_ENV = "MEGATRON_RLVR_DEBUG"
+VERBOSE_ENV = "MEGATRON_RLVR_VERBOSE"
+LOG_DIR_ENV = "MEGATRON_RLVR_LOG_DIR"
+# loggers whose INFO/WARNING lines stay off the console by default (prefixes of logger names)
+THIRD_PARTY = ("vllm", "megatron.core", "torch", "transformers", "py.warnings", "nemo_run", "urllib3", "filelock")
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_MEMORY_RECORDS = 20_000  # records kept until the run directory is known (older ones are dropped)
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def debug_enabled() -> bool:
+    return _flag(DEBUG_ENV)
+
+
+def verbose_enabled() -> bool:
+    return _flag(VERBOSE_ENV)
+
+
+def configure_environment(debug: bool = False, verbose: bool = False) -> None:
+    """Record --debug/--verbose for this process and its children; keep vLLM from installing its own console
+    handler (its records then reach ours and are filtered). Call before vLLM is imported."""
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    if not verbose_enabled():
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
+class _ConsoleFilter(logging.Filter):
+    """Third-party records below ERROR stay off the console (unless verbose); so do our own INFO lines on ranks
+    other than 0 (every rank logs the same progress)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR or verbose_enabled():
+            return True
+        if any(record.name == p or record.name.startswith(p + ".") for p in THIRD_PARTY):
+            return False
+        return record.levelno >= logging.WARNING or os.environ.get("RANK", "0") == "0"
+
+
+class _Memory(logging.handlers.BufferingHandler):
+    """Holds records until a log file is attached; drops the oldest beyond its capacity."""
+
+    def shouldFlush(self, record: logging.LogRecord) -> bool:  # noqa: N802 - logging's API
+        if len(self.buffer) > self.capacity:
+            del self.buffer[: len(self.buffer) - self.capacity]
+        return False
+
+
+_state: dict[str, logging.Handler | None] = {"console": None, "memory": None, "file": None}
+_names = {"command": "megatron-rlvr"}  # the log file's name: the command that set up the console
+
+
+def setup_console(log_dir: str | Path | None = None, name: str | None = None) -> None:
+    """Route logging: filtered console handler on stderr, everything at INFO to the log file (or memory until one
+    is attached). Idempotent; ``log_dir`` (or $MEGATRON_RLVR_LOG_DIR) attaches the file at once."""
+    configure_environment()
+    if name:
+        _names["command"] = name
+    root = logging.getLogger()
+    if _state["console"] is None:
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter(_FORMAT))
+        console.addFilter(_ConsoleFilter())
+        memory = _Memory(_MEMORY_RECORDS)
+        for handler in list(root.handlers):  # a basicConfig made earlier would print everything twice
+            root.removeHandler(handler)
+        root.addHandler(console)
+        root.addHandler(memory)
+        root.setLevel(logging.INFO)
+        logging.captureWarnings(True)
+        _state["console"], _state["memory"] = console, memory
+    directory = log_dir or os.environ.get(LOG_DIR_ENV)
+    if directory:
+        attach_log_file(directory, name)
+
+
+def has_log_file() -> bool:
+    return _state["file"] is not None
+
+
+def attach_log_file(log_dir: str | Path, name: str | None = None) -> Path:
+    """Send every record (and those held so far) to ``<log_dir>/logs/<name>[-rank<r>].log``; children inherit
+    ``log_dir`` through $MEGATRON_RLVR_LOG_DIR. Returns the file's path."""
+    if _state["console"] is None:
+        setup_console()
+    rank = os.environ.get("RANK")
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in (name or _names["command"]))
+    path = Path(log_dir) / "logs" / (f"{name}-rank{rank}.log" if rank is not None else f"{name}.log")
+    current = _state["file"]
+    if isinstance(current, logging.FileHandler) and Path(current.baseFilename) == path.resolve():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    root = logging.getLogger()
+    memory = _state["memory"]
+    if memory is not None:
+        for record in memory.buffer:
+            handler.handle(record)
+        memory.buffer.clear()
+        root.removeHandler(memory)
+        _state["memory"] = None
+    if current is not None:
+        root.removeHandler(current)
+        current.close()
+    root.addHandler(handler)
+    _state["file"] = handler
+    os.environ[LOG_DIR_ENV] = str(Path(log_dir))
+    return path
+
+
+def report_user_error(exc: BaseException) -> int:
+    """Print ``error: <message>`` once (rank 0), tell torchrun, return the exit status 2."""
+    message = f"error: {exc}"
+    if debug_enabled():
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # torchrun then reports the exit status alone
+    return 2
+
+
+def torchrun(argv: list[str]) -> int:
+    """torchrun (same arguments), exiting 2 without its failure report when every failed rank failed on a user error
+    (rank 0 has printed the line): ``python -m megatron_rlvr.runtime.console --nproc-per-node 2 -m megatron_rlvr.cli train ...``.
+    Any other failure keeps torchrun's report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as e:
+        def user_error(failure) -> bool:
+            return isinstance(failure.message, str) and failure.message.startswith("error: ")
+
+        # The first rank to fail is the root cause; torchrun then SIGTERMs the others, which may not have reached
+        # the same error yet: those count as collateral, anything else keeps the report.
+        _, first = e.get_first_failure()
+        terminated = -signal.SIGTERM
+        if user_error(first) and all(user_error(f) or f.exitcode == terminated for f in e.failures.values()):
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun(sys.argv[1:]))
