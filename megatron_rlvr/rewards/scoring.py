@@ -11,12 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rlvr.rewards.config import RewardConfig
-from megatron_rlvr.rewards.countdown import check_reference as check_countdown_reference
-from megatron_rlvr.rewards.countdown import score_countdown
+from megatron_rlvr.rewards.countdown import check_reference as check_countdown_reference, score_countdown
 from megatron_rlvr.rewards.logic import verify_logic
 
 TASKS = ("math", "code", "logic", "countdown")
-IN_PROCESS_TASKS = frozenset({"logic", "countdown"})  # cheap and bounded: no worker round trip
 
 
 def check_reference(task: str, reference: Any) -> None:
