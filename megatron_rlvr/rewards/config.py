@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
 @dataclass
 class RewardConfig:
-    workers: int = 2  # verifier processes (math and code items; countdown and logic are scored in-process)
+    workers: int = 2  # verifier processes (all but countdown and generic-logic items, which are scored in-process)
     timeout_s: float = 10.0  # wall time per math item; a worker past it is killed and replaced
     worker_memory_mb: int = 4096  # address-space limit of each verifier process (0 = none)
     logic_match: Literal["normalized", "exact"] = "normalized"
@@ -25,3 +25,10 @@ class RewardConfig:
     # its reward, floored at -overlong_penalty. 0 = off.
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # verifiers users bring (docs/rewards.md): TASK -> "package.module:function" or "FILE.py:function" (a path),
+    # fn(response, reference) -> float in [0, 1], run in the workers; imported and checked when the config loads
+    # (load_config calls verifiers.check_config) and by every pool worker
+    plugins: dict[str, str] = field(default_factory=dict)
+    # a checkout of github.com/MiniMax-AI/SynLogic: logic rows whose data_source it verifies use its official verifier
+    synlogic_dir: str = ""
+    logic_fallback: bool = True  # other logic rows: the generic matcher (true) or an error naming the row (false)

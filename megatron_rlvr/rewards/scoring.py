@@ -1,4 +1,5 @@
-"""One entry for every verifier: `score(task, response, reference)` dispatching on the task type.
+"""One entry for the built-in verifiers: `score(task, response, reference)` dispatching on the task type (which
+verifier scores a row, plugins, SynLogic and reasoning-gym included, is `verifiers.py`'s decision).
 
 Tasks and their references: ``"math"`` — the gold answer string; ``"code"`` — a dict with ``tests`` or ``io`` (see
 `code.py`); ``"logic"`` — the gold answer string; ``"countdown"`` — ``{"numbers": [ints], "target": int}``.
@@ -14,7 +15,6 @@ from megatron_rlvr.rewards.countdown import check_reference as check_countdown_r
 from megatron_rlvr.rewards.logic import verify_logic
 
 TASKS = ("math", "code", "logic", "countdown")
-IN_PROCESS_TASKS = frozenset({"logic", "countdown"})  # cheap and bounded: no worker round trip
 
 
 def check_reference(task: str, reference: Any) -> None:

@@ -14,7 +14,7 @@ import pytest
 from launch.recipes import CONFIGS_DIR, MODEL_CONFIGS_DIR, find_recipe, load_and_validate, load_hf_config, recipe_names
 from megatron_rlvr.errors import ConfigError
 
-CPU_RECIPES = {"demo_cpu", "demo_cpu_grpo", "eval_cpu"}
+CPU_RECIPES = {"demo_cpu", "demo_cpu_grpo", "eval_cpu", "reasoning_gym_cpu"}
 PAPER_RECIPES = sorted(set(recipe_names()) - CPU_RECIPES)
 
 # Published parameter counts: the model cards' "Number of Parameters" where they state one (Qwen2.5-7B 7.61B,

@@ -144,8 +144,8 @@ def test_synlogic_easy_and_hard_train_files(tmp_path, capsys):
                                                             row("dyck", "No answer here", "")])
     out = tmp_path / "synlogic.jsonl"
     assert main(["prepare", "synlogic", "--src", str(src), "--out", str(out)]) == 0
-    assert [(r["problem"], r["answer"], r["task"]) for r in out_rows(out)] == [
-        ("Which way?", "left", "logic"), ("Close the brackets: ((", "))", "logic")]
+    assert [(r["problem"], r["answer"]["answer"], r["answer"]["data_source"], r["task"]) for r in out_rows(out)] == [
+        ("Which way?", "left", "arrow_maze", "logic"), ("Close the brackets: ((", "))", "dyck", "logic")]
     assert "skipped 1: no answer" in capsys.readouterr().out
 
 

@@ -20,7 +20,9 @@ def test_mixed_batch_keeps_order_and_counts_failures(pool):
     references = ["2", None, None, None, "a", {"numbers": [1, 1], "target": 2}, "(B)", "2", "a"]
     rewards, counters = pool.score_batch(tasks, responses, references)
     assert rewards == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
-    assert counters == {"items": 9, "timeouts": 1, "crashes": 1, "errors": 1}
+    assert counters == {"items": 9, "timeouts": 1, "crashes": 1, "errors": 1, "verifier/math": 2, "verifier/extra:hang": 1,
+                        "verifier/extra:die": 1, "verifier/extra:boom": 1, "verifier/extra:echo": 2,
+                        "verifier/countdown": 1, "verifier/logic": 1}
     assert any("verifier bug" in e for e in pool.last_errors)
     # the replaced workers serve the next batch
     rewards, counters = pool.score_batch(["math"] * 3, ["\\boxed{1}", "\\boxed{2}", "x"], ["1", "2", "3"])
