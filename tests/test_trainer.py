@@ -159,6 +159,8 @@ def _failing_checkpoint(hf_dir: str, out_dir: str):
 
     from megatron.core import dist_checkpointing
 
+    from megatron_rlvr.checkpoint import CheckpointError
+
     real_save, calls = dist_checkpointing.save, []
 
     def save(sharded_state_dict, ckpt_dir, *args, **kwargs):
@@ -171,7 +173,7 @@ def _failing_checkpoint(hf_dir: str, out_dir: str):
     dist_checkpointing.save = save
     try:
         _train(hf_dir, out_dir, 2, 1, 2, ["checkpoint.save_every=1"])
-    except checkpoint.CheckpointError as e:
+    except CheckpointError as e:
         return str(e)
     finally:
         dist_checkpointing.save = real_save

@@ -22,7 +22,7 @@ def _tool():
 def test_tool_writes_a_checkpoint_whose_tokenizer_survives_autotokenizer(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_rlvr.demo import task
+    from megatron_rlvr.tasks import countdown as task
 
     out = tmp_path / "model"
     assert _tool().main(["--out", str(out), "--steps", "3", "--train-problems", "60", "--eval-problems", "2",
