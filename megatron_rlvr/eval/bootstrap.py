@@ -111,11 +111,20 @@ def _intervals(estimates: np.ndarray, draws: np.ndarray, ks: Sequence[int], leve
     return {int(k): Interval(float(e), float(lo), float(hi)) for k, e, lo, hi in zip(ks, estimates, low, high)}
 
 
-def bootstrap_pass_at_k(n, c, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(), stream: str = "") -> dict[int, Interval]:
-    """pass@k per k with its bootstrap interval; ``stream`` (e.g. the benchmark) picks the resampling stream."""
-    values = per_problem_pass_at_k(n, c, ks)
+def bootstrap_values(values: np.ndarray, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(),
+                     stream: str = "") -> dict[int, Interval]:
+    """The mean over problems of a (problems, len(ks)) array of per-problem values (pass@k, or its mean over several
+    runs, or a difference of two models) with its bootstrap interval."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 2 or values.shape[1] != len(ks) or values.shape[0] == 0:
+        raise ValueError(f"bootstrap_values: need a (problems, {len(ks)}) array, got shape {values.shape}")
     (draws,) = _resampled_means([values], spec, stream_seed(spec.seed, stream))
     return _intervals(values.mean(axis=0), draws, ks, spec.level)
+
+
+def bootstrap_pass_at_k(n, c, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(), stream: str = "") -> dict[int, Interval]:
+    """pass@k per k with its bootstrap interval; ``stream`` (e.g. the benchmark) picks the resampling stream."""
+    return bootstrap_values(per_problem_pass_at_k(n, c, ks), ks, spec, stream)
 
 
 def _check_paired(n_a, n_b) -> None:
@@ -128,8 +137,7 @@ def paired_difference(n_a, c_a, n_b, c_b, ks: Sequence[int], spec: IntervalSpec 
     """pass@k(B) - pass@k(A) per k, problems aligned by position, with a paired bootstrap interval."""
     _check_paired(n_a, n_b)
     a, b = per_problem_pass_at_k(n_a, c_a, ks), per_problem_pass_at_k(n_b, c_b, ks)
-    (draws,) = _resampled_means([b - a], spec, stream_seed(spec.seed, stream, "paired"))
-    return _intervals((b - a).mean(axis=0), draws, ks, spec.level)
+    return bootstrap_values(b - a, ks, spec, stream + "/paired")
 
 
 def unpaired_difference(n_a, c_a, n_b, c_b, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(),

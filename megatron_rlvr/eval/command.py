@@ -200,7 +200,7 @@ def estimate(
     for p in problems:
         sizes[p.benchmark] = sizes.get(p.benchmark, 0) + 1
     total = len(problems) * cfg.n_samples
-    estimates = []
+    estimates, overhead = [], 0.0
     with contextlib.ExitStack() as stack:
         pool = None
         for model, tag in zip(models, model_tags(models)):
@@ -213,6 +213,8 @@ def estimate(
                 continue
             if pool is None and rank % tp == 0:
                 pool = stack.enter_context(RewardPool(reward_cfg))
+            if not overhead:
+                overhead = _process_age()
             runner, figures = _sample_model(model, run_dir, cfg, problems, pool, engine_factory, encoder_factory,
                                             rank, world, tp, 1)
             if not runner.samples_drawn:
@@ -223,7 +225,14 @@ def estimate(
     if rank != 0:
         return None
     gpus = world if _cuda_available() else 0
-    return JobEstimate(sizes, cfg.n_samples, estimates, gpus)
+    return JobEstimate(sizes, cfg.n_samples, estimates, gpus, overhead_seconds=overhead)
+
+
+def _process_age() -> float:
+    """Seconds since this process started (its imports and the verifier pool: a fixed part of every job)."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
 
 
 def _cuda_available() -> bool:

@@ -136,11 +136,13 @@ class JobEstimate:
     gpus: int  # 0: CPU
     level: float = DEFAULT_LEVEL
     notes: list[str] = field(default_factory=list)
+    # the job's fixed start (interpreter, imports, verifier pool) before its first engine: measured by a calibration
+    overhead_seconds: float = 0.0
 
     @property
     def wall_seconds(self) -> float | None:
         walls = [m.wall_seconds for m in self.models]
-        return None if any(w is None for w in walls) else sum(walls)
+        return None if any(w is None for w in walls) else self.overhead_seconds + sum(walls)
 
     @property
     def remaining_seconds(self) -> float | None:
@@ -204,7 +206,8 @@ def format_estimate(job: JobEstimate) -> str:
                      "model and settings) or --tokens-per-second")
     else:
         where = f"{job.gpus} GPU(s): {job.gpu_hours:,.1f} GPU-hours" if job.gpus else "CPU: no GPU-hours"
-        lines.append(f"whole job: {_duration(wall)} wall ({wall:,.0f} s) on {where}; left in this output directory: "
+        lines.append(f"whole job: {_duration(wall)} wall ({wall:,.0f} s, of which {job.overhead_seconds:.0f} s process "
+                     f"start before the first engine) on {where}; left in this output directory: "
                      f"{_duration(job.remaining_seconds)}")
     lines.append(f"interval half-width at most: +-1.96 x 0.5 / sqrt(problems) at {level} (a per-problem pass@k lies "
                  "in [0, 1]); a paired difference's up to twice that. The table will print, per benchmark and k: "

@@ -142,9 +142,13 @@ def test_table_rows_are_mean_pass_at_k(tmp_path):
     ks, rows = pass_at_k_rows(counts)
     assert rows[0]["pass"][1] == pytest.approx(0.25)
     assert rows[0]["pass"][4] == pytest.approx((pass_at_k(8, 0, 4) + pass_at_k(8, 4, 4)) / 2)
-    assert "| b | m | 2 | 8 | 25.0 |" in markdown_table(ks, rows)
+    # two problems at pass@1 0 and 1/2: resampled means 0, 1/4, 1/2 with chances 1/4, 1/2, 1/4 -> [0, 50]
+    assert "| b | m | 2 | 8 | 25.0 [0.0, 50.0] |" in markdown_table(ks, rows)
     paths = write_reports(ks, rows, tmp_path)
     assert [p.name for p in paths] == ["table.md", "table.csv", "passk_b.png"]
+    header, row = (tmp_path / "table.csv").read_text().splitlines()
+    assert header.split(",")[4:7] == ["pass@1", "pass@1_low", "pass@1_high"]
+    assert [float(x) for x in row.split(",")[4:7]] == [0.25, 0.0, 0.5]
 
 
 class RecordingEngine(FakeEngine):
