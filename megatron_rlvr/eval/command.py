@@ -114,9 +114,13 @@ def _load_problems(cfg: EvalConfig) -> list[Problem]:
 def _sample_model(model: str, run_dir: Path, cfg: EvalConfig, problems: Sequence[Problem], pool, engine_factory,
                   encoder_factory, rank: int, world: int, tp: int, max_requests: int | None) -> tuple[EvalRunner, Throughput]:
     """Start the model's engine, draw (up to ``max_requests`` requests of) its missing samples, close the engine;
-    rank 0 appends the session's timing (what `--estimate` reads later as recorded figures)."""
+    rank 0 appends the session's timing (what `--estimate` reads later as recorded figures). A run directory that
+    already holds every sample starts no engine (a resumed demo or table costs no engine start)."""
+    from megatron_rlvr.eval.runner import torch_broadcast
+
+    complete = torch_broadcast(rank == 0 and _holds_every_sample(run_dir, problems, cfg.n_samples))
     started = time.monotonic()
-    engine = engine_factory(model, cfg)
+    engine = None if complete else engine_factory(model, cfg)
     startup = time.monotonic() - started
     try:
         runner = EvalRunner(engine, encoder_factory(model, cfg), cfg, pool, run_dir,
@@ -130,12 +134,19 @@ def _sample_model(model: str, run_dir: Path, cfg: EvalConfig, problems: Sequence
     replicas = runner.replicas
     throughput = Throughput(runner.samples_drawn * replicas, runner.tokens_drawn * replicas, runner.draw_seconds,
                             startup, "calibration: this run's first request" if max_requests else "this run")
-    if rank == 0:
+    if rank == 0 and runner.samples_drawn:
         append_timing(run_dir, {"samples": throughput.samples, "tokens": throughput.tokens,
                                 "seconds": round(runner.draw_seconds, 3), "startup_seconds": round(startup, 3),
                                 "requests": runner.requests_drawn, "replicas": replicas, "tp": tp,
                                 "n_samples": cfg.n_samples, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return runner, throughput
+
+
+def _holds_every_sample(run_dir: Path, problems: Sequence[Problem], n_samples: int) -> bool:
+    if not (run_dir / "samples").is_dir():
+        return False
+    keys = set(load_records(run_dir))
+    return all((p.benchmark, p.problem_id, s) in keys for p in problems for s in range(n_samples))
 
 
 def evaluate(

@@ -105,7 +105,7 @@ class EvalRunner:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: RolloutEngine | None,  # None: the run directory holds every sample, nothing is drawn
         encode: Callable[[str], list[int]],
         cfg: EvalConfig,
         pool: RewardPool | None,
