@@ -209,9 +209,12 @@ def format_estimate(job: JobEstimate) -> str:
         lines.append(f"whole job: {_duration(wall)} wall ({wall:,.0f} s, of which {job.overhead_seconds:.0f} s process "
                      f"start before the first engine) on {where}; left in this output directory: "
                      f"{_duration(job.remaining_seconds)}")
+    from megatron_rlvr.eval.report import k_values
+
     lines.append(f"interval half-width at most: +-1.96 x 0.5 / sqrt(problems) at {level} (a per-problem pass@k lies "
-                 "in [0, 1]); a paired difference's up to twice that. The table will print, per benchmark and k: "
-                 f"pass@k, its {level} low and high (columns pass@k, low, high).")
+                 "in [0, 1]); a paired difference's up to twice that. The table's columns, each cell "
+                 f"'pass@k [low, high]' (table.csv: pass@k, pass@k_low, pass@k_high):")
+    lines += ["", "| benchmark | model | problems | n | " + " | ".join(f"pass@{k} [{level}]" for k in k_values(job.n)) + " |"]
     lines += job.notes
     return "\n".join(lines) + "\n"
 
