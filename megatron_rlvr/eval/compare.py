@@ -101,9 +101,10 @@ def _pct(iv: Interval, signed: bool = False) -> str:
     return f"{100 * iv.estimate:{fmt}} [{100 * iv.low:{fmt}}, {100 * iv.high:{fmt}}]"
 
 
-def markdown(result: dict[str, Any], a: RunCounts, b: RunCounts, spec: IntervalSpec, pngs: Sequence[Path] = ()) -> str:
+def markdown(result: dict[str, Any], a: RunCounts, b: RunCounts, spec: IntervalSpec, pngs: Sequence[Path] = (),
+             labels: tuple[str, str] = ("A", "B")) -> str:
     level = f"{100 * spec.level:g}%"
-    lines = [f"A: `{a.source}` ({a.model})", f"B: `{b.source}` ({b.model})", ""]
+    lines = [f"A ({labels[0]}): `{a.source}` ({a.model})", f"B ({labels[1]}): `{b.source}` ({b.model})", ""]
     if a.settings.get("seed") != b.settings.get("seed"):
         lines += [f"The eval seeds differ (A {a.settings.get('seed')}, B {b.settings.get('seed')}): other draws of the "
                   "same sampling distribution; the comparison holds.", ""]
@@ -158,7 +159,7 @@ def write_comparison(a: RunCounts, b: RunCounts, out_dir: str | Path, spec: Inte
         pngs.append(plot_bands({labels[0]: r["a"], labels[1]: r["b"]}, out / f"compare_{bench.replace('/', '_')}.png",
                                f"{bench}: {labels[1]} vs {labels[0]}", spec.level, difference=r["difference"],
                                difference_label=f"{labels[1]} - {labels[0]}"))
-    text = markdown(result, a, b, spec, pngs)
+    text = markdown(result, a, b, spec, pngs, labels)
     (out / "compare.md").write_text(text)
     (out / "compare.json").write_text(json.dumps(to_json(result, a, b, spec), indent=1) + "\n")
     return text, [out / "compare.md", out / "compare.json", *pngs]
