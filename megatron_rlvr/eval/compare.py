@@ -1,6 +1,6 @@
 """`megatron-rlvr eval compare RUN_A RUN_B`: is model B's pass@k different from model A's on the same problems?
 
-    megatron-rlvr eval compare outputs/eval/base outputs/eval/trained [--out DIR] [--resamples 2000] [--seed 0]
+    megatron-rlvr eval compare outputs/eval/base outputs/eval/trained [--out DIR] [--resamples 2000] [--interval-seed 0]
 
 RUN_A and RUN_B are eval run directories (``<eval --out>/<model tag>``) or their ``results.json``. Per benchmark and
 k: both pass@k with their intervals and the difference B - A with a paired bootstrap interval (the same resampled
@@ -179,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names of the runs in the table's plot")
     parser.add_argument("--resamples", type=int, default=IntervalSpec().resamples, help="bootstrap resamples")
     parser.add_argument("--level", type=float, default=IntervalSpec().level, help="confidence level of the intervals")
-    parser.add_argument("--seed", type=int, default=IntervalSpec().seed, help="bootstrap seed (same seed, same intervals)")
+    parser.add_argument("--interval-seed", type=int, default=IntervalSpec().seed,
+                        help="bootstrap seed (same seed, same intervals)")
     args = parser.parse_args(argv)
     try:
-        spec = IntervalSpec(args.resamples, args.level, args.seed)
+        spec = IntervalSpec(args.resamples, args.level, args.interval_seed)
         a, b = load_run(args.run_a), load_run(args.run_b)
         labels = tuple(args.labels) if args.labels else (_label(a), _label(b))
         if labels[0] == labels[1]:

@@ -31,7 +31,7 @@ def fake_eval(tmp_path_factory):
     cfg = EvalConfig(n_samples=16, chunk=8, benchmarks=["math500", "countdown"], data_dir=str(root / "data"),
                      output_dir=str(out))
     skills = {"weak": 0.1, "strong": 0.6}
-    ks, rows, written = evaluate([str(out / "models" / s) for s in skills], cfg, RewardConfig(workers=1),
+    ks, rows, _ = evaluate([str(out / "models" / s) for s in skills], cfg, RewardConfig(workers=1),
                                  engine_factory=lambda model, c: FakeEngine(skills[Path(model).name]),
                                  encoder_factory=lambda model, c: encode, spec=IntervalSpec(resamples=200))
     return out, ks, rows
