@@ -28,6 +28,8 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
                    "per response token, the top-N candidates of one or more models as one heatmap (PNG)"),
     "toy-tree": ("megatron_rlvr.algos.toy_tree", "main", "the didactic tree MDP: GRPO vs entropy bonus vs CaSP (fixed and adaptive candidates)"),
     "plan": ("megatron_rlvr.plan.command", "main", "per-GPU memory of a recipe's layout, before it is queued"),
+    "estimate": ("megatron_rlvr.plan.eval_estimate", "main",
+                 "an eval recipe's samples, tokens, time and interval width, before it is queued"),
     "data": ("megatron_rlvr.data.prepare", "main", "data prepare NAME: training sets from the public releases"),
     "ckpt": ("megatron_rlvr.checkpoint.command", "main", "ckpt verify DIR: check a checkpoint's recorded checksums"),
 }

@@ -1,5 +1,8 @@
-"""The demo's report folder: report.md (pass@k table, distinct correct answers, prompts solved), results.json and PNGs
-(plus, when the caller made one, a candidate matrix: monitor/candidates.py).
+"""The demo's report folder: report.md (pass@k table with 95% intervals, each model against the first with a paired
+interval and a sign test, distinct correct answers, prompts solved), results.json and PNGs (pass_at_k.png: the curves
+with their interval bands; plus, when the caller made one, a candidate matrix: monitor/candidates.py). The
+intervals are megatron_rlvr/eval/bootstrap.py's, seeded by the benchmark's name as in `megatron-rlvr eval`'s table,
+so the same samples give the same intervals in both.
 
 Inputs are plain data, so the demo command (or anyone) can call it after training and evaluation:
 
@@ -19,6 +22,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from megatron_rlvr.eval import pass_at_k
+from megatron_rlvr.eval.band_plot import plot_bands
+from megatron_rlvr.eval.bootstrap import IntervalSpec, bootstrap_pass_at_k, paired_difference, sign_test
 from megatron_rlvr.monitor import plots
 from megatron_rlvr.monitor.sinks import HISTOGRAMS_FILE, read_metrics
 
@@ -68,8 +73,35 @@ def pass_at_k_curve(stats: Mapping[str, Mapping[str, Any]], ks: Sequence[int]) -
     return {k: float(np.mean(pass_at_k(n, c, np.full_like(n, k)))) for k in ks}
 
 
-def summarize(samples: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
-    """Per model: the pass@k curve over the common k values, distinct-answer counts, and the per-prompt rows."""
+def _counts(per: Mapping[str, Mapping[str, Any]], order: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    pids = list(per) if order is None else order
+    return np.array([per[p]["n"] for p in pids]), np.array([per[p]["correct"] for p in pids])
+
+
+def _paired(models: Mapping[str, Mapping[str, Any]], ks: Sequence[int], spec: IntervalSpec,
+            benchmark: str) -> dict[str, Any]:
+    """Each model after the first against the first, on the prompts both answered with the same n: the paired
+    difference per k, the discordant prompts (solved at least once by one only) and the exact sign test."""
+    labels = list(models)
+    first = models[labels[0]]["per_prompt"]
+    out = {}
+    for label in labels[1:]:
+        per = models[label]["per_prompt"]
+        if set(per) != set(first) or any(per[p]["n"] != first[p]["n"] for p in first):
+            out[label] = {"skipped": f"other prompts or n than {labels[0]}'s: no paired comparison"}
+            continue
+        order = list(first)
+        (n_a, c_a), (n_b, c_b) = _counts(first, order), _counts(per, order)
+        a_only, b_only = int(np.sum((c_a > 0) & (c_b == 0))), int(np.sum((c_b > 0) & (c_a == 0)))
+        out[label] = {"difference": paired_difference(n_a, c_a, n_b, c_b, ks, spec, stream=benchmark),
+                      "first_only": a_only, "this_only": b_only, "sign_test_p": sign_test(a_only, b_only)}
+    return out
+
+
+def summarize(samples: Mapping[str, Sequence[Mapping[str, Any]]], spec: IntervalSpec = IntervalSpec(),
+              benchmark: str = "countdown") -> dict[str, Any]:
+    """Per model: the pass@k curve over the common k values with its intervals, distinct-answer counts, and the
+    per-prompt rows; and each later model against the first (``paired``)."""
     if not samples:
         raise ValueError("write_report: no sample sets given")
     stats = {label: per_prompt(rows, label) for label, rows in samples.items()}
@@ -84,11 +116,12 @@ def summarize(samples: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, A
             "prompts": len(per),
             "samples_per_prompt": n_min,
             "pass_at_k": pass_at_k_curve(per, ks),
+            "pass_at_k_interval": bootstrap_pass_at_k(*_counts(per), ks, spec, stream=benchmark),
             "mean_distinct_correct": float(np.mean([s["distinct_correct"] for s in per.values()])),
             "mean_distinct": float(np.mean([s["distinct"] for s in per.values()])),
             "per_prompt": per,
         }
-    return {"ks": ks, "models": models}
+    return {"ks": ks, "models": models, "paired": _paired(models, ks, spec, benchmark), "intervals": spec}
 
 
 def _validation_lines(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
@@ -122,6 +155,32 @@ def _coverage_lines(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return lines + ["", "Per prompt: correct samples, distinct correct and distinct answers in results.json."]
 
 
+def _interval_cell(iv, signed: bool = False) -> str:
+    fmt = "+.1f" if signed else ".1f"
+    return f"{100 * iv.estimate:{fmt}} [{100 * iv.low:{fmt}}, {100 * iv.high:{fmt}}]"
+
+
+def _paired_lines(summary: Mapping[str, Any]) -> list[str]:
+    ks, models, paired = summary["ks"], summary["models"], summary["paired"]
+    if not paired:
+        return []
+    first = list(models)[0]
+    level = f"{100 * summary['intervals'].level:g}%"
+    lines = [f"## Against {first}", "", "| model | " + " | ".join(f"pass@{k} - {first}" for k in ks)
+             + f" | solved, {first} did not | {first} solved, this did not | sign test p |",
+             "|---|" + "---|" * (len(ks) + 3)]
+    notes = []
+    for label, p in paired.items():
+        if "skipped" in p:
+            notes.append(f"{label}: {p['skipped']}")
+            continue
+        cells = " | ".join(_interval_cell(p["difference"][k], True) for k in ks)
+        lines.append(f"| {label} | {cells} | {p['this_only']} | {p['first_only']} | {p['sign_test_p']:.3g} |")
+    return lines + ["", f"Points of pass@k with a paired {level} bootstrap interval (the same resampled prompts for "
+                        "both models); an interval that excludes 0 separates the two. The sign test (exact, "
+                        "two-sided) is on the prompts solved at least once by one model only.", *notes]
+
+
 def _candidate_lines(candidates: Mapping[str, Any] | None) -> list[str]:
     if not candidates:
         return []
@@ -136,12 +195,19 @@ def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: S
     lines += [f"- {note}" for note in notes]
     if notes:
         lines.append("")
-    lines += ["## pass@k", "", "| model | prompts | n | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+    spec = summary["intervals"]
+    level = f"{100 * spec.level:g}%"
+    lines += ["## pass@k", "", "| model | prompts | n | " + " | ".join(f"pass@{k} [{level}]" for k in ks) + " |",
               "|---|---|---|" + "---|" * len(ks)]
     for label, m in models.items():
-        cells = " | ".join(f"{100 * m['pass_at_k'][k]:.1f}" for k in ks)
+        cells = " | ".join(_interval_cell(m["pass_at_k_interval"][k]) for k in ks)
         lines.append(f"| {label} | {m['prompts']} | {m['samples_per_prompt']} | {cells} |")
-    lines += ["", "pass@k in percent: the unbiased estimator 1 - C(n-c, k)/C(n, k), averaged over prompts.", ""]
+    lines += ["", "pass@k in percent: the unbiased estimator 1 - C(n-c, k)/C(n, k), averaged over prompts; [low, high]: "
+              f"its {level} percentile-bootstrap interval over prompts ({spec.resamples} resamples, seed {spec.seed}; "
+              "docs/eval-statistics.md).", ""]
+    paired = _paired_lines(summary)
+    if paired:
+        lines += [*paired, ""]
     lines += ["## Distinct answers per prompt", "",
               "| model | mean distinct correct answers | mean distinct answers |", "|---|---|---|"]
     for label, m in models.items():
@@ -164,17 +230,19 @@ def write_report(
     title: str = "megatron-rlvr demo: countdown",
     notes: Sequence[str] = (),
     candidates: Mapping[str, Any] | None = None,
+    spec: IntervalSpec = IntervalSpec(),
+    benchmark: str = "countdown",
 ) -> dict[str, Any]:
     """Write report.md, results.json and the plots into ``out_dir``; return the summary (with ``files``).
 
     ``samples``: model label -> per-sample results; ``metrics``: run label -> metrics.jsonl path (a bare path is
     labelled "train"); a histograms.jsonl beside a metrics file is plotted too. ``candidates``: a candidate matrix
     already rendered into ``out_dir`` ({path, caption, and what results.json should keep: prompt_id, prompt,
-    response}); report.md links it.
+    response}); report.md links it. ``benchmark``: what the samples are of; its name seeds the interval resampling.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(samples)
+    summary = summarize(samples, spec, benchmark)
     if metrics is not None and not isinstance(metrics, Mapping):
         metrics = {"train": metrics}
     runs, hists = {}, []
@@ -187,9 +255,12 @@ def write_report(
         if hist_path.is_file():
             hists += [dict(h, label=f"{label}: {h.get('name', 'entropy')} @ step {h.get('step')}")
                       for h in read_metrics(hist_path)]
-    curves = {label: m["pass_at_k"] for label, m in summary["models"].items()}
+    bands = {label: m["pass_at_k_interval"] for label, m in summary["models"].items()}
+    labels = list(bands)
+    second = summary["paired"].get(labels[1], {}) if len(labels) > 1 else {}
     figures = [
-        plots.plot_pass_at_k(curves, out / "pass_at_k.png"),
+        plot_bands(bands, out / "pass_at_k.png", f"{benchmark}: pass@k", spec.level,
+                   difference=second.get("difference"), difference_label=f"{labels[-1]} - {labels[0]}"),
         plots.plot_runs(runs, "reward", "mean reward", out / "reward.png") if runs else None,
         plots.plot_rank_probs(runs, out / "rank_probs.png") if runs else None,
         plots.plot_entropy(runs, out / "entropy.png") if runs else None,
@@ -202,8 +273,13 @@ def write_report(
     (out / "report.md").write_text(_markdown(summary, figures, title, notes, _validation_lines(runs), candidates))
     results = {
         "ks": summary["ks"],
-        "models": {label: {k: v for k, v in m.items() if k != "per_prompt"} for label, m in summary["models"].items()},
-        "per_prompt": {label: m["per_prompt"] for label, m in summary["models"].items()},
+        "models": {label: {**{k: v for k, v in m.items() if k not in ("per_prompt", "pass_at_k_interval")},
+                           "pass_at_k_interval": {str(k): iv.to_json() for k, iv in m["pass_at_k_interval"].items()}}
+                   for label, m in summary["models"].items()},
+        "per_prompt": {label: m["per_prompt"] for label, m in summary["models"].items()},  # n, correct: every figure
+        "intervals": {**spec.to_json(), "stream": benchmark},
+        "paired": {label: {k: ({str(kk): iv.to_json() for kk, iv in v.items()} if k == "difference" else v)
+                           for k, v in p.items()} for label, p in summary["paired"].items()},
     }
     if candidates:
         results["candidates"] = {k: (Path(v).name if k == "path" else v) for k, v in candidates.items() if k != "caption"}

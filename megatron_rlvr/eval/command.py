@@ -3,9 +3,15 @@
     megatron-rlvr eval --model MODEL_DIR [MODEL_DIR ...] --benchmarks math500 aime24 --data-dir data \
         --n 1024 --out outputs/eval
 
+    megatron-rlvr eval --estimate ...same flags...     (draws each model's first request, prints the cost: estimate.py)
+    megatron-rlvr estimate RECIPE [key=value ...]       (a recipe's cost without sampling: plan/eval_estimate.py)
+    megatron-rlvr eval compare RUN_A RUN_B             (paired comparison of two runs: compare.py)
+
 Per model, samples go to ``<out>/<model tag>/samples`` as they are drawn (rerun the same command to resume a killed
-run); the comparison table goes to ``<out>/table.md`` and ``<out>/table.csv`` and the curves to
-``<out>/passk_<benchmark>.png``. The vLLM engine is imported only here, lazily: `evaluate` takes any engine factory.
+run), its per-problem (n, c) and intervals to ``<out>/<model tag>/results.json`` (results.py) and each session's
+timing to ``<out>/<model tag>/timing.jsonl``; the comparison table, with 95% intervals, goes to ``<out>/table.md``
+and ``<out>/table.csv`` and the curves with their bands to ``<out>/passk_<benchmark>.png``. The vLLM engine is
+imported only here, lazily: `evaluate` takes any engine factory.
 
 Under torchrun (``launch/eval.py``) the world is cut into engine replicas of ``--tp`` ranks each; the replicas split
 the problems' requests (DP over engines, TP inside each) and rank 0 writes the table.
@@ -19,14 +25,19 @@ import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.eval.benchmarks import BENCHMARKS, load_benchmark
+from megatron_rlvr.eval.benchmarks import BENCHMARKS, Problem, load_benchmark
+from megatron_rlvr.eval.bootstrap import IntervalSpec
 from megatron_rlvr.eval.config import EvalConfig
+from megatron_rlvr.eval.estimate import JobEstimate, ModelEstimate, Throughput, append_timing, format_estimate
 from megatron_rlvr.eval.report import pass_at_k_rows, markdown_table, write_reports
-from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, validate_eval_config
+from megatron_rlvr.eval.results import BenchmarkCounts, problems_digest, results_json, write_results
+from megatron_rlvr.eval.runner import (EvalConfigError, EvalRunner, problem_counts, run_settings,
+                                       validate_eval_config)
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.pool import RewardPool
@@ -93,6 +104,50 @@ def model_tags(models: Sequence[str]) -> list[str]:
     raise EvalConfigError(f"--model: the same model is given twice: {list(models)}")
 
 
+def _load_problems(cfg: EvalConfig) -> list[Problem]:
+    validate_eval_config(cfg)
+    if not cfg.benchmarks:
+        raise EvalConfigError(f"--benchmarks: give at least one of {sorted(BENCHMARKS)}")
+    return [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
+
+
+def _sample_model(model: str, run_dir: Path, cfg: EvalConfig, problems: Sequence[Problem], pool, engine_factory,
+                  encoder_factory, rank: int, world: int, tp: int, max_requests: int | None) -> tuple[EvalRunner, Throughput]:
+    """Start the model's engine, draw (up to ``max_requests`` requests of) its missing samples, close the engine;
+    rank 0 appends the session's timing (what `--estimate` reads later as recorded figures). A run directory that
+    already holds every sample starts no engine (a resumed demo or table costs no engine start)."""
+    from megatron_rlvr.eval.runner import torch_broadcast
+
+    complete = torch_broadcast(rank == 0 and _holds_every_sample(run_dir, problems, cfg.n_samples))
+    started = time.monotonic()
+    engine = None if complete else engine_factory(model, cfg)
+    startup = time.monotonic() - started
+    try:
+        runner = EvalRunner(engine, encoder_factory(model, cfg), cfg, pool, run_dir,
+                            model=str(Path(model).resolve()), rank=rank, world=world, tp=tp)
+        runner.run(problems, max_requests)
+    finally:
+        if engine is not None:
+            engine.close()
+    # rank 0 times its own replica; the replicas draw equal shares in parallel, so the job drew about D times that
+    replicas = runner.replicas
+    throughput = Throughput(runner.samples_drawn * replicas, runner.tokens_drawn * replicas, runner.draw_seconds,
+                            startup, "calibration: this run's first request" if max_requests else "this run")
+    if rank == 0 and runner.samples_drawn:
+        append_timing(run_dir, {"samples": throughput.samples, "tokens": throughput.tokens,
+                                "seconds": round(runner.draw_seconds, 3), "startup_seconds": round(startup, 3),
+                                "requests": runner.requests_drawn, "replicas": replicas, "tp": tp,
+                                "n_samples": cfg.n_samples, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return runner, throughput
+
+
+def _holds_every_sample(run_dir: Path, problems: Sequence[Problem], n_samples: int) -> bool:
+    if not (run_dir / "samples").is_dir():
+        return False
+    keys = set(load_records(run_dir))
+    return all((p.benchmark, p.problem_id, s) in keys for p in problems for s in range(n_samples))
+
+
 def evaluate(
     models: Sequence[str],
     cfg: EvalConfig,
@@ -100,12 +155,11 @@ def evaluate(
     engine_factory: EngineFactory,
     encoder_factory: EncoderFactory,
     tp: int = 1,
+    spec: IntervalSpec = IntervalSpec(),
 ) -> tuple[list[int], list[dict], list[Path]]:
-    """Run (or resume) every model on every benchmark, then write and return the comparison table (rank 0)."""
-    validate_eval_config(cfg)
-    if not cfg.benchmarks:
-        raise EvalConfigError(f"--benchmarks: give at least one of {sorted(BENCHMARKS)}")
-    problems = [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
+    """Run (or resume) every model on every benchmark, then write and return the comparison table (rank 0); each
+    model's results.json keeps its per-problem (n, c)."""
+    problems = _load_problems(cfg)
     rank, world = _join_world()
     out = Path(cfg.output_dir)
     from megatron_rlvr.runtime.console import attach_log_file, has_log_file
@@ -117,22 +171,87 @@ def evaluate(
         # each engine replica's first rank verifies its replica's samples
         pool = stack.enter_context(RewardPool(reward_cfg)) if rank % tp == 0 else None
         for model, tag in zip(models, model_tags(models)):
-            run_dir = out / tag
-            engine = engine_factory(model, cfg)
-            try:
-                runner = EvalRunner(engine, encoder_factory(model, cfg), cfg, pool, run_dir,
-                                    model=str(Path(model).resolve()), rank=rank, world=world, tp=tp)
-                runner.run(problems)
-            finally:
-                engine.close()
-            log.info("%s: %d requests, %d samples drawn, reward counters %s", tag, runner.requests_drawn,
-                     runner.samples_drawn, dict(runner.reward_counters))
+            runner, _ = _sample_model(model, out / tag, cfg, problems, pool, engine_factory, encoder_factory,
+                                      rank, world, tp, None)
+            log.info("%s: %d requests, %d samples drawn in %.1f s, reward counters %s", tag, runner.requests_drawn,
+                     runner.samples_drawn, runner.draw_seconds, dict(runner.reward_counters))
             if rank == 0:
-                counts[tag] = problem_counts(load_records(run_dir), problems, cfg.n_samples)
+                counts[tag] = problem_counts(load_records(out / tag), problems, cfg.n_samples)
     if rank != 0:
         return [], [], []
-    ks, rows = pass_at_k_rows(counts)
-    return ks, rows, write_reports(ks, rows, out)
+    ks, rows = pass_at_k_rows(counts, spec)
+    for model, tag in zip(models, model_tags(models)):
+        digests = {b: problems_digest([p for p in problems if p.benchmark == b]) for b in counts[tag]}
+        ids = {b: [p.problem_id for p in problems if p.benchmark == b] for b in counts[tag]}
+        per_bench = {b: BenchmarkCounts(ids[b], n, c, digests[b]) for b, (n, c) in counts[tag].items()}
+        write_results(out / tag, results_json(str(Path(model).resolve()), run_settings(cfg, str(Path(model).resolve())),
+                                              per_bench, ks, spec))
+    return ks, rows, write_reports(ks, rows, out, spec)
+
+
+def estimate(
+    models: Sequence[str],
+    cfg: EvalConfig,
+    reward_cfg: RewardConfig,
+    engine_factory: EngineFactory,
+    encoder_factory: EncoderFactory,
+    tp: int = 1,
+    recorded: str | None = None,
+) -> JobEstimate | None:
+    """`--estimate`: per model, figures from ``recorded`` (a run directory of the same model and settings) or from
+    the model's own run directory's timing.jsonl; else a calibration: its first missing request, drawn and stored.
+    Returns the estimate on rank 0 (None elsewhere)."""
+    from megatron_rlvr.eval.estimate import read_timing, recorded_throughput
+
+    problems = _load_problems(cfg)
+    rank, world = _join_world()
+    out = Path(cfg.output_dir)
+    sizes: dict[str, int] = {}
+    for p in problems:
+        sizes[p.benchmark] = sizes.get(p.benchmark, 0) + 1
+    total = len(problems) * cfg.n_samples
+    estimates, overhead = [], 0.0
+    with contextlib.ExitStack() as stack:
+        pool = None
+        for model, tag in zip(models, model_tags(models)):
+            run_dir = out / tag
+            resolved = str(Path(model).resolve())
+            figures = recorded_throughput(recorded, run_settings(cfg, resolved)) if recorded else read_timing(run_dir)
+            if figures is not None:
+                kept = sum(1 for _, _, s in load_records(run_dir) if s < cfg.n_samples) if run_dir.is_dir() else 0
+                estimates.append(ModelEstimate(resolved, total, total - kept, cfg.max_new_tokens, figures))
+                continue
+            if pool is None and rank % tp == 0:
+                pool = stack.enter_context(RewardPool(reward_cfg))
+            if not overhead:
+                overhead = _process_age()
+            runner, figures = _sample_model(model, run_dir, cfg, problems, pool, engine_factory, encoder_factory,
+                                            rank, world, tp, 1)
+            if not runner.samples_drawn:
+                figures = read_timing(run_dir)  # nothing was missing: the run's own recorded figures
+                if figures is None:
+                    raise EvalConfigError(f"--estimate: {run_dir} holds every sample but no timing.jsonl to read")
+            estimates.append(ModelEstimate(resolved, total, runner.samples_missing_after, cfg.max_new_tokens, figures))
+    if rank != 0:
+        return None
+    gpus = world if _cuda_available() else 0
+    return JobEstimate(sizes, cfg.n_samples, estimates, gpus, overhead_seconds=overhead)
+
+
+def _process_age() -> float:
+    """Seconds since this process started (its imports and the verifier pool: a fixed part of every job)."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
 
 
 def _join_world() -> tuple[int, int]:
@@ -171,6 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1,
                         help="engine tensor-parallel size (GPU); under torchrun, WORLD_SIZE / tp engines split the problems")
     parser.add_argument("--workers", type=int, default=RewardConfig().workers, help="verifier processes")
+    spec = IntervalSpec()
+    parser.add_argument("--resamples", type=int, default=spec.resamples, help="bootstrap resamples of the intervals")
+    parser.add_argument("--level", type=float, default=spec.level, help="confidence level of the intervals")
+    parser.add_argument("--interval-seed", type=int, default=spec.seed,
+                        help="bootstrap seed (the same seed gives the same intervals); not the sampling --seed")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print the job's samples, tokens, wall time and GPU-hours, from a calibration (each "
+                             "model's first request, kept) or recorded figures, and stop")
+    parser.add_argument("--recorded", help="with --estimate: a run directory of the same model and settings whose "
+                                           "timing.jsonl gives the figures (no calibration)")
     return parser
 
 
@@ -191,21 +320,32 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
 def main(argv: list[str] | None = None) -> int:
     from megatron_rlvr.runtime.console import report_user_error, setup_console
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:  # sub-verbs: no flag of `eval` is a bare word, so none can shadow them
+        from megatron_rlvr.eval.compare import main as compare_main
+
+        return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     setup_console()
     try:
         cfg, reward_cfg = config_from_args(args)
+        spec = IntervalSpec(args.resamples, args.level, args.interval_seed)
         for model in args.model:
             if not (Path(model) / "config.json").is_file():
                 raise ModelDirError(f"--model {model}: not an HF model directory (no config.json)")
-        ks, rows, written = evaluate(
-            args.model, cfg, reward_cfg, vllm_engine_factory(args.max_model_len, tp=args.tp), hf_encoder_factory,
-            tp=args.tp,
-        )
+        if args.recorded and not args.estimate:
+            raise EvalConfigError("--recorded: only with --estimate")
+        factory = vllm_engine_factory(args.max_model_len, tp=args.tp)
+        if args.estimate:
+            job = estimate(args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, recorded=args.recorded)
+            if job is not None:
+                print(format_estimate(job), end="")
+            return 0
+        ks, rows, written = evaluate(args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, spec=spec)
     except UserError as exc:
         return report_user_error(exc)
     if rows:  # rank 0 only
-        print(markdown_table(ks, rows))
+        print(markdown_table(ks, rows, spec))
         print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

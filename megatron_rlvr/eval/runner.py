@@ -105,7 +105,7 @@ class EvalRunner:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: RolloutEngine | None,  # None: the run directory holds every sample, nothing is drawn
         encode: Callable[[str], list[int]],
         cfg: EvalConfig,
         pool: RewardPool | None,
@@ -129,6 +129,10 @@ class EvalRunner:
         self.reward_counters: dict[str, int] = defaultdict(int)
         self.requests_drawn = 0
         self.samples_drawn = 0
+        self.tokens_drawn = 0  # generated tokens of this session's requests (this replica's)
+        self.draw_seconds = 0.0  # wall time of this session's drawing and scoring (engine start excluded)
+        self.samples_planned = 0  # samples of every planned request (all replicas), kept ones excluded
+        self.samples_missing_after = 0  # samples still missing when the run stopped (max_requests)
 
     def _chunks(self, n: int) -> list[range]:
         return [range(start, min(start + self.cfg.chunk, n)) for start in range(0, n, self.cfg.chunk)]
@@ -153,7 +157,9 @@ class EvalRunner:
                         plan.append(Request(benchmark, block, j, drawn, kept))
         return plan
 
-    def run(self, problems: Sequence[Problem]) -> None:
+    def run(self, problems: Sequence[Problem], max_requests: int | None = None) -> None:
+        """Draw every missing sample; ``max_requests``: only the first that many requests of the plan (a
+        calibration: `megatron-rlvr eval --estimate`), the rest counted in ``samples_missing_after``."""
         store = writer = None
         try:
             plan: object = None
@@ -167,6 +173,11 @@ class EvalRunner:
             plan = self.broadcast(plan)
             if isinstance(plan, tuple):
                 raise UserError(f"eval: rank 0 failed: {plan[1]}")
+            self.samples_planned = sum(_request_samples(r, self._chunks(self.cfg.n_samples)) for r in plan)
+            if max_requests is not None:
+                self.samples_missing_after = sum(_request_samples(r, self._chunks(self.cfg.n_samples))
+                                                 for r in plan[max_requests:])
+                plan = plan[:max_requests]
             if self.writes and writer is None:
                 writer = ShardWriter(self.run_dir, self.rank)
             self._draw(problems, plan[self.replica :: self.replicas], writer if self.writes else None)
@@ -180,7 +191,11 @@ class EvalRunner:
         chunks = self._chunks(cfg.n_samples)
         encoded: dict[int, list[int]] = {}
         started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-scorer") as scorer:
+        total = sum(_request_samples(r, chunks) for r in requests)
+        # this replica's samples; tqdm's remaining-time figure is its measured rate over what is left
+        progress = _progress(writer is not None and self.rank == 0, total, Path(self.model).name or self.model)
+        kept = 0
+        with progress, ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-scorer") as scorer:
             scoring: Future | None = None
             for step, request in enumerate(requests):
                 for i in request.problems:
@@ -197,16 +212,22 @@ class EvalRunner:
                                        f"{len(request.problems)} prompts x {len(samples)}")
                 self.requests_drawn += 1
                 self.samples_drawn += len(request.problems) * len(samples)
+                self.tokens_drawn += sum(len(c.token_ids) for drawn in completions for c in drawn)
+                kept += _request_samples(request, chunks)
+                progress.update(_request_samples(request, chunks))
                 if writer is None:
                     continue
                 if scoring is not None:
                     scoring.result()  # at most one request is being scored while the engine draws the next
                 scoring = scorer.submit(self._score_and_store, problems, request, samples, completions, writer)
-                log.info("%s: request %d/%d (%s, %d problems x %d samples) drawn at %.0f s", self.model, step + 1,
-                         len(requests), request.benchmark, len(request.problems), len(samples),
-                         time.monotonic() - started)
+                elapsed = time.monotonic() - started
+                done = kept / max(total, 1)
+                log.info("%s: request %d/%d (%s, %d problems x %d samples) drawn at %.0f s, about %.0f s left",
+                         self.model, step + 1, len(requests), request.benchmark, len(request.problems), len(samples),
+                         elapsed, elapsed * (1 - done) / done if done else float("nan"))
             if scoring is not None:
                 scoring.result()
+        self.draw_seconds += time.monotonic() - started
 
     def _score_and_store(self, problems: Sequence[Problem], request: Request, samples: range,
                          completions: list[list[Completion]], writer) -> None:
@@ -227,6 +248,18 @@ class EvalRunner:
             }
             for (i, s, c), reward in zip(items, rewards)
         )
+
+
+def _request_samples(request: Request, chunks: list[range]) -> int:
+    """Samples a request keeps (drawn minus those already stored)."""
+    return len(request.problems) * len(chunks[request.chunk]) - len(request.stored)
+
+
+def _progress(enabled: bool, total: int, name: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"eval {name}", unit="sample", unit_scale=True, disable=not enabled,
+                dynamic_ncols=True)
 
 
 def problem_counts(records: dict, problems: Sequence[Problem], n_samples: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -82,3 +82,44 @@ def test_a_folder_that_is_not_a_finished_run_is_named(tmp_path):
 def test_demo_command_dispatches_report(runs, capsys):
     assert command.main(["report", "--runs", str(runs[0]), "--group-by", "algo"]) == 0
     assert "| casp | 1 | 1 |" in capsys.readouterr().out
+
+
+def test_interval_table_gives_each_group_its_interval_and_paired_differences(runs):
+    import numpy as np
+
+    from megatron_rlvr.eval.bootstrap import IntervalSpec, bootstrap_values, per_problem_pass_at_k
+
+    stats = [multi_run.read_run(r) for r in runs]
+    spec = IntervalSpec(resamples=300)
+    text = multi_run.interval_table(stats, ["algo"], ks=[1, 4], spec=spec)
+    order = ["a", "b", "c", "d"]
+
+    def values(correct: dict[str, int]):
+        return per_problem_pass_at_k(np.full(4, 4), np.array([correct[p] for p in order]), [1, 4])
+
+    casp = (values({"a": 2, "b": 1, "c": 0, "d": 0}) + values({"a": 4, "b": 0, "c": 1, "d": 0})) / 2
+    grpo, base = values({"a": 4, "b": 4, "c": 4, "d": 1}), values(BASE)
+    own = bootstrap_values(casp, [1, 4], spec, "countdown")
+    vs_base = bootstrap_values(casp - base, [1, 4], spec, "countdown/paired")
+    grpo_vs_casp = bootstrap_values(grpo - casp, [1, 4], spec, "countdown/paired")
+    rows = {(r[0], r[2]): r for r in (_cells(line) for line in text.splitlines() if line.startswith("| ") and "---" not in line)}
+    assert rows[("casp", "1")][3] == multi_run._iv(own[1]) and rows[("casp", "1")][4] == multi_run._iv(vs_base[1], True)
+    assert rows[("casp", "1")][1] == "2" and rows[("casp", "1")][5] == "-"
+    assert rows[("grpo", "4")][5] == multi_run._iv(grpo_vs_casp[4], True)
+    assert rows[("base", "1")][3].startswith("18.8 [")
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_interval_table_refuses_runs_on_other_prompts_or_n(runs, tmp_path):
+    other = tmp_path / "other"
+    write_report(other / "report", {"base": _samples({"a": 1, "b": 0, "c": 2, "e": 0}),
+                                    "trained (x)": _samples({"a": 1, "b": 0, "c": 2, "e": 0})})
+    with pytest.raises(UserError, match=r"evaluated on other prompts than .* \(e.g. \['d', 'e'\]\)"):
+        multi_run.interval_table([multi_run.read_run(runs[0]), multi_run.read_run(other)])
+    short = tmp_path / "short"
+    write_report(short / "report", {"base": _samples(BASE, n=2), "trained (x)": _samples(BASE, n=2)})
+    with pytest.raises(UserError, match=r"drew n = \[2\] samples per prompt"):
+        multi_run.interval_table([multi_run.read_run(runs[0]), multi_run.read_run(short)])

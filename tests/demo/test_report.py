@@ -57,16 +57,23 @@ def test_report_folder_has_the_table_the_plots_and_results(tmp_path):
     for name in names - {"report.md", "results.json"}:
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     md = (out / "report.md").read_text()
-    assert "| model | prompts | n | pass@1 | pass@2 | pass@4 | pass@8 |" in md
-    # base: c = 1, 0, 2 of n = 8 -> pass@1 = mean(1/8, 0, 2/8) = 12.5 %; pass@8 = 2/3
-    assert "| base | 3 | 8 | 12.5 |" in md and md.split("| base |")[1].split("\n")[0].rstrip().endswith("66.7 |")
-    assert "| trained | 3 | 8 | 25.0 |" in md
+    assert "| model | prompts | n | pass@1 [95%] | pass@2 [95%] | pass@4 [95%] | pass@8 [95%] |" in md
+    # base: c = 1, 0, 2 of n = 8 -> pass@1 = mean(1/8, 0, 2/8) = 12.5 %; pass@8 = 2/3. Intervals over 3 prompts:
+    # all three resampled as the lowest (or the highest) has chance 1/27 > 2.5%, so the ends are the extremes
+    assert "| base | 3 | 8 | 12.5 [0.0, 25.0] |" in md
+    assert md.split("| base | 3 |")[1].split("\n")[0].rstrip().endswith("66.7 [0.0, 100.0] |")
+    assert "| trained | 3 | 8 | 25.0 [" in md
+    # against the base: trained solves p2, base does not (1 vs 0 discordant: sign test p = 1)
+    assert "## Against base" in md and md.split("| trained | +12.5 [")[1].split("\n")[0].endswith("| 1 | 0 | 1 |")
     assert "![pass_at_k](pass_at_k.png)" in md
     # solved at least once: base p1, p3; trained p1, p2, p3 -> one gained, none lost
     assert "| base | 2 | 3 | 0 | 0 |" in md and "| trained | 3 | 3 | 1 | 0 |" in md
     assert "| step | pass@1 | pass@2 | entropy |" in md and "| 3 | 25.0 | 50.0 | 0.750 |" in md
     results = json.loads((out / "results.json").read_text())
     assert results["models"]["trained"]["mean_distinct_correct"] == pytest.approx(2.0)
+    assert results["models"]["base"]["pass_at_k_interval"]["1"] == pytest.approx({"estimate": 0.125, "low": 0.0, "high": 0.25})
+    assert results["per_prompt"]["base"]["p1"]["n"] == 8 and results["per_prompt"]["base"]["p1"]["correct"] == 1
+    assert results["paired"]["trained"]["sign_test_p"] == 1.0
     assert results["per_prompt"]["base"]["p3"]["distinct_correct"] == 2
 
 

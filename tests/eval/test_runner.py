@@ -72,6 +72,11 @@ def test_killed_run_resumes_to_the_same_table(tmp_path):
     assert len(log.read_text().splitlines()) - first_calls == requests_total - len(stored_requests)
     assert (tmp_path / "resumed" / "table.csv").read_text() == (tmp_path / "whole" / "table.csv").read_text()
     assert (tmp_path / "resumed" / "table.md").read_text() == (tmp_path / "whole" / "table.md").read_text()
+    for tag in ("weak", "strong"):  # per-problem (n, c) and intervals: the same as an uninterrupted run's
+        results = [json.loads((tmp_path / run / tag / "results.json").read_text()) for run in ("resumed", "whole")]
+        for r in results:  # the model directories differ (each run has its own); nothing else may
+            del r["model"], r["settings"]["model"]
+        assert results[0] == results[1]
     for tag in ("weak", "strong"):
         lines = [l for s in sorted((tmp_path / "resumed" / tag / "samples").glob("*.jsonl")) for l in s.read_text().splitlines()]
         keys = [(r["benchmark"], r["problem_id"], r["sample"]) for r in map(json.loads, lines)]
@@ -142,9 +147,13 @@ def test_table_rows_are_mean_pass_at_k(tmp_path):
     ks, rows = pass_at_k_rows(counts)
     assert rows[0]["pass"][1] == pytest.approx(0.25)
     assert rows[0]["pass"][4] == pytest.approx((pass_at_k(8, 0, 4) + pass_at_k(8, 4, 4)) / 2)
-    assert "| b | m | 2 | 8 | 25.0 |" in markdown_table(ks, rows)
+    # two problems at pass@1 0 and 1/2: resampled means 0, 1/4, 1/2 with chances 1/4, 1/2, 1/4 -> [0, 50]
+    assert "| b | m | 2 | 8 | 25.0 [0.0, 50.0] |" in markdown_table(ks, rows)
     paths = write_reports(ks, rows, tmp_path)
     assert [p.name for p in paths] == ["table.md", "table.csv", "passk_b.png"]
+    header, row = (tmp_path / "table.csv").read_text().splitlines()
+    assert header.split(",")[4:7] == ["pass@1", "pass@1_low", "pass@1_high"]
+    assert [float(x) for x in row.split(",")[4:7]] == [0.25, 0.0, 0.5]
 
 
 class RecordingEngine(FakeEngine):
