@@ -21,6 +21,7 @@ from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.data.config import DataConfig
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.config import EvalConfig
+from megatron_rlvr.plan.config import ClusterConfig
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout.config import RolloutConfig
 
@@ -107,6 +108,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self, world_size: int | None = None, model_shape: Mapping[str, int] | None = None) -> "Config":
         """Cross-section checks. ``model_shape`` holds the HF config's head/vocab sizes when known."""

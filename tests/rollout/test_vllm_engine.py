@@ -295,3 +295,38 @@ def test_top_p_logprobs_are_of_the_truncated_renormalized_distribution(qwen):
     got = torch.tensor(c.logprobs)
     assert (got - nucleus.gather(1, ids)[:, 0]).abs().max().item() <= TOL
     assert (got - logp.gather(1, ids)[:, 0]).abs().max().item() > 100 * TOL
+
+
+@pytest.mark.parametrize("path", ["direct", "reload_shard_stage"])
+def test_a_wrong_shape_in_the_last_bucket_leaves_the_weights_bit_identical_and_the_engine_alive(qwen, path,
+                                                                                                 monkeypatch):
+    """Under "full", a stream whose last bucket holds a wrong shape is refused after it was drained: every weight
+    the engine computes with reads back bit for bit as before, and the engine still generates. Both CPU paths: the
+    direct loader, and vLLM's reload behind the shard stage (the GPU path's staging, at TP 1 here)."""
+    engine, hf, original = qwen
+    assert engine.cfg.sync_staging == "full"
+    if path == "reload_shard_stage":
+        monkeypatch.setattr(engine, "_direct", None)
+    new = dict(perturbed(original, seed=11))
+    buckets = [list(new.items())[:-2], list(new.items())[-2:]]
+    name, last = buckets[-1][-1]
+    buckets[-1][-1] = (name, last[:, :-1] if last.dim() == 2 else last[:-1])
+    drawn = []
+
+    def stream():
+        for bucket in buckets:
+            for item in bucket:
+                drawn.append(item[0])
+                yield item
+
+    with pytest.raises(WeightSyncError, match=f"{name}.*shape"):
+        engine.update_weights(stream())
+    assert len(drawn) == len(new) and engine.alive
+    assert engine.compare_weights(original, atol=0.0) == []  # bit-identical read-back, through the layers' GEMMs
+    out = engine.generate([[1, 2, 3]], 2, Sampling(temperature=1.0, max_tokens=4, seed=0))
+    assert len(out[0]) == 2 and all(len(c.token_ids) >= 1 for c in out[0])
+    if path == "reload_shard_stage":  # and the staged path does load a good stream
+        engine.update_weights(new.items())
+        assert engine.compare_weights(new) == [] and engine.last_staged_bytes > 0
+        engine.update_weights(original.items())
+        assert engine.compare_weights(original) == []
