@@ -9,12 +9,13 @@ Per rank, from what this project's code allocates in host memory (docs/weight-sy
 - sleep-mode offload (colocated GPU engines): level 1 moves the engine's weights to host memory while the actor
   trains (HF bytes / engine TP per rank); level 2 drops them (re-sent at the next sync): none.
 - transfer buckets: the export's shared-memory exchange (two slots per TP rank, each at least SHM_SLOT_BYTES or the
-  largest TP shard) and two lending slots of ``rollout.bucket_bytes``, in /dev/shm, i.e. host RAM.
+  largest TP shard) and two lending rounds of at most ``rollout.bucket_bytes``, in /dev/shm, i.e. host RAM (the
+  pages a sync touches).
 - the reward pool, per rank (every rank runs one): ``reward.workers`` x (the code sandbox's memory budget +
   its tmpfs) for code, else workers x a verifier process's resident set (an estimate, below).
 - the data loader: every rank holds the tokenized train split (an estimate from the row count and prompt length).
 - the rank's own process: Python, torch, megatron-core, vLLM, the CUDA host-side runtime (an estimate on GPU; on
-  CPU measured on this machine, tools/measure_memory.py --host).
+  CPU measured on this machine); the node's launcher (torchrun), once per node.
 - on CPU only, the actor and the engine themselves live in host memory (plan/memory.py's CPU arithmetic for the
   actor; the engine's weights at fp32 and its ``kv_cache_memory_bytes``).
 
@@ -33,14 +34,19 @@ from megatron_rlvr.plan.memory import FP32, GB, Layout, ModelDims, actor_rank_pl
 
 # Assumptions not measured here (GPU nodes), named:
 GPU_RANK_PROCESS_BYTES = int(8.0 * GB)  # one GPU rank's process: CUDA host runtime, NCCL, torch, megatron, vLLM
-VERIFIER_RESIDENT_BYTES = int(0.3 * GB)  # one math verifier worker: Python + sympy + math_verify imported
+# one verifier worker: measured 53 MB PSS once started (Python + math_verify + sympy imported, this machine); twice
+# that for what sympy caches while it scores
+VERIFIER_RESIDENT_BYTES = int(0.1 * GB)
 DATA_ROW_OVERHEAD_BYTES = 2048  # one prompt row's Python objects beyond its token ids (text, answer, id, dict)
 BYTES_PER_TOKEN_ID = 36  # a token id in a Python list: the 8-byte slot and a 28-byte int object
 DEFAULT_DATA_ROWS = 100_000  # rows assumed when the data file is not readable here
 HOST_HEADROOM_FRACTION = 0.10
-# Measured on this project's CPU machine (tools/measure_memory.py --host): one CPU rank's process after importing
-# torch, megatron-core and vLLM and starting the engine, before its weights and KV cache.
-CPU_RANK_PROCESS_BYTES = int(1.6 * GB)
+# Measured on this project's CPU machine: one process's PSS after importing torch, megatron-core, the trainer and
+# vLLM and starting a vLLM engine for the demo model, less the engine's weights and KV cache (0.50 GB; alone in its
+# process, so the shared libraries count whole: ranks that share them count less each).
+CPU_RANK_PROCESS_BYTES = int(0.5 * GB)
+# the node's launcher (torchrun's agent: Python + torch.distributed imported): measured 157 MB PSS on this machine
+LAUNCHER_BYTES = int(0.16 * GB)
 SHM_SLOT_BYTES = 64 << 20  # bridge/export.py: the exchange's per-rank slot (at least the largest TP shard)
 
 LABELS = {
@@ -50,6 +56,7 @@ LABELS = {
     "reward_pool": "reward pool",
     "data_loader": "data loader (estimate)",
     "process": "rank processes (estimate)",
+    "launcher": "launcher (torchrun)",
     "actor": "actor (CPU)",
     "engine": "engine weights + KV (CPU)",
 }
@@ -94,11 +101,14 @@ def engine_weight_bytes(dims: ModelDims, engine_tp: int, value_bytes: int) -> in
 
 
 def transfer_bucket_bytes(dims: ModelDims, lay: Layout) -> int:
-    """One actor rank's exchange slots (only with actor TP > 1) and its lending slots."""
+    """One actor rank's touched /dev/shm (only with actor TP > 1): its two exchange slots (each the larger of
+    SHM_SLOT_BYTES and its largest shard, filled at most with its share of the model) and its share of the lending
+    slots (two rounds of at most ``rollout.bucket_bytes`` in TP rank 0's segment)."""
     if lay.tp == 1:
         return 0
-    largest_shard = max(dims.vocab * dims.hidden, 2 * dims.ffn * dims.hidden) // lay.tp * lay.param_bytes
-    return 2 * max(SHM_SLOT_BYTES, largest_shard) + 2 * lay.bucket_bytes
+    model = dims.hf_params() * lay.param_bytes
+    slot = max(SHM_SLOT_BYTES, max(dims.vocab * dims.hidden, 2 * dims.ffn * dims.hidden) // lay.tp * lay.param_bytes)
+    return 2 * min(slot, model // lay.tp) + 2 * min(lay.bucket_bytes, lay.tp * slot, model) // lay.tp
 
 
 def reward_pool_bytes(cfg: Any) -> int:
@@ -152,6 +162,7 @@ def host_plan(cfg: Any, hf: Mapping[str, Any], lay: Layout, world: int, gpus_per
     c = dict.fromkeys(LABELS if not lay.gpu else [k for k in LABELS if k not in ("actor", "engine")], 0)
     process = GPU_RANK_PROCESS_BYTES if lay.gpu else CPU_RANK_PROCESS_BYTES
     full = r.sync_staging == "full"
+    c["launcher"] = LAUNCHER_BYTES
     for kind, count in kinds.items():
         has_engine = kind in ("colocated", "engine")
         has_actor = kind in ("colocated", "actor")

@@ -45,7 +45,7 @@ def serve(cfg, roles: Roles) -> None:
     rank, tp = dist.get_rank(), cfg.rollout.tp
     engine = make_engine(cfg.model.hf_dir, cfg.rollout, seed=cfg.trainer.seed + rank // tp,
                          dtype="bfloat16" if cfg.actor.bf16 else "float32")
-    # vLLM's own weight loading slices full HF tensors for its TP rank, so the engine takes them whole
+    # whole tensors: the engine checks each one whole and keeps only its engine-TP shard (shard_stage.py, "full")
     receiver = WeightReceiver(roles.cross, engine_tp=tp, engine_tp_rank=rank % tp, dims=None, shard=False)
     version: int | None = None
     failure: Failure | None = None
