@@ -271,18 +271,22 @@ def host_measure(config: str, overrides: list[str], world: int, timeout_s: float
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "-m", "megatron_rlvr.cli",
            "train", config, *overrides]
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    root, peak, procs = psutil.Process(proc.pid), 0, 0
-    while proc.poll() is None and time.monotonic() - started < timeout_s:
-        pss, count = _tree_pss(root)
-        if pss > peak:
-            peak, procs = pss, count
-        time.sleep(0.5)
-    if proc.poll() is None:
-        proc.kill()
-    err = proc.stderr.read() if proc.stderr else ""
-    return {"peak_pss": peak, "processes": procs, "rc": proc.wait(), "seconds": time.monotonic() - started,
-            "stderr_tail": err[-2000:]}
+    with tempfile.TemporaryFile("w+") as err:  # a pipe nobody reads while sampling could fill and stall the run
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
+        root, peak, procs = psutil.Process(proc.pid), 0, 0
+        while proc.poll() is None and time.monotonic() - started < timeout_s:
+            pss, count = _tree_pss(root)
+            if pss > peak:
+                peak, procs = pss, count
+            time.sleep(0.5)
+        timed_out = proc.poll() is None
+        if timed_out:  # the ranks too, not only torchrun: its session is theirs
+            os.killpg(proc.pid, 9)
+        rc = proc.wait()
+        err.seek(0)
+        tail = err.read()[-2000:]
+    return {"peak_pss": peak, "processes": procs, "rc": rc, "timed_out": timed_out,
+            "seconds": time.monotonic() - started, "stderr_tail": tail}
 
 
 def host_main(args) -> int:
