@@ -66,10 +66,10 @@ def test_plan_exits_3_naming_the_component_when_host_memory_does_not_fit(capsys)
     name = "qwen2.5-32b_math-l3to5_casp"
     assert main([name, "--json"]) == 0
     capsys.readouterr()
-    assert main([name, "rollout.sleep_level=2", "--host-memory-gb", "300"]) == 3
+    assert main([name, "rollout.sleep_level=2", "--host-memory-gb", "200"]) == 3
     out = capsys.readouterr().out
     assert "host: " in out and "does NOT fit" in out and "breaks it: staging" in out
-    assert main([name, "rollout.sleep_level=2", "--host-memory-gb", "300", "--json"]) == 3
+    assert main([name, "rollout.sleep_level=2", "--host-memory-gb", "200", "--json"]) == 3
     got = json.loads(capsys.readouterr().out)
     assert got["gpu_fits"] and not got["fits"] and got["host"]["breaking_component"]["name"] == "staging"
     assert main([name, "--host-memory-gb", "-1"]) == 2
