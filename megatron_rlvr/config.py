@@ -49,6 +49,19 @@ class TrainerConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines a recipe targets, as `megatron-rlvr plan` checks them (plan/host_memory.py)."""
+
+    # host (CPU) memory of one node in GB; the plan refuses a layout whose node total does not fit. 0 = not checked.
+    # The H200 recipes assume a DGX H200 node: 2 TB (2000 GB) of system memory.
+    host_memory_gb: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.host_memory_gb < 0:
+            raise ValueError(f"cluster.host_memory_gb: expected >= 0 (0: not checked), got {self.host_memory_gb!r}")
+
+
+@dataclass
 class Config:
     """The whole run. Every knob has a default; a YAML recipe and CLI overrides change some of them."""
 
@@ -61,6 +74,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self, world_size: int | None = None, model_shape: Mapping[str, int] | None = None) -> "Config":
         """Cross-section checks. ``model_shape`` holds the HF config's head/vocab sizes when known."""

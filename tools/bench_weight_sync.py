@@ -11,7 +11,7 @@ shared memory and rank 0's engine reads them there, while rank 1 lays out the ne
 same HF tensors into preallocated tensors of the same shapes on rank 0. Also printed, to show where the time goes:
 the export alone (drained, no engine), the export with every rank receiving (the CPU trainer, where each rank holds
 an engine), and the engine update alone (from tensors already in memory). The last line is one JSON object with
-sync_seconds, copy_seconds and sync_over_copy (target <= 3).
+sync_seconds, copy_seconds and sync_over_copy (target <= 2), and the breakdown of one more sync by part.
 """
 
 from __future__ import annotations
@@ -42,6 +42,59 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+class Breakdown:
+    """Seconds of one sync by part, on the engine's rank: time inside the export's iterator (TP gather + HF
+    re-layout), the manifest's checks, the GEMM handle rebuild (vLLM's CPU dispatch), the prefix-cache reset; the
+    rest of ``update_weights`` is the plain-parameter copies, the commit and the loop itself. Timing wrappers are
+    installed only for the breakdown round (they cost a little themselves)."""
+
+    PARTS = ("export", "manifest_checks", "gemm_handles", "prefix_cache_reset")
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self._undo: list = []
+
+    def _wrap(self, owner, attr: str, part: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, fn))
+
+    def export(self, stream):
+        it = iter(stream)
+        while True:
+            start = time.perf_counter()
+            item = next(it, None)
+            self.seconds["export"] += time.perf_counter() - start
+            if item is None:
+                return
+            yield item
+
+    def __enter__(self) -> "Breakdown":
+        from megatron_rlvr.rollout import cpu_weights, weight_manifest
+
+        self._wrap(weight_manifest._StreamChecker, "check", "manifest_checks")
+        self._wrap(weight_manifest._StreamChecker, "finish", "manifest_checks")
+        self._wrap(cpu_weights, "_prepared_gemm", "gemm_handles")
+        self._wrap(self.engine._llm, "reset_prefix_cache", "prefix_cache_reset")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, fn in reversed(self._undo):
+            if owner is self.engine._llm:
+                delattr(owner, attr)  # the instance attribute hid the class's method
+            else:
+                setattr(owner, attr, fn)
 
 
 def bench_rank(hf_dir: str, repeats: int, bucket_bytes: int, check: bool, staging: str) -> dict | None:
@@ -107,6 +160,17 @@ def bench_rank(hf_dir: str, repeats: int, bucket_bytes: int, check: bool, stagin
             if rnd:
                 results["update"].append(update)
                 results["copy"].append(copied)
+    breakdown = None  # one more sync, timed by part
+    dist.barrier()
+    if engine is not None:
+        with Breakdown(engine) as parts:
+            start = time.perf_counter()
+            engine.update_weights(parts.export(export(lend=True)), lent=True)
+            total = time.perf_counter() - start
+        breakdown = {"total": total, **parts.seconds}
+        breakdown["update_rest"] = total - sum(parts.seconds.values())
+    else:
+        sync()
     mismatches = None
     if check:  # after one more sync (the lent path), since the last update above came from ``held``
         dist.barrier()
@@ -124,6 +188,7 @@ def bench_rank(hf_dir: str, repeats: int, bucket_bytes: int, check: bool, stagin
         "tensors": len(held),
         "engine_start_seconds": start_seconds,
         "mismatches": mismatches,
+        "breakdown": breakdown,
     }
 
 
@@ -164,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, stat in (("median", med), ("min", low)):
         ratios = "  ".join(f"{k}/copy {stat[k] / stat['copy']:.2f}" for k in ("sync", "update", "export"))
         print(f"ratios ({name}): {ratios}")
+    b = out["breakdown"]
+    print(f"breakdown of one more sync ({b['total']:.3f} s, timing wrappers on): "
+          + ", ".join(f"{k} {b[k]:.3f} s ({b[k] / b['total']:.0%})" for k in (*Breakdown.PARTS, "update_rest")))
     if out["mismatches"] is not None:
         print(f"post-sync read-back: {len(out['mismatches'])} mismatching tensors {out['mismatches'][:3]}")
     summary = {
@@ -177,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "bucket_bytes": args.bucket_mb << 20,
         "staging": args.staging,
         "sync_over_copy_min": round(low["sync"] / low["copy"], 3),
+        "breakdown_seconds": {k: round(v, 4) for k, v in b.items()},
     }
     print(json.dumps(summary))
     return 0

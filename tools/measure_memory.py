@@ -10,6 +10,8 @@ printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline
     OMP_NUM_THREADS=1 python tools/measure_memory.py                # the small model, 4 layouts, 2 ranks each
     python tools/measure_memory.py --layouts 1,1,dist,ref 2,1,local --world 2 --markdown
 
+    python tools/measure_memory.py --host "configs/demo_cpu.yaml trainer.steps=2"   # host memory of a whole run
+
 CPU runs fp32 without TE: weights 4 B, main grads 4 B, Adam 8 B (fp32 params are their own main params), unfused
 attention. The same functions give the GPU plan with bf16 (2 B weights + 4 B fp32 main params).
 """
@@ -232,14 +234,100 @@ def table(rows: list[dict], markdown: bool) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Host memory of a whole CPU training run (--host): plan/host_memory.py against the processes' measured PSS
+
+
+def host_predicted(config: str, overrides: list[str], world: int) -> dict:
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.plan.host_memory import host_plan
+    from megatron_rlvr.plan.memory import Layout
+    from megatron_rlvr.plan.recipe_files import load_hf_config
+
+    cfg = load_config(config, overrides)
+    hf = load_hf_config(cfg.model.hf_dir)
+    lay = Layout.from_config(cfg, world, gpu=False)
+    return host_plan(cfg, hf, lay, world, world, 0).components
+
+
+def _tree_pss(root) -> tuple[int, int]:
+    """(PSS summed over ``root`` and its descendants, how many): shared pages (/dev/shm, libraries) counted once."""
+    import psutil
+
+    total, count = 0, 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            total += proc.memory_full_info().pss
+            count += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total, count
+
+
+def host_measure(config: str, overrides: list[str], world: int, timeout_s: float) -> dict:
+    """Run ``torchrun --nproc-per-node world -m megatron_rlvr.cli train config overrides`` and sample the process
+    tree's PSS every 0.5 s: the node's host memory as the plan counts it."""
+    import subprocess
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "-m", "megatron_rlvr.cli",
+           "train", config, *overrides]
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as err:  # a pipe nobody reads while sampling could fill and stall the run
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
+        root, peak, procs = psutil.Process(proc.pid), 0, 0
+        while proc.poll() is None and time.monotonic() - started < timeout_s:
+            pss, count = _tree_pss(root)
+            if pss > peak:
+                peak, procs = pss, count
+            time.sleep(0.5)
+        timed_out = proc.poll() is None
+        if timed_out:  # the ranks too, not only torchrun: its session is theirs
+            os.killpg(proc.pid, 9)
+        rc = proc.wait()
+        err.seek(0)
+        tail = err.read()[-2000:]
+    return {"peak_pss": peak, "processes": procs, "rc": rc, "timed_out": timed_out,
+            "seconds": time.monotonic() - started, "stderr_tail": tail}
+
+
+def host_main(args) -> int:
+    rows = []
+    for spec in args.host:
+        config, *overrides = spec.split()
+        pred = host_predicted(config, overrides, args.world)
+        meas = host_measure(config, overrides, args.world, args.timeout)
+        if meas["rc"] != 0:
+            print(f"{spec}: the run failed (rc {meas['rc']}):\n{meas['stderr_tail']}")
+            return 1
+        rows.append((spec, pred, meas))
+    print(f"host memory of CPU training runs ({args.world} ranks): plan/host_memory.py vs the peak PSS of the run's "
+          f"process tree (ranks, reward workers), sampled every 0.5 s")
+    print("| run | " + " | ".join(f"{k} (pred MB)" for k in rows[0][1]) + " | predicted MB | measured MB | error |")
+    print("|---|" + "---|" * (len(rows[0][1]) + 3))
+    for spec, pred, meas in rows:
+        total = sum(pred.values())
+        err = (total - meas["peak_pss"]) / meas["peak_pss"] * 100
+        print(f"| {spec} | " + " | ".join(f"{v / 1e6:.0f}" for v in pred.values())
+              + f" | {total / 1e6:.0f} | {meas['peak_pss'] / 1e6:.0f} | {err:+.1f}% |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", nargs="+", default=None, metavar="'CONFIG [key=value ...]'",
+                   help="host memory mode: run each CPU training config under torchrun and compare its peak PSS "
+                        "with the plan's host table")
+    p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), help="TP,PP[,dist|local][,ref] each")
     p.add_argument("--world", type=int, default=2, help="gloo ranks per layout")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
+    if args.host:
+        return host_main(args)
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     cases = [Case.parse(t, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size) for t in args.layouts]

@@ -81,46 +81,55 @@ def kv_heads_of_rank(dims: ModelDims, tp: int, rank: int, hf_name: str = "k_proj
     return rank * per_rank, per_rank
 
 
-def _expect(hf_name: str, tensor: torch.Tensor, dim: int, size: int, what: str) -> None:
-    if tensor.dim() <= dim or tensor.shape[dim] != size:
+def _expect(hf_name: str, shape: tuple[int, ...], dim: int, size: int, what: str) -> None:
+    if len(shape) <= dim or shape[dim] != size:
         raise ReshardError(
-            f"{hf_name}: shape {list(tensor.shape)}, expected {size} {what} along dim {dim} from the model's config"
+            f"{hf_name}: shape {list(shape)}, expected {size} {what} along dim {dim} from the model's config"
         )
+
+
+def engine_shard_region(hf_name: str, full_shape: tuple[int, ...] | torch.Size, dims: ModelDims, tp: int,
+                        rank: int) -> tuple[int | None, int, int]:
+    """Where engine TP rank ``rank`` of ``tp``'s slice of HF tensor ``hf_name`` lies in the full tensor, in vLLM's
+    partitioning (see the module docstring): (dim, start, length), dim None for a replicated tensor (the whole)."""
+    if not 0 <= rank < tp:
+        raise ReshardError(f"{hf_name}: engine tp rank {rank} is not in [0, {tp})")
+    shape = tuple(full_shape)
+    rule = rule_of(hf_name)
+    d = dims.head_dim
+    if rule == "replicated":
+        _expect(hf_name, shape, 0, dims.hidden, "hidden units")
+        return None, 0, shape[0]
+    if rule == "q":
+        _expect(hf_name, shape, 0, dims.heads * d, "rows (heads x head_dim)")
+        rows = _whole(hf_name, "attention heads", dims.heads, tp) * d
+        return 0, rank * rows, rows
+    if rule == "kv":
+        _expect(hf_name, shape, 0, dims.groups * d, "rows (kv heads x head_dim)")
+        first, count = kv_heads_of_rank(dims, tp, rank, hf_name)
+        return 0, first * d, count * d
+    if rule == "o":
+        _expect(hf_name, shape, 1, dims.heads * d, "columns (heads x head_dim)")
+        cols = _whole(hf_name, "attention heads", dims.heads, tp) * d
+        return 1, rank * cols, cols
+    if rule == "gate_up":
+        _expect(hf_name, shape, 0, dims.ffn, "rows (intermediate size)")
+        rows = _whole(hf_name, "rows (intermediate size)", dims.ffn, tp)
+        return 0, rank * rows, rows
+    if rule == "down":
+        _expect(hf_name, shape, 1, dims.ffn, "columns (intermediate size)")
+        cols = _whole(hf_name, "columns (intermediate size)", dims.ffn, tp)
+        return 1, rank * cols, cols
+    _expect(hf_name, shape, 0, dims.vocab, "vocabulary rows")
+    start, stop = vocab_range(dims.vocab, tp, rank, hf_name)
+    return 0, start, stop - start
 
 
 def engine_shard(hf_name: str, tensor: torch.Tensor, dims: ModelDims, tp: int, rank: int) -> torch.Tensor:
     """The slice of full HF tensor ``hf_name`` that engine TP rank ``rank`` of ``tp`` keeps, in vLLM's partitioning
     (see the module docstring): a view of ``tensor`` (rows, columns, or the whole of it)."""
-    if not 0 <= rank < tp:
-        raise ReshardError(f"{hf_name}: engine tp rank {rank} is not in [0, {tp})")
-    rule = rule_of(hf_name)
-    d = dims.head_dim
-    if rule == "replicated":
-        _expect(hf_name, tensor, 0, dims.hidden, "hidden units")
-        return tensor
-    if rule == "q":
-        _expect(hf_name, tensor, 0, dims.heads * d, "rows (heads x head_dim)")
-        rows = _whole(hf_name, "attention heads", dims.heads, tp) * d
-        return tensor.narrow(0, rank * rows, rows)
-    if rule == "kv":
-        _expect(hf_name, tensor, 0, dims.groups * d, "rows (kv heads x head_dim)")
-        first, count = kv_heads_of_rank(dims, tp, rank, hf_name)
-        return tensor.narrow(0, first * d, count * d)
-    if rule == "o":
-        _expect(hf_name, tensor, 1, dims.heads * d, "columns (heads x head_dim)")
-        cols = _whole(hf_name, "attention heads", dims.heads, tp) * d
-        return tensor.narrow(1, rank * cols, cols)
-    if rule == "gate_up":
-        _expect(hf_name, tensor, 0, dims.ffn, "rows (intermediate size)")
-        rows = _whole(hf_name, "rows (intermediate size)", dims.ffn, tp)
-        return tensor.narrow(0, rank * rows, rows)
-    if rule == "down":
-        _expect(hf_name, tensor, 1, dims.ffn, "columns (intermediate size)")
-        cols = _whole(hf_name, "columns (intermediate size)", dims.ffn, tp)
-        return tensor.narrow(1, rank * cols, cols)
-    _expect(hf_name, tensor, 0, dims.vocab, "vocabulary rows")
-    start, stop = vocab_range(dims.vocab, tp, rank, hf_name)
-    return tensor.narrow(0, start, stop - start)
+    dim, start, length = engine_shard_region(hf_name, tensor.shape, dims, tp, rank)
+    return tensor if dim is None else tensor.narrow(dim, start, length)
 
 
 def engine_tp_problems(dims: ModelDims, tp: int) -> list[str]:

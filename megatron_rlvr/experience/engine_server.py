@@ -39,7 +39,7 @@ def serve(cfg: Config, roles: Roles) -> None:
     loader, pad_id = stream.loader, stream.pad_id
     rank, tp = dist.get_rank(), cfg.rollout.tp
     engine = make_rollout_engine(cfg, rank)
-    # vLLM's own weight loading slices full HF tensors for its TP rank, so the engine takes them whole
+    # whole tensors: the engine checks each one whole and keeps only its engine-TP shard (shard_stage.py, "full")
     receiver = WeightReceiver(roles.cross, engine_tp=tp, engine_tp_rank=rank % tp, dims=None, shard=False)
     version: int | None = None
     failure: Failure | None = None

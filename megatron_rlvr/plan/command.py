@@ -1,7 +1,10 @@
-"""`megatron-rlvr plan RECIPE [key=value ...] [--nodes N] [--gpu-memory-gb 141] [--json] [--suggest]`.
+"""`megatron-rlvr plan RECIPE [key=value ...] [--nodes N] [--gpu-memory-gb 141] [--host-memory-gb G] [--json]
+[--suggest]`.
 
 Prints, per GPU, the bytes of each component of the recipe's layout and the peak of each phase (rollout,
-statistics, update, sync), and whether it fits. Exit status: 0 fits, 3 does not fit, 2 bad recipe or argument.
+statistics, update, sync), then the host memory of the fullest node (plan/host_memory.py) against
+``cluster.host_memory_gb``, and whether both fit. Exit status: 0 fits, 3 does not fit (GPU or host), 2 bad recipe or
+argument.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import sys
 from typing import Any
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.plan.host_memory import host_json, host_plan, host_text
 from megatron_rlvr.plan.memory import GB, PHASE_PARTS, Layout, ModelDims, Plan, plan_layout, stage_params
 from megatron_rlvr.plan.suggest import RANKING_RULE, suggest
 
@@ -185,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gb", type=float, default=H200_MEMORY_GB, help="memory of one GPU (H200: 141)")
     p.add_argument("--headroom-gb", type=float, default=None,
                    help="memory each GPU keeps free for allocator fragmentation (default: 5%% of --gpu-memory-gb)")
+    p.add_argument("--host-memory-gb", type=float, default=None,
+                   help="host memory of one node (default: the recipe's cluster.host_memory_gb)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--suggest", action="store_true", help="list the layouts that fit on these nodes, best first")
     p.add_argument("--top", type=int, default=10, help="--suggest: how many layouts to print")
@@ -197,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, hf, nodes = load_plan_inputs(args.recipe, args.overrides, args.nodes, args.gpus_per_node)
         if args.gpu_memory_gb <= 0:
             raise UserError(f"--gpu-memory-gb {args.gpu_memory_gb}: must be > 0")
+        if args.host_memory_gb is not None and args.host_memory_gb < 0:
+            raise UserError(f"--host-memory-gb {args.host_memory_gb}: must be >= 0 (0: not checked)")
         if args.headroom_gb is not None and not 0 <= args.headroom_gb < args.gpu_memory_gb:
             raise UserError(f"--headroom-gb {args.headroom_gb}: must be in [0, --gpu-memory-gb)")
         plan = make_plan(cfg, hf, nodes, args.gpus_per_node, args.gpu_memory_gb, args.headroom_gb)
@@ -215,11 +223,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(suggestions_text(rows, has_budget, args.top))
         return EXIT_FITS if rows else EXIT_DOES_NOT_FIT
+    host_gb = cfg.cluster.host_memory_gb if args.host_memory_gb is None else args.host_memory_gb
+    host = host_plan(cfg, hf, plan.layout, nodes * args.gpus_per_node, args.gpus_per_node, host_gb)
     if args.json:
-        print(json.dumps(plan_json(plan, args.recipe, nodes, args.gpus_per_node), indent=1))
+        out = plan_json(plan, args.recipe, nodes, args.gpus_per_node)
+        out["host"] = host_json(host)
+        out["gpu_fits"], out["fits"] = out["fits"], plan.fits and host.fits
+        print(json.dumps(out, indent=1))
     else:
         print(plan_text(plan, args.recipe, nodes, args.gpus_per_node, dims))
-    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
+        print("")
+        print(host_text(host))
+    return EXIT_FITS if plan.fits and host.fits else EXIT_DOES_NOT_FIT
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ class RolloutConfig:
     kv_cache_memory_bytes: int = 256 * 1024**2  # CPU engines: a bounded KV cache
     bucket_bytes: int = 256 * 1024**2  # weight-sync bucket size
     # "full": the whole weight stream is received and validated before the engine is touched (a bad stream leaves
-    # the engine as it was; holds one model copy meanwhile). "streaming": each tensor is checked as it arrives and
-    # loaded at once (no extra copy); a bad tensor mid-stream leaves a half-updated engine, reported as dead.
+    # the engine as it was; each engine rank holds its engine-TP shard meanwhile, docs/weight-sync.md). "streaming":
+    # each tensor is checked as it arrives and loaded at once (no extra copy); a bad tensor mid-stream leaves a
+    # half-updated engine, reported as dead.
     sync_staging: SyncStaging = "full"
     check_sync: bool = False  # compare engine weights with the given ones after each sync (slow)
     # algo.drop_uniform_groups: extra generation rounds per step to replace the groups whose rewards were all equal

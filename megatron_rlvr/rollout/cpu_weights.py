@@ -6,9 +6,13 @@ checkpoint loaders into them and re-runs `process_weights_after_loading` -- seve
 (measured ~2x a plain copy of the bytes for a 0.3B model). What a CPU model needs is less: vLLM-CPU computes an
 unquantized linear layer through a GEMM handle prepared from its weight (oneDNN's packed layout; `layer.weight` is
 left empty) and reads everything else (norms, biases, the embedding) from plain parameters. So an update here
- - prepares a new GEMM handle per linear layer with vLLM's own dispatch (`dispatch_cpu_unquantized_gemm`), fed the
-   packed weight [q; k; v] / [gate; up] as one tensor -- without a copy when the parts arrive back to back in one
-   buffer, as the bridge's export lays them out;
+ - gives each fp32 linear layer torch's linear (vLLM's own fallback GEMM) on a weight buffer of ours: the packed
+   weight [q; k; v] / [gate; up] is copied part by part into the layer's spare buffer, and the commit swaps spare and
+   live buffer (two per layer, kept from sync to sync). Rebuilding vLLM's oneDNN handle instead (a reorder into
+   fresh memory) cost 1.5x a copy of those bytes and was 60% of a sync (docs/weight-sync.md), while its GEMM is no
+   faster than torch's at fp32 on these CPUs. Other dtypes (and zentorch) still get a new handle from vLLM's own
+   dispatch (`dispatch_cpu_unquantized_gemm`), fed the packed weight as one tensor -- without a copy when the parts
+   arrive back to back in one buffer, as the bridge's export lays them out;
  - copies plain parameters into the live ones (vocabulary rows into the first rows of the padded table);
  - commits: swaps the handles in. Until the commit nothing the model computes with is touched, so a stream that
    turns out bad leaves the engine as it was (`commit_each=False`, the engine's "full" staging).
@@ -41,6 +45,7 @@ class _Route:
     part: int = 0  # index among the HF tensors packed into this parameter
     parts: int = 1
     row0: int = 0  # first row of this part in the packed parameter
+    packed_rows: int = 0  # rows of the packed parameter (all parts)
 
 
 @dataclass
@@ -59,6 +64,7 @@ class DirectLoader:
         self.routes = routes
         # id(live parameter) -> (it, its twin): lent loads, see the module docstring
         self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers = _GemmBuffers()
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> "DirectLoader | None":
@@ -87,6 +93,8 @@ class DirectLoader:
         twinned: dict[int, torch.Tensor] = {}  # id(live parameter) -> it, for those whose twin was written
         swap = lent and not commit_each
         pending: dict[int, _Pending] = {}
+        filled: dict[int, set[int]] = {}  # id(layer) -> the parts written into its spare GEMM buffer so far
+        rotated: list[torch.nn.Module] = []  # layers whose spare GEMM buffer goes live at the commit
         committed = False
 
         def commit() -> None:
@@ -96,6 +104,9 @@ class DirectLoader:
                 committed = True
             for module, fn in handles:
                 module.cpu_linear = fn
+            for module in rotated:
+                self._buffers.rotate(module)
+            rotated.clear()
             for live, parts in copies.values():
                 for row0, t in parts.items():
                     live.narrow(0, row0, t.shape[0]).copy_(t)
@@ -109,7 +120,19 @@ class DirectLoader:
 
         for name, tensor in weights:
             route = self.routes[name]
-            if route.gemm:
+            if route.gemm and _plain_gemm(route.module):
+                if _gemm_reads_weight(route.module):  # the output layer: torch's linear on the live weight (below)
+                    handles.append((route.module, torch.nn.functional.linear))
+                else:  # into this layer's spare buffer now (lent-safe), swapped in at the commit
+                    buffer = self._buffers.spare(route, tensor.shape[1:])
+                    buffer.narrow(0, route.row0, tensor.shape[0]).copy_(tensor)
+                    parts = filled.setdefault(id(route.module), set())
+                    parts.add(route.part)
+                    if len(parts) == route.parts:
+                        del filled[id(route.module)]
+                        handles.append((route.module, _linear_on(buffer)))
+                        rotated.append(route.module)
+            elif route.gemm:
                 p = pending.setdefault(id(route.module), _Pending(route))
                 p.tensors[route.part] = tensor
                 if len(p.tensors) == route.parts:
@@ -129,13 +152,57 @@ class DirectLoader:
                     copies.setdefault(id(live), (live, {}))[1][route.row0] = tensor
             if commit_each:
                 commit()
-        if pending:  # the manifest check saw every name: only a bug here can leave a layer incomplete
-            raise RuntimeError(f"direct weight load: incomplete packed layers {sorted(pending)}")
+        if pending or filled:  # the manifest check saw every name: only a bug here can leave a layer incomplete
+            raise RuntimeError(f"direct weight load: incomplete packed layers {sorted(pending) + sorted(filled)}")
         commit()
 
 
 class _Unsupported(Exception):
     pass
+
+
+class _GemmBuffers:
+    """Two weight buffers per fp32 GEMM layer that computes with torch's linear: the live one and a spare that the
+    next sync fills; the commit swaps them. Kept from sync to sync (fresh memory's first touch costs more than the
+    copy; vLLM's oneDNN handle rebuild was most of a sync's time, docs/weight-sync.md)."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, torch.Tensor] = {}
+        self._spare: dict[int, torch.Tensor] = {}
+
+    def spare(self, route: _Route, tail: torch.Size) -> torch.Tensor:
+        module = route.module
+        shape = (route.packed_rows, *tail)
+        dtype = module.weight.dtype
+        spare = self._spare.get(id(module))
+        if spare is None or tuple(spare.shape) != shape or spare.dtype != dtype:
+            spare = torch.empty(shape, dtype=dtype, device=module.weight.device)
+            self._spare[id(module)] = spare
+        return spare
+
+    def rotate(self, module: torch.nn.Module) -> None:
+        """The spare goes live; the old live buffer (none while vLLM's own handle was live) becomes the spare."""
+        key = id(module)
+        live = self._live.pop(key, None)
+        self._live[key] = self._spare.pop(key)
+        if live is not None:
+            self._spare[key] = live
+
+
+def _plain_gemm(module: torch.nn.Module) -> bool:
+    """Whether a sync gives this layer torch's linear on a weight buffer of ours instead of a rebuilt vLLM handle:
+    fp32 weights (measured as fast as vLLM's oneDNN handle at decode and prefill batch sizes on this project's CPUs),
+    not zentorch (vLLM's Zen path has its own kernels)."""
+    from vllm.platforms import current_platform
+
+    return module.weight.dtype == torch.float32 and not current_platform.is_zen_cpu()
+
+
+def _linear_on(weight: torch.Tensor) -> Callable:
+    def cpu_linear(x: torch.Tensor, _weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)  # the layer's own ``weight`` is empty (vLLM removed it)
+
+    return cpu_linear
 
 
 def _routes(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, _Route]:
@@ -187,6 +254,8 @@ def _routes(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> di
         for name, r in members:
             r.row0 = row0 if r.parts > 1 else 0
             row0 += shapes[name][0]
+        for _, r in members:
+            r.packed_rows = row0
         module, parts = members[0][1].module, members[0][1].parts
         if [r.part for _, r in members] != list(range(parts)):
             raise _Unsupported(f"{members[0][0]}: the names packed into one parameter do not match its parts")

@@ -13,7 +13,8 @@ Device-specific choices live in `_engine_kwargs` and in `sleep`/`wake` only:
 Weights arrive as HF (name, tensor) pairs. On CPU they go straight into the model's live parameters and GEMM handles
 (`cpu_weights.DirectLoader`, routes resolved once at start); elsewhere, or for a model it does not cover, through the
 model's own `load_weights` (vLLM's in-place `reload_weights` worker method), so vLLM's packing (qkv, gate_up) and TP
-slicing are its own. Log-probs are those of
+slicing are its own; under "full" staging that path first stages only this rank's engine-TP shard in host memory
+(`shard_stage.ShardStage`, docs/weight-sync.md). Log-probs are those of
 the *processed* distribution (`logprobs_mode="processed_logprobs"`): logits / temperature (then top-k/top-p
 truncation, a no-op at their defaults), which is what the trainer's statistics compute.
 """
@@ -34,10 +35,12 @@ from typing import Any, Iterable  # noqa: E402
 
 import torch  # noqa: E402
 
+from megatron_rlvr.bridge.mapping import ModelDims  # noqa: E402
 from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rlvr.rollout.cpu_weights import DirectLoader  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights  # noqa: E402
+from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,10 @@ class VLLMEngine:
         if not self.on_gpu:
             shapes = self.manifest.shapes
             self._direct = self._llm.apply_model(lambda model: DirectLoader.for_model(model, shapes))[0]
+        # "full" staging through vLLM's reload keeps only this rank's engine-TP shard of the stream (shard_stage.py)
+        self._stage = ShardStage(self.manifest, ModelDims.from_hf(self._hf_config), cfg.tp if self.on_gpu else 1,
+                                 self._llm.apply_model(_tp_rank)[0] if self.on_gpu else 0)
+        self.last_staged_bytes = 0  # peak staged bytes of the last "full" sync through vLLM's reload (0: none)
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
@@ -225,8 +232,9 @@ class VLLMEngine:
         if self._direct is not None:
             self._update_direct(source, feed, full, lent)
         else:
-            # vLLM's loaders may keep what they are given (staged, or packed later): give them fresh tensors.
-            fresh = ((n, t.clone()) for n, t in source) if lent else source
+            # vLLM's loaders may keep what they are given (packed later): give them fresh tensors ("full" staging
+            # copies this rank's shard out of each tensor anyway)
+            fresh = ((n, t.clone()) for n, t in source) if lent and not full else source
             self._update_by_reload(fresh, feed, full)
         if kept is not None:
             mismatches = self.compare_weights(kept)
@@ -257,8 +265,16 @@ class VLLMEngine:
             raise self._die("update_weights", e) from e
 
     def _update_by_reload(self, source, feed, full: bool) -> None:
+        """"full": the whole stream is checked and this rank's shard staged in host memory first (a bad stream
+        raises WeightSyncError here, the engine untouched); vLLM's loaders then get full-shape tensors, one at a
+        time, which they slice for their TP rank themselves (`StagedShards.full_tensors`)."""
         llm = self._llm
-        stream = iter(self.manifest.staged(source)) if full else self.manifest.iter_checked(source)
+        if full:
+            staged = self._stage.stage(source)  # raises before anything below touches the engine
+            self.last_staged_bytes = staged.peak_bytes
+            stream = staged.full_tensors(_engine_device(self.on_gpu))
+        else:
+            stream = self.manifest.iter_checked(source)
         if self.on_gpu and self._asleep:
             llm.wake_up(tags=["weights"])  # the KV cache stays released until generation needs it
         try:
@@ -417,6 +433,16 @@ def _shutdown_keeping_vllm_parallel_state(client: Any) -> None:
     if core.scheduler:
         core.scheduler.shutdown()
     gc.unfreeze()  # EngineCore froze its start-up objects; unfrozen, the weights and KV cache can be collected
+
+
+def _tp_rank(model: torch.nn.Module) -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _engine_device(on_gpu: bool) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
 def _drain(source) -> None:

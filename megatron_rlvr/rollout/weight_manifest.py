@@ -8,6 +8,7 @@ embeddings, because vLLM's output layer keeps its own prepared copy that only an
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,9 @@ class _StreamChecker:
     def __init__(self, manifest: WeightManifest) -> None:
         self.manifest = manifest
         self.seen: set[str] = set()
-        self.tied: dict[str, torch.Tensor] = {}
+        # tied embeddings: the fingerprint of whichever of the pair came first (the tensor itself may be a lent view,
+        # overwritten by the time the other arrives, and keeping a copy would hold a vocabulary table)
+        self.tied_first: tuple[str, torch.dtype, bytes] | None = None
 
     def check(self, item: object) -> tuple[str, torch.Tensor]:
         if not (isinstance(item, tuple) and len(item) == 2):
@@ -122,9 +125,10 @@ class _StreamChecker:
             self.seen.add(name)  # a known name that fails below is reported as bad, not also as missing
         self.manifest.check_tensor(name, tensor)
         if self.manifest.tied_embeddings and name in (EMBED_NAME, LM_HEAD_NAME):
-            self.tied[name] = tensor
-            if len(self.tied) == 2:
-                _check_tied_pair(self.tied.pop(EMBED_NAME), self.tied.pop(LM_HEAD_NAME))
+            if self.tied_first is None:
+                self.tied_first = (name, tensor.dtype, _fingerprint(tensor))
+            else:
+                _check_tied_pair(self.tied_first, _fingerprint(tensor.to(self.tied_first[1])))
         return name, tensor
 
     def finish(self) -> None:
@@ -140,9 +144,15 @@ class _StreamChecker:
             raise WeightSyncError(f"weight stream: missing tensors {missing[:5]}{more}{why}")
 
 
-def _check_tied_pair(embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+def _fingerprint(tensor: torch.Tensor) -> bytes:
+    """A digest of the tensor's values (BLAKE2b of its bytes, on the host): equal digests mean equal tensors."""
+    data = tensor.detach().contiguous().cpu()
+    return hashlib.blake2b(data.view(torch.uint8).reshape(-1).numpy(), digest_size=32).digest()
+
+
+def _check_tied_pair(first: tuple[str, torch.dtype, bytes], second_digest: bytes) -> None:
     # vLLM stores one tensor for both; differing values would leave the embedding and the output layer inconsistent.
-    if not torch.equal(embed.to(lm_head.device, lm_head.dtype), lm_head):
+    if first[2] != second_digest:
         raise WeightSyncError(
             f"weight stream: tied embeddings, but {LM_HEAD_NAME!r} differs from {EMBED_NAME!r}; "
             "send the same values for both"

@@ -87,8 +87,16 @@ def test_tied_embedding_update_changes_the_output_layer(llama_tied):
 
 def test_vllm_keeps_a_stale_output_layer_without_lm_head(llama_tied):
     """The measured vLLM fact behind 'always send lm_head': bypassing our checks, an update of a tied model without
-    lm_head.weight changes the embedding but leaves the old output layer live."""
+    lm_head.weight changes the embedding but leaves the old output layer live. (vLLM's own output-layer handle is put
+    back first: an earlier direct sync gave that fp32 layer torch's linear on the live table, cpu_weights.py.)"""
     engine, hf, original, _ = llama_tied
+
+    def vllms_own_handle(model):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+    engine._llm.apply_model(vllms_own_handle)
     new = perturbed(original, seed=3, tied=True)
     load_into_hf(hf, new)
     without_lm_head = [(k, v) for k, v in new.items() if k != "lm_head.weight"]
@@ -201,7 +209,8 @@ def _gemm_handles(engine: VLLMEngine) -> dict[str, int]:
 @pytest.mark.parametrize("which", ["qwen", "llama_tied"])
 def test_cpu_engines_load_directly_and_vllms_reload_gives_the_same_model(which, request, monkeypatch):
     """The direct CPU path is the one in use (new GEMM handles after a sync), and vLLM's generic reload, the
-    fallback for models it does not cover, loads the same weights (both compared with HF transformers)."""
+    fallback for models it does not cover (here through the shard stage at TP 1), loads the same weights (both
+    compared with HF transformers)."""
     engine, hf, original = request.getfixturevalue(which)[:3]
     assert engine._direct is not None
     new = perturbed(original, seed=7, tied=which == "llama_tied")
@@ -211,7 +220,8 @@ def test_cpu_engines_load_directly_and_vllms_reload_gives_the_same_model(which, 
         engine.update_weights(new.items())
         after = _gemm_handles(engine)
         assert before.keys() == after.keys()
-        assert all(before[n] != after[n] for n in before if "lm_head" in n or "proj" in n)
+        # new handles (fp32: torch's linear on the layer's other buffer); the output layer reads its live table
+        assert all(before[n] != after[n] for n in before if "proj" in n)
         assert _max_diff(engine, hf) <= TOL and engine.compare_weights(new) == []
         engine.update_weights(original.items())
         monkeypatch.setattr(engine, "_direct", None)
@@ -285,3 +295,38 @@ def test_top_p_logprobs_are_of_the_truncated_renormalized_distribution(qwen):
     got = torch.tensor(c.logprobs)
     assert (got - nucleus.gather(1, ids)[:, 0]).abs().max().item() <= TOL
     assert (got - logp.gather(1, ids)[:, 0]).abs().max().item() > 100 * TOL
+
+
+@pytest.mark.parametrize("path", ["direct", "reload_shard_stage"])
+def test_a_wrong_shape_in_the_last_bucket_leaves_the_weights_bit_identical_and_the_engine_alive(qwen, path,
+                                                                                                 monkeypatch):
+    """Under "full", a stream whose last bucket holds a wrong shape is refused after it was drained: every weight
+    the engine computes with reads back bit for bit as before, and the engine still generates. Both CPU paths: the
+    direct loader, and vLLM's reload behind the shard stage (the GPU path's staging, at TP 1 here)."""
+    engine, hf, original = qwen
+    assert engine.cfg.sync_staging == "full"
+    if path == "reload_shard_stage":
+        monkeypatch.setattr(engine, "_direct", None)
+    new = dict(perturbed(original, seed=11))
+    buckets = [list(new.items())[:-2], list(new.items())[-2:]]
+    name, last = buckets[-1][-1]
+    buckets[-1][-1] = (name, last[:, :-1] if last.dim() == 2 else last[:-1])
+    drawn = []
+
+    def stream():
+        for bucket in buckets:
+            for item in bucket:
+                drawn.append(item[0])
+                yield item
+
+    with pytest.raises(WeightSyncError, match=f"{name}.*shape"):
+        engine.update_weights(stream())
+    assert len(drawn) == len(new) and engine.alive
+    assert engine.compare_weights(original, atol=0.0) == []  # bit-identical read-back, through the layers' GEMMs
+    out = engine.generate([[1, 2, 3]], 2, Sampling(temperature=1.0, max_tokens=4, seed=0))
+    assert len(out[0]) == 2 and all(len(c.token_ids) >= 1 for c in out[0])
+    if path == "reload_shard_stage":  # and the staged path does load a good stream
+        engine.update_weights(new.items())
+        assert engine.compare_weights(new) == [] and engine.last_staged_bytes > 0
+        engine.update_weights(original.items())
+        assert engine.compare_weights(original) == []
