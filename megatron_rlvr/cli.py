@@ -14,7 +14,7 @@ import argparse
 import importlib
 import sys
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_rlvr.errors import UserError
 
@@ -24,12 +24,22 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("megatron_rlvr.eval.command", "main", "large-K pass@k evaluation of one or more HF models"),
     "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "demo": ("megatron_rlvr.demo.command", "main", "the CPU demo: CaSP on the countdown task, then a pass@k report"),
-    "candidates": ("megatron_rlvr.monitor.candidates", "main",
-                   "per response token, the top-N candidates of one or more models as one heatmap (PNG)"),
-    "toy-tree": ("megatron_rlvr.algos.toy_tree", "main", "the didactic tree MDP: GRPO vs entropy bonus vs CaSP (fixed and adaptive candidates)"),
+    "candidates": (
+        "megatron_rlvr.monitor.candidates",
+        "main",
+        "per response token, the top-N candidates of one or more models as one heatmap (PNG)",
+    ),
+    "toy-tree": (
+        "megatron_rlvr.algos.toy_tree",
+        "main",
+        "the didactic tree MDP: GRPO vs entropy bonus vs CaSP (fixed and adaptive candidates)",
+    ),
     "plan": ("megatron_rlvr.plan.command", "main", "per-GPU memory of a recipe's layout, before it is queued"),
-    "estimate": ("megatron_rlvr.plan.eval_estimate", "main",
-                 "an eval recipe's samples, tokens, time and interval width, before it is queued"),
+    "estimate": (
+        "megatron_rlvr.plan.eval_estimate",
+        "main",
+        "an eval recipe's samples, tokens, time and interval width, before it is queued",
+    ),
     "data": ("megatron_rlvr.data.prepare", "main", "data prepare NAME: training sets from the public releases"),
     "ckpt": ("megatron_rlvr.checkpoint.command", "main", "ckpt verify DIR: check a checkpoint's recorded checksums"),
 }
@@ -54,13 +64,19 @@ def main(argv: list[str] | None = None) -> int:
     # megatron-core announces at import, once per process, that optional GPU libraries are missing on CPU
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     parser = argparse.ArgumentParser(
-        prog="megatron-rlvr", description="RLVR training on megatron-core with CaSP.",
+        prog="megatron-rlvr",
+        description="RLVR training on megatron-core with CaSP.",
         epilog="Run `megatron-rlvr COMMAND --help` for a command's options.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors [$MEGATRON_RLVR_DEBUG]")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show vLLM / megatron-core INFO and WARNING lines [$MEGATRON_RLVR_VERBOSE]")
-    parser.add_argument("command", choices=sorted(_COMMANDS), help="; ".join(f"{k}: {v[2]}" for k, v in _COMMANDS.items()))
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM / megatron-core INFO and WARNING lines [$MEGATRON_RLVR_VERBOSE]",
+    )
+    parser.add_argument(
+        "command", choices=sorted(_COMMANDS), help="; ".join(f"{k}: {v[2]}" for k, v in _COMMANDS.items())
+    )
     flags = []
     while argv and argv[0] in _GLOBAL_FLAGS:
         flags.append(argv.pop(0))

@@ -19,7 +19,9 @@ def run(cmd, env_extra=None, timeout=300):
     env.pop("MEGATRON_RLVR_DEBUG", None)
     env.pop("MEGATRON_RLVR_VERBOSE", None)
     env.pop("MEGATRON_RLVR_LOG_DIR", None)
-    return subprocess.run(cmd, cwd=REPO, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_one_line_error(result, expected_start: str) -> None:
@@ -41,8 +43,19 @@ def test_data_error(tmp_path):
 
 def test_data_row_error_names_the_row(tmp_path):
     (tmp_path / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "no final answer"}) + "\n")
-    result = run(CLI + ["data", "prepare", "gsm8k", "--src", str(tmp_path / "train.jsonl"), "--out",
-                        str(tmp_path / "o.jsonl"), "--strict"])
+    result = run(
+        CLI
+        + [
+            "data",
+            "prepare",
+            "gsm8k",
+            "--src",
+            str(tmp_path / "train.jsonl"),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--strict",
+        ]
+    )
     assert_one_line_error(result, f"error: {tmp_path / 'train.jsonl'}:1: gsm8k row skipped: no '#### <answer>'")
 
 
@@ -53,16 +66,27 @@ def test_checkpoint_error(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_error_inside_train(tmp_path):
-    result = run(CLI + ["train", "configs/demo_cpu.yaml", "actor.tp=1", f"checkpoint.resume={tmp_path / 'missing'}",
-                        f"trainer.output_dir={tmp_path / 'out'}"])
+    result = run(
+        CLI
+        + [
+            "train",
+            "configs/demo_cpu.yaml",
+            "actor.tp=1",
+            f"checkpoint.resume={tmp_path / 'missing'}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+        ]
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
     assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
-        f"error: checkpoint.resume={tmp_path / 'missing'}: DAMAGED {tmp_path / 'missing'}: .: the checkpoint directory is missing"]
+        f"error: checkpoint.resume={tmp_path / 'missing'}: DAMAGED {tmp_path / 'missing'}: .: the checkpoint directory is missing"
+    ]
 
 
 def test_model_error(tmp_path):
     (tmp_path / "model").mkdir()
-    result = run(CLI + ["eval", "--model", str(tmp_path / "model"), "--benchmarks", "countdown", "--out", str(tmp_path / "o")])
+    result = run(
+        CLI + ["eval", "--model", str(tmp_path / "model"), "--benchmarks", "countdown", "--out", str(tmp_path / "o")]
+    )
     assert_one_line_error(result, f"error: --model {tmp_path / 'model'}: not an HF model directory (no config.json)")
 
 
@@ -70,13 +94,27 @@ def test_benchmark_file_error(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    result = run(CLI + ["eval", "--model", str(model), "--benchmarks", "math500", "--data-dir", str(tmp_path),
-                        "--out", str(tmp_path / "o")])
+    result = run(
+        CLI
+        + [
+            "eval",
+            "--model",
+            str(model),
+            "--benchmarks",
+            "math500",
+            "--data-dir",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     assert_one_line_error(result, "error: benchmark 'math500': no data file; tried ")
 
 
 def test_candidates_model_error(tmp_path):
-    result = run(CLI + ["candidates", "--model", "megatron_rlvr/demo/model", str(tmp_path / "nope"), "--prompt", "1 2 -> 3:"])
+    result = run(
+        CLI + ["candidates", "--model", "megatron_rlvr/demo/model", str(tmp_path / "nope"), "--prompt", "1 2 -> 3:"]
+    )
     assert_one_line_error(result, f"error: --model {tmp_path / 'nope'}: not an HF model directory (no config.json)")
 
 
@@ -111,13 +149,25 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
 @pytest.mark.slow
 def test_user_error_in_train_under_torchrun_is_one_line_from_rank_0():
-    cmd = [sys.executable, "-m", "megatron_rlvr.runtime.console", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_rlvr.cli", "train", "configs/demo_cpu.yaml", "actor.nope=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.runtime.console",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        "configs/demo_cpu.yaml",
+        "actor.nope=1",
+    ]
     result = run(cmd)
     assert result.returncode == 2, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert [line for line in output.splitlines() if "actor.nope" in line] == [
-        line for line in output.splitlines() if line.startswith("error: actor.nope: unknown key")]
+        line for line in output.splitlines() if line.startswith("error: actor.nope: unknown key")
+    ]
     assert len([line for line in output.splitlines() if "actor.nope" in line]) == 1  # rank 0 only
     assert "Traceback" not in output
 

@@ -34,7 +34,9 @@ def test_dump_then_load_roundtrips(tmp_path):
 
 
 def test_unknown_key_names_key_and_allowed(tmp_path):
-    with pytest.raises(ConfigError, match=r"algo\.alhpa: unknown key; did you mean algo\.alpha\? allowed keys: .*alpha"):
+    with pytest.raises(
+        ConfigError, match=r"algo\.alhpa: unknown key; did you mean algo\.alpha\? allowed keys: .*alpha"
+    ):
         load_config(None, ["algo.alhpa=0.1"])
     with pytest.raises(ConfigError, match=r"^actorr: unknown key; did you mean actor\? allowed keys: actor, algo"):
         load_config(_write(tmp_path, "actorr:\n  tp: 2\n"))
@@ -69,12 +71,21 @@ def test_bad_parallel_sizes_name_the_constraint():
 
 
 def test_prompt_plus_answer_must_fit_the_engine_context():
-    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=100 \+ data\.max_prompt_tokens=50 exceeds "
-                                          r"rollout\.max_model_len=128"):
-        load_config(None, ["rollout.max_new_tokens=100", "data.max_prompt_tokens=50", "rollout.max_model_len=128"]
-                    ).validate()
-    validation = ["trainer.eval_every=5", "eval.max_new_tokens=100", "data.max_prompt_tokens=50",
-                  "rollout.max_new_tokens=8", "rollout.max_model_len=128"]
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.max_new_tokens=100 \+ data\.max_prompt_tokens=50 exceeds "
+        r"rollout\.max_model_len=128",
+    ):
+        load_config(
+            None, ["rollout.max_new_tokens=100", "data.max_prompt_tokens=50", "rollout.max_model_len=128"]
+        ).validate()
+    validation = [
+        "trainer.eval_every=5",
+        "eval.max_new_tokens=100",
+        "data.max_prompt_tokens=50",
+        "rollout.max_new_tokens=8",
+        "rollout.max_model_len=128",
+    ]
     with pytest.raises(ConfigError, match=r"eval\.max_new_tokens=100 .* \(validation: trainer\.eval_every > 0\)"):
         load_config(None, validation).validate()
     load_config(None, [*validation, "trainer.eval_every=0"]).validate()  # no validation: its budget is not used

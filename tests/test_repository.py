@@ -25,8 +25,11 @@ MODULE_CITATION = re.compile(r"(?<![\w/.-])((?:[a-z_]+/)+[a-z_]+\.py)\b")
 def _code_files() -> list[Path]:
     files = [ROOT / "setup.py", ROOT / "pyproject.toml"]
     for top in CODE_DIRS:
-        files += [p for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in CODE_SUFFIXES
-                  and "__pycache__" not in p.parts]
+        files += [
+            p
+            for p in (ROOT / top).rglob("*")
+            if p.is_file() and p.suffix in CODE_SUFFIXES and "__pycache__" not in p.parts
+        ]
     return files
 
 
@@ -44,8 +47,11 @@ def _cited(pattern: re.Pattern, tops: tuple[str, ...] = CODE_DIRS) -> dict[str, 
 def test_every_document_the_code_cites_is_in_the_repository():
     cited = _cited(DOC_CITATION)
     assert "docs/algorithms.md" in cited  # the losses cite it: the scan sees the code
-    missing = {doc: where for doc, where in cited.items() if not (ROOT / doc).is_file()
-               and not any(p.name == doc for p in ROOT.glob("*.md"))}
+    missing = {
+        doc: where
+        for doc, where in cited.items()
+        if not (ROOT / doc).is_file() and not any(p.name == doc for p in ROOT.glob("*.md"))
+    }
     assert not missing, f"cited documents that do not exist: {missing}"
 
 
@@ -69,8 +75,9 @@ def test_every_module_has_a_docstring_and_stays_small():
 
 
 def test_imports_form_layers_without_cycles():
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "check_imports.py")], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "check_imports.py")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"\d+ modules, \d+ imports: 0 findings", out.stdout)
 
@@ -90,13 +97,15 @@ def test_the_import_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatc
     (pkg / "low" / "a.py").write_text("from megatron_rlvr.low import b\nimport megatron_rlvr.high\n")
     (pkg / "low" / "b.py").write_text("def f():\n    from megatron_rlvr.low import a\n")
     (tmp_path / "pyproject.toml").write_text(
-        '[[tool.importlinter.contracts]]\ntype = "layers"\nlayers = ["high", "low"]\n')
+        '[[tool.importlinter.contracts]]\ntype = "layers"\nlayers = ["high", "low"]\n'
+    )
     monkeypatch.setattr(check_imports, "ROOT", tmp_path)
     findings = []
     monkeypatch.setattr("builtins.print", lambda *a, **k: findings.append(" ".join(map(str, a))))
     assert check_imports.main([]) == 1
-    assert any(f.startswith("cycle: ") and "megatron_rlvr.low.a" in f and "megatron_rlvr.low.b" in f
-               for f in findings), findings
+    assert any(
+        f.startswith("cycle: ") and "megatron_rlvr.low.a" in f and "megatron_rlvr.low.b" in f for f in findings
+    ), findings
     assert any("upward import: megatron_rlvr.low.a imports megatron_rlvr.high" in f for f in findings), findings
 
 

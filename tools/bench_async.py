@@ -36,25 +36,57 @@ _STEP_PARTS = ("time/rollout+reward", "time/statistics", "time/update", "time/sy
 
 def _train(out: Path, off_policy: int, args: argparse.Namespace) -> list[dict]:
     overrides = [
-        f"trainer.steps={args.steps}", f"trainer.output_dir={out}", "trainer.eval_every=0", "trainer.save_hf=false",
-        "trainer.tensorboard=false", "checkpoint.save_every=0", "checkpoint.resume=null",
-        "rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=1", f"trainer.off_policy_steps={off_policy}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.min_new_tokens={args.max_new_tokens}",
-        "rollout.stop=[]", f"eval.max_new_tokens={args.max_new_tokens}",
-        f"trainer.prompts_per_step={args.prompts}", "algo.rollout_correction=tis", "algo.kl_coef=0",
-        "trainer.mini_batches_per_step=1", *args.overrides,
+        f"trainer.steps={args.steps}",
+        f"trainer.output_dir={out}",
+        "trainer.eval_every=0",
+        "trainer.save_hf=false",
+        "trainer.tensorboard=false",
+        "checkpoint.save_every=0",
+        "checkpoint.resume=null",
+        "rollout.placement=separate",
+        "rollout.engine_ranks=1",
+        "actor.tp=1",
+        f"trainer.off_policy_steps={off_policy}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.min_new_tokens={args.max_new_tokens}",
+        "rollout.stop=[]",
+        f"eval.max_new_tokens={args.max_new_tokens}",
+        f"trainer.prompts_per_step={args.prompts}",
+        "algo.rollout_correction=tis",
+        "algo.kl_coef=0",
+        "trainer.mini_batches_per_step=1",
+        *args.overrides,
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "megatron_rlvr.cli", "train", str(ROOT / "configs" / "demo_cpu.yaml"), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        str(ROOT / "configs" / "demo_cpu.yaml"),
+        *overrides,
+    ]
     log = out.with_suffix(".log")
     started = time.perf_counter()
     with open(log, "w") as f:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=args.timeout,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     if done.returncode != 0:
         sys.exit(f"off_policy_steps={off_policy}: training exited {done.returncode}; see {log}")
-    print(f"off_policy_steps={off_policy}: {args.steps} steps in {time.perf_counter() - started:.1f} s "
-          f"(engine start included); log {log}", flush=True)
+    print(
+        f"off_policy_steps={off_policy}: {args.steps} steps in {time.perf_counter() - started:.1f} s "
+        f"(engine start included); log {log}",
+        flush=True,
+    )
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -76,7 +108,7 @@ def main() -> int:
         parser.error("--steps must exceed --warmup")
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_async_"))
     out.mkdir(parents=True, exist_ok=True)
-    runs = {off: _train(out / f"off{off}", off, args)[args.warmup:] for off in (0, 1)}
+    runs = {off: _train(out / f"off{off}", off, args)[args.warmup :] for off in (0, 1)}
 
     def step_s(row: dict) -> float:
         return sum(row.get(k, 0.0) for k in _STEP_PARTS)

@@ -17,13 +17,25 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-QWEN2_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+QWEN2_0_5B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
 
 
 def _convert(args: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert.py"), *args, "--report-memory"],
-                          capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "convert.py"), *args, "--report-memory"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"convert {args[0]} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -40,12 +52,17 @@ def main(argv=None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="convert_memory_"))
     try:
         overrides = {**QWEN2_0_5B, "num_hidden_layers": args.layers}
-        hf_dir = write_random_hf_checkpoint("qwen2", work / "hf", dtype=torch.bfloat16, max_shard_size=2 * 10**9,
-                                            **overrides)
+        hf_dir = write_random_hf_checkpoint(
+            "qwen2", work / "hf", dtype=torch.bfloat16, max_shard_size=2 * 10**9, **overrides
+        )
         hf = json.loads((hf_dir / "config.json").read_text())
         dims = ModelDims.from_hf(hf)
-        sizes = [2 * torch.Size(s).numel() for m in mapping_table(dims) if m.megatron != "output_layer.weight"
-                 for s in hf_shapes(m, dims)]
+        sizes = [
+            2 * torch.Size(s).numel()
+            for m in mapping_table(dims)
+            if m.megatron != "output_layer.weight"
+            for s in hf_shapes(m, dims)
+        ]
         model_bytes, largest = sum(sizes), max(sizes)
         to_mcore = _convert(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(work / "mcore")])
         to_hf = _convert(["mcore-to-hf", "--mcore-dir", str(work / "mcore"), "--out", str(work / "hf_back")])

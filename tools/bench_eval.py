@@ -59,32 +59,47 @@ def main(argv: list[str] | None = None) -> int:
     setup_console()
     from vllm import SamplingParams
 
-    from megatron_rlvr.tasks.countdown import generate as countdown_problems
     from megatron_rlvr.eval.benchmarks import load_benchmark
     from megatron_rlvr.eval.command import hf_encoder_factory, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
     from megatron_rlvr.eval.runner import EvalRunner
     from megatron_rlvr.rewards import RewardConfig, RewardPool
     from megatron_rlvr.rollout.base import Sampling
+    from megatron_rlvr.tasks.countdown import generate as countdown_problems
 
     work = Path(tempfile.mkdtemp(prefix="bench_eval_"))
     with open(work / "countdown.jsonl", "w") as f:
         for p in countdown_problems(0, args.problems, "eval"):
             f.write(json.dumps({"id": p.id, "numbers": list(p.numbers), "target": p.target}) + "\n")
     problems = load_benchmark("countdown", work)[: args.problems]
-    cfg = EvalConfig(n_samples=args.n, chunk=min(args.chunk, args.n), temperature=args.temperature,
-                     max_new_tokens=args.max_new_tokens, stop=list(args.stop), benchmarks=["countdown"],
-                     data_dir=str(work), request_samples=args.request_samples)
+    cfg = EvalConfig(
+        n_samples=args.n,
+        chunk=min(args.chunk, args.n),
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        stop=list(args.stop),
+        benchmarks=["countdown"],
+        data_dir=str(work),
+        request_samples=args.request_samples,
+    )
     engine = vllm_engine_factory(args.max_model_len, args.kv_cache_bytes)(args.model, cfg)
     encode = hf_encoder_factory(args.model, cfg)
     prompts = [{"prompt_token_ids": encode(p.prompt)} for p in problems]
     samples = len(problems) * args.n
-    print(f"engine up in {engine.start_seconds:.1f} s; {len(problems)} problems x n={args.n} = {samples} samples, "
-          f"max_new_tokens={args.max_new_tokens}, stop={args.stop}", flush=True)
+    print(
+        f"engine up in {engine.start_seconds:.1f} s; {len(problems)} problems x n={args.n} = {samples} samples, "
+        f"max_new_tokens={args.max_new_tokens}, stop={args.stop}",
+        flush=True,
+    )
 
     def raw() -> tuple[float, int]:
-        params = SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.max_new_tokens,
-                                stop=list(args.stop) or None, seed=cfg.seed)
+        params = SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            max_tokens=args.max_new_tokens,
+            stop=list(args.stop) or None,
+            seed=cfg.seed,
+        )
         start = time.perf_counter()
         outputs = engine._llm.generate(prompts, params, use_tqdm=False)  # vLLM itself: the same LLM object
         seconds = time.perf_counter() - start
@@ -108,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             raw_s, raw_tokens = raw()
             eval_s, eval_tokens = run_eval(pool, work / f"eval-{r}", args.request_samples)
-            row = {"raw_s": round(raw_s, 2), "eval_s": round(eval_s, 2), "raw_tokens": raw_tokens,
-                   "eval_tokens": eval_tokens}
+            row = {
+                "raw_s": round(raw_s, 2),
+                "eval_s": round(eval_s, 2),
+                "raw_tokens": raw_tokens,
+                "eval_tokens": eval_tokens,
+            }
             if args.per_problem:
                 per_s, _ = run_eval(pool, work / f"per-problem-{r}", cfg.chunk)
                 row["per_problem_eval_s"] = round(per_s, 2)
@@ -119,13 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     raw_rate = statistics.median(samples / row["raw_s"] for row in rounds)
     eval_rate = statistics.median(samples / row["eval_s"] for row in rounds)
     result = {
-        "model": args.model, "problems": len(problems), "n": args.n, "chunk": cfg.chunk,
-        "request_samples": args.request_samples, "max_new_tokens": args.max_new_tokens, "rounds": rounds,
-        "eval_samples_per_s": round(eval_rate, 1), "raw_samples_per_s": round(raw_rate, 1),
+        "model": args.model,
+        "problems": len(problems),
+        "n": args.n,
+        "chunk": cfg.chunk,
+        "request_samples": args.request_samples,
+        "max_new_tokens": args.max_new_tokens,
+        "rounds": rounds,
+        "eval_samples_per_s": round(eval_rate, 1),
+        "raw_samples_per_s": round(raw_rate, 1),
         "eval_over_raw": round(eval_rate / raw_rate, 3),
     }
     if args.per_problem:
-        result["per_problem_samples_per_s"] = round(statistics.median(samples / r["per_problem_eval_s"] for r in rounds), 1)
+        result["per_problem_samples_per_s"] = round(
+            statistics.median(samples / r["per_problem_eval_s"] for r in rounds), 1
+        )
     print(json.dumps(result))
     return 0
 

@@ -13,17 +13,25 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES_0_3B = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
-                   num_attention_heads=16, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
+SHAPES_0_3B = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    tie_word_embeddings=False,
+)
 
 
 def _worker(hf_dir: str, tp: int, bucket_bytes: int, repeats: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_hf_weights, export_local_shards, load_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
+    from megatron_rlvr.runtime import distributed
 
     distributed.initialize_model_parallel(tp=tp, pp=1)
     try:
@@ -41,15 +49,32 @@ def _worker(hf_dir: str, tp: int, bucket_bytes: int, repeats: int) -> dict:
                 best = min(best, time.perf_counter() - t0)
             return best, nbytes
 
-        gathered = timed(lambda: sum(t.numel() * t.element_size() for b in export_hf_weights(
-            [model], hf, bucket_bytes=bucket_bytes) for _, t in b))
-        local = timed(lambda: sum(s.tensor.numel() * s.tensor.element_size() for b in export_local_shards(
-            [model], hf, bucket_bytes=bucket_bytes) for s in b))
+        gathered = timed(
+            lambda: sum(
+                t.numel() * t.element_size()
+                for b in export_hf_weights([model], hf, bucket_bytes=bucket_bytes)
+                for _, t in b
+            )
+        )
+        local = timed(
+            lambda: sum(
+                s.tensor.numel() * s.tensor.element_size()
+                for b in export_local_shards([model], hf, bucket_bytes=bucket_bytes)
+                for s in b
+            )
+        )
         params = [p.detach() for p in model.parameters()]
         copy = timed(lambda: sum(p.clone().numel() * p.element_size() for p in params))
-        return {"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-                "gathered_s": gathered[0], "gathered_bytes": gathered[1], "local_s": local[0],
-                "local_bytes": local[1], "copy_own_shard_s": copy[0], "own_shard_bytes": copy[1]}
+        return {
+            "rank": dist.get_rank(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "gathered_s": gathered[0],
+            "gathered_bytes": gathered[1],
+            "local_s": local[0],
+            "local_bytes": local[1],
+            "copy_own_shard_s": copy[0],
+            "own_shard_bytes": copy[1],
+        }
     finally:
         distributed.destroy_model_parallel()
 
@@ -68,8 +93,12 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench_export_"))
     try:
-        hf_dir = write_random_hf_checkpoint("llama", work / "hf", dtype=torch.float32,
-                                            **{**SHAPES_0_3B, "num_hidden_layers": args.layers, "rope_scaling": None})
+        hf_dir = write_random_hf_checkpoint(
+            "llama",
+            work / "hf",
+            dtype=torch.float32,
+            **{**SHAPES_0_3B, "num_hidden_layers": args.layers, "rope_scaling": None},
+        )
         with WorkerGroup(args.tp, timeout_s=1200) as group:
             results = group.run(_worker, str(hf_dir), args.tp, args.bucket_mb << 20, args.repeats)
     finally:

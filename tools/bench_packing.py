@@ -27,14 +27,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402(after the path insert)
+from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
 
 
 @dataclasses.dataclass
@@ -46,10 +47,17 @@ class BenchConfig:
     prompt_len: int = 48
     micro_batch_size: int = 2
     repeats: int = 3
-    model: dict = dataclasses.field(default_factory=lambda: dict(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=32, vocab_size=4096,
-    ))
+    model: dict = dataclasses.field(
+        default_factory=lambda: dict(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=4096,
+        )
+    )
     seed: int = 0
 
 
@@ -100,17 +108,20 @@ def _peak_bytes(fn: Callable[[], Any]) -> int:
 
 
 def _worker(hf_dir: str, cfg: BenchConfig, lengths: list[int]) -> dict[str, Any]:
+    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
     budget = cfg.micro_batch_size * cfg.max_len
     with model_parallel(tp=2, pp=1, seed=1):
         actor = MegatronActor(
-            ModelConfig(hf_dir=hf_dir), ActorConfig(tp=2, lr=0.0, micro_batch_size=cfg.micro_batch_size),
-            AlgoConfig(loss="casp", loss_agg="token_mean"), temperature=1.0, total_steps=1,
+            ModelConfig(hf_dir=hf_dir),
+            ActorConfig(tp=2, lr=0.0, micro_batch_size=cfg.micro_batch_size),
+            AlgoConfig(loss="casp", loss_agg="token_mean"),
+            temperature=1.0,
+            total_steps=1,
         )
         batch = make_batch(lengths, actor.vocab_size, cfg.prompt_len, cfg.seed)
         results: dict[str, Any] = {}
@@ -126,8 +137,13 @@ def _worker(hf_dir: str, cfg: BenchConfig, lengths: list[int]) -> dict[str, Any]
             update_bytes = _peak_bytes(lambda: actor.update(batch, 1))
             grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])
             results[name] = dict(
-                micro_batches=len(micro), tokens_computed=computed, stats_s=stats_s, update_s=update_s,
-                stats_peak_bytes=stats_bytes, update_peak_bytes=update_bytes, grads=grads,
+                micro_batches=len(micro),
+                tokens_computed=computed,
+                stats_s=stats_s,
+                update_s=update_s,
+                stats_peak_bytes=stats_bytes,
+                update_peak_bytes=update_bytes,
+                grads=grads,
             )
         diff = (results["packed"]["grads"] - results["padded"]["grads"]).abs().max()
         results["grad_max_rel_diff"] = float(diff / results["padded"]["grads"].abs().max())
@@ -162,16 +178,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with WorkerGroup(2, timeout_s=1800) as group:
             result = group.run(_worker, hf_dir, cfg, lengths)[0]
     pad, pk = result["padded"], result["packed"]
-    print(f"workload: {cfg.sequences} rollouts, lengths lognormal (median {cfg.median_len}, sigma {cfg.sigma}) in "
-          f"[{min(lengths)}, {max(lengths)}], {real} real tokens; TP=2 over gloo; micro-batch memory bound "
-          f"{cfg.micro_batch_size} x {cfg.max_len} = {cfg.micro_batch_size * cfg.max_len} tokens")
-    print(f"{'layout':8} {'micro-batches':>13} {'computed/real':>13} {'statistics s':>12} {'update s':>9} "
-          f"{'stats peak MiB':>14} {'update peak MiB':>15}")
+    print(
+        f"workload: {cfg.sequences} rollouts, lengths lognormal (median {cfg.median_len}, sigma {cfg.sigma}) in "
+        f"[{min(lengths)}, {max(lengths)}], {real} real tokens; TP=2 over gloo; micro-batch memory bound "
+        f"{cfg.micro_batch_size} x {cfg.max_len} = {cfg.micro_batch_size * cfg.max_len} tokens"
+    )
+    print(
+        f"{'layout':8} {'micro-batches':>13} {'computed/real':>13} {'statistics s':>12} {'update s':>9} "
+        f"{'stats peak MiB':>14} {'update peak MiB':>15}"
+    )
     for name, r in (("padded", pad), ("packed", pk)):
-        print(f"{name:8} {r['micro_batches']:13d} {r['tokens_computed'] / real:13.2f} {r['stats_s']:12.2f} "
-              f"{r['update_s']:9.2f} {r['stats_peak_bytes'] / 2**20:14.1f} {r['update_peak_bytes'] / 2**20:15.1f}")
+        print(
+            f"{name:8} {r['micro_batches']:13d} {r['tokens_computed'] / real:13.2f} {r['stats_s']:12.2f} "
+            f"{r['update_s']:9.2f} {r['stats_peak_bytes'] / 2**20:14.1f} {r['update_peak_bytes'] / 2**20:15.1f}"
+        )
     summary = {
-        "sequences": cfg.sequences, "max_len": cfg.max_len, "real_tokens": real,
+        "sequences": cfg.sequences,
+        "max_len": cfg.max_len,
+        "real_tokens": real,
         "micro_batch_tokens": cfg.micro_batch_size * cfg.max_len,
         "padded_over_real_tokens": round(pad["tokens_computed"] / real, 3),
         "packed_over_real_tokens": round(pk["tokens_computed"] / real, 3),
@@ -179,10 +203,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "update_s": {"padded": round(pad["update_s"], 3), "packed": round(pk["update_s"], 3)},
         "stats_speedup_vs_padded": round(pad["stats_s"] / pk["stats_s"], 2),
         "update_speedup_vs_padded": round(pad["update_s"] / pk["update_s"], 2),
-        "stats_peak_mib": {"padded": round(pad["stats_peak_bytes"] / 2**20, 1),
-                           "packed": round(pk["stats_peak_bytes"] / 2**20, 1)},
-        "update_peak_mib": {"padded": round(pad["update_peak_bytes"] / 2**20, 1),
-                            "packed": round(pk["update_peak_bytes"] / 2**20, 1)},
+        "stats_peak_mib": {
+            "padded": round(pad["stats_peak_bytes"] / 2**20, 1),
+            "packed": round(pk["stats_peak_bytes"] / 2**20, 1),
+        },
+        "update_peak_mib": {
+            "padded": round(pad["update_peak_bytes"] / 2**20, 1),
+            "packed": round(pk["update_peak_bytes"] / 2**20, 1),
+        },
         "grad_max_rel_diff": float(f"{result['grad_max_rel_diff']:.3g}"),
     }
     print(json.dumps(summary))

@@ -22,10 +22,30 @@ import time
 from megatron_rlvr.rewards import RewardConfig, RewardPool, sandbox, score
 
 GOLDS = ["\\frac{1}{2}", "0.75", "12", "2\\sqrt{2}", "[1,3)", "\\{1,2\\}", "x^2+1", "50\\%", "-7", "\\pi/4"]
-RIGHT = ["\\boxed{0.5}", "the answer is 3/4", "\\boxed{12}", "\\boxed{\\sqrt{8}}", "\\boxed{[1, 3)}", "\\boxed{\\{2,1\\}}",
-         "\\boxed{1+x^2}", "\\boxed{0.5}", "Answer: -7", "\\boxed{\\frac{\\pi}{4}}"]
-WRONG = ["\\boxed{0.4}", "the answer is 2/3", "so 13", "\\boxed{\\sqrt{7}}", "\\boxed{(1, 3)}", "\\boxed{\\{1\\}}",
-         "\\boxed{x^2-1}", "\\boxed{5}", "Answer: 7", "\\boxed{\\pi}"]
+RIGHT = [
+    "\\boxed{0.5}",
+    "the answer is 3/4",
+    "\\boxed{12}",
+    "\\boxed{\\sqrt{8}}",
+    "\\boxed{[1, 3)}",
+    "\\boxed{\\{2,1\\}}",
+    "\\boxed{1+x^2}",
+    "\\boxed{0.5}",
+    "Answer: -7",
+    "\\boxed{\\frac{\\pi}{4}}",
+]
+WRONG = [
+    "\\boxed{0.4}",
+    "the answer is 2/3",
+    "so 13",
+    "\\boxed{\\sqrt{7}}",
+    "\\boxed{(1, 3)}",
+    "\\boxed{\\{1\\}}",
+    "\\boxed{x^2-1}",
+    "\\boxed{5}",
+    "Answer: 7",
+    "\\boxed{\\pi}",
+]
 
 
 def make_items(count: int, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -85,9 +105,11 @@ def bench_code(rounds: int, per_round: int) -> None:
         base_wall, base_cpu = statistics.median(wall[modes[0]]), statistics.median(cpu[modes[0]])
         for mode in modes:
             w, c = statistics.median(wall[mode]), statistics.median(cpu[mode])
-            print(f"code, {cases:2d} stdin case(s) per item, {mode:14s}: wall {w:7.1f} ms, CPU {c:6.1f} ms per item "
-                  f"(medians of {rounds} rounds of {per_round}); ratio to in force: wall {w / base_wall:.2f}, "
-                  f"CPU {c / base_cpu:.2f}")
+            print(
+                f"code, {cases:2d} stdin case(s) per item, {mode:14s}: wall {w:7.1f} ms, CPU {c:6.1f} ms per item "
+                f"(medians of {rounds} rounds of {per_round}); ratio to in force: wall {w / base_wall:.2f}, "
+                f"CPU {c / base_cpu:.2f}"
+            )
 
 
 def bench_math(args: argparse.Namespace) -> None:
@@ -96,7 +118,9 @@ def bench_math(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     base_rewards = [score("math", r, g) for r, g in zip(responses, golds)]
     base = args.items / (time.perf_counter() - start)
-    print(f"math, in-process (1 thread, no pool): {base:8.1f} items/s  (accuracy of the set {sum(base_rewards) / len(base_rewards):.3f})")
+    print(
+        f"math, in-process (1 thread, no pool): {base:8.1f} items/s  (accuracy of the set {sum(base_rewards) / len(base_rewards):.3f})"
+    )
 
     for workers in args.workers:
         with RewardPool(RewardConfig(workers=workers)) as pool:
@@ -105,7 +129,9 @@ def bench_math(args: argparse.Namespace) -> None:
             rewards, counters = pool.score_batch(["math"] * args.items, responses, golds)
             rate = args.items / (time.perf_counter() - start)
         assert rewards == base_rewards, "the pool disagrees with in-process scoring"
-        print(f"math, RewardPool workers={workers}:       {rate:8.1f} items/s  ratio to in-process {rate / base:.2f}  counters {counters}")
+        print(
+            f"math, RewardPool workers={workers}:       {rate:8.1f} items/s  ratio to in-process {rate / base:.2f}  counters {counters}"
+        )
 
     count = 20000
     refs = [{"numbers": [3, 5, 7, 7], "target": 24}] * count

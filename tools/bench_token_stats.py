@@ -21,14 +21,14 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402(after the path insert)
+from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
 
 
 @dataclasses.dataclass
@@ -112,8 +112,8 @@ def bench_rank(cfg: BenchConfig) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.ops import backends, vocab_parallel_token_stats
+    from megatron_rlvr.runtime import distributed
 
     distributed.initialize_model_parallel(tp=cfg.tp)
     try:
@@ -167,10 +167,9 @@ def bench_rank(cfg: BenchConfig) -> dict:
             fig["ours_fwdbwd_inplace_peak_extra_bytes"] = peak_extra_bytes(
                 lambda: ours_fwdbwd(True, inplace_copy), device
             )
-            del inplace_copy
             fig["logits_bytes"] = logits_bytes
             out[dtype_name] = fig
-            del shard
+            inplace_copy = shard = None  # free this dtype's logits before the next one is drawn
         return out
     finally:
         distributed.destroy_model_parallel()
@@ -201,13 +200,18 @@ def summarize(per_rank: list[dict], cfg: BenchConfig) -> dict:
 
 
 def print_table(summary: dict, cfg: BenchConfig) -> None:
-    print(f"token stats: T={cfg.tokens} V={cfg.vocab} TP={cfg.tp} N={cfg.top_n} device={cfg.device} "
-          f"impl={summary['impl']} cpu_isa={summary['cpu_isa']} repeats={cfg.repeats} (median; slowest rank)")
-    rows = [("floor: torch.logsumexp", "floor_logsumexp", None), ("ours forward", "ours_fwd", "ours_fwd"),
-            ("composite forward", "composite_fwd", "composite_fwd"),
-            ("ours forward+backward", "ours_fwdbwd", "ours_fwdbwd"),
-            ("ours fwd+bwd, in-place", "ours_fwdbwd_inplace", "ours_fwdbwd_inplace"),
-            ("composite forward+backward", "composite_fwdbwd", "composite_fwdbwd")]
+    print(
+        f"token stats: T={cfg.tokens} V={cfg.vocab} TP={cfg.tp} N={cfg.top_n} device={cfg.device} "
+        f"impl={summary['impl']} cpu_isa={summary['cpu_isa']} repeats={cfg.repeats} (median; slowest rank)"
+    )
+    rows = [
+        ("floor: torch.logsumexp", "floor_logsumexp", None),
+        ("ours forward", "ours_fwd", "ours_fwd"),
+        ("composite forward", "composite_fwd", "composite_fwd"),
+        ("ours forward+backward", "ours_fwdbwd", "ours_fwdbwd"),
+        ("ours fwd+bwd, in-place", "ours_fwdbwd_inplace", "ours_fwdbwd_inplace"),
+        ("composite forward+backward", "composite_fwdbwd", "composite_fwdbwd"),
+    ]
     for dtype_name, fig in summary["by_dtype"].items():
         print(f"\n[{dtype_name}] logits shard {fig['logits_bytes'] / 2**20:.0f} MiB per rank")
         print(f"  {'':30s} {'seconds':>9s} {'x floor':>8s} {'peak extra MiB':>15s} {'x logits':>9s}")
@@ -216,8 +220,10 @@ def print_table(summary: dict, cfg: BenchConfig) -> None:
             extra = fig.get(f"{mem}_peak_extra_bytes") if mem else None
             mem_txt = f"{extra / 2**20:15.1f} {extra / fig['logits_bytes']:9.4f}" if extra is not None else ""
             print(f"  {label:30s} {seconds:9.4f} {seconds / fig['floor_logsumexp']:8.2f} {mem_txt}")
-        print(f"  forward speedup vs composite {fig['fwd_speedup_vs_composite']:.2f}x; forward+backward "
-              f"{fig['fwdbwd_speedup_vs_composite']:.2f}x (in-place {fig['fwdbwd_inplace_speedup_vs_composite']:.2f}x)")
+        print(
+            f"  forward speedup vs composite {fig['fwd_speedup_vs_composite']:.2f}x; forward+backward "
+            f"{fig['fwdbwd_speedup_vs_composite']:.2f}x (in-place {fig['fwdbwd_inplace_speedup_vs_composite']:.2f}x)"
+        )
 
 
 # The composite's forward+backward holds about 9-10x the fp32 shard (bf16: 20x its bf16 shard) beside the shard.
@@ -270,12 +276,20 @@ def isa_sweep(tokens: int, vocab: int, repeats: int) -> None:
 
     repo = Path(__file__).resolve().parents[1]
     print(f"CPU instruction sets: T={tokens} V={vocab} fp32, one thread, TP=1 (median of {repeats})")
-    print(f"  {'isa':8s} {'logsumexp s':>12s} {'ours fwd s':>11s} {'fwd/floor':>10s} {'fwd+bwd s':>10s} (fwd+bwd: "
-          "in place, includes a clone of the logits)")
+    print(
+        f"  {'isa':8s} {'logsumexp s':>12s} {'ours fwd s':>11s} {'fwd/floor':>10s} {'fwd+bwd s':>10s} (fwd+bwd: "
+        "in place, includes a clone of the logits)"
+    )
     for isa in ("generic", "avx2", "avx512"):
         env = {**os.environ, "MEGATRON_RLVR_CPU_ISA": isa}
-        done = subprocess.run([sys.executable, "-c", _ISA_WORKER, str(tokens), str(vocab), str(repeats)], cwd=repo,
-                              env=env, capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _ISA_WORKER, str(tokens), str(vocab), str(repeats)],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         r = json.loads(done.stdout.strip().splitlines()[-1])
         if r["isa"] != isa:
             print(f"  {isa:8s} not supported by this CPU")
@@ -292,11 +306,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; --quick: 3)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--threads-per-rank", type=int, default=None,
-                        help="intra-op threads per rank (default: the CPU cores shared out, at least 1)")
+    parser.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="intra-op threads per rank (default: the CPU cores shared out, at least 1)",
+    )
     parser.add_argument("--quick", action="store_true", help="T=128, V=32768, 3 repeats: under a minute")
-    parser.add_argument("--isa-sweep", action="store_true",
-                        help="only compare the CPU kernel's AVX-512 / AVX2 / baseline builds (TP=1, fp32, one thread)")
+    parser.add_argument(
+        "--isa-sweep",
+        action="store_true",
+        help="only compare the CPU kernel's AVX-512 / AVX2 / baseline builds (TP=1, fp32, one thread)",
+    )
     args = parser.parse_args(argv)
     if args.isa_sweep:
         isa_sweep(args.tokens or 256, args.vocab, args.repeats or 5)
@@ -307,9 +328,16 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = 32768 if args.quick and args.vocab == 151936 else args.vocab
     vocab = (vocab + args.tp - 1) // args.tp * args.tp
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.tp)
-    cfg = BenchConfig(tokens=tokens, vocab=vocab, tp=args.tp, top_n=args.top_n,
-                      dtypes=tuple(d.strip() for d in args.dtypes.split(",")),
-                      repeats=args.repeats or (3 if args.quick else 5), device=args.device, threads_per_rank=threads)
+    cfg = BenchConfig(
+        tokens=tokens,
+        vocab=vocab,
+        tp=args.tp,
+        top_n=args.top_n,
+        dtypes=tuple(d.strip() for d in args.dtypes.split(",")),
+        repeats=args.repeats or (3 if args.quick else 5),
+        device=args.device,
+        threads_per_rank=threads,
+    )
     check_memory(cfg)
     if cfg.tp == 1:
         torch.set_num_threads(threads)
@@ -323,10 +351,26 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(per_rank, cfg)
     print_table(summary, cfg)
     fp32 = summary["by_dtype"].get("float32") or next(iter(summary["by_dtype"].values()))
-    headline = {key: fp32[key] for key in ("fwd_over_floor", "fwdbwd_speedup_vs_composite", "fwd_peak_extra_mem_frac",
-                                           "fwd_speedup_vs_composite", "fwdbwd_inplace_speedup_vs_composite")}
-    result = {**headline, "tokens": cfg.tokens, "vocab": cfg.vocab, "tp": cfg.tp, "device": cfg.device,
-              "impl": summary["impl"], "cpu_isa": summary["cpu_isa"], "by_dtype": summary["by_dtype"]}
+    headline = {
+        key: fp32[key]
+        for key in (
+            "fwd_over_floor",
+            "fwdbwd_speedup_vs_composite",
+            "fwd_peak_extra_mem_frac",
+            "fwd_speedup_vs_composite",
+            "fwdbwd_inplace_speedup_vs_composite",
+        )
+    }
+    result = {
+        **headline,
+        "tokens": cfg.tokens,
+        "vocab": cfg.vocab,
+        "tp": cfg.tp,
+        "device": cfg.device,
+        "impl": summary["impl"],
+        "cpu_isa": summary["cpu_isa"],
+        "by_dtype": summary["by_dtype"],
+    }
     print(json.dumps(result))
     return result
 

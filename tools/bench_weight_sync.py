@@ -80,7 +80,7 @@ class Breakdown:
                 return
             yield item
 
-    def __enter__(self) -> "Breakdown":
+    def __enter__(self) -> Breakdown:
         from megatron_rlvr.rollout import cpu_weights, weight_manifest
 
         self._wrap(weight_manifest._StreamChecker, "check", "manifest_checks")
@@ -101,9 +101,9 @@ def bench_rank(hf_dir: str, repeats: int, bucket_bytes: int, check: bool, stagin
     """On every rank of a 2-rank gloo group: build the TP=2 actor, then time export+sync, export, update, copy."""
     import torch.distributed as dist
 
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
+    from megatron_rlvr.runtime import distributed
 
     distributed.initialize_model_parallel(tp=2, pp=1, seed=0)
     hf = load_hf_config(hf_dir)
@@ -230,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         ratios = "  ".join(f"{k}/copy {stat[k] / stat['copy']:.2f}" for k in ("sync", "update", "export"))
         print(f"ratios ({name}): {ratios}")
     b = out["breakdown"]
-    print(f"breakdown of one more sync ({b['total']:.3f} s, timing wrappers on): "
-          + ", ".join(f"{k} {b[k]:.3f} s ({b[k] / b['total']:.0%})" for k in (*Breakdown.PARTS, "update_rest")))
+    print(
+        f"breakdown of one more sync ({b['total']:.3f} s, timing wrappers on): "
+        + ", ".join(f"{k} {b[k]:.3f} s ({b[k] / b['total']:.0%})" for k in (*Breakdown.PARTS, "update_rest"))
+    )
     if out["mismatches"] is not None:
         print(f"post-sync read-back: {len(out['mismatches'])} mismatching tensors {out['mismatches'][:3]}")
     summary = {

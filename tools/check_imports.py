@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-import tomllib
 from collections import defaultdict
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "megatron_rlvr"
@@ -103,8 +104,7 @@ def layers() -> list[list[str]]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     for contract in config["contracts"]:
         if contract["type"] == "layers":
-            return [[f"{PACKAGE}.{m.strip()}" for m in layer.replace("|", " ").split()]
-                    for layer in contract["layers"]]
+            return [[f"{PACKAGE}.{m.strip()}" for m in layer.replace("|", " ").split()] for layer in contract["layers"]]
     raise SystemExit("pyproject.toml: no layers contract under [tool.importlinter]")
 
 
@@ -139,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{a} -> {', '.join(sorted(wings[a]))}")
     for line in problems:
         print(line)
-    print(f"{len(found)} modules, {sum(map(len, graph.values()))} imports: "
-          f"{len(problems)} finding{'s' * (len(problems) != 1)}")
+    print(
+        f"{len(found)} modules, {sum(map(len, graph.values()))} imports: "
+        f"{len(problems)} finding{'s' * (len(problems) != 1)}"
+    )
     return 1 if problems else 0
 
 

@@ -29,9 +29,9 @@ _SWAP = {"+": "-", "-": "+", "*": "/", "/": "*"}
 def corruptions(gold: str, target: int) -> list[str]:
     """The four wrong answers of one gold expression (see the module docstring)."""
     number = re.search(r"\d+", gold)
-    bumped = gold[:number.start()] + str(int(number.group()) + 1) + gold[number.end():] if number else gold + "1"
+    bumped = gold[: number.start()] + str(int(number.group()) + 1) + gold[number.end() :] if number else gold + "1"
     operator = re.search(r"(?<=[\d)\s])[-+*/]", gold)  # a binary operator: after a digit, ")" or a space
-    swapped = gold[:operator.start()] + _SWAP[operator.group()] + gold[operator.end():] if operator else gold + "*2"
+    swapped = gold[: operator.start()] + _SWAP[operator.group()] + gold[operator.end() :] if operator else gold + "*2"
     return [bumped, swapped, f"{gold} + 1", f"{gold} = {target}"]
 
 
@@ -55,8 +55,20 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "countdown.jsonl"
-        data_main(["prepare", "reasoning-gym", "--tasks", "countdown", "--size", str(args.problems), "--seed",
-                   str(args.seed), "--out", str(out)])
+        data_main(
+            [
+                "prepare",
+                "reasoning-gym",
+                "--tasks",
+                "countdown",
+                "--size",
+                str(args.problems),
+                "--seed",
+                str(args.seed),
+                "--out",
+                str(out),
+            ]
+        )
         rows = [json.loads(line) for line in out.read_text().splitlines()]
     answers, kinds, gym_refs, our_refs = [], [], [], []
     for row in rows:
@@ -88,9 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"disagreements by cause: {dict(causes)}")
     for kind, answer, a, b in disagreements[:5]:
         print(f"  {kind}: {answer!r}: ours {a:g}, reasoning-gym {b:g}")
-    print(json.dumps({"problems": len(rows), "seed": args.seed, "answers": n, "agree": total,
-                      "disagree": len(disagreements), "by_kind": {k: [agree[k], per_kind[k]] for k in KINDS},
-                      "causes": dict(causes), "pool_failures": failures}))
+    print(
+        json.dumps(
+            {
+                "problems": len(rows),
+                "seed": args.seed,
+                "answers": n,
+                "agree": total,
+                "disagree": len(disagreements),
+                "by_kind": {k: [agree[k], per_kind[k]] for k in KINDS},
+                "causes": dict(causes),
+                "pool_failures": failures,
+            }
+        )
+    )
     return 0
 
 

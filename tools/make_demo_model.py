@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlvr.tasks import countdown as task
 from megatron_rlvr.demo.sampling import measure_pass_at_k
+from megatron_rlvr.tasks import countdown as task
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 ALPHABET = list("0123456789+-*/() ->:\n")
@@ -44,13 +44,18 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
+        )
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     alphabet = sorted({piece for ch in ALPHABET for piece, _ in byte_level.pre_tokenize_str(ch)})
@@ -155,8 +160,16 @@ def train(model, ids: torch.Tensor, labels: torch.Tensor, steps: int, batch: int
 DEMO = Path(__file__).resolve().parent.parent / "megatron_rlvr/demo"
 # ours: a model that solves some countdown prompts (its prefixes are plausible starts) but clearly fewer than the
 # demo model; measured figures in its training_info.json
-WEAK_PRESET = dict(out=str(DEMO / "weak_model"), tokenizer_from=str(DEMO / "model"), layers=2, hidden=64,
-                   intermediate=128, steps=300, batch=64, train_problems=1000)
+WEAK_PRESET = dict(
+    out=str(DEMO / "weak_model"),
+    tokenizer_from=str(DEMO / "model"),
+    layers=2,
+    hidden=64,
+    intermediate=128,
+    steps=300,
+    batch=64,
+    train_problems=1000,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-vocab", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--init-from", default="", help="continue SFT from this checkpoint (its tokenizer and shape)")
-    ap.add_argument("--tokenizer-from", default="",
-                    help="a new model (the shape flags) with this checkpoint's tokenizer and vocabulary size")
+    ap.add_argument(
+        "--tokenizer-from",
+        default="",
+        help="a new model (the shape flags) with this checkpoint's tokenizer and vocabulary size",
+    )
     ap.add_argument("--weak", action="store_true", help="preset for the weaker prefix model (see the module doc)")
     ap.add_argument("--eval-seed", type=int, default=0, help="seed of the eval problems the base model is measured on")
     ap.add_argument("--eval-problems", type=int, default=32)
@@ -225,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.save_pretrained(out)
         tokenizer = reload_tokenizer(out, tokenizer, texts[:2000] + [p + a for p, a in examples[:500]])
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{len(problems)} problems, {len(examples)} answers, tokenizer {len(tokenizer)} -> vocab {vocab}, "
-          f"{n_params / 1e6:.2f}M parameters ({time.time() - t0:.0f}s)", flush=True)
+    print(
+        f"{len(problems)} problems, {len(examples)} answers, tokenizer {len(tokenizer)} -> vocab {vocab}, "
+        f"{n_params / 1e6:.2f}M parameters ({time.time() - t0:.0f}s)",
+        flush=True,
+    )
 
     ids, labels = encode(tokenizer, examples)
     train(model, ids, labels, args.steps, args.batch, args.lr, args.seed)
@@ -241,9 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     model.generation_config.max_new_tokens = 32
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    info = {"args": vars(args) | {"out": None, "tokenizer_from": _portable(args.tokenizer_from)},
-            "parameters": n_params, "vocab_size": vocab,
-            "base_eval": results["summary"], "seconds": round(time.time() - t0), "continued_from": previous}
+    info = {
+        "args": vars(args) | {"out": None, "tokenizer_from": _portable(args.tokenizer_from)},
+        "parameters": n_params,
+        "vocab_size": vocab,
+        "base_eval": results["summary"],
+        "seconds": round(time.time() - t0),
+        "continued_from": previous,
+    }
     (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"wrote {out} in {time.time() - t0:.0f}s", flush=True)
     return 0

@@ -32,8 +32,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # A random Qwen2 big enough that allocator noise (tens of MB) is small against what is measured (~1 GB a rank).
-SMALL_QWEN = dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+SMALL_QWEN = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+)
 DEFAULT_LAYOUTS = ("1,1,dist", "1,1,local,ref", "2,1,dist,ref", "1,2,dist")
 
 
@@ -50,7 +57,7 @@ class Case:
     sequences: int = 4  # one mini-batch
 
     @classmethod
-    def parse(cls, text: str, **kw) -> "Case":
+    def parse(cls, text: str, **kw) -> Case:
         parts = text.split(",")
         flags = set(parts[2:])
         unknown = flags - {"dist", "local", "ref"}
@@ -60,22 +67,29 @@ class Case:
 
     @property
     def label(self) -> str:
-        return (f"TP={self.tp} PP={self.pp} {'dist-opt' if self.distributed_optimizer else 'local-opt'}"
-                f"{' +ref' if self.reference else ''}")
+        return (
+            f"TP={self.tp} PP={self.pp} {'dist-opt' if self.distributed_optimizer else 'local-opt'}"
+            f"{' +ref' if self.reference else ''}"
+        )
 
 
 def config_of(case: Case, hf_dir: str, world: int):
     """The run Config of a case (CPU: fp32), as the plan reads it."""
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.actor.config import ActorConfig
+    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.config import Config, TrainerConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.rollout.config import RolloutConfig
 
     return Config(
         model=ModelConfig(hf_dir=hf_dir),
-        actor=ActorConfig(tp=case.tp, pp=case.pp, micro_batch_size=case.micro_batch_size, lr=1e-4,
-                          use_distributed_optimizer=case.distributed_optimizer),
+        actor=ActorConfig(
+            tp=case.tp,
+            pp=case.pp,
+            micro_batch_size=case.micro_batch_size,
+            lr=1e-4,
+            use_distributed_optimizer=case.distributed_optimizer,
+        ),
         algo=AlgoConfig(loss="casp", kl_coef=0.05 if case.reference else 0.0),
         rollout=RolloutConfig(max_model_len=case.seq_len, max_new_tokens=case.seq_len // 2, group_size=case.sequences),
         trainer=TrainerConfig(prompts_per_step=1, mini_batches_per_step=1),
@@ -94,8 +108,16 @@ def predicted(case: Case, hf_dir: str, world: int) -> list[dict[str, int]]:
         stage = rank // (world // case.pp)  # megatron orders ranks TP-fastest, then DP, then PP
         plan = actor_rank_plan(dims, lay, stage, gpu_memory=0)
         c = plan.components
-        out.append({"weights": c["actor_weights"], "grads": c["actor_grads"], "optimizer": c["optimizer"],
-                    "reference": c["reference"], "update_peak": plan.phases["update"], "stage": stage})
+        out.append(
+            {
+                "weights": c["actor_weights"],
+                "grads": c["actor_grads"],
+                "optimizer": c["optimizer"],
+                "reference": c["reference"],
+                "update_peak": plan.phases["update"],
+                "stage": stage,
+            }
+        )
     return out
 
 
@@ -118,7 +140,7 @@ def _trim() -> None:
 class PeakSampler:
     """Samples RssAnon every millisecond on a thread while a block runs; torch kernels release the GIL."""
 
-    def __enter__(self) -> "PeakSampler":
+    def __enter__(self) -> PeakSampler:
         self.peak, self._stop = _rss_anon(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -167,8 +189,8 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
     if warm_up and update:
         measure_rank(dataclasses.replace(case, seq_len=16), hf_dir, update=True, warm_up=False)
 
-    from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.runtime.distributed import model_parallel, world_size
 
     cfg = config_of(case, hf_dir, world_size())
@@ -185,7 +207,7 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
             g = torch.Generator().manual_seed(0)
             tokens = torch.randint(0, actor.vocab_size, (case.sequences, case.seq_len), generator=g)
             mask = torch.zeros(case.sequences, case.seq_len - 1, dtype=torch.bool)
-            mask[:, case.seq_len // 4:] = True
+            mask[:, case.seq_len // 4 :] = True
             batch = SequenceBatch(tokens, mask, torch.linspace(-1, 1, case.sequences))
             batch.old_logp = actor.compute_old_logp(batch)
             if actor.reference is not None:
@@ -271,8 +293,18 @@ def host_measure(config: str, overrides: list[str], world: int, timeout_s: float
 
     import psutil
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "-m", "megatron_rlvr.cli",
-           "train", config, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world),
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        config,
+        *overrides,
+    ]
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as err:  # a pipe nobody reads while sampling could fill and stall the run
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
@@ -288,8 +320,14 @@ def host_measure(config: str, overrides: list[str], world: int, timeout_s: float
         rc = proc.wait()
         err.seek(0)
         tail = err.read()[-2000:]
-    return {"peak_pss": peak, "processes": procs, "rc": rc, "timed_out": timed_out,
-            "seconds": time.monotonic() - started, "stderr_tail": tail}
+    return {
+        "peak_pss": peak,
+        "processes": procs,
+        "rc": rc,
+        "timed_out": timed_out,
+        "seconds": time.monotonic() - started,
+        "stderr_tail": tail,
+    }
 
 
 def host_main(args) -> int:
@@ -302,23 +340,33 @@ def host_main(args) -> int:
             print(f"{spec}: the run failed (rc {meas['rc']}):\n{meas['stderr_tail']}")
             return 1
         rows.append((spec, pred, meas))
-    print(f"host memory of CPU training runs ({args.world} ranks): plan/host_memory.py vs the peak PSS of the run's "
-          f"process tree (ranks, reward workers), sampled every 0.5 s")
+    print(
+        f"host memory of CPU training runs ({args.world} ranks): plan/host_memory.py vs the peak PSS of the run's "
+        f"process tree (ranks, reward workers), sampled every 0.5 s"
+    )
     print("| run | " + " | ".join(f"{k} (pred MB)" for k in rows[0][1]) + " | predicted MB | measured MB | error |")
     print("|---|" + "---|" * (len(rows[0][1]) + 3))
     for spec, pred, meas in rows:
         total = sum(pred.values())
         err = (total - meas["peak_pss"]) / meas["peak_pss"] * 100
-        print(f"| {spec} | " + " | ".join(f"{v / 1e6:.0f}" for v in pred.values())
-              + f" | {total / 1e6:.0f} | {meas['peak_pss'] / 1e6:.0f} | {err:+.1f}% |")
+        print(
+            f"| {spec} | "
+            + " | ".join(f"{v / 1e6:.0f}" for v in pred.values())
+            + f" | {total / 1e6:.0f} | {meas['peak_pss'] / 1e6:.0f} | {err:+.1f}% |"
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", nargs="+", default=None, metavar="'CONFIG [key=value ...]'",
-                   help="host memory mode: run each CPU training config under torchrun and compare its peak PSS "
-                        "with the plan's host table")
+    p.add_argument(
+        "--host",
+        nargs="+",
+        default=None,
+        metavar="'CONFIG [key=value ...]'",
+        help="host memory mode: run each CPU training config under torchrun and compare its peak PSS "
+        "with the plan's host table",
+    )
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), help="TP,PP[,dist|local][,ref] each")
     p.add_argument("--world", type=int, default=2, help="gloo ranks per layout")
@@ -338,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = str(make_tiny_hf_model("qwen2", Path(tmp) / "small_qwen", with_tokenizer=False, **SMALL_QWEN))
         rows = run(cases, hf_dir, args.world)
-    print(f"model: random Qwen2 {SMALL_QWEN}; {args.world} gloo ranks; micro-batch {args.micro_batch_size} x "
-          f"{args.seq_len} tokens; fp32 on CPU; MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}")
+    print(
+        f"model: random Qwen2 {SMALL_QWEN}; {args.world} gloo ranks; micro-batch {args.micro_batch_size} x "
+        f"{args.seq_len} tokens; fp32 on CPU; MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}"
+    )
     print(table(rows, args.markdown))
     return 0
 

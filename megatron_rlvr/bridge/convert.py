@@ -16,9 +16,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -76,9 +77,9 @@ def _staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
 
 @contextmanager
 def _single_process_megatron() -> Iterator[None]:
-    from megatron_rlvr.runtime import distributed
-
     import torch.distributed as dist
+
+    from megatron_rlvr.runtime import distributed
 
     started = not dist.is_initialized()
     saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -86,8 +87,9 @@ def _single_process_megatron() -> Iterator[None]:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConversionError("convert runs as one process; do not launch it with torchrun / WORLD_SIZE > 1")
         # A world of one on a fresh port: a parent's leftover MASTER_PORT may still be bound.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(distributed.free_port()), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(distributed.free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
     elif dist.get_world_size() != 1:
         raise ConversionError("convert runs in a world of one process")
     distributed.initialize_model_parallel(tp=1, pp=1)
@@ -166,7 +168,10 @@ def hf_to_mcore(hf_dir: Path, out: Path, dtype: torch.dtype | None = None, overw
 
 
 def mcore_to_hf(
-    mcore_dir: Path, out: Path, hf_config: Path | None = None, max_shard_bytes: int = 5 * 10**9,
+    mcore_dir: Path,
+    out: Path,
+    hf_config: Path | None = None,
+    max_shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
 ) -> None:
     from megatron_rlvr.bridge.dist_ckpt import DistCheckpointReader
@@ -192,7 +197,7 @@ def mcore_to_hf(
         specs = []
         for m in table:
             key, layer, shape = request_of[m.megatron]
-            if key not in stored.keys():
+            if key not in stored.keys():  # noqa: SIM118 - a checkpoint index, not a dict
                 raise ConversionError(f"{mcore_dir}: tensor {key} (for {m.megatron}) is not in the checkpoint")
             want = ((dims.layers,) if layer is not None else ()) + tuple(shape)
             if m.kind == "vocab" and stored.shape(key)[1:] == want[1:] and stored.shape(key)[0] >= want[0]:

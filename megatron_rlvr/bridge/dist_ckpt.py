@@ -21,8 +21,9 @@ tensor is produced (read from the HF files, re-laid out) only when the writer re
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ def load_dist_checkpoint(model_chunks, hf_vocab_size: int, ckpt_dir: str | Path)
     stored = DistCheckpointReader(ckpt_dir)
     load_rows = {}
     for key in VOCAB_KEYS:
-        if key in stored.keys():
+        if key in stored.keys():  # noqa: SIM118 - a checkpoint index, not a dict
             load_rows[key] = stored.shape(key)[0]
             if load_rows[key] < hf_vocab_size:
                 raise ValueError(
@@ -131,7 +132,7 @@ def load_dist_checkpoint(model_chunks, hf_vocab_size: int, ckpt_dir: str | Path)
                     shard[: stop - start] = state[name][start:stop]
                 state[name] = shard
         chunk.load_state_dict(state, strict=False)
-        missing = set(k for k in own if not k.endswith("_extra_state")) - set(state)
+        missing = {k for k in own if not k.endswith("_extra_state")} - set(state)
         if missing:
             raise KeyError(f"dist checkpoint {ckpt_dir}: no data for {sorted(missing)}")
 
@@ -162,7 +163,9 @@ def save_lazily(
     one tensor."""
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(sharded_state_dict, str(ckpt_dir), sharded_strategy=_LazyTorchDistStrategy(produce, on_tensor))
+    dist_checkpointing.save(
+        sharded_state_dict, str(ckpt_dir), sharded_strategy=_LazyTorchDistStrategy(produce, on_tensor)
+    )
 
 
 def _lazy_strategy_base():
@@ -213,8 +216,11 @@ class _LazyTorchDistStrategy(_lazy_strategy_base()):
         sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         pyt_state_dict = mcore_to_pyt_state_dict(sd, False)
         writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1)
-        dcp_save(pyt_state_dict, storage_writer=writer,
-                 planner=LazyPlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+        dcp_save(
+            pyt_state_dict,
+            storage_writer=writer,
+            planner=LazyPlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,8 +26,9 @@ from __future__ import annotations
 import math
 import os
 import secrets
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,10 +74,10 @@ class _Plan:
     pp_rank: int
     pp_ranks: list[int]  # global ranks of this rank's pipeline group, by stage
     entries: list[_PlanEntry]
-    exchange: "_ShmExchange | None" = None
+    exchange: _ShmExchange | None = None
     exchange_tried: bool = False
     rounds_done: int = 0  # exchange rounds so far: picks the slot, continuing across calls
-    lend_exchange: "_ShmExchange | None" = None  # lending: TP rank 0's segment of it holds each round's HF tensors
+    lend_exchange: _ShmExchange | None = None  # lending: TP rank 0's segment of it holds each round's HF tensors
 
 
 def _groups():
@@ -160,7 +161,7 @@ class _ShmExchange:
         self.segments, self.slot_bytes, self.rank, self.group = segments, slot_bytes, rank, group
 
     @classmethod
-    def open(cls, group, rank: int, slot_bytes: int) -> "_ShmExchange | None":
+    def open(cls, group, rank: int, slot_bytes: int) -> _ShmExchange | None:
         """Collective over ``group``; None on every rank unless every rank mapped every segment (another host, or
         another IPC namespace: each rank checks a token written by the segment's owner)."""
         token = secrets.token_hex(8)
@@ -194,7 +195,7 @@ class _ShmExchange:
     def round(self, shards: list[torch.Tensor], slot: int, write: bool, read: bool) -> list[list[torch.Tensor]]:
         """Every rank's copy of each shard (same shapes on every rank): ``out[i][r]`` is rank r's ``shards[i]``."""
         views: list[list[torch.Tensor]] = [[] for _ in shards]
-        for r, seg in enumerate(self.segments):
+        for seg in self.segments:
             offset = slot * self.slot_bytes
             for i, shard in enumerate(shards):
                 nbytes = shard.numel() * shard.element_size()

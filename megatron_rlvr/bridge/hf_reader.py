@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -90,8 +91,10 @@ class HFCheckpointReader:
         if not files:
             raise HFCheckpointError(f"{self.dir}: no {INDEX_NAME} and no *.safetensors file")
         if len(files) > 1:
-            raise HFCheckpointError(f"{self.dir}: {len(files)} safetensors files but no {INDEX_NAME} to say which is which")
-        return {name: files[0].name for name in self._header(files[0].name)[0]}
+            raise HFCheckpointError(
+                f"{self.dir}: {len(files)} safetensors files but no {INDEX_NAME} to say which is which"
+            )
+        return dict.fromkeys(self._header(files[0].name)[0], files[0].name)
 
     def _header(self, file: str) -> tuple[dict[str, Any], int]:
         if file not in self._headers:
@@ -160,7 +163,7 @@ class HFCheckpointReader:
     def names(self) -> Iterable[str]:
         return self.weight_map.keys()
 
-    def __enter__(self) -> "HFCheckpointReader":
+    def __enter__(self) -> HFCheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:

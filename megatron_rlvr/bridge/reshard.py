@@ -74,8 +74,10 @@ def kv_heads_of_rank(dims: ModelDims, tp: int, rank: int, hf_name: str = "k_proj
     """The kv heads ``[first, first + count)`` engine TP rank ``rank`` holds (``QKVParallelLinear``)."""
     if tp >= dims.groups:
         if tp % dims.groups:
-            raise ReshardError(f"{hf_name}: engine tp={tp} is not a multiple of its {dims.groups} kv heads (vLLM "
-                               f"replicates each kv head on tp / kv_heads ranks when there are fewer than tp)")
+            raise ReshardError(
+                f"{hf_name}: engine tp={tp} is not a multiple of its {dims.groups} kv heads (vLLM "
+                f"replicates each kv head on tp / kv_heads ranks when there are fewer than tp)"
+            )
         return rank // (tp // dims.groups), 1
     per_rank = _whole(hf_name, "kv heads", dims.groups, tp)
     return rank * per_rank, per_rank
@@ -88,8 +90,9 @@ def _expect(hf_name: str, shape: tuple[int, ...], dim: int, size: int, what: str
         )
 
 
-def engine_shard_region(hf_name: str, full_shape: tuple[int, ...] | torch.Size, dims: ModelDims, tp: int,
-                        rank: int) -> tuple[int | None, int, int]:
+def engine_shard_region(
+    hf_name: str, full_shape: tuple[int, ...] | torch.Size, dims: ModelDims, tp: int, rank: int
+) -> tuple[int | None, int, int]:
     """Where engine TP rank ``rank`` of ``tp``'s slice of HF tensor ``hf_name`` lies in the full tensor, in vLLM's
     partitioning (see the module docstring): (dim, start, length), dim None for a replicated tensor (the whole)."""
     if not 0 <= rank < tp:

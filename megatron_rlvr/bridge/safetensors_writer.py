@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 

@@ -22,8 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     single = (target / MANIFEST).is_file() or (target / "trainer_state.json").is_file() or step_of(target) is not None
     checkpoints = [target] if single else step_dirs(target)
     if not checkpoints:
-        print(f"error: {target}: neither a checkpoint (no {MANIFEST} or trainer_state.json) nor a checkpoints root "
-              "(no step-NNNNNN directories)", file=sys.stderr)
+        print(
+            f"error: {target}: neither a checkpoint (no {MANIFEST} or trainer_state.json) nor a checkpoints root "
+            "(no step-NNNNNN directories)",
+            file=sys.stderr,
+        )
         return 2
     reports = {path: verify(path) for path in checkpoints}
     for report in reports.values():

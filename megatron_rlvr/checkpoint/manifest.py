@@ -18,10 +18,11 @@ import json
 import os
 import time
 import zlib
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -65,8 +66,10 @@ class Report:
         if not self.verified:
             return f"UNVERIFIED {self.path}: no {MANIFEST} (written before checkpoints recorded checksums)"
         rate = self.bytes / 1e6 / self.seconds if self.seconds > 0 else float("inf")
-        return (f"OK {self.path}: {self.files} files, {self.bytes / 1e6:.1f} MB checked in {self.seconds:.2f} s "
-                f"({rate:.0f} MB/s)")
+        return (
+            f"OK {self.path}: {self.files} files, {self.bytes / 1e6:.1f} MB checked in {self.seconds:.2f} s "
+            f"({rate:.0f} MB/s)"
+        )
 
 
 def file_checksum(path: Path, algorithm: str = ALGORITHM) -> str:
@@ -165,7 +168,8 @@ def write_manifest(ckpt_dir: str | Path) -> Path | None:
         return None
     checksums = {k: v for part in gathered for k, v in part.items()}
     manifest = {
-        "format": 1, "algorithm": ALGORITHM,
+        "format": 1,
+        "algorithm": ALGORITHM,
         "files": {n: {"size": sizes[n], ALGORITHM: checksums[n]} for n in sorted(sizes)},
     }
     tmp = ckpt_dir / f".{MANIFEST}.tmp"
@@ -245,5 +249,11 @@ def verify(ckpt_dir: str | Path) -> Report:
         problems = {n: p for part in _all_gather({n: p for n, p in found.items() if p}) for n, p in part.items()}
         if problems:
             break
-    return Report(ckpt_dir, tuple(problems[n] for n in names if n in problems), verified=True, files=len(names),
-                  bytes=sum(sizes.values()), seconds=time.perf_counter() - start)
+    return Report(
+        ckpt_dir,
+        tuple(problems[n] for n in names if n in problems),
+        verified=True,
+        files=len(names),
+        bytes=sum(sizes.values()),
+        seconds=time.perf_counter() - start,
+    )

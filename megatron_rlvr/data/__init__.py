@@ -13,6 +13,13 @@ from megatron_rlvr.data.loader import PromptLoader
 from megatron_rlvr.data.sources import DataError, Row, read_rows
 
 __all__ = [
-    "DataConfig", "DataError", "LoadStats", "PromptItem", "PromptLoader", "Row", "items_from_rows", "load_items",
+    "DataConfig",
+    "DataError",
+    "LoadStats",
+    "PromptItem",
+    "PromptLoader",
+    "Row",
+    "items_from_rows",
+    "load_items",
     "read_rows",
 ]

@@ -7,8 +7,9 @@ Prompts longer than ``max_prompt_tokens`` are counted and skipped with one warni
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from megatron_rlvr.data.config import DataConfig
 from megatron_rlvr.data.sources import DataError, Row, read_rows
@@ -93,11 +94,18 @@ def items_from_rows(rows: Iterable[Row], cfg: DataConfig, tokenizer) -> tuple[li
             continue
         items.append(PromptItem(item_id, text, tuple(ids), answer, task, problem))
     if stats.bad_rows:
-        logger.warning("skipped %d bad dataset rows (data.skip_bad_rows=true); first: %s",
-                       stats.bad_rows, "; ".join(stats.bad_examples))
+        logger.warning(
+            "skipped %d bad dataset rows (data.skip_bad_rows=true); first: %s",
+            stats.bad_rows,
+            "; ".join(stats.bad_examples),
+        )
     if stats.too_long:
-        logger.warning("skipped %d prompts longer than data.max_prompt_tokens=%d (not truncated); first: %s",
-                       stats.too_long, cfg.max_prompt_tokens, first_long)
+        logger.warning(
+            "skipped %d prompts longer than data.max_prompt_tokens=%d (not truncated); first: %s",
+            stats.too_long,
+            cfg.max_prompt_tokens,
+            first_long,
+        )
     return items, stats
 
 

@@ -9,7 +9,8 @@ on (seed, how many were drawn before), so a run that draws the same counts sees 
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron_rlvr.data.dataset import PromptItem
 from megatron_rlvr.data.sources import DataError
@@ -85,6 +86,7 @@ class PromptLoader:
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < len(self.items):
-            raise DataError(f"data loader state: epoch={epoch}, position={position} out of range "
-                            f"for {len(self.items)} prompts")
+            raise DataError(
+                f"data loader state: epoch={epoch}, position={position} out of range for {len(self.items)} prompts"
+            )
         self.epoch, self.position = epoch, position

@@ -63,6 +63,8 @@ def load_benchmark_index(data_dir: str | Path) -> tuple[BenchmarkIndex, list[str
         found.append(name)
         texts += [(f"{name}/{p.problem_id}", p.text) for p in load_benchmark(name, data_dir)]
     if not found:
-        raise DataError(f"--check-against {data_dir}: no benchmark file there (expected e.g. math500.jsonl, "
-                        f"aime24.jsonl, gsm8k.jsonl: the eval's --data-dir layout)")
+        raise DataError(
+            f"--check-against {data_dir}: no benchmark file there (expected e.g. math500.jsonl, "
+            f"aime24.jsonl, gsm8k.jsonl: the eval's --data-dir layout)"
+        )
     return BenchmarkIndex(texts), found

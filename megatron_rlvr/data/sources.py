@@ -7,9 +7,10 @@ JSON object, is reported with its file and line number.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from megatron_rlvr.errors import UserError
 

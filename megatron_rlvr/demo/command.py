@@ -29,8 +29,17 @@ CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the 
 
 def _train(out: Path, algo: str, overrides: list[str], nproc: int) -> None:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "megatron_rlvr.cli", "train", str(RECIPE), f"trainer.output_dir={out / 'train'}", f"algo.loss={algo}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        str(RECIPE),
+        f"trainer.output_dir={out / 'train'}",
+        f"algo.loss={algo}",
         *overrides,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -60,8 +69,14 @@ def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[s
     data_dir = out / "eval_data"
     _write_eval_split(data_dir, prompts, seed=recipe.data.seed)
     cfg = EvalConfig(
-        n_samples=n, chunk=min(n, 64), temperature=recipe.rollout.temperature, max_new_tokens=recipe.rollout.max_new_tokens,
-        stop=list(recipe.rollout.stop), benchmarks=["countdown"], data_dir=str(data_dir), output_dir=str(out / "eval"),
+        n_samples=n,
+        chunk=min(n, 64),
+        temperature=recipe.rollout.temperature,
+        max_new_tokens=recipe.rollout.max_new_tokens,
+        stop=list(recipe.rollout.stop),
+        benchmarks=["countdown"],
+        data_dir=str(data_dir),
+        output_dir=str(out / "eval"),
         seed=EVAL_SEED,
     )
     factory = vllm_engine_factory(recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes)
@@ -71,7 +86,12 @@ def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[s
     for label, tag in zip(models, model_tags(paths)):
         records = load_records(out / "eval" / tag).values()
         results[label] = [
-            {"prompt_id": r["problem_id"], "sample": r["sample"], "response": r.get("text") or "", "reward": r["reward"]}
+            {
+                "prompt_id": r["problem_id"],
+                "sample": r["sample"],
+                "response": r.get("text") or "",
+                "reward": r["reward"],
+            }
             for r in records
         ]
     return results
@@ -92,19 +112,33 @@ def _candidate_figure(out: Path, samples: dict[str, list[dict]], models: dict[st
     if not solved:
         return {}
     pid = max(solved, key=lambda p: trained[p]["correct"] - base.get(p, {}).get("correct", 0))  # max keeps the first
-    answer = min((r for r in trained_rows if str(r["prompt_id"]) == pid and float(r["reward"]) > 0.5),
-                 key=lambda r: r["sample"])["response"]
+    answer = min(
+        (r for r in trained_rows if str(r["prompt_id"]) == pid and float(r["reward"]) > 0.5), key=lambda r: r["sample"]
+    )["response"]
     recipe = load_config(RECIPE)
-    result = candidates.build(list(models.values()), prompts[pid], response=answer, labels=list(models),
-                              top_n=CANDIDATES_TOP_N, temperature=recipe.rollout.temperature)
+    result = candidates.build(
+        list(models.values()),
+        prompts[pid],
+        response=answer,
+        labels=list(models),
+        top_n=CANDIDATES_TOP_N,
+        temperature=recipe.rollout.temperature,
+    )
     png = candidates.render(result["matrices"], report_dir / "candidates.png", title=f"{prompts[pid]!r} -> {answer!r}")
     (report_dir / "candidates.json").write_text(json.dumps(candidates.to_json(result), indent=1) + "\n")
     rate = lambda stats: f"{stats.get(pid, {}).get('correct', 0)}/{stats.get(pid, {}).get('n', 0)}"  # noqa: E731
-    return {"path": png, "prompt_id": pid, "prompt": prompts[pid], "response": answer, "caption": (
-        f"Prompt `{prompts[pid]}` (`{pid}`, correct samples: {base_label} {rate(base)}, {trained_label} "
-        f"{rate(trained)}); the response is {trained_label}'s first correct answer `{answer}`. Per response token "
-        f"(rows), each model's top-{CANDIDATES_TOP_N} candidates (columns, rank 1 first) and their probabilities; "
-        "the response's own token is outlined in red. The numbers: candidates.json.")}
+    return {
+        "path": png,
+        "prompt_id": pid,
+        "prompt": prompts[pid],
+        "response": answer,
+        "caption": (
+            f"Prompt `{prompts[pid]}` (`{pid}`, correct samples: {base_label} {rate(base)}, {trained_label} "
+            f"{rate(trained)}); the response is {trained_label}'s first correct answer `{answer}`. Per response token "
+            f"(rows), each model's top-{CANDIDATES_TOP_N} candidates (columns, rank 1 first) and their probabilities; "
+            "the response's own token is outlined in red. The numbers: candidates.json."
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,12 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rlvr demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/demo", help="output folder (rerun with the same one to resume)")
     parser.add_argument("--algo", default="casp", choices=["casp", "grpo"], help="the policy loss to train with")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="training seed (trainer.seed); the evaluation keeps its own seeds, the same for every run")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="training seed (trainer.seed); the evaluation keeps its own seeds, the same for every run",
+    )
     parser.add_argument("--nproc", type=int, default=2, help="training processes (actor TP x PP x DP)")
     parser.add_argument("--eval-n", type=int, default=64, help="samples per eval prompt")
-    parser.add_argument("--eval-prompts", type=int, default=512,
-                        help="eval prompts (512: one prompt moves pass@64 by 0.2 points; the split holds ~620)")
+    parser.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=512,
+        help="eval prompts (512: one prompt moves pass@64 by 0.2 points; the split holds ~620)",
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.steps=10")
     args = parser.parse_args(argv)
     if args.seed is not None:
@@ -153,9 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.perf_counter() - start) / 60
     notes = [f"training {train_s / 60:.1f} min, total {minutes:.1f} min on this machine ({os.cpu_count()} cores)"]
     if args.seed is not None:
-        notes.append(f"training seed {args.seed}; the evaluation's seeds are the same for every run (eval seed {EVAL_SEED})")
-    summary = write_report(out / "report", samples, metrics={args.algo: out / "train" / "metrics.jsonl"}, notes=notes,
-                           candidates=figure or None)
+        notes.append(
+            f"training seed {args.seed}; the evaluation's seeds are the same for every run (eval seed {EVAL_SEED})"
+        )
+    summary = write_report(
+        out / "report",
+        samples,
+        metrics={args.algo: out / "train" / "metrics.jsonl"},
+        notes=notes,
+        candidates=figure or None,
+    )
     print((out / "report" / "report.md").read_text())
     print(f"report: {out / 'report'} ({len(summary.get('files', []))} files)")
     return 0

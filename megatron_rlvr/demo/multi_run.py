@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
@@ -75,7 +76,9 @@ def read_run(path: str | Path) -> RunStats:
     path = Path(path)
     results_file = path / RESULTS
     if not results_file.is_file():
-        raise MultiRunError(f"--runs {path}: no finished demo run (no {RESULTS}); run `megatron-rlvr demo --out {path}`")
+        raise MultiRunError(
+            f"--runs {path}: no finished demo run (no {RESULTS}); run `megatron-rlvr demo --out {path}`"
+        )
     try:
         results = json.loads(results_file.read_text())
         labels = list(results["models"])
@@ -91,19 +94,33 @@ def read_run(path: str | Path) -> RunStats:
 
     def numbers(label: str) -> dict[str, Any]:
         m = models[label]
-        return {"pass_at_k": {k: float(m["pass_at_k"][str(k)]) for k in ks},
-                "distinct_correct": float(m["mean_distinct_correct"]), "solved": len(_solved(per_prompt[label]))}
+        return {
+            "pass_at_k": {k: float(m["pass_at_k"][str(k)]) for k in ks},
+            "distinct_correct": float(m["mean_distinct_correct"]),
+            "solved": len(_solved(per_prompt[label])),
+        }
 
     base_solved, trained_solved = _solved(per_prompt[base]), _solved(per_prompt[trained])
     t = numbers(trained)
     try:
-        counts = {role: {str(pid): (int(s["n"]), int(s["correct"])) for pid, s in per_prompt[label].items()}
-                  for role, label in (("trained", trained), ("base", base))}
+        counts = {
+            role: {str(pid): (int(s["n"]), int(s["correct"])) for pid, s in per_prompt[label].items()}
+            for role, label in (("trained", trained), ("base", base))
+        }
     except (KeyError, TypeError, ValueError) as e:
         raise MultiRunError(f"{results_file}: per_prompt entries need n and correct: {e!r}") from e
-    return RunStats(path=path, config=config, trained_label=trained, pass_at_k=t["pass_at_k"],
-                    distinct_correct=t["distinct_correct"], solved=t["solved"], gained=len(trained_solved - base_solved),
-                    lost=len(base_solved - trained_solved), base=numbers(base), counts=counts)
+    return RunStats(
+        path=path,
+        config=config,
+        trained_label=trained,
+        pass_at_k=t["pass_at_k"],
+        distinct_correct=t["distinct_correct"],
+        solved=t["solved"],
+        gained=len(trained_solved - base_solved),
+        lost=len(base_solved - trained_solved),
+        base=numbers(base),
+        counts=counts,
+    )
 
 
 def _fmt(value: Any) -> str:
@@ -126,10 +143,14 @@ def label_of(run: RunStats, recipe: Mapping[str, Any], group_by: Sequence[str] =
     if not run.config:  # no config.yaml: the name the report gave the trained model
         return run.trained_label
     if group_by:
-        return ", ".join(f"{k}={_fmt(run.config.get(k))}" if k != "algo.loss" else str(run.config.get(k))
-                         for k in group_by)
-    changed = [f"{k}={_fmt(v)}" for k, v in sorted(run.config.items())
-               if k in recipe and k not in PATH_KEYS | {SEED_KEY, "algo.loss"} and v != recipe[k]]
+        return ", ".join(
+            f"{k}={_fmt(run.config.get(k))}" if k != "algo.loss" else str(run.config.get(k)) for k in group_by
+        )
+    changed = [
+        f"{k}={_fmt(v)}"
+        for k, v in sorted(run.config.items())
+        if k in recipe and k not in PATH_KEYS | {SEED_KEY, "algo.loss"} and v != recipe[k]
+    ]
     return ", ".join([str(run.config.get("algo.loss", run.trained_label)), *changed])
 
 
@@ -138,7 +159,7 @@ def _cell(values: Sequence[float], scale: float = 1.0, digits: int = 1, range_di
     values = [v * scale for v in values]
     mean = sum(values) / len(values)
     rd = digits if range_digits is None else range_digits
-    if len(values) == 1 or max(values) - min(values) < 0.5 * 10 ** -digits:
+    if len(values) == 1 or max(values) - min(values) < 0.5 * 10**-digits:
         return f"{mean:.{rd}f}"
     return f"{mean:.{digits}f} ({min(values):.{rd}f}-{max(values):.{rd}f})"
 
@@ -154,7 +175,8 @@ def table(runs: Sequence[RunStats], group_by: Sequence[str] = ()) -> str:
         groups.setdefault(label_of(run, recipe, group_by), []).append(run)
     ks = sorted(set.intersection(*(set(r.pass_at_k) for r in runs)))
     lines = [
-        "| model | runs | seeds | " + " | ".join(f"pass@{k}" for k in ks)
+        "| model | runs | seeds | "
+        + " | ".join(f"pass@{k}" for k in ks)
         + " | distinct correct | solved | gained vs base | lost vs base |",
         "|---|---|---|" + "---|" * (len(ks) + 4),
     ]
@@ -169,12 +191,18 @@ def table(runs: Sequence[RunStats], group_by: Sequence[str] = ()) -> str:
         # prompt counts: the mean to one decimal, the range in whole prompts
         cells += [_cell([getattr(r, name) for r in members], 1, 1, 0) for name in ("solved", "gained", "lost")]
         lines.append(f"| {label} | {len(members)} | {seeds} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + [
-        "",
-        "pass@k in percent; each cell is the mean over the group's runs and, where they differ, (min-max). "
-        "distinct correct: mean distinct correct answers per prompt; solved: prompts solved at least once in the "
-        "eval's samples; gained / lost: prompts the trained model solved and its run's base did not, and the reverse.",
-    ]) + "\n"
+    return (
+        "\n".join(
+            lines
+            + [
+                "",
+                "pass@k in percent; each cell is the mean over the group's runs and, where they differ, (min-max). "
+                "distinct correct: mean distinct correct answers per prompt; solved: prompts solved at least once in the "
+                "eval's samples; gained / lost: prompts the trained model solved and its run's base did not, and the reverse.",
+            ]
+        )
+        + "\n"
+    )
 
 
 def _check_same_prompts(runs: Sequence[RunStats]) -> list[str]:
@@ -185,19 +213,27 @@ def _check_same_prompts(runs: Sequence[RunStats]) -> list[str]:
             mine = run.counts[role]
             if set(mine) != set(first):
                 only = sorted(set(mine) ^ set(first))[:3]
-                raise MultiRunError(f"--runs {run.path}: its {role} model was evaluated on other prompts than "
-                                    f"{runs[0].path}'s base (e.g. {only}); intervals need the same eval prompts")
+                raise MultiRunError(
+                    f"--runs {run.path}: its {role} model was evaluated on other prompts than "
+                    f"{runs[0].path}'s base (e.g. {only}); intervals need the same eval prompts"
+                )
             n_mine, n_first = {n for n, _ in mine.values()}, {n for n, _ in first.values()}
             if n_mine != n_first:
-                raise MultiRunError(f"--runs {run.path}: its {role} model drew n = {sorted(n_mine)} samples per prompt, "
-                                    f"{runs[0].path}'s base {sorted(n_first)}; intervals need the same n")
+                raise MultiRunError(
+                    f"--runs {run.path}: its {role} model drew n = {sorted(n_mine)} samples per prompt, "
+                    f"{runs[0].path}'s base {sorted(n_first)}; intervals need the same n"
+                )
     return list(first)
 
 
 def _mean_values(members: Sequence[RunStats], role: str, order: Sequence[str], ks: Sequence[int]) -> np.ndarray:
     """Per prompt (in ``order``), pass@k averaged over the runs: (prompts, len(ks))."""
-    per_run = [per_problem_pass_at_k(np.array([r.counts[role][p][0] for p in order]),
-                                     np.array([r.counts[role][p][1] for p in order]), ks) for r in members]
+    per_run = [
+        per_problem_pass_at_k(
+            np.array([r.counts[role][p][0] for p in order]), np.array([r.counts[role][p][1] for p in order]), ks
+        )
+        for r in members
+    ]
     return np.mean(per_run, axis=0)
 
 
@@ -207,8 +243,13 @@ def _iv(iv: Interval, signed: bool = False) -> str:
     return f"{100 * iv.estimate:{fmt}} [{100 * iv.low:{fmt}}, {100 * iv.high:{fmt}}]{mark}"
 
 
-def interval_table(runs: Sequence[RunStats], group_by: Sequence[str] = (), ks: Sequence[int] = (),
-                   spec: IntervalSpec = IntervalSpec(), benchmark: str = "countdown") -> str:
+def interval_table(
+    runs: Sequence[RunStats],
+    group_by: Sequence[str] = (),
+    ks: Sequence[int] = (),
+    spec: IntervalSpec = IntervalSpec(),
+    benchmark: str = "countdown",
+) -> str:
     """Markdown: per group and k, pass@k [interval], minus the base [paired], minus the first group [paired]."""
     order = _check_same_prompts(runs)
     group_by = [ALIASES.get(k, k) for k in group_by]
@@ -224,8 +265,10 @@ def interval_table(runs: Sequence[RunStats], group_by: Sequence[str] = (), ks: S
     values = {label: _mean_values(members, "trained", order, ks) for label, members in groups.items()}
     first = next(iter(values))
     level = f"{100 * spec.level:g}%"
-    lines = [f"| model | runs | k | pass@k [{level}] | minus base [{level}, paired] | minus {first} [{level}, paired] |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"| model | runs | k | pass@k [{level}] | minus base [{level}, paired] | minus {first} [{level}, paired] |",
+        "|---|---|---|---|---|---|",
+    ]
     base_iv = bootstrap_values(base, ks, spec, benchmark)
     for k in ks:
         lines.append(f"| base | {len(runs)} | {k} | {_iv(base_iv[k])} | - | - |")
@@ -235,24 +278,37 @@ def interval_table(runs: Sequence[RunStats], group_by: Sequence[str] = (), ks: S
         vs_base = bootstrap_values(v - _mean_values(members, "base", order, ks), ks, spec, benchmark + "/paired")
         vs_first = bootstrap_values(v - values[first], ks, spec, benchmark + "/paired") if label != first else None
         for k in ks:
-            lines.append(f"| {label} | {len(members)} | {k} | {_iv(own[k])} | {_iv(vs_base[k], True)} | "
-                         f"{_iv(vs_first[k], True) if vs_first else '-'} |")
-    return "\n".join(lines + [
-        "",
-        f"pass@k in percent over {len(order)} eval prompts; [low, high]: {level} percentile-bootstrap intervals over "
-        f"the prompts ({spec.resamples} resamples, seed {spec.seed}), paired: the same resampled prompts on both "
-        "sides. A group of several runs enters as its per-prompt mean over the runs. *: the interval excludes 0.",
-    ]) + "\n"
+            lines.append(
+                f"| {label} | {len(members)} | {k} | {_iv(own[k])} | {_iv(vs_base[k], True)} | "
+                f"{_iv(vs_first[k], True) if vs_first else '-'} |"
+            )
+    return (
+        "\n".join(
+            lines
+            + [
+                "",
+                f"pass@k in percent over {len(order)} eval prompts; [low, high]: {level} percentile-bootstrap intervals over "
+                f"the prompts ({spec.resamples} resamples, seed {spec.seed}), paired: the same resampled prompts on both "
+                "sides. A group of several runs enters as its per-prompt mean over the runs. *: the interval excludes 0.",
+            ]
+        )
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rlvr demo report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", required=True, help="finished demo output folders (--out of each run)")
-    parser.add_argument("--group-by", nargs="+", default=[],
-                        help="config keys to group by (algo = algo.loss); default: algo plus the recipe overrides")
+    parser.add_argument(
+        "--group-by",
+        nargs="+",
+        default=[],
+        help="config keys to group by (algo = algo.loss); default: algo plus the recipe overrides",
+    )
     parser.add_argument("--out", help="also write the table to this markdown file")
-    parser.add_argument("--ks", nargs="+", type=int, default=[],
-                        help="k columns of the interval table (default: 1 and the largest)")
+    parser.add_argument(
+        "--ks", nargs="+", type=int, default=[], help="k columns of the interval table (default: 1 and the largest)"
+    )
     parser.add_argument("--resamples", type=int, default=IntervalSpec().resamples, help="bootstrap resamples")
     parser.add_argument("--interval-seed", type=int, default=IntervalSpec().seed, help="bootstrap seed")
     args = parser.parse_args(argv)

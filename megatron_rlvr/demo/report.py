@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,9 +31,15 @@ from megatron_rlvr.monitor.sinks import HISTOGRAMS_FILE, read_metrics
 SAMPLE_KEYS = ("prompt_id", "sample", "response", "reward")
 # The sampler-vs-trainer and dynamic-sampling metrics, one panel each in off_policy.png (those a run logged)
 OFF_POLICY_KEYS = (
-    "rollout_correction/weight_mean", "rollout_correction/clipped_frac", "rollout_correction/masked_frac",
-    "rollout/logp_mismatch", "batch/groups_trained", "batch/uniform_groups_dropped", "batch/refill_rounds",
-    "response/truncated_frac", "time/rollout+reward",
+    "rollout_correction/weight_mean",
+    "rollout_correction/clipped_frac",
+    "rollout_correction/masked_frac",
+    "rollout/logp_mismatch",
+    "batch/groups_trained",
+    "batch/uniform_groups_dropped",
+    "batch/refill_rounds",
+    "response/truncated_frac",
+    "time/rollout+reward",
 )
 
 
@@ -78,8 +85,9 @@ def _counts(per: Mapping[str, Mapping[str, Any]], order: Sequence[str] | None = 
     return np.array([per[p]["n"] for p in pids]), np.array([per[p]["correct"] for p in pids])
 
 
-def _paired(models: Mapping[str, Mapping[str, Any]], ks: Sequence[int], spec: IntervalSpec,
-            benchmark: str) -> dict[str, Any]:
+def _paired(
+    models: Mapping[str, Mapping[str, Any]], ks: Sequence[int], spec: IntervalSpec, benchmark: str
+) -> dict[str, Any]:
     """Each model after the first against the first, on the prompts both answered with the same n: the paired
     difference per k, the discordant prompts (solved at least once by one only) and the exact sign test."""
     labels = list(models)
@@ -93,13 +101,20 @@ def _paired(models: Mapping[str, Mapping[str, Any]], ks: Sequence[int], spec: In
         order = list(first)
         (n_a, c_a), (n_b, c_b) = _counts(first, order), _counts(per, order)
         a_only, b_only = int(np.sum((c_a > 0) & (c_b == 0))), int(np.sum((c_b > 0) & (c_a == 0)))
-        out[label] = {"difference": paired_difference(n_a, c_a, n_b, c_b, ks, spec, stream=benchmark),
-                      "first_only": a_only, "this_only": b_only, "sign_test_p": sign_test(a_only, b_only)}
+        out[label] = {
+            "difference": paired_difference(n_a, c_a, n_b, c_b, ks, spec, stream=benchmark),
+            "first_only": a_only,
+            "this_only": b_only,
+            "sign_test_p": sign_test(a_only, b_only),
+        }
     return out
 
 
-def summarize(samples: Mapping[str, Sequence[Mapping[str, Any]]], spec: IntervalSpec = IntervalSpec(),
-              benchmark: str = "countdown") -> dict[str, Any]:
+def summarize(
+    samples: Mapping[str, Sequence[Mapping[str, Any]]],
+    spec: IntervalSpec = IntervalSpec(),
+    benchmark: str = "countdown",
+) -> dict[str, Any]:
     """Per model: the pass@k curve over the common k values with its intervals, distinct-answer counts, and the
     per-prompt rows; and each later model against the first (``paired``)."""
     if not samples:
@@ -132,8 +147,12 @@ def _validation_lines(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[s
         if not validated:
             continue
         ks = sorted({int(k.split("@")[1]) for r in validated for k in r if k.startswith("val/pass@")})
-        lines += [f"Run {label!r}: pass@k in percent on the held-out prompts, and the answers' mean token entropy.", "",
-                  "| step | " + " | ".join(f"pass@{k}" for k in ks) + " | entropy |", "|---|" + "---|" * (len(ks) + 1)]
+        lines += [
+            f"Run {label!r}: pass@k in percent on the held-out prompts, and the answers' mean token entropy.",
+            "",
+            "| step | " + " | ".join(f"pass@{k}" for k in ks) + " | entropy |",
+            "|---|" + "---|" * (len(ks) + 1),
+        ]
         for r in validated:
             cells = " | ".join(f"{100 * r[f'val/pass@{k}']:.1f}" if f"val/pass@{k}" in r else "-" for k in ks)
             lines.append(f"| {r['step']} | {cells} | {r.get('val/entropy', float('nan')):.3f} |")
@@ -147,8 +166,12 @@ def _coverage_lines(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
     labels = list(models)
     solved = {label: {pid for pid, s in m["per_prompt"].items() if s["correct"]} for label, m in models.items()}
     base = labels[0]
-    lines = ["## Prompts solved at least once", "",
-             f"| model | solved | of | solved, {base} did not | {base} solved, this did not |", "|---|---|---|---|---|"]
+    lines = [
+        "## Prompts solved at least once",
+        "",
+        f"| model | solved | of | solved, {base} did not | {base} solved, this did not |",
+        "|---|---|---|---|---|",
+    ]
     for label in labels:
         gained, lost = len(solved[label] - solved[base]), len(solved[base] - solved[label])
         lines.append(f"| {label} | {len(solved[label])} | {models[label]['prompts']} | {gained} | {lost} |")
@@ -166,9 +189,14 @@ def _paired_lines(summary: Mapping[str, Any]) -> list[str]:
         return []
     first = list(models)[0]
     level = f"{100 * summary['intervals'].level:g}%"
-    lines = [f"## Against {first}", "", "| model | " + " | ".join(f"pass@{k} - {first}" for k in ks)
-             + f" | solved, {first} did not | {first} solved, this did not | sign test p |",
-             "|---|" + "---|" * (len(ks) + 3)]
+    lines = [
+        f"## Against {first}",
+        "",
+        "| model | "
+        + " | ".join(f"pass@{k} - {first}" for k in ks)
+        + f" | solved, {first} did not | {first} solved, this did not | sign test p |",
+        "|---|" + "---|" * (len(ks) + 3),
+    ]
     notes = []
     for label, p in paired.items():
         if "skipped" in p:
@@ -176,9 +204,13 @@ def _paired_lines(summary: Mapping[str, Any]) -> list[str]:
             continue
         cells = " | ".join(_interval_cell(p["difference"][k], True) for k in ks)
         lines.append(f"| {label} | {cells} | {p['this_only']} | {p['first_only']} | {p['sign_test_p']:.3g} |")
-    return lines + ["", f"Points of pass@k with a paired {level} bootstrap interval (the same resampled prompts for "
-                        "both models); an interval that excludes 0 separates the two. The sign test (exact, "
-                        "two-sided) is on the prompts solved at least once by one model only.", *notes]
+    return lines + [
+        "",
+        f"Points of pass@k with a paired {level} bootstrap interval (the same resampled prompts for "
+        "both models); an interval that excludes 0 separates the two. The sign test (exact, "
+        "two-sided) is on the prompts solved at least once by one model only.",
+        *notes,
+    ]
 
 
 def _candidate_lines(candidates: Mapping[str, Any] | None) -> list[str]:
@@ -188,8 +220,14 @@ def _candidate_lines(candidates: Mapping[str, Any] | None) -> list[str]:
     return ["## Candidate matrix", "", str(candidates.get("caption", "")), "", f"![{path.stem}]({path.name})"]
 
 
-def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: Sequence[str],
-              validation: Sequence[str] = (), candidates: Mapping[str, Any] | None = None) -> str:
+def _markdown(
+    summary: dict[str, Any],
+    figures: list[Path],
+    title: str,
+    notes: Sequence[str],
+    validation: Sequence[str] = (),
+    candidates: Mapping[str, Any] | None = None,
+) -> str:
     ks, models = summary["ks"], summary["models"]
     lines = [f"# {title}", ""]
     lines += [f"- {note}" for note in notes]
@@ -197,19 +235,31 @@ def _markdown(summary: dict[str, Any], figures: list[Path], title: str, notes: S
         lines.append("")
     spec = summary["intervals"]
     level = f"{100 * spec.level:g}%"
-    lines += ["## pass@k", "", "| model | prompts | n | " + " | ".join(f"pass@{k} [{level}]" for k in ks) + " |",
-              "|---|---|---|" + "---|" * len(ks)]
+    lines += [
+        "## pass@k",
+        "",
+        "| model | prompts | n | " + " | ".join(f"pass@{k} [{level}]" for k in ks) + " |",
+        "|---|---|---|" + "---|" * len(ks),
+    ]
     for label, m in models.items():
         cells = " | ".join(_interval_cell(m["pass_at_k_interval"][k]) for k in ks)
         lines.append(f"| {label} | {m['prompts']} | {m['samples_per_prompt']} | {cells} |")
-    lines += ["", "pass@k in percent: the unbiased estimator 1 - C(n-c, k)/C(n, k), averaged over prompts; [low, high]: "
-              f"its {level} percentile-bootstrap interval over prompts ({spec.resamples} resamples, seed {spec.seed}; "
-              "docs/eval-statistics.md).", ""]
+    lines += [
+        "",
+        "pass@k in percent: the unbiased estimator 1 - C(n-c, k)/C(n, k), averaged over prompts; [low, high]: "
+        f"its {level} percentile-bootstrap interval over prompts ({spec.resamples} resamples, seed {spec.seed}; "
+        "docs/eval-statistics.md).",
+        "",
+    ]
     paired = _paired_lines(summary)
     if paired:
         lines += [*paired, ""]
-    lines += ["## Distinct answers per prompt", "",
-              "| model | mean distinct correct answers | mean distinct answers |", "|---|---|---|"]
+    lines += [
+        "## Distinct answers per prompt",
+        "",
+        "| model | mean distinct correct answers | mean distinct answers |",
+        "|---|---|---|",
+    ]
     for label, m in models.items():
         lines.append(f"| {label} | {m['mean_distinct_correct']:.2f} | {m['mean_distinct']:.2f} |")
     lines += ["", *_coverage_lines(models)]
@@ -253,14 +303,22 @@ def write_report(
         runs[label] = read_metrics(path)
         hist_path = path.parent / HISTOGRAMS_FILE
         if hist_path.is_file():
-            hists += [dict(h, label=f"{label}: {h.get('name', 'entropy')} @ step {h.get('step')}")
-                      for h in read_metrics(hist_path)]
+            hists += [
+                dict(h, label=f"{label}: {h.get('name', 'entropy')} @ step {h.get('step')}")
+                for h in read_metrics(hist_path)
+            ]
     bands = {label: m["pass_at_k_interval"] for label, m in summary["models"].items()}
     labels = list(bands)
     second = summary["paired"].get(labels[1], {}) if len(labels) > 1 else {}
     figures = [
-        plot_bands(bands, out / "pass_at_k.png", f"{benchmark}: pass@k", spec.level,
-                   difference=second.get("difference"), difference_label=f"{labels[-1]} - {labels[0]}"),
+        plot_bands(
+            bands,
+            out / "pass_at_k.png",
+            f"{benchmark}: pass@k",
+            spec.level,
+            difference=second.get("difference"),
+            difference_label=f"{labels[-1]} - {labels[0]}",
+        ),
         plots.plot_runs(runs, "reward", "mean reward", out / "reward.png") if runs else None,
         plots.plot_rank_probs(runs, out / "rank_probs.png") if runs else None,
         plots.plot_entropy(runs, out / "entropy.png") if runs else None,
@@ -269,20 +327,32 @@ def write_report(
     ]
     figures = [f for f in figures if f is not None]
     if candidates and Path(candidates["path"]).resolve().parent != out.resolve():
-        raise ValueError(f"write_report: the candidate matrix {candidates['path']} must lie in {out} (report.md links it)")
+        raise ValueError(
+            f"write_report: the candidate matrix {candidates['path']} must lie in {out} (report.md links it)"
+        )
     (out / "report.md").write_text(_markdown(summary, figures, title, notes, _validation_lines(runs), candidates))
     results = {
         "ks": summary["ks"],
-        "models": {label: {**{k: v for k, v in m.items() if k not in ("per_prompt", "pass_at_k_interval")},
-                           "pass_at_k_interval": {str(k): iv.to_json() for k, iv in m["pass_at_k_interval"].items()}}
-                   for label, m in summary["models"].items()},
+        "models": {
+            label: {
+                **{k: v for k, v in m.items() if k not in ("per_prompt", "pass_at_k_interval")},
+                "pass_at_k_interval": {str(k): iv.to_json() for k, iv in m["pass_at_k_interval"].items()},
+            }
+            for label, m in summary["models"].items()
+        },
         "per_prompt": {label: m["per_prompt"] for label, m in summary["models"].items()},  # n, correct: every figure
         "intervals": {**spec.to_json(), "stream": benchmark},
-        "paired": {label: {k: ({str(kk): iv.to_json() for kk, iv in v.items()} if k == "difference" else v)
-                           for k, v in p.items()} for label, p in summary["paired"].items()},
+        "paired": {
+            label: {
+                k: ({str(kk): iv.to_json() for kk, iv in v.items()} if k == "difference" else v) for k, v in p.items()
+            }
+            for label, p in summary["paired"].items()
+        },
     }
     if candidates:
-        results["candidates"] = {k: (Path(v).name if k == "path" else v) for k, v in candidates.items() if k != "caption"}
+        results["candidates"] = {
+            k: (Path(v).name if k == "path" else v) for k, v in candidates.items() if k != "caption"
+        }
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     summary["files"] = [out / "report.md", out / "results.json"] + figures
     summary["files"] += [Path(candidates["path"])] if candidates else []

@@ -48,7 +48,8 @@ def measure_pass_at_k(
     for p, responses in zip(problems, answers):
         rewards = [1.0 if task.check_solution(r, p.numbers, p.target) else 0.0 for r in responses]
         samples.extend(
-            {"prompt_id": p.id, "sample": i, "response": r, "reward": w} for i, (r, w) in enumerate(zip(responses, rewards))
+            {"prompt_id": p.id, "sample": i, "response": r, "reward": w}
+            for i, (r, w) in enumerate(zip(responses, rewards))
         )
         rates.append(sum(rewards) / n)
         solved += any(rewards)

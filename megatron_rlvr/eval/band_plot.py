@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from megatron_rlvr.eval.bootstrap import Interval
 
@@ -30,13 +30,25 @@ def _band(ax, ks: list[int], intervals: Mapping[int, Interval], label: str, **st
     ax.fill_between(ks, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
-def plot_bands(curves: Mapping[str, Mapping[int, Interval]], path: str | os.PathLike, title: str, level: float,
-               difference: Mapping[int, Interval] | None = None, difference_label: str = "B - A") -> Path:
+def plot_bands(
+    curves: Mapping[str, Mapping[int, Interval]],
+    path: str | os.PathLike,
+    title: str,
+    level: float,
+    difference: Mapping[int, Interval] | None = None,
+    difference_label: str = "B - A",
+) -> Path:
     """Write the figure to ``path`` and return it."""
     plt = _pyplot()
     rows = 2 if difference else 1
-    fig, axes = plt.subplots(rows, 1, figsize=(6.4, 4.2 * rows if rows == 1 else 7.0), squeeze=False, sharex=True,
-                             gridspec_kw={"height_ratios": [2, 1]} if rows == 2 else None)
+    fig, axes = plt.subplots(
+        rows,
+        1,
+        figsize=(6.4, 4.2 * rows if rows == 1 else 7.0),
+        squeeze=False,
+        sharex=True,
+        gridspec_kw={"height_ratios": [2, 1]} if rows == 2 else None,
+    )
     top = axes[0][0]
     for label, intervals in curves.items():
         _band(top, sorted(intervals), intervals, label)

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
 
 import numpy as np
 
@@ -111,8 +111,9 @@ def _intervals(estimates: np.ndarray, draws: np.ndarray, ks: Sequence[int], leve
     return {int(k): Interval(float(e), float(lo), float(hi)) for k, e, lo, hi in zip(ks, estimates, low, high)}
 
 
-def bootstrap_values(values: np.ndarray, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(),
-                     stream: str = "") -> dict[int, Interval]:
+def bootstrap_values(
+    values: np.ndarray, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(), stream: str = ""
+) -> dict[int, Interval]:
     """The mean over problems of a (problems, len(ks)) array of per-problem values (pass@k, or its mean over several
     runs, or a difference of two models) with its bootstrap interval."""
     values = np.asarray(values, dtype=np.float64)
@@ -122,7 +123,9 @@ def bootstrap_values(values: np.ndarray, ks: Sequence[int], spec: IntervalSpec =
     return _intervals(values.mean(axis=0), draws, ks, spec.level)
 
 
-def bootstrap_pass_at_k(n, c, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(), stream: str = "") -> dict[int, Interval]:
+def bootstrap_pass_at_k(
+    n, c, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(), stream: str = ""
+) -> dict[int, Interval]:
     """pass@k per k with its bootstrap interval; ``stream`` (e.g. the benchmark) picks the resampling stream."""
     return bootstrap_values(per_problem_pass_at_k(n, c, ks), ks, spec, stream)
 
@@ -132,16 +135,18 @@ def _check_paired(n_a, n_b) -> None:
         raise ValueError(f"paired_difference: the runs hold {np.size(n_a)} and {np.size(n_b)} problems; need the same")
 
 
-def paired_difference(n_a, c_a, n_b, c_b, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(),
-                      stream: str = "") -> dict[int, Interval]:
+def paired_difference(
+    n_a, c_a, n_b, c_b, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(), stream: str = ""
+) -> dict[int, Interval]:
     """pass@k(B) - pass@k(A) per k, problems aligned by position, with a paired bootstrap interval."""
     _check_paired(n_a, n_b)
     a, b = per_problem_pass_at_k(n_a, c_a, ks), per_problem_pass_at_k(n_b, c_b, ks)
     return bootstrap_values(b - a, ks, spec, stream + "/paired")
 
 
-def unpaired_difference(n_a, c_a, n_b, c_b, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(),
-                        stream: str = "") -> dict[int, Interval]:
+def unpaired_difference(
+    n_a, c_a, n_b, c_b, ks: Sequence[int], spec: IntervalSpec = IntervalSpec(), stream: str = ""
+) -> dict[int, Interval]:
     """The same difference with A and B resampled independently (ignores that the problems are shared)."""
     a, b = per_problem_pass_at_k(n_a, c_a, ks), per_problem_pass_at_k(n_b, c_b, ks)
     (draws_a,) = _resampled_means([a], spec, stream_seed(spec.seed, stream, "unpaired-a"))

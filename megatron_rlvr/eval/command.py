@@ -26,23 +26,24 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.benchmarks import BENCHMARKS, Problem, load_benchmark
 from megatron_rlvr.eval.bootstrap import IntervalSpec
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.estimate import JobEstimate, ModelEstimate, Throughput, append_timing, format_estimate
-from megatron_rlvr.eval.report import pass_at_k_rows, markdown_table, write_reports
+from megatron_rlvr.eval.report import markdown_table, pass_at_k_rows, write_reports
 from megatron_rlvr.eval.results import BenchmarkCounts, problems_digest, results_json, write_results
-from megatron_rlvr.eval.runner import (EvalConfigError, EvalRunner, problem_counts, run_settings,
-                                       validate_eval_config)
+from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, run_settings, validate_eval_config
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.pool import RewardPool
 
 log = logging.getLogger(__name__)
+
 
 class EngineMissing(UserError, RuntimeError):
     """vLLM (or the engine module) cannot be imported in this environment."""
@@ -68,8 +69,12 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         from megatron_rlvr.rollout.config import RolloutConfig
 
         rollout = RolloutConfig(
-            temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
-            max_model_len=max_model_len, tp=tp,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            stop=list(cfg.stop),
+            max_model_len=max_model_len,
+            tp=tp,
         )
         if kv_cache_memory_bytes:
             rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
@@ -88,7 +93,9 @@ def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[
 
     def encode(text: str) -> list[int]:
         if cfg.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
         return list(tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"])
 
     return encode
@@ -111,8 +118,19 @@ def _load_problems(cfg: EvalConfig) -> list[Problem]:
     return [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
 
 
-def _sample_model(model: str, run_dir: Path, cfg: EvalConfig, problems: Sequence[Problem], pool, engine_factory,
-                  encoder_factory, rank: int, world: int, tp: int, max_requests: int | None) -> tuple[EvalRunner, Throughput]:
+def _sample_model(
+    model: str,
+    run_dir: Path,
+    cfg: EvalConfig,
+    problems: Sequence[Problem],
+    pool,
+    engine_factory,
+    encoder_factory,
+    rank: int,
+    world: int,
+    tp: int,
+    max_requests: int | None,
+) -> tuple[EvalRunner, Throughput]:
     """Start the model's engine, draw (up to ``max_requests`` requests of) its missing samples, close the engine;
     rank 0 appends the session's timing (what `--estimate` reads later as recorded figures). A run directory that
     already holds every sample starts no engine (a resumed demo or table costs no engine start)."""
@@ -123,21 +141,45 @@ def _sample_model(model: str, run_dir: Path, cfg: EvalConfig, problems: Sequence
     engine = None if complete else engine_factory(model, cfg)
     startup = time.monotonic() - started
     try:
-        runner = EvalRunner(engine, encoder_factory(model, cfg), cfg, pool, run_dir,
-                            model=str(Path(model).resolve()), rank=rank, world=world, tp=tp)
+        runner = EvalRunner(
+            engine,
+            encoder_factory(model, cfg),
+            cfg,
+            pool,
+            run_dir,
+            model=str(Path(model).resolve()),
+            rank=rank,
+            world=world,
+            tp=tp,
+        )
         runner.run(problems, max_requests)
     finally:
         if engine is not None:
             engine.close()
     # rank 0 times its own replica; the replicas draw equal shares in parallel, so the job drew about D times that
     replicas = runner.replicas
-    throughput = Throughput(runner.samples_drawn * replicas, runner.tokens_drawn * replicas, runner.draw_seconds,
-                            startup, "calibration: this run's first request" if max_requests else "this run")
+    throughput = Throughput(
+        runner.samples_drawn * replicas,
+        runner.tokens_drawn * replicas,
+        runner.draw_seconds,
+        startup,
+        "calibration: this run's first request" if max_requests else "this run",
+    )
     if rank == 0 and runner.samples_drawn:
-        append_timing(run_dir, {"samples": throughput.samples, "tokens": throughput.tokens,
-                                "seconds": round(runner.draw_seconds, 3), "startup_seconds": round(startup, 3),
-                                "requests": runner.requests_drawn, "replicas": replicas, "tp": tp,
-                                "n_samples": cfg.n_samples, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        append_timing(
+            run_dir,
+            {
+                "samples": throughput.samples,
+                "tokens": throughput.tokens,
+                "seconds": round(runner.draw_seconds, 3),
+                "startup_seconds": round(startup, 3),
+                "requests": runner.requests_drawn,
+                "replicas": replicas,
+                "tp": tp,
+                "n_samples": cfg.n_samples,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            },
+        )
     return runner, throughput
 
 
@@ -171,10 +213,17 @@ def evaluate(
         # each engine replica's first rank verifies its replica's samples
         pool = stack.enter_context(RewardPool(reward_cfg)) if rank % tp == 0 else None
         for model, tag in zip(models, model_tags(models)):
-            runner, _ = _sample_model(model, out / tag, cfg, problems, pool, engine_factory, encoder_factory,
-                                      rank, world, tp, None)
-            log.info("%s: %d requests, %d samples drawn in %.1f s, reward counters %s", tag, runner.requests_drawn,
-                     runner.samples_drawn, runner.draw_seconds, dict(runner.reward_counters))
+            runner, _ = _sample_model(
+                model, out / tag, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, None
+            )
+            log.info(
+                "%s: %d requests, %d samples drawn in %.1f s, reward counters %s",
+                tag,
+                runner.requests_drawn,
+                runner.samples_drawn,
+                runner.draw_seconds,
+                dict(runner.reward_counters),
+            )
             if rank == 0:
                 counts[tag] = problem_counts(load_records(out / tag), problems, cfg.n_samples)
     if rank != 0:
@@ -184,8 +233,12 @@ def evaluate(
         digests = {b: problems_digest([p for p in problems if p.benchmark == b]) for b in counts[tag]}
         ids = {b: [p.problem_id for p in problems if p.benchmark == b] for b in counts[tag]}
         per_bench = {b: BenchmarkCounts(ids[b], n, c, digests[b]) for b, (n, c) in counts[tag].items()}
-        write_results(out / tag, results_json(str(Path(model).resolve()), run_settings(cfg, str(Path(model).resolve())),
-                                              per_bench, ks, spec))
+        write_results(
+            out / tag,
+            results_json(
+                str(Path(model).resolve()), run_settings(cfg, str(Path(model).resolve())), per_bench, ks, spec
+            ),
+        )
     return ks, rows, write_reports(ks, rows, out, spec)
 
 
@@ -225,8 +278,9 @@ def estimate(
                 pool = stack.enter_context(RewardPool(reward_cfg))
             if not overhead:
                 overhead = _process_age()
-            runner, figures = _sample_model(model, run_dir, cfg, problems, pool, engine_factory, encoder_factory,
-                                            rank, world, tp, 1)
+            runner, figures = _sample_model(
+                model, run_dir, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, 1
+            )
             if not runner.samples_drawn:
                 figures = read_timing(run_dir)  # nothing was missing: the run's own recorded figures
                 if figures is None:
@@ -268,18 +322,34 @@ def _join_world() -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     d = EvalConfig()
     parser = argparse.ArgumentParser(prog="megatron-rlvr eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", nargs="+", required=True, help="HF model directories (several: one comparison table)")
-    parser.add_argument("--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)")
-    parser.add_argument("--data-dir", default=d.data_dir, help="local benchmark files (docs/evaluation.md, 'Benchmark files')")
+    parser.add_argument(
+        "--model", nargs="+", required=True, help="HF model directories (several: one comparison table)"
+    )
+    parser.add_argument(
+        "--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)"
+    )
+    parser.add_argument(
+        "--data-dir", default=d.data_dir, help="local benchmark files (docs/evaluation.md, 'Benchmark files')"
+    )
     parser.add_argument("--n", type=int, default=d.n_samples, help="samples per problem (up to 1024 and beyond)")
-    parser.add_argument("--chunk", type=int, default=d.chunk, help="samples per problem in one request (unit of seeding and resume)")
-    parser.add_argument("--request-samples", type=int, default=d.request_samples,
-                        help="sequences per engine request: chunk j of request_samples // chunk problems at once")
+    parser.add_argument(
+        "--chunk", type=int, default=d.chunk, help="samples per problem in one request (unit of seeding and resume)"
+    )
+    parser.add_argument(
+        "--request-samples",
+        type=int,
+        default=d.request_samples,
+        help="sequences per engine request: chunk j of request_samples // chunk problems at once",
+    )
     parser.add_argument("--out", default=d.output_dir, help="output directory (rerun with the same one to resume)")
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--top-p", type=float, default=d.top_p)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype,
-                        help="the engines' weights and compute (bfloat16 on GPUs)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=d.dtype,
+        help="the engines' weights and compute (bfloat16 on GPUs)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -287,19 +357,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
     parser.add_argument("--no-text", action="store_true", help="do not keep sample texts in the records")
     parser.add_argument("--max-model-len", type=int, default=4096, help="engine context: prompt + new tokens")
-    parser.add_argument("--tp", type=int, default=1,
-                        help="engine tensor-parallel size (GPU); under torchrun, WORLD_SIZE / tp engines split the problems")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="engine tensor-parallel size (GPU); under torchrun, WORLD_SIZE / tp engines split the problems",
+    )
     parser.add_argument("--workers", type=int, default=RewardConfig().workers, help="verifier processes")
     spec = IntervalSpec()
     parser.add_argument("--resamples", type=int, default=spec.resamples, help="bootstrap resamples of the intervals")
     parser.add_argument("--level", type=float, default=spec.level, help="confidence level of the intervals")
-    parser.add_argument("--interval-seed", type=int, default=spec.seed,
-                        help="bootstrap seed (the same seed gives the same intervals); not the sampling --seed")
-    parser.add_argument("--estimate", action="store_true",
-                        help="print the job's samples, tokens, wall time and GPU-hours, from a calibration (each "
-                             "model's first request, kept) or recorded figures, and stop")
-    parser.add_argument("--recorded", help="with --estimate: a run directory of the same model and settings whose "
-                                           "timing.jsonl gives the figures (no calibration)")
+    parser.add_argument(
+        "--interval-seed",
+        type=int,
+        default=spec.seed,
+        help="bootstrap seed (the same seed gives the same intervals); not the sampling --seed",
+    )
+    parser.add_argument(
+        "--estimate",
+        action="store_true",
+        help="print the job's samples, tokens, wall time and GPU-hours, from a calibration (each "
+        "model's first request, kept) or recorded figures, and stop",
+    )
+    parser.add_argument(
+        "--recorded",
+        help="with --estimate: a run directory of the same model and settings whose "
+        "timing.jsonl gives the figures (no calibration)",
+    )
     return parser
 
 
@@ -309,10 +393,21 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
     if unknown:
         raise EvalConfigError(f"--benchmarks: unknown {unknown}; expected any of {sorted(BENCHMARKS)}")
     cfg = EvalConfig(
-        n_samples=args.n, chunk=min(args.chunk, args.n), temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, stop=list(args.stop), seed=args.seed, benchmarks=benchmarks,
-        data_dir=args.data_dir, output_dir=args.out, limit=args.limit, chat_template=args.chat_template,
-        save_text=not args.no_text, request_samples=args.request_samples, dtype=args.dtype,
+        n_samples=args.n,
+        chunk=min(args.chunk, args.n),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        stop=list(args.stop),
+        seed=args.seed,
+        benchmarks=benchmarks,
+        data_dir=args.data_dir,
+        output_dir=args.out,
+        limit=args.limit,
+        chat_template=args.chat_template,
+        save_text=not args.no_text,
+        request_samples=args.request_samples,
+        dtype=args.dtype,
     )
     return cfg, RewardConfig(workers=args.workers)
 

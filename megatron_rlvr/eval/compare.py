@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,25 +47,34 @@ def check_comparable(a: RunCounts, b: RunCounts) -> None:
     where = f"eval compare {a.source} {b.source}"
     for key in SAMPLING_FIELDS:
         if a.settings.get(key) != b.settings.get(key):
-            raise CompareMismatch(f"{where}: the runs differ in {key} (A: {a.settings.get(key)!r}, B: "
-                                  f"{b.settings.get(key)!r}); compare runs sampled with the same settings")
+            raise CompareMismatch(
+                f"{where}: the runs differ in {key} (A: {a.settings.get(key)!r}, B: "
+                f"{b.settings.get(key)!r}); compare runs sampled with the same settings"
+            )
     if set(a.benchmarks) != set(b.benchmarks):
-        raise CompareMismatch(f"{where}: the runs differ in benchmarks (A: {sorted(a.benchmarks)}, B: "
-                              f"{sorted(b.benchmarks)})")
+        raise CompareMismatch(
+            f"{where}: the runs differ in benchmarks (A: {sorted(a.benchmarks)}, B: {sorted(b.benchmarks)})"
+        )
     for bench in a.benchmarks:
         ca, cb = a.benchmarks[bench], b.benchmarks[bench]
         only_a = [p for p in ca.problem_ids if p not in set(cb.problem_ids)]
         only_b = [p for p in cb.problem_ids if p not in set(ca.problem_ids)]
         if only_a or only_b:
-            raise CompareMismatch(f"{where}: the runs differ in problems of {bench} ({len(only_a)} only in A: "
-                                  f"{_preview(only_a)}; {len(only_b)} only in B: {_preview(only_b)})")
+            raise CompareMismatch(
+                f"{where}: the runs differ in problems of {bench} ({len(only_a)} only in A: "
+                f"{_preview(only_a)}; {len(only_b)} only in B: {_preview(only_b)})"
+            )
         if ca.digest and cb.digest and ca.digest != cb.digest:
-            raise CompareMismatch(f"{where}: the runs differ in problems of {bench}: the same ids with other prompt "
-                                  "texts or references (digest)")
+            raise CompareMismatch(
+                f"{where}: the runs differ in problems of {bench}: the same ids with other prompt "
+                "texts or references (digest)"
+            )
         na, nb = ca.samples_per_problem(f"{a.source} ({bench})"), cb.samples_per_problem(f"{b.source} ({bench})")
         if na != nb:
-            raise CompareMismatch(f"{where}: the runs differ in n on {bench} (A: {na} samples per problem, B: {nb}); "
-                                  f"rerun the smaller with --n {max(na, nb)}")
+            raise CompareMismatch(
+                f"{where}: the runs differ in n on {bench} (A: {na} samples per problem, B: {nb}); "
+                f"rerun the smaller with --n {max(na, nb)}"
+            )
 
 
 def _aligned(ca: BenchmarkCounts, cb: BenchmarkCounts) -> tuple[np.ndarray, np.ndarray]:
@@ -86,12 +96,17 @@ def compare_runs(a: RunCounts, b: RunCounts, spec: IntervalSpec = IntervalSpec()
         a_only = [pid for pid, x, y in zip(ca.problem_ids, solved_a, solved_b) if x and not y]
         b_only = [pid for pid, x, y in zip(ca.problem_ids, solved_a, solved_b) if y and not x]
         out[bench] = {
-            "ks": ks, "problems": len(ca.problem_ids), "n": int(ca.n[0]),
+            "ks": ks,
+            "problems": len(ca.problem_ids),
+            "n": int(ca.n[0]),
             "a": bootstrap_pass_at_k(ca.n, ca.c, ks, spec, stream=bench),
             "b": bootstrap_pass_at_k(cb.n, cb.c, ks, spec, stream=bench),
             "difference": paired_difference(ca.n, ca.c, nb, cbc, ks, spec, stream=bench),
-            "solved_both": int(np.sum(solved_a & solved_b)), "solved_neither": int(np.sum(~solved_a & ~solved_b)),
-            "a_only": a_only, "b_only": b_only, "sign_test_p": sign_test(len(a_only), len(b_only)),
+            "solved_both": int(np.sum(solved_a & solved_b)),
+            "solved_neither": int(np.sum(~solved_a & ~solved_b)),
+            "a_only": a_only,
+            "b_only": b_only,
+            "sign_test_p": sign_test(len(a_only), len(b_only)),
         }
     return out
 
@@ -101,37 +116,60 @@ def _pct(iv: Interval, signed: bool = False) -> str:
     return f"{100 * iv.estimate:{fmt}} [{100 * iv.low:{fmt}}, {100 * iv.high:{fmt}}]"
 
 
-def markdown(result: dict[str, Any], a: RunCounts, b: RunCounts, spec: IntervalSpec, pngs: Sequence[Path] = (),
-             labels: tuple[str, str] = ("A", "B")) -> str:
+def markdown(
+    result: dict[str, Any],
+    a: RunCounts,
+    b: RunCounts,
+    spec: IntervalSpec,
+    pngs: Sequence[Path] = (),
+    labels: tuple[str, str] = ("A", "B"),
+) -> str:
     level = f"{100 * spec.level:g}%"
     lines = [f"A ({labels[0]}): `{a.source}` ({a.model})", f"B ({labels[1]}): `{b.source}` ({b.model})", ""]
     if a.settings.get("seed") != b.settings.get("seed"):
-        lines += [f"The eval seeds differ (A {a.settings.get('seed')}, B {b.settings.get('seed')}): other draws of the "
-                  "same sampling distribution; the comparison holds.", ""]
-    lines += [f"| benchmark | k | A pass@k [{level}] | B pass@k [{level}] | B - A [{level}, paired] | separated |",
-              "|---|---|---|---|---|---|"]
+        lines += [
+            f"The eval seeds differ (A {a.settings.get('seed')}, B {b.settings.get('seed')}): other draws of the "
+            "same sampling distribution; the comparison holds.",
+            "",
+        ]
+    lines += [
+        f"| benchmark | k | A pass@k [{level}] | B pass@k [{level}] | B - A [{level}, paired] | separated |",
+        "|---|---|---|---|---|---|",
+    ]
     for bench, r in result.items():
         for k in r["ks"]:
             d = r["difference"][k]
             separated = "yes" if d.low > 0 or d.high < 0 else "no"
             lines.append(f"| {bench} | {k} | {_pct(r['a'][k])} | {_pct(r['b'][k])} | {_pct(d, True)} | {separated} |")
-    lines += ["", "pass@k in percent (unbiased estimator averaged over problems) with percentile-bootstrap intervals "
-              f"over problems ({spec.resamples} resamples, seed {spec.seed}); the difference resamples the same "
-              "problems for both runs. separated: its interval excludes 0.", "",
-              "| benchmark | problems | n | solved by both | A only | B only | neither | sign test p (two-sided, exact) |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "pass@k in percent (unbiased estimator averaged over problems) with percentile-bootstrap intervals "
+        f"over problems ({spec.resamples} resamples, seed {spec.seed}); the difference resamples the same "
+        "problems for both runs. separated: its interval excludes 0.",
+        "",
+        "| benchmark | problems | n | solved by both | A only | B only | neither | sign test p (two-sided, exact) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for bench, r in result.items():
-        lines.append(f"| {bench} | {r['problems']} | {r['n']} | {r['solved_both']} | {len(r['a_only'])} | "
-                     f"{len(r['b_only'])} | {r['solved_neither']} | {r['sign_test_p']:.3g} |")
-    lines += ["", "solved: at least one correct sample of n. The sign test asks whether the discordant problems "
-              "(solved by one run only) split unevenly beyond chance."]
+        lines.append(
+            f"| {bench} | {r['problems']} | {r['n']} | {r['solved_both']} | {len(r['a_only'])} | "
+            f"{len(r['b_only'])} | {r['solved_neither']} | {r['sign_test_p']:.3g} |"
+        )
+    lines += [
+        "",
+        "solved: at least one correct sample of n. The sign test asks whether the discordant problems "
+        "(solved by one run only) split unevenly beyond chance.",
+    ]
     for bench, r in result.items():
         for side in ("a_only", "b_only"):
             ids = r[side]
             if ids:
                 more = f" and {len(ids) - DISCORDANT_LISTED} more" if len(ids) > DISCORDANT_LISTED else ""
-                lines.append(f"- {bench}, solved by {side[0].upper()} only: "
-                             + ", ".join(f"`{i}`" for i in ids[:DISCORDANT_LISTED]) + more)
+                lines.append(
+                    f"- {bench}, solved by {side[0].upper()} only: "
+                    + ", ".join(f"`{i}`" for i in ids[:DISCORDANT_LISTED])
+                    + more
+                )
     if pngs:
         lines += [""] + [f"![{p.stem}]({p.name})" for p in pngs]
     return "\n".join(lines) + "\n"
@@ -141,24 +179,45 @@ def to_json(result: dict[str, Any], a: RunCounts, b: RunCounts, spec: IntervalSp
     def curve(ivs: dict[int, Interval]) -> dict[str, dict]:
         return {str(k): iv.to_json() for k, iv in ivs.items()}
 
-    return {"a": {"source": str(a.source), "model": a.model}, "b": {"source": str(b.source), "model": b.model},
-            "intervals": spec.to_json(),
-            "benchmarks": {bench: {**{k: v for k, v in r.items() if k not in ("a", "b", "difference")},
-                                   "a": curve(r["a"]), "b": curve(r["b"]), "difference": curve(r["difference"])}
-                           for bench, r in result.items()}}
+    return {
+        "a": {"source": str(a.source), "model": a.model},
+        "b": {"source": str(b.source), "model": b.model},
+        "intervals": spec.to_json(),
+        "benchmarks": {
+            bench: {
+                **{k: v for k, v in r.items() if k not in ("a", "b", "difference")},
+                "a": curve(r["a"]),
+                "b": curve(r["b"]),
+                "difference": curve(r["difference"]),
+            }
+            for bench, r in result.items()
+        },
+    }
 
 
-def write_comparison(a: RunCounts, b: RunCounts, out_dir: str | Path, spec: IntervalSpec = IntervalSpec(),
-                     labels: tuple[str, str] = ("A", "B")) -> tuple[str, list[Path]]:
+def write_comparison(
+    a: RunCounts,
+    b: RunCounts,
+    out_dir: str | Path,
+    spec: IntervalSpec = IntervalSpec(),
+    labels: tuple[str, str] = ("A", "B"),
+) -> tuple[str, list[Path]]:
     """compare.md, compare.json and the PNGs in ``out_dir``; returns (the markdown, the files written)."""
     result = compare_runs(a, b, spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pngs = []
     for bench, r in result.items():
-        pngs.append(plot_bands({labels[0]: r["a"], labels[1]: r["b"]}, out / f"compare_{bench.replace('/', '_')}.png",
-                               f"{bench}: {labels[1]} vs {labels[0]}", spec.level, difference=r["difference"],
-                               difference_label=f"{labels[1]} - {labels[0]}"))
+        pngs.append(
+            plot_bands(
+                {labels[0]: r["a"], labels[1]: r["b"]},
+                out / f"compare_{bench.replace('/', '_')}.png",
+                f"{bench}: {labels[1]} vs {labels[0]}",
+                spec.level,
+                difference=r["difference"],
+                difference_label=f"{labels[1]} - {labels[0]}",
+            )
+        )
     text = markdown(result, a, b, spec, pngs, labels)
     (out / "compare.md").write_text(text)
     (out / "compare.json").write_text(json.dumps(to_json(result, a, b, spec), indent=1) + "\n")
@@ -173,14 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rlvr.runtime.console import report_user_error
 
     parser = argparse.ArgumentParser(prog="megatron-rlvr eval compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_a", metavar="RUN_A", help="eval run directory (<eval --out>/<model tag>) or its results.json")
+    parser.add_argument(
+        "run_a", metavar="RUN_A", help="eval run directory (<eval --out>/<model tag>) or its results.json"
+    )
     parser.add_argument("run_b", metavar="RUN_B", help="the other run, on the same problems, n and sampling settings")
     parser.add_argument("--out", help="output directory (default: compare-<A>-vs-<B> beside RUN_A)")
     parser.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names of the runs in the table's plot")
     parser.add_argument("--resamples", type=int, default=IntervalSpec().resamples, help="bootstrap resamples")
     parser.add_argument("--level", type=float, default=IntervalSpec().level, help="confidence level of the intervals")
-    parser.add_argument("--interval-seed", type=int, default=IntervalSpec().seed,
-                        help="bootstrap seed (same seed, same intervals)")
+    parser.add_argument(
+        "--interval-seed", type=int, default=IntervalSpec().seed, help="bootstrap seed (same seed, same intervals)"
+    )
     args = parser.parse_args(argv)
     try:
         spec = IntervalSpec(args.resamples, args.level, args.interval_seed)

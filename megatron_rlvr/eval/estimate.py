@@ -21,13 +21,13 @@ The interval bound: a 95% interval over P problems is about +-1.96 sd / sqrt(P) 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.bootstrap import DEFAULT_LEVEL, normal_quantile
@@ -81,15 +81,26 @@ def read_timing(run_dir: str | Path) -> Throughput | None:
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
-            sessions.append((int(record["samples"]), int(record["tokens"]), float(record["seconds"]),
-                             float(record.get("startup_seconds", 0.0))))
+            sessions.append(
+                (
+                    int(record["samples"]),
+                    int(record["tokens"]),
+                    float(record["seconds"]),
+                    float(record.get("startup_seconds", 0.0)),
+                )
+            )
         except (ValueError, KeyError, TypeError):
             continue  # a line cut off by a kill: the other sessions still count
     sessions = [s for s in sessions if s[0] > 0]
     if not sessions:
         return None
-    return Throughput(sum(s[0] for s in sessions), sum(s[1] for s in sessions), sum(s[2] for s in sessions),
-                      sessions[-1][3], f"recorded: {path} ({len(sessions)} session(s))")
+    return Throughput(
+        sum(s[0] for s in sessions),
+        sum(s[1] for s in sessions),
+        sum(s[2] for s in sessions),
+        sessions[-1][3],
+        f"recorded: {path} ({len(sessions)} session(s))",
+    )
 
 
 @dataclass
@@ -155,13 +166,27 @@ class JobEstimate:
         return None if wall is None or not self.gpus else wall * self.gpus / 3600.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"benchmarks": self.benchmarks, "n": self.n, "gpus": self.gpus, "wall_seconds": self.wall_seconds,
-                "remaining_seconds": self.remaining_seconds, "gpu_hours": self.gpu_hours, "interval_halfwidth_bound": {b: halfwidth_bound(p, self.level)
-                                                                          for b, p in self.benchmarks.items()},
-                "models": [{"model": m.model, "samples_total": m.samples_total, "samples_to_draw": m.samples_to_draw,
-                            "tokens_bound": m.tokens_bound, "tokens_expected": m.tokens_expected,
-                            "wall_seconds": m.wall_seconds, "source": m.throughput.source if m.throughput else None}
-                           for m in self.models]}
+        return {
+            "benchmarks": self.benchmarks,
+            "n": self.n,
+            "gpus": self.gpus,
+            "wall_seconds": self.wall_seconds,
+            "remaining_seconds": self.remaining_seconds,
+            "gpu_hours": self.gpu_hours,
+            "interval_halfwidth_bound": {b: halfwidth_bound(p, self.level) for b, p in self.benchmarks.items()},
+            "models": [
+                {
+                    "model": m.model,
+                    "samples_total": m.samples_total,
+                    "samples_to_draw": m.samples_to_draw,
+                    "tokens_bound": m.tokens_bound,
+                    "tokens_expected": m.tokens_expected,
+                    "wall_seconds": m.wall_seconds,
+                    "source": m.throughput.source if m.throughput else None,
+                }
+                for m in self.models
+            ],
+        }
 
 
 def halfwidth_bound(problems: int, level: float = DEFAULT_LEVEL) -> float:
@@ -181,40 +206,58 @@ def format_estimate(job: JobEstimate) -> str:
     level = f"{100 * job.level:g}%"
     lines = ["| benchmark | problems | n | samples | interval half-width at most |", "|---|---|---|---|---|"]
     for bench, problems in job.benchmarks.items():
-        lines.append(f"| {bench} | {problems} | {job.n} | {problems * job.n:,} | "
-                     f"+-{100 * halfwidth_bound(problems, job.level):.1f} points |")
-    lines += ["", "| model | samples | left to draw | tokens at most | tokens expected | whole job | left | figures |",
-              "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {bench} | {problems} | {job.n} | {problems * job.n:,} | "
+            f"+-{100 * halfwidth_bound(problems, job.level):.1f} points |"
+        )
+    lines += [
+        "",
+        "| model | samples | left to draw | tokens at most | tokens expected | whole job | left | figures |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for m in job.models:
         expected = f"{m.tokens_expected:,.0f}" if m.tokens_expected is not None else "-"
         wall = _duration(m.wall_seconds) if m.wall_seconds is not None else "-"
         left = _duration(m.remaining_seconds) if m.remaining_seconds is not None else "-"
         if m.throughput:
-            source = (f"{m.throughput.source}: {m.throughput.tokens_per_sample:.1f} tokens/sample, "
-                      f"{m.throughput.tokens_per_second:,.0f} tokens/s, engine start {m.throughput.startup_seconds:.1f} s")
+            source = (
+                f"{m.throughput.source}: {m.throughput.tokens_per_sample:.1f} tokens/sample, "
+                f"{m.throughput.tokens_per_second:,.0f} tokens/s, engine start {m.throughput.startup_seconds:.1f} s"
+            )
         elif m.tokens_per_second:
             source = f"--tokens-per-second {m.tokens_per_second:g}, every sample at max_new_tokens (upper bound)"
         else:
             source = "none"
-        lines.append(f"| {Path(m.model).name or m.model} | {m.samples_total:,} | {m.samples_to_draw:,} | "
-                     f"{m.tokens_bound:,} | {expected} | {wall} | {left} | {source} |")
+        lines.append(
+            f"| {Path(m.model).name or m.model} | {m.samples_total:,} | {m.samples_to_draw:,} | "
+            f"{m.tokens_bound:,} | {expected} | {wall} | {left} | {source} |"
+        )
     lines.append("")
     wall = job.wall_seconds
     if wall is None:
-        lines.append("wall time: no figures: run `megatron-rlvr eval --estimate` with the job's flags on its machine "
-                     "(draws and keeps each model's first request), or give --recorded RUN_DIR (a run of the same "
-                     "model and settings) or --tokens-per-second")
+        lines.append(
+            "wall time: no figures: run `megatron-rlvr eval --estimate` with the job's flags on its machine "
+            "(draws and keeps each model's first request), or give --recorded RUN_DIR (a run of the same "
+            "model and settings) or --tokens-per-second"
+        )
     else:
         where = f"{job.gpus} GPU(s): {job.gpu_hours:,.1f} GPU-hours" if job.gpus else "CPU: no GPU-hours"
-        lines.append(f"whole job: {_duration(wall)} wall ({wall:,.0f} s, of which {job.overhead_seconds:.0f} s process "
-                     f"start before the first engine) on {where}; left in this output directory: "
-                     f"{_duration(job.remaining_seconds)}")
+        lines.append(
+            f"whole job: {_duration(wall)} wall ({wall:,.0f} s, of which {job.overhead_seconds:.0f} s process "
+            f"start before the first engine) on {where}; left in this output directory: "
+            f"{_duration(job.remaining_seconds)}"
+        )
     from megatron_rlvr.eval.report import k_values
 
-    lines.append(f"interval half-width at most: +-1.96 x 0.5 / sqrt(problems) at {level} (a per-problem pass@k lies "
-                 "in [0, 1]); a paired difference's up to twice that. The table's columns, each cell "
-                 f"'pass@k [low, high]' (table.csv: pass@k, pass@k_low, pass@k_high):")
-    lines += ["", "| benchmark | model | problems | n | " + " | ".join(f"pass@{k} [{level}]" for k in k_values(job.n)) + " |"]
+    lines.append(
+        f"interval half-width at most: +-1.96 x 0.5 / sqrt(problems) at {level} (a per-problem pass@k lies "
+        "in [0, 1]); a paired difference's up to twice that. The table's columns, each cell "
+        f"'pass@k [low, high]' (table.csv: pass@k, pass@k_low, pass@k_high):"
+    )
+    lines += [
+        "",
+        "| benchmark | model | problems | n | " + " | ".join(f"pass@{k} [{level}]" for k in k_values(job.n)) + " |",
+    ]
     lines += job.notes
     return "\n".join(lines) + "\n"
 
@@ -229,8 +272,10 @@ def benchmark_sizes(benchmarks: Sequence[str], data_dir: str, limit: int) -> tup
             count = len(load_benchmark(bench, data_dir, limit or None))
         except (UserError, OSError, ValueError):
             if bench not in PUBLISHED_SIZES:
-                raise EstimateError(f"eval.benchmarks: {bench} has no data under {data_dir} and no published size "
-                                    f"here; put its file there to count its problems") from None
+                raise EstimateError(
+                    f"eval.benchmarks: {bench} has no data under {data_dir} and no published size "
+                    f"here; put its file there to count its problems"
+                ) from None
             count = min(PUBLISHED_SIZES[bench], limit) if limit else PUBLISHED_SIZES[bench]
             notes.append(f"{bench}: no data under {data_dir} on this machine; its published size, {count} problems")
         sizes[bench] = count
@@ -250,13 +295,16 @@ def recorded_throughput(run_dir: str | Path, settings: Mapping[str, Any] | None)
         stored = json.loads(stored_path.read_text())
         for key in ("model", *SAMPLING_FIELDS):
             if key in settings and stored.get(key) != settings[key]:
-                raise EstimateError(f"--recorded {run_dir}: its run differs in {key} (recorded {stored.get(key)!r}, "
-                                    f"this job {settings[key]!r}); record figures with the same model and settings")
+                raise EstimateError(
+                    f"--recorded {run_dir}: its run differs in {key} (recorded {stored.get(key)!r}, "
+                    f"this job {settings[key]!r}); record figures with the same model and settings"
+                )
     return throughput
 
 
-def recipe_estimate(cfg: Any, recorded: str | None = None, tokens_per_second: float | None = None,
-                    gpus: int | None = None) -> JobEstimate:
+def recipe_estimate(
+    cfg: Any, recorded: str | None = None, tokens_per_second: float | None = None, gpus: int | None = None
+) -> JobEstimate:
     """The estimate of a recipe's eval job (one model: model.hf_dir), without sampling. ``gpus`` defaults to
     rollout.tp (the job's one engine), or 0 (CPU) for a float32 model, which is what the CPU recipes run."""
     from megatron_rlvr.eval.runner import run_settings

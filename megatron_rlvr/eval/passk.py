@@ -19,9 +19,8 @@ def pass_at_k(n, c, k):
     """
     n_arr, c_arr, k_arr = np.broadcast_arrays(*(np.asarray(x) for x in (n, c, k)))
     for name, arr in (("n", n_arr), ("c", c_arr), ("k", k_arr)):
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            if not np.all(np.asarray(arr, dtype=np.float64) == np.round(np.asarray(arr, dtype=np.float64))):
-                raise ValueError(f"pass_at_k: {name} must be integers, got {arr}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer) and not _integral(arr):
+            raise ValueError(f"pass_at_k: {name} must be integers, got {arr}")
     n_arr, c_arr, k_arr = (a.astype(np.int64) for a in (n_arr, c_arr, k_arr))
     if np.any(c_arr < 0) or np.any(c_arr > n_arr):
         raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n_arr}, c={c_arr}")
@@ -49,3 +48,8 @@ def pass_at_k(n, c, k):
         out[todo] = -np.expm1(log_ratio)
     out = out.reshape(n_arr.shape)
     return float(out) if out.ndim == 0 else out
+
+
+def _integral(arr: np.ndarray) -> bool:
+    as_float = np.asarray(arr, dtype=np.float64)
+    return bool(np.all(as_float == np.round(as_float)))

@@ -18,8 +18,9 @@ def k_values(n: int) -> list[int]:
     return ks if ks[-1] == n else ks + [n]
 
 
-def pass_at_k_rows(counts: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]],
-                   spec: IntervalSpec = IntervalSpec()) -> tuple[list[int], list[dict]]:
+def pass_at_k_rows(
+    counts: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]], spec: IntervalSpec = IntervalSpec()
+) -> tuple[list[int], list[dict]]:
     """Rows (model, benchmark, problems, n, pass@k per k averaged over problems, its interval per k: Interval) and
     the k columns. Each benchmark's resampling stream is its name: the same problems give the same interval in
     every table, and in `eval compare`."""
@@ -29,26 +30,41 @@ def pass_at_k_rows(counts: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]],
     for model, per_bench in counts.items():
         for bench, (n, c) in per_bench.items():
             intervals = bootstrap_pass_at_k(n, c, ks, spec, stream=bench)
-            rows.append({"model": model, "benchmark": bench, "problems": len(n), "n": int(n.min()),
-                         "pass": {k: iv.estimate for k, iv in intervals.items()}, "intervals": intervals})
+            rows.append(
+                {
+                    "model": model,
+                    "benchmark": bench,
+                    "problems": len(n),
+                    "n": int(n.min()),
+                    "pass": {k: iv.estimate for k, iv in intervals.items()},
+                    "intervals": intervals,
+                }
+            )
     rows.sort(key=lambda r: (r["benchmark"], r["model"]))
     return ks, rows
 
 
 def markdown_table(ks: list[int], rows: list[dict], spec: IntervalSpec = IntervalSpec()) -> str:
-    header = "| benchmark | model | problems | n | " + " | ".join(f"pass@{k} [{100 * spec.level:g}%]" for k in ks) + " |"
+    header = (
+        "| benchmark | model | problems | n | " + " | ".join(f"pass@{k} [{100 * spec.level:g}%]" for k in ks) + " |"
+    )
     lines = [header, "|" + "---|" * (4 + len(ks))]
     for row in rows:
-        cells = " | ".join(f"{100 * row['pass'][k]:.1f} [{100 * row['intervals'][k].low:.1f}, "
-                           f"{100 * row['intervals'][k].high:.1f}]" for k in ks)
+        cells = " | ".join(
+            f"{100 * row['pass'][k]:.1f} [{100 * row['intervals'][k].low:.1f}, {100 * row['intervals'][k].high:.1f}]"
+            for k in ks
+        )
         lines.append(f"| {row['benchmark']} | {row['model']} | {row['problems']} | {row['n']} | {cells} |")
     return "\n".join(lines) + (
         "\n\n(pass@k in percent, unbiased estimator averaged over problems; [low, high]: "
         f"{100 * spec.level:g}% percentile-bootstrap interval over problems, {spec.resamples} resamples, seed "
-        f"{spec.seed}; see docs/eval-statistics.md)\n")
+        f"{spec.seed}; see docs/eval-statistics.md)\n"
+    )
 
 
-def write_reports(ks: list[int], rows: list[dict], out_dir: str | Path, spec: IntervalSpec = IntervalSpec()) -> list[Path]:
+def write_reports(
+    ks: list[int], rows: list[dict], out_dir: str | Path, spec: IntervalSpec = IntervalSpec()
+) -> list[Path]:
     """table.md, table.csv (pass@k, pass@k_low, pass@k_high per k) and one passk_<benchmark>.png per benchmark (the
     curves with their interval bands) under ``out_dir``."""
     out_dir = Path(out_dir)
@@ -57,14 +73,18 @@ def write_reports(ks: list[int], rows: list[dict], out_dir: str | Path, spec: In
     written[0].write_text(markdown_table(ks, rows, spec))
     with open(written[1], "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["benchmark", "model", "problems", "n"]
-                        + [f"pass@{k}{end}" for k in ks for end in ("", "_low", "_high")])
+        writer.writerow(
+            ["benchmark", "model", "problems", "n"] + [f"pass@{k}{end}" for k in ks for end in ("", "_low", "_high")]
+        )
         for row in rows:
             ivs = row["intervals"]
-            writer.writerow([row["benchmark"], row["model"], row["problems"], row["n"]]
-                            + [repr(x) for k in ks for x in (ivs[k].estimate, ivs[k].low, ivs[k].high)])
+            writer.writerow(
+                [row["benchmark"], row["model"], row["problems"], row["n"]]
+                + [repr(x) for k in ks for x in (ivs[k].estimate, ivs[k].low, ivs[k].high)]
+            )
     for bench in sorted({r["benchmark"] for r in rows}):
         curves = {row["model"]: row["intervals"] for row in rows if row["benchmark"] == bench}
-        written.append(plot_bands(curves, out_dir / f"passk_{bench.replace('/', '_')}.png", f"{bench}: pass@k",
-                                  spec.level))
+        written.append(
+            plot_bands(curves, out_dir / f"passk_{bench.replace('/', '_')}.png", f"{bench}: pass@k", spec.level)
+        )
     return written

@@ -17,9 +17,10 @@ import hashlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,8 +49,10 @@ class BenchmarkCounts:
     def samples_per_problem(self, where: str) -> int:
         low, high = int(self.n.min()), int(self.n.max())
         if low != high:
-            raise ResultsError(f"{where}: its problems hold {low} to {high} samples each; an unfinished run? rerun "
-                               "its eval command to complete it")
+            raise ResultsError(
+                f"{where}: its problems hold {low} to {high} samples each; an unfinished run? rerun "
+                "its eval command to complete it"
+            )
         return low
 
 
@@ -69,8 +72,9 @@ def problems_digest(problems: Sequence[Problem]) -> str:
     return h.hexdigest()
 
 
-def counts_from_records(records: Mapping[tuple[str, str, int], Mapping[str, Any]],
-                        n_samples: int | None = None) -> dict[str, BenchmarkCounts]:
+def counts_from_records(
+    records: Mapping[tuple[str, str, int], Mapping[str, Any]], n_samples: int | None = None
+) -> dict[str, BenchmarkCounts]:
     """(n, c) per problem from stored sample records (samples below ``n_samples`` only, when given), problems in the
     order their first sample was stored (the runner's block order)."""
     n_by: dict[tuple[str, str], int] = defaultdict(int)
@@ -83,20 +87,41 @@ def counts_from_records(records: Mapping[tuple[str, str, int], Mapping[str, Any]
             order[bench].append(pid)
         n_by[(bench, pid)] += 1
         c_by[(bench, pid)] += 1 if float(record["reward"]) >= 1.0 else 0
-    return {bench: BenchmarkCounts(ids, np.array([n_by[(bench, p)] for p in ids], dtype=np.int64),
-                                   np.array([c_by[(bench, p)] for p in ids], dtype=np.int64))
-            for bench, ids in order.items()}
+    return {
+        bench: BenchmarkCounts(
+            ids,
+            np.array([n_by[(bench, p)] for p in ids], dtype=np.int64),
+            np.array([c_by[(bench, p)] for p in ids], dtype=np.int64),
+        )
+        for bench, ids in order.items()
+    }
 
 
-def results_json(model: str, settings: Mapping[str, Any], counts: Mapping[str, BenchmarkCounts], ks: Sequence[int],
-                 spec: IntervalSpec) -> dict[str, Any]:
+def results_json(
+    model: str,
+    settings: Mapping[str, Any],
+    counts: Mapping[str, BenchmarkCounts],
+    ks: Sequence[int],
+    spec: IntervalSpec,
+) -> dict[str, Any]:
     benchmarks = {}
     for bench, bc in counts.items():
         intervals = bootstrap_pass_at_k(bc.n, bc.c, ks, spec, stream=bench)
-        benchmarks[bench] = {"problems": list(bc.problem_ids), "n": bc.n.tolist(), "c": bc.c.tolist(),
-                             "digest": bc.digest, "pass_at_k": {str(k): iv.to_json() for k, iv in intervals.items()}}
-    return {"format": FORMAT, "version": VERSION, "model": model, "settings": dict(settings),
-            "intervals": spec.to_json(), "benchmarks": benchmarks}
+        benchmarks[bench] = {
+            "problems": list(bc.problem_ids),
+            "n": bc.n.tolist(),
+            "c": bc.c.tolist(),
+            "digest": bc.digest,
+            "pass_at_k": {str(k): iv.to_json() for k, iv in intervals.items()},
+        }
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model,
+        "settings": dict(settings),
+        "intervals": spec.to_json(),
+        "benchmarks": benchmarks,
+    }
 
 
 def write_results(run_dir: str | Path, payload: Mapping[str, Any]) -> Path:
@@ -113,8 +138,12 @@ def _from_results_file(path: Path) -> RunCounts:
         if data.get("format") != FORMAT:
             raise KeyError(f"format is {data.get('format')!r}, not {FORMAT!r}")
         benchmarks = {
-            bench: BenchmarkCounts([str(p) for p in b["problems"]], np.asarray(b["n"], dtype=np.int64),
-                                   np.asarray(b["c"], dtype=np.int64), b.get("digest"))
+            bench: BenchmarkCounts(
+                [str(p) for p in b["problems"]],
+                np.asarray(b["n"], dtype=np.int64),
+                np.asarray(b["c"], dtype=np.int64),
+                b.get("digest"),
+            )
             for bench, b in data["benchmarks"].items()
         }
         for bench, bc in benchmarks.items():
@@ -144,5 +173,7 @@ def load_run(path: str | os.PathLike) -> RunCounts:
         return _from_results_file(path / RESULTS_FILE)
     if (path / "run.json").is_file() and (path / "samples").is_dir():
         return _from_run_dir(path)
-    raise ResultsError(f"{path}: neither an eval run directory (run.json and samples/, e.g. <eval --out>/<model tag>) "
-                       f"nor its {RESULTS_FILE}")
+    raise ResultsError(
+        f"{path}: neither an eval run directory (run.json and samples/, e.g. <eval --out>/<model tag>) "
+        f"nor its {RESULTS_FILE}"
+    )

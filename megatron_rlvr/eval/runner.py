@@ -27,10 +27,10 @@ import hashlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -61,15 +61,26 @@ def problems_per_request(cfg: EvalConfig) -> int:
 def run_settings(cfg: EvalConfig, model: str) -> dict:
     """What the stored samples depend on (n may grow between runs: more chunks, same earlier ones)."""
     return {
-        "model": model, "seed": cfg.seed, "chunk": cfg.chunk, "temperature": cfg.temperature, "top_p": cfg.top_p,
-        "max_new_tokens": cfg.max_new_tokens, "stop": list(cfg.stop), "chat_template": cfg.chat_template,
-        "prompt_format": PROMPT_FORMAT_VERSION, "problems_per_request": problems_per_request(cfg),
+        "model": model,
+        "seed": cfg.seed,
+        "chunk": cfg.chunk,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_new_tokens": cfg.max_new_tokens,
+        "stop": list(cfg.stop),
+        "chat_template": cfg.chat_template,
+        "prompt_format": PROMPT_FORMAT_VERSION,
+        "problems_per_request": problems_per_request(cfg),
     }
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
-    for flag, value in (("--n", cfg.n_samples), ("--chunk", cfg.chunk), ("--max-new-tokens", cfg.max_new_tokens),
-                        ("--request-samples", cfg.request_samples)):
+    for flag, value in (
+        ("--n", cfg.n_samples),
+        ("--chunk", cfg.chunk),
+        ("--max-new-tokens", cfg.max_new_tokens),
+        ("--request-samples", cfg.request_samples),
+    ):
         if value < 1:
             raise EvalConfigError(f"{flag}: must be >= 1, got {value}")
 
@@ -148,8 +159,9 @@ class EvalRunner:
             for block, start in enumerate(range(0, len(indices), per_block)):
                 members = indices[start : start + per_block]
                 for j, samples in enumerate(self._chunks(self.cfg.n_samples)):
-                    stored = {(i, s) for i in members for s in samples
-                              if store.has((benchmark, problems[i].problem_id, s))}
+                    stored = {
+                        (i, s) for i in members for s in samples if store.has((benchmark, problems[i].problem_id, s))
+                    }
                     missing = [k for k, i in enumerate(members) if any((i, s) not in stored for s in samples)]
                     if missing:
                         drawn = tuple(members[: missing[-1] + 1])  # a prefix: positions (and samples) unchanged
@@ -175,8 +187,9 @@ class EvalRunner:
                 raise UserError(f"eval: rank 0 failed: {plan[1]}")
             self.samples_planned = sum(_request_samples(r, self._chunks(self.cfg.n_samples)) for r in plan)
             if max_requests is not None:
-                self.samples_missing_after = sum(_request_samples(r, self._chunks(self.cfg.n_samples))
-                                                 for r in plan[max_requests:])
+                self.samples_missing_after = sum(
+                    _request_samples(r, self._chunks(self.cfg.n_samples)) for r in plan[max_requests:]
+                )
                 plan = plan[:max_requests]
             if self.writes and writer is None:
                 writer = ShardWriter(self.run_dir, self.rank)
@@ -203,13 +216,19 @@ class EvalRunner:
                         encoded[i] = self.encode(problems[i].prompt)
                 samples = chunks[request.chunk]
                 sampling = Sampling(
-                    temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
-                    seed=request_seed(cfg.seed, request.benchmark, request.block, request.chunk), logprobs=False,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    max_tokens=cfg.max_new_tokens,
+                    stop=list(cfg.stop),
+                    seed=request_seed(cfg.seed, request.benchmark, request.block, request.chunk),
+                    logprobs=False,
                 )
                 completions = self.engine.generate([encoded[i] for i in request.problems], len(samples), sampling)
                 if len(completions) != len(request.problems) or any(len(c) != len(samples) for c in completions):
-                    raise RuntimeError(f"engine returned {[len(c) for c in completions]} completions for "
-                                       f"{len(request.problems)} prompts x {len(samples)}")
+                    raise RuntimeError(
+                        f"engine returned {[len(c) for c in completions]} completions for "
+                        f"{len(request.problems)} prompts x {len(samples)}"
+                    )
                 self.requests_drawn += 1
                 self.samples_drawn += len(request.problems) * len(samples)
                 self.tokens_drawn += sum(len(c.token_ids) for drawn in completions for c in drawn)
@@ -222,19 +241,33 @@ class EvalRunner:
                 scoring = scorer.submit(self._score_and_store, problems, request, samples, completions, writer)
                 elapsed = time.monotonic() - started
                 done = kept / max(total, 1)
-                log.info("%s: request %d/%d (%s, %d problems x %d samples) drawn at %.0f s, about %.0f s left",
-                         self.model, step + 1, len(requests), request.benchmark, len(request.problems), len(samples),
-                         elapsed, elapsed * (1 - done) / done if done else float("nan"))
+                log.info(
+                    "%s: request %d/%d (%s, %d problems x %d samples) drawn at %.0f s, about %.0f s left",
+                    self.model,
+                    step + 1,
+                    len(requests),
+                    request.benchmark,
+                    len(request.problems),
+                    len(samples),
+                    elapsed,
+                    elapsed * (1 - done) / done if done else float("nan"),
+                )
             if scoring is not None:
                 scoring.result()
         self.draw_seconds += time.monotonic() - started
 
-    def _score_and_store(self, problems: Sequence[Problem], request: Request, samples: range,
-                         completions: list[list[Completion]], writer) -> None:
-        items = [(i, s, completion) for i, drawn in zip(request.problems, completions)
-                 for s, completion in zip(samples, drawn) if (i, s) not in request.stored]
+    def _score_and_store(
+        self, problems: Sequence[Problem], request: Request, samples: range, completions: list[list[Completion]], writer
+    ) -> None:
+        items = [
+            (i, s, completion)
+            for i, drawn in zip(request.problems, completions)
+            for s, completion in zip(samples, drawn)
+            if (i, s) not in request.stored
+        ]
         rewards, counters = self.pool.score_batch(
-            [problems[i].task for i, _, _ in items], [c.text for _, _, c in items],
+            [problems[i].task for i, _, _ in items],
+            [c.text for _, _, c in items],
             [problems[i].reference for i, _, _ in items],
         )
         for key, value in counters.items():
@@ -242,9 +275,14 @@ class EvalRunner:
         save_text = self.cfg.save_text
         writer.append(
             {
-                "benchmark": problems[i].benchmark, "problem_id": problems[i].problem_id, "sample": s,
-                "chunk": request.chunk, "reward": reward, "finish_reason": c.finish_reason,
-                "num_tokens": len(c.token_ids), "text": c.text if save_text else None,
+                "benchmark": problems[i].benchmark,
+                "problem_id": problems[i].problem_id,
+                "sample": s,
+                "chunk": request.chunk,
+                "reward": reward,
+                "finish_reason": c.finish_reason,
+                "num_tokens": len(c.token_ids),
+                "text": c.text if save_text else None,
             }
             for (i, s, c), reward in zip(items, rewards)
         )
@@ -258,11 +296,14 @@ def _request_samples(request: Request, chunks: list[range]) -> int:
 def _progress(enabled: bool, total: int, name: str):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"eval {name}", unit="sample", unit_scale=True, disable=not enabled,
-                dynamic_ncols=True)
+    return tqdm(
+        total=total, desc=f"eval {name}", unit="sample", unit_scale=True, disable=not enabled, dynamic_ncols=True
+    )
 
 
-def problem_counts(records: dict, problems: Sequence[Problem], n_samples: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def problem_counts(
+    records: dict, problems: Sequence[Problem], n_samples: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per benchmark: arrays (n, c) over its problems from stored records (samples < n_samples only).
 
     A problem with fewer than n_samples stored samples is an error: the table is only made from complete runs.

@@ -18,8 +18,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from megatron_rlvr.errors import UserError
 
@@ -130,7 +131,7 @@ class SampleStore:
         self._shards.close()
         self._unlock()
 
-    def __enter__(self) -> "SampleStore":
+    def __enter__(self) -> SampleStore:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -164,7 +165,9 @@ def _read_shard(path: Path) -> list[dict]:
             record = json.loads(line)
             _ = (record["benchmark"], record["problem_id"], int(record["sample"]), float(record["reward"]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise CorruptRecord(f"{path}:{line_no}: not a sample record ({exc}); the file was edited or corrupted") from None
+            raise CorruptRecord(
+                f"{path}:{line_no}: not a sample record ({exc}); the file was edited or corrupted"
+            ) from None
         records.append(record)
     return records
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,16 @@ class BaseEvidenceError(UserError, ValueError):
     unreadable; the message names the file and the differences."""
 
 
-def base_evidence(engine: "RolloutEngine", pool, items: list["PromptItem"], cfg: "Config", path: Path, *,
-                  run_seed: int, chunk_samples: int = 4096) -> dict[str, int]:
+def base_evidence(
+    engine: RolloutEngine,
+    pool,
+    items: list[PromptItem],
+    cfg: Config,
+    path: Path,
+    *,
+    run_seed: int,
+    chunk_samples: int = 4096,
+) -> dict[str, int]:
     """prompt id -> correct answers among cfg.algo.pba_base_samples samples of the engine's current (base) weights.
     Reads ``path`` when it holds every item's count (a rerun draws nothing); otherwise generates the missing chunks
     (ranks share the work like collect.generate), rank 0 writes ``path`` atomically. A collective over all
@@ -83,7 +92,7 @@ def base_evidence(engine: "RolloutEngine", pool, items: list["PromptItem"], cfg:
     return {i: counts[i] for i in ids}
 
 
-def _header(cfg: "Config", run_seed: int) -> dict[str, Any]:
+def _header(cfg: Config, run_seed: int) -> dict[str, Any]:
     r = cfg.rollout
     return {
         "format": FORMAT,
@@ -91,8 +100,12 @@ def _header(cfg: "Config", run_seed: int) -> dict[str, Any]:
         "model": str(cfg.model.hf_dir),
         "load": cfg.model.load,
         "seed": run_seed,
-        "sampling": {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
-                     "stop": list(r.stop)},
+        "sampling": {
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "max_new_tokens": r.max_new_tokens,
+            "stop": list(r.stop),
+        },
     }
 
 
@@ -105,17 +118,22 @@ def _read(path: Path, header: dict[str, Any]) -> dict[str, int]:
         stored = {key: data[key] for key in header}
         counts = {str(k): int(v) for k, v in data["counts"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise BaseEvidenceError(f"base evidence file {path}: unreadable ({type(e).__name__}: {e}); delete it to "
-                                "draw the base samples again") from None
+        raise BaseEvidenceError(
+            f"base evidence file {path}: unreadable ({type(e).__name__}: {e}); delete it to draw the base samples again"
+        ) from None
     if stored != header:
-        differ = "; ".join(f"{key}: file {stored[key]!r}, run {header[key]!r}"
-                           for key in header if stored[key] != header[key])
-        raise BaseEvidenceError(f"base evidence file {path} was drawn for another setting ({differ}); use another "
-                                "trainer.output_dir, or delete the file to draw the base samples again")
+        differ = "; ".join(
+            f"{key}: file {stored[key]!r}, run {header[key]!r}" for key in header if stored[key] != header[key]
+        )
+        raise BaseEvidenceError(
+            f"base evidence file {path} was drawn for another setting ({differ}); use another "
+            "trainer.output_dir, or delete the file to draw the base samples again"
+        )
     bad = {k: v for k, v in counts.items() if not 0 <= v <= header["samples"]}
     if bad:
-        raise BaseEvidenceError(f"base evidence file {path}: counts outside [0, {header['samples']}]: "
-                                f"{list(bad.items())[:5]}")
+        raise BaseEvidenceError(
+            f"base evidence file {path}: counts outside [0, {header['samples']}]: {list(bad.items())[:5]}"
+        )
     return counts
 
 
@@ -129,13 +147,16 @@ def _write(path: Path, header: dict[str, Any], counts: dict[str, int]) -> None:
     os.replace(tmp, path)  # readers see the old file or the new one, never a half-written one
 
 
-def pba_anchor(cfg: "Config", engine: "RolloutEngine", pool, items: list["PromptItem"], path: Path,
-               start_step: int) -> Callable[[list["PromptItem"]], tuple[torch.Tensor, dict[str, float]]]:
+def pba_anchor(
+    cfg: Config, engine: RolloutEngine, pool, items: list[PromptItem], path: Path, start_step: int
+) -> Callable[[list[PromptItem]], tuple[torch.Tensor, dict[str, float]]]:
     """PBA: the frozen base's correct counts per training prompt (drawn now, before the first update, or read back
     from ``path``) and a function from a step's prompts to per-response KL coefficients and the pba/* metrics."""
     if start_step > 0 and not path.is_file():  # the engine now holds trained weights: they are not the base
-        raise ConfigError(f"algo.pba: resuming at step {start_step} but {path} (the base's evidence) is missing; "
-                          "start the run afresh or restore the file")
+        raise ConfigError(
+            f"algo.pba: resuming at step {start_step} but {path} (the base's evidence) is missing; "
+            "start the run afresh or restore the file"
+        )
     # colocated: this rank's engine; separate: the engine ranks, which hold the initial weights (version 0) here
     evidence = base_evidence(engine, pool, items, cfg, path, run_seed=cfg.trainer.seed)
 

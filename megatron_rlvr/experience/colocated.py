@@ -10,8 +10,8 @@ from typing import Any
 from megatron_rlvr.config import Config
 from megatron_rlvr.experience.collect import Experience, collect
 from megatron_rlvr.experience.construction import make_rollout_engine
-from megatron_rlvr.experience.wire import Rollout
 from megatron_rlvr.experience.validation import validate
+from megatron_rlvr.experience.wire import Rollout
 from megatron_rlvr.rollout import EngineDiedError
 from megatron_rlvr.runtime import distributed
 
@@ -50,8 +50,15 @@ class ColocatedSource:
         drawn_from = self.loader.state_dict()  # a retried step draws the same prompts again
         for attempt in range(2):
             try:
-                exp = collect(self.engine, self.pool, self.loader, self.cfg, pad_id=self.pad_id,
-                              run_seed=self.cfg.trainer.seed, step=step)
+                exp = collect(
+                    self.engine,
+                    self.pool,
+                    self.loader,
+                    self.cfg,
+                    pad_id=self.pad_id,
+                    run_seed=self.cfg.trainer.seed,
+                    step=step,
+                )
                 break
             except EngineDiedError:  # raised on every rank together: revive the engines, retry once
                 if attempt:

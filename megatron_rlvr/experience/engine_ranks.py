@@ -26,8 +26,9 @@ from megatron_rlvr.runtime.roles import ROLE_TIMEOUT_S, Roles, broadcast_object,
 class EngineRanksSource:
     """Actor side of separate placement (see the module doc). A collective over the actor ranks at every call."""
 
-    def __init__(self, cfg, roles: Roles, actor, pool, loader, pad_id: int, *, start_step: int,
-                 pending: Rollout | None = None) -> None:
+    def __init__(
+        self, cfg, roles: Roles, actor, pool, loader, pad_id: int, *, start_step: int, pending: Rollout | None = None
+    ) -> None:
         self.cfg, self.roles, self.actor, self.pool, self.loader = cfg, roles, actor, pool, loader
         self.off_policy = cfg.trainer.off_policy_steps
         self.group = roles.cross_objects  # None on actor ranks other than 0
@@ -106,8 +107,9 @@ class EngineRanksSource:
             result = box[0]
         if isinstance(result, Failure):
             who = "the exchange with the engine ranks" if result.rank < 0 else f"engine rank {result.rank}"
-            raise EngineRankError(f"{who} failed ({result.what}); the run stops (rerun to resume from the last "
-                                  "checkpoint)")
+            raise EngineRankError(
+                f"{who} failed ({result.what}); the run stops (rerun to resume from the last checkpoint)"
+            )
         return result
 
     def _command(self, command: Command) -> None:
@@ -132,6 +134,7 @@ class EngineRanksSource:
         self._command(Command("weights", version=version))
         buckets = self.actor.export_weights(self.cfg.rollout.bucket_bytes, lend=True)
         if self.sender is not None:
+
             def send():
                 try:
                     return self.sender.send(buckets, version)

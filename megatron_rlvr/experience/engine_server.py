@@ -61,8 +61,9 @@ def serve(cfg: Config, roles: Roles) -> None:
                 if command.kind == "collect":
                     started = time.perf_counter()
                     loader.load_state_dict(command.loader)
-                    exp = collect(engine, pool, loader, cfg, pad_id=pad_id, run_seed=cfg.trainer.seed,
-                                  step=command.step)
+                    exp = collect(
+                        engine, pool, loader, cfg, pad_id=pad_id, run_seed=cfg.trainer.seed, step=command.step
+                    )
                     reply = Rollout(command.step, version, loader.state_dict(), exp, time.perf_counter() - started)
                 elif command.kind == "generate":
                     reply = answer(engine, command.requests, tp)
@@ -104,8 +105,11 @@ def answer(engine, requests: list[Any], tp: int) -> list[Any]:
     engine = without_prefixes(engine)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     dp, dp_rank = world // tp, rank // tp
-    mine = [(i, engine.generate(prompts, n, sampling) if prompts else [])
-            for i, (prompts, n, sampling) in enumerate(requests) if i % dp == dp_rank]
+    mine = [
+        (i, engine.generate(prompts, n, sampling) if prompts else [])
+        for i, (prompts, n, sampling) in enumerate(requests)
+        if i % dp == dp_rank
+    ]
     shares: list[Any] = [None] * world
     if world > 1:
         dist.all_gather_object(shares, mine if rank % tp == 0 else [])

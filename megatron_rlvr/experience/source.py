@@ -40,8 +40,17 @@ class ExperienceSource(Protocol):
         """Release the engines (not after an error: a rank that raised alone must exit, not wait here)."""
 
 
-def make_source(cfg: Config, roles: Roles | None, actor, pool, loader, pad_id: int, *, start_step: int,
-                pending: Rollout | None = None) -> ExperienceSource:
+def make_source(
+    cfg: Config,
+    roles: Roles | None,
+    actor,
+    pool,
+    loader,
+    pad_id: int,
+    *,
+    start_step: int,
+    pending: Rollout | None = None,
+) -> ExperienceSource:
     """The run's experience source for ``rollout.placement``."""
     if cfg.rollout.placement == "separate":
         return EngineRanksSource(cfg, roles, actor, pool, loader, pad_id, start_step=start_step, pending=pending)

@@ -36,14 +36,24 @@ def load_validation_items(cfg: Config, tokenizer) -> list[PromptItem]:
     items: list[PromptItem] = []
     for bench in cfg.eval.benchmarks:
         rows = (
-            Row(f"{bench}:{i}", bench, i, {data_cfg.problem_key: p.prompt, data_cfg.answer_key: p.reference,
-                                           data_cfg.task_key: p.task, data_cfg.id_key: f"{bench}/{p.problem_id}"})
+            Row(
+                f"{bench}:{i}",
+                bench,
+                i,
+                {
+                    data_cfg.problem_key: p.prompt,
+                    data_cfg.answer_key: p.reference,
+                    data_cfg.task_key: p.task,
+                    data_cfg.id_key: f"{bench}/{p.problem_id}",
+                },
+            )
             for i, p in enumerate(load_benchmark(bench, cfg.eval.data_dir, limit), start=1)
         )
         items += items_from_rows(rows, data_cfg, tokenizer)[0]
     if not items:
-        raise ValueError(f"eval.benchmarks={cfg.eval.benchmarks}: no prompt fits data.max_prompt_tokens="
-                         f"{cfg.data.max_prompt_tokens}")
+        raise ValueError(
+            f"eval.benchmarks={cfg.eval.benchmarks}: no prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
+        )
     return items
 
 
@@ -63,7 +73,7 @@ def _pad_to_whole_micro_batches(batch: SequenceBatch, actor) -> SequenceBatch:
     if not extra:
         return batch
     padded = batch.select(torch.cat([torch.arange(len(batch)), torch.zeros(extra, dtype=torch.long)]))
-    padded.response_mask[len(batch):] = False
+    padded.response_mask[len(batch) :] = False
     return padded
 
 
@@ -74,7 +84,11 @@ def validate(
     entropies (nats) of every sampled answer token under the actor."""
     e = cfg.eval
     rollout_cfg = dataclasses.replace(
-        cfg.rollout, group_size=e.n_samples, temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
+        cfg.rollout,
+        group_size=e.n_samples,
+        temperature=e.temperature,
+        top_p=e.top_p,
+        max_new_tokens=e.max_new_tokens,
         stop=list(e.stop) or list(cfg.rollout.stop),
     )
     completions = generate(without_prefixes(engine), items, rollout_cfg, run_seed=e.seed, step=_VALIDATION_STEP)

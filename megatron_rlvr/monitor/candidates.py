@@ -16,9 +16,10 @@ import argparse
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_rlvr.errors import UserError
 
@@ -88,8 +89,16 @@ def _context_limit(model) -> int | None:
     return int(value) if value else None
 
 
-def sample_response(model, tokenizer, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
-                    seed: int, stop: Sequence[str] = ()) -> list[int]:
+def sample_response(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    stop: Sequence[str] = (),
+) -> list[int]:
     """One sampled response (token ids, without the EOS or the token that completes a stop string)."""
     import torch
 
@@ -120,8 +129,17 @@ def _as_list(value: Any) -> list:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def candidate_matrix(model, tokenizer, prompt_ids: Sequence[int], response_ids: Sequence[int], *, top_n: int,
-                     temperature: float = 1.0, label: str = "", model_dir: str = "") -> CandidateMatrix:
+def candidate_matrix(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    *,
+    top_n: int,
+    temperature: float = 1.0,
+    label: str = "",
+    model_dir: str = "",
+) -> CandidateMatrix:
     """Per response token: this model's top-N candidates (the op's order), the token's probability, rank, entropy."""
     import torch
 
@@ -130,21 +148,29 @@ def candidate_matrix(model, tokenizer, prompt_ids: Sequence[int], response_ids: 
     ids = list(prompt_ids) + list(response_ids)
     limit = _context_limit(model)
     if limit is not None and len(ids) > limit:
-        raise CandidatesError(f"prompt + response: {len(ids)} tokens, more than {model_dir or label}'s {limit} positions")
+        raise CandidatesError(
+            f"prompt + response: {len(ids)} tokens, more than {model_dir or label}'s {limit} positions"
+        )
     vocab = _vocab_size(model)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, len(prompt_ids) - 1 : len(ids) - 1].float().contiguous()
-        stats = vocab_parallel_token_stats(logits, torch.tensor(list(response_ids)), min(top_n, vocab),
-                                           vocab_size=vocab, temperature=temperature)
+        stats = vocab_parallel_token_stats(
+            logits, torch.tensor(list(response_ids)), min(top_n, vocab), vocab_size=vocab, temperature=temperature
+        )
     tokens = []
     for t, token in enumerate(response_ids):
         top_ids = [int(i) for i in stats.topn_ids[t]]
         top_probs = [math.exp(float(lp)) for lp in stats.topn_logp[t]]
-        tokens.append(TokenCandidates(
-            id=int(token), text=token_text(tokenizer, int(token)), prob=math.exp(float(stats.logp[t])),
-            rank=top_ids.index(int(token)) + 1 if int(token) in top_ids else None, entropy=float(stats.entropy[t]),
-            candidates=[{"id": i, "text": token_text(tokenizer, i), "prob": p} for i, p in zip(top_ids, top_probs)],
-        ))
+        tokens.append(
+            TokenCandidates(
+                id=int(token),
+                text=token_text(tokenizer, int(token)),
+                prob=math.exp(float(stats.logp[t])),
+                rank=top_ids.index(int(token)) + 1 if int(token) in top_ids else None,
+                entropy=float(stats.entropy[t]),
+                candidates=[{"id": i, "text": token_text(tokenizer, i), "prob": p} for i, p in zip(top_ids, top_probs)],
+            )
+        )
     return CandidateMatrix(label=label, model_dir=model_dir, tokens=tokens)
 
 
@@ -162,16 +188,28 @@ def render(matrices: Sequence[CandidateMatrix], path: str | os.PathLike, title: 
     top_n = max(len(tok.candidates) for m in matrices for tok in m.tokens)
     if rows < len(matrices[0].tokens):
         title = f"{title} (first {rows} of {len(matrices[0].tokens)} response tokens)".strip()
-    fig, axes = plt.subplots(1, len(matrices), squeeze=False, sharey=True,
-                             figsize=(len(matrices) * (1.05 * top_n + 0.4) + 1.8, 0.3 * rows + 1.6))
+    fig, axes = plt.subplots(
+        1,
+        len(matrices),
+        squeeze=False,
+        sharey=True,
+        figsize=(len(matrices) * (1.05 * top_n + 0.4) + 1.8, 0.3 * rows + 1.6),
+    )
     image = None
     for ax, m in zip(axes[0], matrices):
         probs = np.full((rows, top_n), np.nan)
         for t, tok in enumerate(m.tokens[:rows]):
             for n, cand in enumerate(tok.candidates):
                 probs[t, n] = cand["prob"]
-                ax.text(n, t, f"{cand['text']} {cand['prob']:.2f}", ha="center", va="center", fontsize=7,
-                        color="black" if cand["prob"] > 0.6 else "white")
+                ax.text(
+                    n,
+                    t,
+                    f"{cand['text']} {cand['prob']:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if cand["prob"] > 0.6 else "white",
+                )
                 if cand["id"] == tok.id:
                     ax.add_patch(Rectangle((n - 0.5, t - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
         image = ax.imshow(probs, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
@@ -190,9 +228,19 @@ def render(matrices: Sequence[CandidateMatrix], path: str | os.PathLike, title: 
     return path
 
 
-def build(models: Sequence[str], prompt: str, *, response: str | None = None, labels: Sequence[str] | None = None,
-          top_n: int = 5, temperature: float = 1.0, max_new_tokens: int = 64, stop: Sequence[str] = (),
-          seed: int = 0, chat_template: bool = False) -> dict[str, Any]:
+def build(
+    models: Sequence[str],
+    prompt: str,
+    *,
+    response: str | None = None,
+    labels: Sequence[str] | None = None,
+    top_n: int = 5,
+    temperature: float = 1.0,
+    max_new_tokens: int = 64,
+    stop: Sequence[str] = (),
+    seed: int = 0,
+    chat_template: bool = False,
+) -> dict[str, Any]:
     """Load the models, encode the prompt, sample (or tokenize) the response, compute every model's matrix.
 
     Returns {prompt, response, prompt_ids, response_ids, ..., "matrices": [CandidateMatrix]}.
@@ -224,27 +272,43 @@ def build(models: Sequence[str], prompt: str, *, response: str | None = None, la
         raise CandidatesError(f"--prompt {prompt!r}: encodes to no tokens with {models[0]}'s tokenizer")
     model, tokenizer = loaded[0]
     if response is None:
-        response_ids = sample_response(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens,
-                                       temperature=temperature, seed=seed, stop=stop)
+        response_ids = sample_response(
+            model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop=stop
+        )
         if not response_ids:
             raise CandidatesError(f"{models[0]} answered with an empty response (seed {seed}); try another --seed")
     else:
         response_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
         if not response_ids:
             raise CandidatesError(f"--response {response!r}: encodes to no tokens with {models[0]}'s tokenizer")
-    matrices = [candidate_matrix(m, tok, prompt_ids, response_ids, top_n=top_n, temperature=temperature,
-                                 label=label, model_dir=str(Path(d).resolve()))
-                for (m, tok), label, d in zip(loaded, labels, models)]
+    matrices = [
+        candidate_matrix(
+            m,
+            tok,
+            prompt_ids,
+            response_ids,
+            top_n=top_n,
+            temperature=temperature,
+            label=label,
+            model_dir=str(Path(d).resolve()),
+        )
+        for (m, tok), label, d in zip(loaded, labels, models)
+    ]
     return {
-        "prompt": prompt, "response": tokenizer.decode(response_ids), "sampled": response is None,
-        "seed": seed if response is None else None, "temperature": temperature, "top_n": top_n,
-        "prompt_ids": list(prompt_ids), "response_ids": response_ids, "matrices": matrices,
+        "prompt": prompt,
+        "response": tokenizer.decode(response_ids),
+        "sampled": response is None,
+        "seed": seed if response is None else None,
+        "temperature": temperature,
+        "top_n": top_n,
+        "prompt_ids": list(prompt_ids),
+        "response_ids": response_ids,
+        "matrices": matrices,
     }
 
 
 def to_json(result: dict[str, Any]) -> dict[str, Any]:
-    return {**{k: v for k, v in result.items() if k != "matrices"},
-            "models": [asdict(m) for m in result["matrices"]]}
+    return {**{k: v for k, v in result.items() if k != "matrices"}, "models": [asdict(m) for m in result["matrices"]]}
 
 
 def _benchmark_of_file(path: Path) -> tuple[str, Path] | None:
@@ -257,7 +321,7 @@ def _benchmark_of_file(path: Path) -> tuple[str, Path] | None:
     for name, spec in BENCHMARKS.items():
         for f in spec.files:
             parts = Path(f).parts
-            if len(stem) >= len(parts) and stem[len(stem) - len(parts):] == parts:
+            if len(stem) >= len(parts) and stem[len(stem) - len(parts) :] == parts:
                 return name, Path(*stem[: len(stem) - len(parts)])
     return None
 
@@ -274,13 +338,16 @@ def benchmark_prompt(benchmark: str, row: int, data_dir: str = "data") -> str:
         found = _benchmark_of_file(path)
         if found is None:
             names = sorted(f"{f}.jsonl" for spec in BENCHMARKS.values() for f in spec.files)
-            raise CandidatesError(f"--benchmark {benchmark}: not a benchmark file name; expected one of {', '.join(names)}")
+            raise CandidatesError(
+                f"--benchmark {benchmark}: not a benchmark file name; expected one of {', '.join(names)}"
+            )
         name, data_dir = found
     elif benchmark in BENCHMARKS:
         name = benchmark
     else:
         raise CandidatesError(
-            f"--benchmark {benchmark}: no such file, and not a benchmark name ({', '.join(sorted(BENCHMARKS))})")
+            f"--benchmark {benchmark}: no such file, and not a benchmark name ({', '.join(sorted(BENCHMARKS))})"
+        )
     problems = load_benchmark(name, data_dir, limit=row + 1)
     if row >= len(problems):
         raise CandidatesError(f"--row {row}: benchmark {name} under {data_dir} has {len(problems)} rows")
@@ -289,8 +356,9 @@ def benchmark_prompt(benchmark: str, row: int, data_dir: str = "data") -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlvr candidates", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", nargs="+", required=True,
-                        help="HF model directories sharing one tokenizer; the first samples")
+    parser.add_argument(
+        "--model", nargs="+", required=True, help="HF model directories sharing one tokenizer; the first samples"
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text (encoded as `megatron-rlvr eval` encodes it)")
     source.add_argument("--benchmark", help="a benchmark file (e.g. data/math500.jsonl) or name under --data-dir")
@@ -302,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings of the sampled response")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same response)")
-    parser.add_argument("--chat-template", action="store_true", help="wrap the prompt with the tokenizer's chat template")
+    parser.add_argument(
+        "--chat-template", action="store_true", help="wrap the prompt with the tokenizer's chat template"
+    )
     parser.add_argument("--label", nargs="+", help="a name per model (default: the directories' distinct tails)")
     parser.add_argument("--max-rows", type=int, default=64, help="response tokens drawn (the JSON has all)")
     parser.add_argument("--out", default="candidates.png", help="the heatmap PNG")
@@ -315,11 +385,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.label is not None and len(args.label) != len(args.model):
         raise CandidatesError(f"--label: {len(args.label)} names for {len(args.model)} models")
     prompt = args.prompt if args.prompt is not None else benchmark_prompt(args.benchmark, args.row, args.data_dir)
-    result = build(args.model, prompt, response=args.response, labels=args.label, top_n=args.top_n,
-                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, stop=args.stop, seed=args.seed,
-                   chat_template=args.chat_template)
-    png = render(result["matrices"], args.out, title=f"prompt {prompt[:60]!r} -> response {result['response'][:60]!r}",
-                 max_rows=args.max_rows)
+    result = build(
+        args.model,
+        prompt,
+        response=args.response,
+        labels=args.label,
+        top_n=args.top_n,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        stop=args.stop,
+        seed=args.seed,
+        chat_template=args.chat_template,
+    )
+    png = render(
+        result["matrices"],
+        args.out,
+        title=f"prompt {prompt[:60]!r} -> response {result['response'][:60]!r}",
+        max_rows=args.max_rows,
+    )
     print(f"candidates: {png}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ only combines and reshapes them for logs and plots.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,8 +57,9 @@ def candidate_dynamics(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[
     return {name: s for name, s in out.items() if s[0]}
 
 
-def histogram(values: Sequence[float] | np.ndarray, bins: int = 50,
-              value_range: tuple[float, float] | None = None) -> dict[str, Any]:
+def histogram(
+    values: Sequence[float] | np.ndarray, bins: int = 50, value_range: tuple[float, float] | None = None
+) -> dict[str, Any]:
     """Counts over ``bins`` equal bins plus summary statistics; non-finite values are counted and left out."""
     arr = np.asarray(values, dtype=np.float64).ravel()
     finite = arr[np.isfinite(arr)]

@@ -5,8 +5,9 @@ pass@k curves. Each function writes one file and returns its path, or None when 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_rlvr.monitor.dynamics import candidate_dynamics
 
@@ -32,8 +33,9 @@ def plot_reward(records: Sequence[Mapping[str, Any]], path: str | os.PathLike, l
     return plot_runs({label or "run": records}, "reward", "mean reward", path)
 
 
-def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], series_name: str, ylabel: str,
-              path: str | os.PathLike) -> Path | None:
+def plot_runs(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], series_name: str, ylabel: str, path: str | os.PathLike
+) -> Path | None:
     """One series (a key of :func:`candidate_dynamics`) for several runs on one axis."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -65,8 +67,12 @@ def plot_rank_probs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
                 line = ax.plot(*dyn[f"rank{k}_prob"], label=f"{label}")[0]
                 drawn = True
                 if f"rank{k}_prob_high_entropy" in dyn:
-                    ax.plot(*dyn[f"rank{k}_prob_high_entropy"], linestyle="--", color=line.get_color(),
-                            label=f"{label} (forking tokens)")
+                    ax.plot(
+                        *dyn[f"rank{k}_prob_high_entropy"],
+                        linestyle="--",
+                        color=line.get_color(),
+                        label=f"{label} (forking tokens)",
+                    )
     if not drawn:
         plt.close(fig)
         return None
@@ -89,8 +95,12 @@ def plot_entropy(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os
             line = ax.plot(*dyn["entropy"], label=f"{label}")[0]
             drawn = True
             if "entropy_high_entropy" in dyn:
-                ax.plot(*dyn["entropy_high_entropy"], linestyle="--", color=line.get_color(),
-                        label=f"{label} (forking tokens)")
+                ax.plot(
+                    *dyn["entropy_high_entropy"],
+                    linestyle="--",
+                    color=line.get_color(),
+                    label=f"{label} (forking tokens)",
+                )
     if not drawn:
         plt.close(fig)
         return None
@@ -121,8 +131,9 @@ def plot_entropy_histograms(hists: Sequence[Mapping[str, Any]], path: str | os.P
     return _save(fig, Path(path))
 
 
-def plot_pass_at_k(curves: Mapping[str, Mapping[int, float]], path: str | os.PathLike,
-                   title: str = "pass@k") -> Path | None:
+def plot_pass_at_k(
+    curves: Mapping[str, Mapping[int, float]], path: str | os.PathLike, title: str = "pass@k"
+) -> Path | None:
     """pass@k against k (log2 axis) for each labelled model."""
     if not curves:
         return None
@@ -140,8 +151,9 @@ def plot_pass_at_k(curves: Mapping[str, Mapping[int, float]], path: str | os.Pat
     return _save(fig, Path(path))
 
 
-def plot_metric_panels(runs: Mapping[str, Sequence[Mapping[str, Any]]], keys: Sequence[str],
-                       path: str | os.PathLike, columns: int = 3) -> Path | None:
+def plot_metric_panels(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], keys: Sequence[str], path: str | os.PathLike, columns: int = 3
+) -> Path | None:
     """One panel per metric key (the raw logged values over steps, every run on each), for the keys some run logged;
     None when no run logged any of them."""
     from megatron_rlvr.monitor.dynamics import series
@@ -160,7 +172,7 @@ def plot_metric_panels(runs: Mapping[str, Sequence[Mapping[str, Any]]], keys: Se
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(present):]:
+    for ax in list(axes.flat)[len(present) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
     return _save(fig, Path(path))

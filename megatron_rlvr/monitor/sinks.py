@@ -11,8 +11,9 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,17 @@ class MetricLogger:
             try:
                 import wandb
             except ImportError:
-                logger.warning("trainer.wandb_project=%r but the wandb package is not installed; W&B logging is off",
-                               wandb_project)
+                logger.warning(
+                    "trainer.wandb_project=%r but the wandb package is not installed; W&B logging is off", wandb_project
+                )
             else:
-                self._wandb = wandb.init(project=wandb_project, name=run_name, config=dict(config or {}),
-                                         dir=str(self.output_dir), resume="allow")
+                self._wandb = wandb.init(
+                    project=wandb_project,
+                    name=run_name,
+                    config=dict(config or {}),
+                    dir=str(self.output_dir),
+                    resume="allow",
+                )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` (names -> numbers) for ``step``; flushed at once, so a killed run loses nothing."""
@@ -78,8 +85,14 @@ class MetricLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
 
-    def log_histogram(self, step: int, name: str, values: Sequence[float], bins: int = 50,
-                      value_range: tuple[float, float] | None = None) -> dict[str, Any]:
+    def log_histogram(
+        self,
+        step: int,
+        name: str,
+        values: Sequence[float],
+        bins: int = 50,
+        value_range: tuple[float, float] | None = None,
+    ) -> dict[str, Any]:
         """Histogram of ``values`` (e.g. per-token entropies at an eval step) to histograms.jsonl and TensorBoard."""
         from megatron_rlvr.monitor.dynamics import histogram
 
@@ -106,7 +119,7 @@ class MetricLogger:
             self._wandb.finish()
             self._wandb = None
 
-    def __enter__(self) -> "MetricLogger":
+    def __enter__(self) -> MetricLogger:
         return self
 
     def __exit__(self, *exc) -> None:

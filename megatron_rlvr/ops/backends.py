@@ -65,7 +65,9 @@ def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
         return "reference"
     if _C is None:
         if choice != "auto":
-            raise RuntimeError(f"implementation {choice!r} requested but megatron_rlvr._C is missing: {_C_IMPORT_ERROR}")
+            raise RuntimeError(
+                f"implementation {choice!r} requested but megatron_rlvr._C is missing: {_C_IMPORT_ERROR}"
+            )
         warn_once(
             "vocab_parallel_token_stats: megatron_rlvr._C is not built (pip install -e . builds it); using the "
             "slower torch reference"
@@ -83,32 +85,79 @@ def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
 
 
 def shard_forward(
-    impl: str, logits: torch.Tensor, target_ids: torch.Tensor, records: torch.Tensor, *, top_n: int,
-    vocab_start: int, n_valid: int, inv_temperature: float, chunk_tokens: int | None,
+    impl: str,
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    records: torch.Tensor,
+    *,
+    top_n: int,
+    vocab_start: int,
+    n_valid: int,
+    inv_temperature: float,
+    chunk_tokens: int | None,
 ) -> None:
     """Fill records [T, 4+2N] (float64) for logits [T, V_local] (contiguous) and target_ids [T] (int64)."""
     if impl == "reference":
         reference.shard_records(
-            logits, target_ids, records, top_n=top_n, vocab_start=vocab_start, n_valid=n_valid,
-            inv_temperature=inv_temperature, chunk_tokens=chunk_tokens,
+            logits,
+            target_ids,
+            records,
+            top_n=top_n,
+            vocab_start=vocab_start,
+            n_valid=n_valid,
+            inv_temperature=inv_temperature,
+            chunk_tokens=chunk_tokens,
         )
     else:
         _C.token_stats_forward(logits, target_ids, records, top_n, vocab_start, n_valid, inv_temperature)
 
 
 def shard_backward(
-    impl: str, logits: torch.Tensor, grad_out: torch.Tensor, target_ids: torch.Tensor, topn_ids: torch.Tensor,
-    logz: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
-    grad_topn: torch.Tensor, *, vocab_start: int, n_valid: int, inv_temperature: float, chunk_tokens: int | None,
+    impl: str,
+    logits: torch.Tensor,
+    grad_out: torch.Tensor,
+    target_ids: torch.Tensor,
+    topn_ids: torch.Tensor,
+    logz: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    grad_topn: torch.Tensor,
+    *,
+    vocab_start: int,
+    n_valid: int,
+    inv_temperature: float,
+    chunk_tokens: int | None,
 ) -> None:
     """Write dL/dlogits into grad_out [T, V_local] (may alias logits); small inputs in the statistics' dtype."""
     if impl == "reference":
         reference.shard_backward(
-            logits, grad_out, target_ids, topn_ids, logz, entropy, grad_logp, grad_entropy, grad_topn,
-            vocab_start=vocab_start, n_valid=n_valid, inv_temperature=inv_temperature, chunk_tokens=chunk_tokens,
+            logits,
+            grad_out,
+            target_ids,
+            topn_ids,
+            logz,
+            entropy,
+            grad_logp,
+            grad_entropy,
+            grad_topn,
+            vocab_start=vocab_start,
+            n_valid=n_valid,
+            inv_temperature=inv_temperature,
+            chunk_tokens=chunk_tokens,
         )
     else:
         _C.token_stats_backward(
-            logits, grad_out, target_ids, topn_ids, logz, entropy, grad_logp, grad_entropy, grad_topn,
-            vocab_start, n_valid, inv_temperature,
+            logits,
+            grad_out,
+            target_ids,
+            topn_ids,
+            logz,
+            entropy,
+            grad_logp,
+            grad_entropy,
+            grad_topn,
+            vocab_start,
+            n_valid,
+            inv_temperature,
         )

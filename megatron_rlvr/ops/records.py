@@ -114,6 +114,4 @@ def merge_records(gathered: torch.Tensor, top_n: int, out_dtype: torch.dtype) ->
     by_value = torch.argsort(values, dim=-1, descending=True, stable=True)[:, :top_n]
     topn_logp = values.gather(-1, by_value) - logz.unsqueeze(-1)
     topn_ids = ids.gather(-1, by_value).to(torch.int64)
-    return Merged(
-        logp.to(out_dtype), entropy.to(out_dtype), topn_logp.to(out_dtype), topn_ids, logz.to(out_dtype)
-    )
+    return Merged(logp.to(out_dtype), entropy.to(out_dtype), topn_logp.to(out_dtype), topn_ids, logz.to(out_dtype))

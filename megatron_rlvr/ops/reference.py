@@ -32,7 +32,11 @@ def accumulate_dtype(logits_dtype: torch.dtype) -> torch.dtype:
 
 
 def dense_token_stats(
-    logits: torch.Tensor, target_ids: torch.Tensor, top_n: int, *, vocab_size: int | None = None,
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    top_n: int,
+    *,
+    vocab_size: int | None = None,
     temperature: float = 1.0,
 ) -> DenseStats:
     """The oracle: statistics of softmax(logits[..., :vocab_size] / temperature), differentiable via autograd."""
@@ -55,8 +59,15 @@ def _chunk_rows(chunk_tokens: int | None, vocab_local: int) -> int:
 
 
 def shard_records(
-    logits: torch.Tensor, target_ids: torch.Tensor, records: torch.Tensor, *, top_n: int, vocab_start: int,
-    n_valid: int, inv_temperature: float, chunk_tokens: int | None = None,
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    records: torch.Tensor,
+    *,
+    top_n: int,
+    vocab_start: int,
+    n_valid: int,
+    inv_temperature: float,
+    chunk_tokens: int | None = None,
 ) -> None:
     """Write the records [T, 4+2N] (float64) of one shard: logits [T, V_local], valid columns [0, n_valid)."""
     num_tokens = logits.shape[0]
@@ -92,9 +103,19 @@ def shard_records(
 
 
 def shard_backward(
-    logits: torch.Tensor, grad_out: torch.Tensor, target_ids: torch.Tensor, topn_ids: torch.Tensor,
-    logz: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
-    grad_topn: torch.Tensor, *, vocab_start: int, n_valid: int, inv_temperature: float,
+    logits: torch.Tensor,
+    grad_out: torch.Tensor,
+    target_ids: torch.Tensor,
+    topn_ids: torch.Tensor,
+    logz: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    grad_topn: torch.Tensor,
+    *,
+    vocab_start: int,
+    n_valid: int,
+    inv_temperature: float,
     chunk_tokens: int | None = None,
 ) -> None:
     """Write dL/dlogits of one shard into grad_out [T, V_local] (which may be `logits` itself); padding gets 0.

@@ -31,14 +31,32 @@ class TokenStats(NamedTuple):
 
 class _TokenStatsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target_ids, top_n, group, vocab_start, vocab_size, inv_temperature, inplace_backward,
-                chunk_tokens, impl):
+    def forward(
+        ctx,
+        logits,
+        target_ids,
+        top_n,
+        group,
+        vocab_start,
+        vocab_size,
+        inv_temperature,
+        inplace_backward,
+        chunk_tokens,
+        impl,
+    ):
         num_tokens, vocab_local = logits.shape
         n_valid = vocab_local if vocab_size is None else min(max(vocab_size - vocab_start, 0), vocab_local)
         records = torch.empty((num_tokens + 1, record_width(top_n)), dtype=torch.float64, device=logits.device)
         backends.shard_forward(
-            impl, logits, target_ids, records[:num_tokens], top_n=top_n, vocab_start=vocab_start, n_valid=n_valid,
-            inv_temperature=inv_temperature, chunk_tokens=chunk_tokens,
+            impl,
+            logits,
+            target_ids,
+            records[:num_tokens],
+            top_n=top_n,
+            vocab_start=vocab_start,
+            n_valid=n_valid,
+            inv_temperature=inv_temperature,
+            chunk_tokens=chunk_tokens,
         )
         write_header(records, vocab_start, vocab_local, n_valid)
         gathered = all_gather_records(records, group)
@@ -68,9 +86,20 @@ class _TokenStatsFunction(torch.autograd.Function):
             grad = torch.empty_like(logits)
         small = logz.dtype
         backends.shard_backward(
-            impl, logits, grad, target_ids, topn_ids, logz, entropy, grad_logp.to(small).contiguous(),
-            grad_entropy.to(small).contiguous(), grad_topn.to(small).contiguous(), vocab_start=vocab_start,
-            n_valid=n_valid, inv_temperature=inv_temperature, chunk_tokens=chunk_tokens,
+            impl,
+            logits,
+            grad,
+            target_ids,
+            topn_ids,
+            logz,
+            entropy,
+            grad_logp.to(small).contiguous(),
+            grad_entropy.to(small).contiguous(),
+            grad_topn.to(small).contiguous(),
+            vocab_start=vocab_start,
+            n_valid=n_valid,
+            inv_temperature=inv_temperature,
+            chunk_tokens=chunk_tokens,
         )
         return grad, None, None, None, None, None, None, None, None, None
 
@@ -82,9 +111,17 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def vocab_parallel_token_stats(
-    logits: torch.Tensor, target_ids: torch.Tensor, top_n: int, *, group: dist.ProcessGroup | None = None,
-    vocab_start: int = 0, vocab_size: int | None = None, temperature: float = 1.0, inplace_backward: bool = False,
-    chunk_tokens: int | None = None, implementation: str | None = None,
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    top_n: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    inplace_backward: bool = False,
+    chunk_tokens: int | None = None,
+    implementation: str | None = None,
 ) -> TokenStats:
     """Per-token statistics of softmax(logits / temperature) over the vocabulary sharded across ``group``.
 
@@ -127,15 +164,26 @@ def vocab_parallel_token_stats(
             f"vocab_parallel_token_stats: logits {tuple(logits.shape)} with strides {logits.stride()} are not "
             f"contiguous, so they are copied ({logits.numel() * logits.element_size() / 2**20:.0f} MiB) and an in-place "
             "backward only reuses the copy; pass contiguous logits (e.g. whole sequences and mask the last target)",
-            stacklevel=3, key="non-contiguous logits",
+            stacklevel=3,
+            key="non-contiguous logits",
         )
     flat_logits = logits.reshape(-1, vocab_local).contiguous()
     flat_targets = target_ids.reshape(-1).to(torch.int64).contiguous()
     logp, entropy, topn_logp, topn_ids = _TokenStatsFunction.apply(
-        flat_logits, flat_targets, top_n, group, vocab_start, vocab_size, 1.0 / float(temperature),
-        bool(inplace_backward), chunk_tokens, impl,
+        flat_logits,
+        flat_targets,
+        top_n,
+        group,
+        vocab_start,
+        vocab_size,
+        1.0 / float(temperature),
+        bool(inplace_backward),
+        chunk_tokens,
+        impl,
     )
     return TokenStats(
-        logp.view(lead_shape), entropy.view(lead_shape), topn_logp.view(lead_shape + (top_n,)),
+        logp.view(lead_shape),
+        entropy.view(lead_shape),
+        topn_logp.view(lead_shape + (top_n,)),
         topn_ids.view(lead_shape + (top_n,)),
     )

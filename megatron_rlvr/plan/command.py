@@ -43,8 +43,8 @@ LABELS = {
 def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_per_node: int):
     """(config, HF config, nodes): the recipe with overrides, validated at its world size; nodes default to the
     recipe header's `--nodes N`, else 1."""
-    from megatron_rlvr.errors import ConfigError
     from megatron_rlvr.config import load_config
+    from megatron_rlvr.errors import ConfigError
     from megatron_rlvr.plan.recipe_files import documented_nodes, find_recipe, load_hf_config
 
     path = find_recipe(recipe)
@@ -54,15 +54,23 @@ def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_
         raise ConfigError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be >= 1")
     hf = load_hf_config(cfg.model.hf_dir)
     if hf is None:
-        raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there or in configs/models/; the plan "
-                          f"needs the model's shapes")
+        raise ConfigError(
+            f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there or in configs/models/; the plan "
+            f"needs the model's shapes"
+        )
     shape = {k: hf[k] for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers") if k in hf}
     cfg.validate(world_size=nodes * gpus_per_node, model_shape=shape)
     return cfg, hf, nodes
 
 
-def make_plan(cfg: Any, hf: dict, nodes: int, gpus_per_node: int = 8, gpu_memory_gb: float = H200_MEMORY_GB,
-              headroom_gb: float | None = None) -> Plan:
+def make_plan(
+    cfg: Any,
+    hf: dict,
+    nodes: int,
+    gpus_per_node: int = 8,
+    gpu_memory_gb: float = H200_MEMORY_GB,
+    headroom_gb: float | None = None,
+) -> Plan:
     try:
         dims = ModelDims.from_hf(hf)
     except (KeyError, TypeError, ValueError) as e:
@@ -80,68 +88,104 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
     worst = plan.worst
     breaker = plan.breaker()
     return {
-        "recipe": recipe, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": plan.gpu_memory / GB,
-        "fits": plan.fits, "peak_gb": _gb(plan.peak), "headroom_gb": _gb(plan.headroom),
-        "peak_phase": worst.peak_phase, "peak_rank": worst.name,
+        "recipe": recipe,
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "gpu_memory_gb": plan.gpu_memory / GB,
+        "fits": plan.fits,
+        "peak_gb": _gb(plan.peak),
+        "headroom_gb": _gb(plan.headroom),
+        "peak_phase": worst.peak_phase,
+        "peak_rank": worst.name,
         "phases": {k: _gb(v) for k, v in worst.phases.items()},
         "components": {f"{k}_gb": _gb(v) for k, v in worst.components.items()},
-        "ranks": [{"name": r.name, "peak_gb": _gb(r.peak), "phases": {k: _gb(v) for k, v in r.phases.items()},
-                   "components": {f"{k}_gb": _gb(v) for k, v in r.components.items()}} for r in plan.ranks],
+        "ranks": [
+            {
+                "name": r.name,
+                "peak_gb": _gb(r.peak),
+                "phases": {k: _gb(v) for k, v in r.phases.items()},
+                "components": {f"{k}_gb": _gb(v) for k, v in r.components.items()},
+            }
+            for r in plan.ranks
+        ],
         "breaking_component": None if breaker is None else {"name": breaker[0], "gb": _gb(breaker[1])},
         "problems": plan.problems,
-        "layout": {k: v for k, v in vars(plan.layout).items()},
+        "layout": dict(vars(plan.layout)),
     }
 
 
 def describe_layout(lay: Layout) -> str:
-    parts = [f"actor TP={lay.tp} PP={lay.pp}" + (f" VPP={lay.vpp}" if lay.vpp else "") + f" DP={lay.dp}",
-             "sequence parallel" if lay.sequence_parallel else "no sequence parallel",
-             f"{lay.recompute} recompute", "distributed optimizer" if lay.distributed_optimizer else "local optimizer",
-             "bf16" if lay.param_bytes == 2 else "fp32", f"{lay.micro_tokens} tokens per micro-batch"]
+    parts = [
+        f"actor TP={lay.tp} PP={lay.pp}" + (f" VPP={lay.vpp}" if lay.vpp else "") + f" DP={lay.dp}",
+        "sequence parallel" if lay.sequence_parallel else "no sequence parallel",
+        f"{lay.recompute} recompute",
+        "distributed optimizer" if lay.distributed_optimizer else "local optimizer",
+        "bf16" if lay.param_bytes == 2 else "fp32",
+        f"{lay.micro_tokens} tokens per micro-batch",
+    ]
     if lay.reference:
         parts.append("frozen reference")
-    engine = (f"engines colocated, TP={lay.engine_tp}, gpu_memory_utilization={lay.gpu_memory_utilization}, sleep "
-              f"level {lay.sleep_level}") if lay.placement != "separate" else (
-              f"engines on {lay.engine_ranks} separate ranks, TP={lay.engine_tp}, "
-              f"gpu_memory_utilization={lay.gpu_memory_utilization}")
+    engine = (
+        (
+            f"engines colocated, TP={lay.engine_tp}, gpu_memory_utilization={lay.gpu_memory_utilization}, sleep "
+            f"level {lay.sleep_level}"
+        )
+        if lay.placement != "separate"
+        else (
+            f"engines on {lay.engine_ranks} separate ranks, TP={lay.engine_tp}, "
+            f"gpu_memory_utilization={lay.gpu_memory_utilization}"
+        )
+    )
     return ", ".join(parts) + "; " + engine
 
 
 def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: ModelDims) -> str:
     lay = plan.layout
     phases = list(PHASE_PARTS)
-    lines = [f"plan: {recipe} on {nodes} node(s) x {gpus_per_node} GPUs of {plan.gpu_memory / GB:g} GB",
-             f"layout: {describe_layout(lay)}",
-             f"model: {dims.hf_params() / 1e9:.2f}e9 parameters; per actor rank "
-             + ", ".join(f"stage {s}: {stage_params(dims, lay.tp, lay.pp, s, lay.divisible_by) / 1e9:.3f}e9"
-                         for s in range(lay.pp)), ""]
+    lines = [
+        f"plan: {recipe} on {nodes} node(s) x {gpus_per_node} GPUs of {plan.gpu_memory / GB:g} GB",
+        f"layout: {describe_layout(lay)}",
+        f"model: {dims.hf_params() / 1e9:.2f}e9 parameters; per actor rank "
+        + ", ".join(
+            f"stage {s}: {stage_params(dims, lay.tp, lay.pp, s, lay.divisible_by) / 1e9:.3f}e9" for s in range(lay.pp)
+        ),
+        "",
+    ]
     for rank in plan.ranks:
         rank_phases = [p for p in phases if p in rank.phases]
         lines.append(f"{'per GPU, ' + rank.name:<34}{'GB':>8}  " + "".join(f"{p:>11}" for p in rank_phases))
         for name, value in rank.components.items():
             if value == 0:
                 continue
-            marks = "".join(f"{'x' if name in PHASE_PARTS.get(p, ()) or rank.name == 'engine rank' else '':>11}"
-                            for p in rank_phases)
+            marks = "".join(
+                f"{'x' if name in PHASE_PARTS.get(p, ()) or rank.name == 'engine rank' else '':>11}"
+                for p in rank_phases
+            )
             lines.append(f"  {LABELS.get(name, name):<32}{value / GB:>8.2f}  {marks}")
         lines.append(f"  {'phase total':<32}{'':>8}  " + "".join(f"{rank.phases[p] / GB:>11.1f}" for p in rank_phases))
         lines.append("")
     c = plan.worst.components
     if lay.placement != "separate" and lay.gpu and c.get("engine_weights"):
         where = "moved to host memory" if lay.sleep_level == 1 else "dropped (re-sent at sync)"
-        lines.append(f"sleep mode frees {(c['engine_weights'] + c['kv_cache']) / GB:.1f} GB during statistics and "
-                     f"update: the engine weights ({c['engine_weights'] / GB:.1f} GB, {where}) and the KV cache "
-                     f"({c['kv_cache'] / GB:.1f} GB); the workspace ({c['engine_workspace'] / GB:.1f} GB) stays.")
+        lines.append(
+            f"sleep mode frees {(c['engine_weights'] + c['kv_cache']) / GB:.1f} GB during statistics and "
+            f"update: the engine weights ({c['engine_weights'] / GB:.1f} GB, {where}) and the KV cache "
+            f"({c['kv_cache'] / GB:.1f} GB); the workspace ({c['engine_workspace'] / GB:.1f} GB) stays."
+        )
     for problem in plan.problems:
         lines.append(f"problem: {problem}")
     verdict = "fits" if plan.fits else "does NOT fit"
-    lines.append(f"peak {plan.peak / GB:.1f} GB per GPU ({plan.worst.name}, {plan.worst.peak_phase}) of "
-                 f"{plan.gpu_memory / GB:g} GB, {plan.headroom / GB:.1f} GB kept free: {verdict}")
+    lines.append(
+        f"peak {plan.peak / GB:.1f} GB per GPU ({plan.worst.name}, {plan.worst.peak_phase}) of "
+        f"{plan.gpu_memory / GB:g} GB, {plan.headroom / GB:.1f} GB kept free: {verdict}"
+    )
     breaker = plan.breaker()
     if breaker is not None and plan.over > 0:
-        lines.append(f"breaks it: {breaker[0]} ({LABELS.get(breaker[0], breaker[0])}) {breaker[1] / GB:.1f} GB, the "
-                     f"largest part of the {plan.worst.peak_phase} phase, which is {plan.over / GB:.1f} GB over; "
-                     f"try --suggest")
+        lines.append(
+            f"breaks it: {breaker[0]} ({LABELS.get(breaker[0], breaker[0])}) {breaker[1] / GB:.1f} GB, the "
+            f"largest part of the {plan.worst.peak_phase} phase, which is {plan.over / GB:.1f} GB over; "
+            f"try --suggest"
+        )
     return "\n".join(lines)
 
 
@@ -152,13 +196,17 @@ def header_lines(plan: Plan) -> list[str]:
     def gb(key: str) -> str:
         return f"{c[key] / GB:.1f}"
 
-    actor = (f"actor TP={lay.tp} PP={lay.pp} DP={lay.dp}: weights {gb('actor_weights')} GB, main grads "
-             f"{gb('actor_grads')}, optimizer {gb('optimizer')}, activations {gb('activations')}, "
-             f"logits {gb('logits')}")
+    actor = (
+        f"actor TP={lay.tp} PP={lay.pp} DP={lay.dp}: weights {gb('actor_weights')} GB, main grads "
+        f"{gb('actor_grads')}, optimizer {gb('optimizer')}, activations {gb('activations')}, "
+        f"logits {gb('logits')}"
+    )
     if lay.reference:
         actor += f", reference {gb('reference')}"
-    engine = (f"engine TP={lay.engine_tp} at gpu_memory_utilization {lay.gpu_memory_utilization}: weights "
-              f"{gb('engine_weights')} GB, KV cache {gb('kv_cache')}, workspace {gb('engine_workspace')} (kept asleep)")
+    engine = (
+        f"engine TP={lay.engine_tp} at gpu_memory_utilization {lay.gpu_memory_utilization}: weights "
+        f"{gb('engine_weights')} GB, KV cache {gb('kv_cache')}, workspace {gb('engine_workspace')} (kept asleep)"
+    )
     phases = ", ".join(f"{k} {v / GB:.1f}" for k, v in plan.worst.phases.items())
     verdict = "fits" if plan.fits else "does NOT fit"
     return [actor + ";", engine + ";", f"phases (GB): {phases} => peak {plan.peak / GB:.1f} GB: {verdict}"]
@@ -167,30 +215,44 @@ def header_lines(plan: Plan) -> list[str]:
 def suggestions_text(rows, has_token_budget: bool, top: int) -> str:
     if not rows:
         return "no layout fits on these nodes"
-    lines = [f"{len(rows)} layouts fit; best first by: {RANKING_RULE}",
-             f"{'TP':>3} {'PP':>3} {'DP':>3} {'micro tok':>10} {'eng TP':>7} {'util':>5} {'peak GB':>8} {'KV GB':>6}"
-             f" {'seq slots':>9}  overrides"]
+    lines = [
+        f"{len(rows)} layouts fit; best first by: {RANKING_RULE}",
+        f"{'TP':>3} {'PP':>3} {'DP':>3} {'micro tok':>10} {'eng TP':>7} {'util':>5} {'peak GB':>8} {'KV GB':>6}"
+        f" {'seq slots':>9}  overrides",
+    ]
     for s in rows[:top]:
         lay, c = s.layout, s.plan.ranks[0].components
-        lines.append(f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.micro_tokens:>10} {lay.engine_tp:>7} "
-                     f"{lay.gpu_memory_utilization:>5.2f} {s.plan.peak / GB:>8.1f} {c['kv_cache'] / GB:>6.1f} "
-                     f"{s.sequence_slots:>9}  "
-                     + " ".join(s.overrides(has_token_budget)))
+        lines.append(
+            f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.micro_tokens:>10} {lay.engine_tp:>7} "
+            f"{lay.gpu_memory_utilization:>5.2f} {s.plan.peak / GB:>8.1f} {c['kv_cache'] / GB:>6.1f} "
+            f"{s.sequence_slots:>9}  " + " ".join(s.overrides(has_token_budget))
+        )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-rlvr plan", description=__doc__.split("\n\n")[1],
-                                epilog="Exit status: 0 fits, 3 does not fit, 2 bad recipe or argument.")
+    p = argparse.ArgumentParser(
+        prog="megatron-rlvr plan",
+        description=__doc__.split("\n\n")[1],
+        epilog="Exit status: 0 fits, 3 does not fit, 2 bad recipe or argument.",
+    )
     p.add_argument("recipe", help="a recipe name in configs/ or a YAML path")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. actor.tp=4")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe header's --nodes, else 1)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-gb", type=float, default=H200_MEMORY_GB, help="memory of one GPU (H200: 141)")
-    p.add_argument("--headroom-gb", type=float, default=None,
-                   help="memory each GPU keeps free for allocator fragmentation (default: 5%% of --gpu-memory-gb)")
-    p.add_argument("--host-memory-gb", type=float, default=None,
-                   help="host memory of one node (default: the recipe's cluster.host_memory_gb)")
+    p.add_argument(
+        "--headroom-gb",
+        type=float,
+        default=None,
+        help="memory each GPU keeps free for allocator fragmentation (default: 5%% of --gpu-memory-gb)",
+    )
+    p.add_argument(
+        "--host-memory-gb",
+        type=float,
+        default=None,
+        help="host memory of one node (default: the recipe's cluster.host_memory_gb)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--suggest", action="store_true", help="list the layouts that fit on these nodes, best first")
     p.add_argument("--top", type=int, default=10, help="--suggest: how many layouts to print")
@@ -213,13 +275,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     dims = ModelDims.from_hf(hf)
     if args.suggest:
-        rows = suggest(dims, plan.layout, nodes * args.gpus_per_node, args.gpus_per_node, args.gpu_memory_gb,
-                       args.headroom_gb)
+        rows = suggest(
+            dims, plan.layout, nodes * args.gpus_per_node, args.gpus_per_node, args.gpu_memory_gb, args.headroom_gb
+        )
         has_budget = hasattr(cfg.actor, "max_tokens_per_micro_batch")
         if args.json:
-            print(json.dumps([{"overrides": s.overrides(has_budget), "peak_gb": _gb(s.plan.peak),
-                               "kv_cache_gb": _gb(s.plan.ranks[0].components["kv_cache"]),
-                               "sequence_slots": s.sequence_slots} for s in rows[:args.top]]))
+            print(
+                json.dumps(
+                    [
+                        {
+                            "overrides": s.overrides(has_budget),
+                            "peak_gb": _gb(s.plan.peak),
+                            "kv_cache_gb": _gb(s.plan.ranks[0].components["kv_cache"]),
+                            "sequence_slots": s.sequence_slots,
+                        }
+                        for s in rows[: args.top]
+                    ]
+                )
+            )
         else:
             print(suggestions_text(rows, has_budget, args.top))
         return EXIT_FITS if rows else EXIT_DOES_NOT_FIT

@@ -20,8 +20,9 @@ from megatron_rlvr.eval.estimate import format_estimate, recipe_estimate
 def main(argv: list[str] | None = None) -> int:
     from megatron_rlvr.runtime.console import report_user_error
 
-    parser = argparse.ArgumentParser(prog="megatron-rlvr estimate",
-                                     description="an eval recipe's cost and interval bound, before sampling")
+    parser = argparse.ArgumentParser(
+        prog="megatron-rlvr estimate", description="an eval recipe's cost and interval bound, before sampling"
+    )
     parser.add_argument("recipe", help="an eval recipe (configs/eval_*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. eval.n_samples=256")
     parser.add_argument("--recorded", help="a run directory of the same model and settings (its timing.jsonl)")
@@ -30,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = parser.parse_args(argv)
     try:
-        job = recipe_estimate(load_config(args.recipe, args.overrides), args.recorded, args.tokens_per_second,
-                              args.gpus)
+        job = recipe_estimate(
+            load_config(args.recipe, args.overrides), args.recorded, args.tokens_per_second, args.gpus
+        )
     except (UserError, OSError) as exc:
         return report_user_error(exc)
     print(json.dumps(job.to_json()) if args.json else format_estimate(job), end="" if not args.json else "\n")

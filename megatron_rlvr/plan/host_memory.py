@@ -26,9 +26,10 @@ OS, page cache, the container). Sizes in bytes; GB = 10^9 bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from megatron_rlvr.plan.memory import FP32, GB, Layout, ModelDims, actor_rank_plan
 
@@ -145,14 +146,18 @@ def _rank_kinds(lay: Layout, world: int, gpus_per_node: int) -> dict[str, int]:
     for node in range(max(1, math.ceil(world / gpus_per_node))):
         ranks = range(node * gpus_per_node, min(world, (node + 1) * gpus_per_node))
         kinds = {"actor": sum(r < first_engine for r in ranks), "engine": sum(r >= first_engine for r in ranks)}
-        if not best or sum(kinds.values()) > sum(best.values()) or (
-                sum(kinds.values()) == sum(best.values()) and kinds["engine"] > best["engine"]):
+        if (
+            not best
+            or sum(kinds.values()) > sum(best.values())
+            or (sum(kinds.values()) == sum(best.values()) and kinds["engine"] > best["engine"])
+        ):
             best = kinds
     return {k: v for k, v in best.items() if v}
 
 
-def host_plan(cfg: Any, hf: Mapping[str, Any], lay: Layout, world: int, gpus_per_node: int,
-              host_memory_gb: float) -> HostPlan:
+def host_plan(
+    cfg: Any, hf: Mapping[str, Any], lay: Layout, world: int, gpus_per_node: int, host_memory_gb: float
+) -> HostPlan:
     """The fullest node's host memory for ``cfg`` laid out as ``lay`` on ``world`` ranks (GPU or CPU per ``lay``)."""
     dims = ModelDims.from_hf(hf)
     r = cfg.rollout
@@ -172,8 +177,9 @@ def host_plan(cfg: Any, hf: Mapping[str, Any], lay: Layout, world: int, gpus_per
         if has_actor:
             c["transfer_buckets"] += count * transfer_bucket_bytes(dims, lay)
         if has_engine and full:
-            c["staging"] += count * (staged_bytes(dims, engine_tp, value_bytes) if lay.gpu
-                                     else engine_weight_bytes(dims, 1, FP32))
+            c["staging"] += count * (
+                staged_bytes(dims, engine_tp, value_bytes) if lay.gpu else engine_weight_bytes(dims, 1, FP32)
+            )
         if has_engine and lay.gpu and kind == "colocated" and lay.sleep_level == 1:
             c["sleep_offload"] += count * engine_weight_bytes(dims, engine_tp, value_bytes)
         if not lay.gpu:
@@ -189,8 +195,10 @@ def host_plan(cfg: Any, hf: Mapping[str, Any], lay: Layout, world: int, gpus_per
     if lay.gpu and kinds.get("colocated", 0) + kinds.get("engine", 0):
         engines = kinds.get("colocated", 0) + kinds.get("engine", 0)
         whole = engines * dims.hf_params() * value_bytes
-        notes.append(f"staging: rollout.sync_staging={r.sync_staging}; 'streaming' stages nothing, and a full stage "
-                     f"of the whole model per engine rank would be {whole / GB:.1f} GB here")
+        notes.append(
+            f"staging: rollout.sync_staging={r.sync_staging}; 'streaming' stages nothing, and a full stage "
+            f"of the whole model per engine rank would be {whole / GB:.1f} GB here"
+        )
     return HostPlan(host, c, kinds, headroom=int(HOST_HEADROOM_FRACTION * host), notes=notes)
 
 
@@ -211,20 +219,29 @@ def host_text(plan: HostPlan) -> str:
         lines.append(f"note: {note}")
     if plan.host_memory > 0:
         verdict = "fits" if plan.fits else "does NOT fit"
-        lines.append(f"host: {plan.total / GB:.1f} GB per node of {plan.host_memory / GB:g} GB, "
-                     f"{plan.headroom / GB:.0f} GB kept free: {verdict}")
+        lines.append(
+            f"host: {plan.total / GB:.1f} GB per node of {plan.host_memory / GB:g} GB, "
+            f"{plan.headroom / GB:.0f} GB kept free: {verdict}"
+        )
     breaker = plan.breaker()
     if breaker is not None:
         over = plan.total + plan.headroom - plan.host_memory
-        lines.append(f"breaks it: {breaker[0]} ({LABELS[breaker[0]]}) {breaker[1] / GB:.1f} GB, the largest part of "
-                     f"the node's host memory, which is {over / GB:.1f} GB over")
+        lines.append(
+            f"breaks it: {breaker[0]} ({LABELS[breaker[0]]}) {breaker[1] / GB:.1f} GB, the largest part of "
+            f"the node's host memory, which is {over / GB:.1f} GB over"
+        )
     return "\n".join(lines)
 
 
 def host_json(plan: HostPlan) -> dict[str, Any]:
     breaker = plan.breaker()
-    return {"host_memory_gb": plan.host_memory / GB, "fits": plan.fits, "total_gb": round(plan.total / GB, 2),
-            "headroom_gb": round(plan.headroom / GB, 2), "ranks": plan.ranks,
-            "components": {f"{k}_gb": round(v / GB, 2) for k, v in plan.components.items()},
-            "breaking_component": None if breaker is None else {"name": breaker[0], "gb": round(breaker[1] / GB, 2)},
-            "notes": plan.notes}
+    return {
+        "host_memory_gb": plan.host_memory / GB,
+        "fits": plan.fits,
+        "total_gb": round(plan.total / GB, 2),
+        "headroom_gb": round(plan.headroom / GB, 2),
+        "ranks": plan.ranks,
+        "components": {f"{k}_gb": round(v / GB, 2) for k, v in plan.components.items()},
+        "breaking_component": None if breaker is None else {"name": breaker[0], "gb": round(breaker[1] / GB, 2)},
+        "notes": plan.notes,
+    }

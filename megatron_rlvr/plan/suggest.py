@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from megatron_rlvr.plan.memory import Layout, ModelDims, Plan, kv_tokens, plan_layout
 
-RANKING_RULE = ("fewer GPUs per actor replica (TP x PP), then fewer pipeline stages, then more KV-cache sequence "
-                "slots over all engines, then more micro-batch tokens, then fewer GPUs per engine")
+RANKING_RULE = (
+    "fewer GPUs per actor replica (TP x PP), then fewer pipeline stages, then more KV-cache sequence "
+    "slots over all engines, then more micro-batch tokens, then fewer GPUs per engine"
+)
 UTILIZATIONS = tuple(round(0.30 + 0.05 * i, 2) for i in range(13))
 TOKEN_MULTIPLES = (4, 2, 1)
 
@@ -64,10 +66,18 @@ def candidate_layouts(dims: ModelDims, base: Layout, world: int, gpus_per_node: 
                         continue
                     dp = world // (tp * pp)
                     micro_batches = max(1, math.ceil(mini_batch_tokens / dp / tokens))
-                    out.append(dataclasses.replace(
-                        base, tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, micro_tokens=tokens,
-                        micro_batches=micro_batches, engine_tp=etp,
-                    ))
+                    out.append(
+                        dataclasses.replace(
+                            base,
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            sequence_parallel=tp > 1,
+                            micro_tokens=tokens,
+                            micro_batches=micro_batches,
+                            engine_tp=etp,
+                        )
+                    )
     return out
 
 
@@ -84,8 +94,14 @@ def sequence_slots(dims: ModelDims, plan: Plan, world: int) -> int:
     return engines * (kv_tokens(dims, lay, kv) // lay.max_seq_len)
 
 
-def suggest(dims: ModelDims, base: Layout, world: int, gpus_per_node: int, gpu_memory_gb: float,
-            headroom_gb: float | None = None) -> list[Suggestion]:
+def suggest(
+    dims: ModelDims,
+    base: Layout,
+    world: int,
+    gpus_per_node: int,
+    gpu_memory_gb: float,
+    headroom_gb: float | None = None,
+) -> list[Suggestion]:
     """The fitting layouts, best first by RANKING_RULE; for each the largest gpu_memory_utilization that fits."""
     found = []
     for lay in candidate_layouts(dims, base, world, gpus_per_node):

@@ -116,7 +116,7 @@ class MemoryCgroup:
         self.path = path
 
     @classmethod
-    def create(cls, limit_bytes: int, parent: Path | None = None) -> "MemoryCgroup":
+    def create(cls, limit_bytes: int, parent: Path | None = None) -> MemoryCgroup:
         parent = parent or memory_cgroup_parent()
         if parent is None:
             raise OSError(errno.ENOENT, f"no memory cgroup hierarchy: {_reason}")

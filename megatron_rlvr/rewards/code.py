@@ -18,7 +18,8 @@ Any crash, timeout, limit hit or wrong output scores 0.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python, run_python_many
 
@@ -33,7 +34,9 @@ def extract_program(response: str) -> str:
 
 def check_code_reference(reference: Any) -> None:
     """ValueError naming the field when a code reference is neither the tests nor the io format."""
-    expected = "a dict with 'tests' (str, optional 'entry_point', 'prelude') or 'io' (list of {'input': str, 'output': str})"
+    expected = (
+        "a dict with 'tests' (str, optional 'entry_point', 'prelude') or 'io' (list of {'input': str, 'output': str})"
+    )
     if not isinstance(reference, Mapping):
         raise ValueError(f"code reference: expected {expected}, got {type(reference).__name__}")
     if "tests" in reference:
@@ -49,7 +52,11 @@ def check_code_reference(reference: Any) -> None:
     if not isinstance(cases, list) or not cases:
         raise ValueError(f"code reference: expected {expected}; keys present: {sorted(reference)}")
     for i, case in enumerate(cases):
-        if not isinstance(case, Mapping) or not isinstance(case.get("input"), str) or not isinstance(case.get("output"), str):
+        if (
+            not isinstance(case, Mapping)
+            or not isinstance(case.get("input"), str)
+            or not isinstance(case.get("output"), str)
+        ):
             raise ValueError(f"code reference: io[{i}] must be {{'input': str, 'output': str}}, got {case!r:.200}")
 
 

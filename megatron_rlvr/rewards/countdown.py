@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import ast
 from collections import Counter
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import Any
 
 MAX_EXPRESSION_CHARS = 200
 _ALLOWED_CHARS = frozenset("0123456789+-*/() \t")
@@ -33,9 +34,13 @@ class _Rejected(Exception):
 def check_reference(reference: Any) -> tuple[list[int], int]:
     """The (numbers, target) of a countdown reference; ValueError naming the field when it is malformed."""
     if not isinstance(reference, Mapping):
-        raise ValueError(f"countdown reference: expected a dict {{'numbers': [ints], 'target': int}}, got {reference!r:.200}")
+        raise ValueError(
+            f"countdown reference: expected a dict {{'numbers': [ints], 'target': int}}, got {reference!r:.200}"
+        )
     numbers, target = reference.get("numbers"), reference.get("target")
-    if not isinstance(numbers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in numbers):
+    if not isinstance(numbers, (list, tuple)) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in numbers
+    ):
         raise ValueError(f"countdown reference: 'numbers' must be a list of ints, got {numbers!r:.200}")
     if not isinstance(target, int) or isinstance(target, bool):
         raise ValueError(f"countdown reference: 'target' must be an int, got {target!r:.200}")

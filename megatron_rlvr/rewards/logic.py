@@ -35,7 +35,7 @@ def extract_logic_answer(response: str) -> str | None:
     if boxed is not None and boxed.strip():
         return boxed.strip()
     last = None
-    for last in _ANSWER_IS.finditer(response):
+    for last in _ANSWER_IS.finditer(response):  # noqa: B007 - the loop keeps the last match
         pass
     if last is not None:
         line = response[last.end() :].split("\n", 1)[0].strip().lstrip(":").strip()

@@ -67,7 +67,7 @@ def _last_boxed(text: str) -> str | None:
 
 def _after_phrase(text: str) -> str | None:
     last = None
-    for last in _ANSWER_PHRASE.finditer(text):
+    for last in _ANSWER_PHRASE.finditer(text):  # noqa: B007 - the loop keeps the last match
         pass
     if last is None:
         return None
@@ -93,7 +93,7 @@ def extract_answer(response: str) -> str | None:
         return found.strip()
     for window in (response[-_LAST_NUMBER_WINDOW:], response):  # the last number is almost always near the end
         last = None
-        for last in _NUMBER.finditer(window):
+        for last in _NUMBER.finditer(window):  # noqa: B007 - the loop keeps the last match
             pass
         if last is not None:
             return last.group(0).strip()
@@ -138,15 +138,20 @@ def verify_math(response: str, gold: str) -> float:
     if not answer or is_pathological(answer):
         return 0.0
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("verify_math: math-verify times out with signal.alarm, so it must run in a process's main "
-                           "thread; score math through RewardPool (worker processes) instead of threads")
+        raise RuntimeError(
+            "verify_math: math-verify times out with signal.alarm, so it must run in a process's main "
+            "thread; score math through RewardPool (worker processes) instead of threads"
+        )
     from math_verify import parse, verify  # heavy (sympy): imported by the worker that needs it
 
     gold_text = gold if "\\boxed" in gold else f"${_normalize_plain(gold)}$"
     gold_parsed = parse(gold_text, parsing_timeout=PARSE_TIMEOUT_S)
     answer_parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=PARSE_TIMEOUT_S)
-    if gold_parsed and answer_parsed:
-        if verify(gold_parsed, answer_parsed, timeout_seconds=VERIFY_TIMEOUT_S):
-            return 1.0
+    if gold_parsed and answer_parsed and verify(gold_parsed, answer_parsed, timeout_seconds=VERIFY_TIMEOUT_S):
+        return 1.0
     gold_answer = extract_answer(gold) if "\\boxed" in gold else gold
-    return 1.0 if gold_answer is not None and _loose_string(_normalize_plain(gold_answer)) == _loose_string(answer) else 0.0
+    return (
+        1.0
+        if gold_answer is not None and _loose_string(_normalize_plain(gold_answer)) == _loose_string(answer)
+        else 0.0
+    )

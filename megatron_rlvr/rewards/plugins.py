@@ -93,8 +93,11 @@ def load_plugin(task: str, spec: str) -> Callable[[str, Any], float]:
     try:
         inspect.signature(fn).bind("response", "reference")
     except TypeError:
-        raise _error(task, f"{target}:{name}{inspect.signature(fn)} cannot be called as "
-                           f"fn(response, reference); expected fn(response, reference) -> float in [0, 1]") from None
+        raise _error(
+            task,
+            f"{target}:{name}{inspect.signature(fn)} cannot be called as "
+            f"fn(response, reference); expected fn(response, reference) -> float in [0, 1]",
+        ) from None
     except ValueError:  # no signature to read (some builtins): the first call will tell
         pass
     _LOADED[key] = fn

@@ -48,7 +48,6 @@ def check_memory_fits(cfg: RewardConfig) -> None:
     """ConfigError naming the keys when ``workers`` sandboxes at their full budgets exceed the available memory."""
     import psutil
 
-
     per_program = cfg.code_memory_mb + cfg.code_tmpfs_mb
     memory = psutil.virtual_memory()
     available, total = memory.available >> 20, memory.total >> 20
@@ -61,8 +60,9 @@ def check_memory_fits(cfg: RewardConfig) -> None:
         )
 
 
-def _worker_main(conn: Connection, cfg: RewardConfig, extra_scorers: Mapping[str, Callable] | None,
-                 warm: Sequence[str] = ()) -> None:
+def _worker_main(
+    conn: Connection, cfg: RewardConfig, extra_scorers: Mapping[str, Callable] | None, warm: Sequence[str] = ()
+) -> None:
     # Slurm's warning signal (USR1) goes to every process of the job step; a verifier dying of it mid-item would
     # score that item 0. The trainer's ranks handle it (runtime/preemption.py); the workers ignore it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -151,8 +151,9 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, args=(child, self.cfg, self._extra or None, tuple(self._warm)),
-                                    daemon=True)
+        process = self._ctx.Process(
+            target=_worker_main, args=(child, self.cfg, self._extra or None, tuple(self._warm)), daemon=True
+        )
         process.start()
         child.close()
         return _Worker(process=process, conn=parent, started=time.monotonic())
@@ -236,8 +237,12 @@ class RewardPool:
         self._warm_up({routes[i] for i in pending})
         self._run_remote(pending, routes, tasks, responses, references, rewards, counters)
         if self.last_errors:
-            log.warning("reward: %d verifier errors in a batch of %d (each scored 0); first: %s",
-                        len(self.last_errors), len(tasks), "; ".join(self.last_errors[:3]))
+            log.warning(
+                "reward: %d verifier errors in a batch of %d (each scored 0); first: %s",
+                len(self.last_errors),
+                len(tasks),
+                "; ".join(self.last_errors[:3]),
+            )
         self.totals.update(counters)
         return rewards, dict(counters)
 

@@ -28,7 +28,7 @@ class ReasoningGymMissingError(UserError, ImportError):
 
 def dataset_name(task: str) -> str | None:
     """NAME of a ``reasoning_gym:NAME`` task, else None."""
-    return task[len(TASK_PREFIX):] if task.startswith(TASK_PREFIX) else None
+    return task[len(TASK_PREFIX) :] if task.startswith(TASK_PREFIX) else None
 
 
 _found = False  # set once the package was found: routing checks every row
@@ -48,8 +48,10 @@ def check_reference(task: str, reference: Any) -> None:
     if not dataset_name(task):
         raise ValueError(f"reward task {task!r}: expected reasoning_gym:NAME with NAME a reasoning-gym dataset")
     if not isinstance(reference, Mapping) or not isinstance(reference.get("metadata"), Mapping):
-        raise ValueError(f"{task} reference: expected the dataset entry {{'answer', 'metadata': {{...}}}} that "
-                         f"`data prepare reasoning-gym` writes, got {reference!r:.200}")
+        raise ValueError(
+            f"{task} reference: expected the dataset entry {{'answer', 'metadata': {{...}}}} that "
+            f"`data prepare reasoning-gym` writes, got {reference!r:.200}"
+        )
 
 
 @cache

@@ -107,7 +107,9 @@ def namespaces_available() -> bool:
                 "sys.exit(0 if l.unshare(0x20000|0x40000000|0x20000000|0x8000000|0x4000000)==0 else 1)"
             )
             try:
-                _probe_result = subprocess.run([_python_executable(), "-I", "-S", "-c", probe], timeout=30).returncode == 0
+                _probe_result = (
+                    subprocess.run([_python_executable(), "-I", "-S", "-c", probe], timeout=30).returncode == 0
+                )
             except (OSError, subprocess.TimeoutExpired):
                 _probe_result = False
     return _probe_result
@@ -246,8 +248,11 @@ def _log_once(info: SandboxInfo, limits: SandboxLimits) -> None:
         log.warning(
             "!" * 20 + " %s " + "!" * 20,
             "code sandbox WITHOUT namespaces: no network isolation and no private read-only filesystem "
-            + ("(a per-run uid and rlimits only)" if info.isolation == "uid+rlimits" else
-               "(rlimits only: programs run as THIS user and can touch its files and processes!)"),
+            + (
+                "(a per-run uid and rlimits only)"
+                if info.isolation == "uid+rlimits"
+                else "(rlimits only: programs run as THIS user and can touch its files and processes!)"
+            ),
         )
 
 
@@ -318,8 +323,12 @@ def run_python_many(source: str, stdins: list[str], limits: SandboxLimits | None
         with open(io_dir / "launcher.err", "wb") as launcher_err:
             process = subprocess.Popen(
                 [_python_executable(), "-I", "-S", str(_LAUNCHER), str(config_path)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=launcher_err,
-                start_new_session=True, close_fds=True, cwd=str(root),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=launcher_err,
+                start_new_session=True,
+                close_fds=True,
+                cwd=str(root),
             )
             backstop_hit = False
             try:  # the launcher enforces each run's wall time; this only backs it up
@@ -336,7 +345,8 @@ def run_python_many(source: str, stdins: list[str], limits: SandboxLimits | None
             statuses = []
         peak = cgroup.peak_bytes() if cgroup is not None else None
         memory = dict(
-            memory=info.memory, memory_peak_mb=None if peak is None else peak / 2**20,
+            memory=info.memory,
+            memory_peak_mb=None if peak is None else peak / 2**20,
             oom_kills=cgroup.oom_kills() if cgroup is not None else 0,
         )
         results = []
@@ -344,14 +354,32 @@ def run_python_many(source: str, stdins: list[str], limits: SandboxLimits | None
             stderr = _read_capped(io_dir / f"stderr-{i}", limits.output_chars)
             if status["returncode"] == _SETUP_FAILED and stderr.startswith("sandbox setup failed"):
                 raise SandboxError(stderr.strip())
-            results.append(SandboxResult(
-                returncode=status["returncode"], stdout=_read_capped(io_dir / f"stdout-{i}", limits.output_chars),
-                stderr=stderr, timed_out=status["timed_out"], isolation=info.isolation, **memory,
-            ))
-        if backstop_hit or not results or (len(results) < len(stdins) and results[-1].returncode == 0 and not results[-1].timed_out):
+            results.append(
+                SandboxResult(
+                    returncode=status["returncode"],
+                    stdout=_read_capped(io_dir / f"stdout-{i}", limits.output_chars),
+                    stderr=stderr,
+                    timed_out=status["timed_out"],
+                    isolation=info.isolation,
+                    **memory,
+                )
+            )
+        if (
+            backstop_hit
+            or not results
+            or (len(results) < len(stdins) and results[-1].returncode == 0 and not results[-1].timed_out)
+        ):
             # the launcher died or overran before reporting this run: it counts as a timeout
-            results.append(SandboxResult(returncode=-signal.SIGKILL, stdout="", stderr=setup_error, timed_out=True,
-                                         isolation=info.isolation, **memory))
+            results.append(
+                SandboxResult(
+                    returncode=-signal.SIGKILL,
+                    stdout="",
+                    stderr=setup_error,
+                    timed_out=True,
+                    isolation=info.isolation,
+                    **memory,
+                )
+            )
         return results
     finally:
         if process is not None:

@@ -27,9 +27,24 @@ import signal
 import sys
 import time
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
+    0x20000,
+    0x4000000,
+    0x8000000,
+    0x20000000,
+    0x40000000,
+)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = (
-    1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18)
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    8192,
+    16384,
+    1 << 18,
+)
 MNT_DETACH = 2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}  # no glibc wrapper
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -47,8 +62,10 @@ def _check(result, what):
 def _mount(source, target, fstype, flags, data=None):
     _check(
         _libc.mount(
-            None if source is None else source.encode(), target.encode(),
-            None if fstype is None else fstype.encode(), ctypes.c_ulong(flags),
+            None if source is None else source.encode(),
+            target.encode(),
+            None if fstype is None else fstype.encode(),
+            ctypes.c_ulong(flags),
             None if data is None else data.encode(),
         ),
         f"mount {source} -> {target}",
@@ -95,15 +112,24 @@ def _build_root(cfg, source):
     os.mkdir(root + "/dev", 0o755)
     for name in ("null", "zero", "full", "random", "urandom"):
         _bind_file("/dev/" + name, f"{root}/dev/{name}")
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{root}/dev/{name}")
     os.mkdir(root + "/proc", 0o555)
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this PID namespace's processes only
     scratch = root + "/sandbox"
     os.mkdir(scratch, 0o755)
-    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={cfg['tmpfs_mb']}m,nr_inodes={cfg['tmpfs_inodes']},mode=755")
+    _mount(
+        "tmpfs",
+        scratch,
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={cfg['tmpfs_mb']}m,nr_inodes={cfg['tmpfs_inodes']},mode=755",
+    )
     for name, mode, where in (("tmp", 0o1777, "/tmp"), ("shm", 0o1777, "/dev/shm"), ("work", 0o700, None)):
         os.mkdir(f"{scratch}/{name}")
         os.chmod(f"{scratch}/{name}", mode)  # mkdir's mode passes through the umask; chmod does not
@@ -151,8 +177,14 @@ def _exec_program(cfg):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    env = {"PATH": "/usr/bin:/bin", "HOME": cfg["work_dir"], "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": cfg["tmp_dir"]}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": cfg["work_dir"],
+        "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "TMPDIR": cfg["tmp_dir"],
+    }
     python = cfg["python"]
     os.execve(python, [python, "-I", "-S", "main.py"], env)
 

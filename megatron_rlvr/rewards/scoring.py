@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rlvr.rewards.config import RewardConfig
-from megatron_rlvr.rewards.countdown import check_reference as check_countdown_reference, score_countdown
+from megatron_rlvr.rewards.countdown import check_reference as check_countdown_reference
+from megatron_rlvr.rewards.countdown import score_countdown
 from megatron_rlvr.rewards.logic import verify_logic
 
 TASKS = ("math", "code", "logic", "countdown")
@@ -36,8 +37,12 @@ def code_limits(cfg: RewardConfig):
     from megatron_rlvr.rewards.sandbox import SandboxLimits
 
     return SandboxLimits(
-        cpu_s=cfg.code_cpu_s, wall_s=cfg.code_wall_s, memory_mb=cfg.code_memory_mb,
-        file_size_mb=cfg.code_file_size_mb, nproc=cfg.code_nproc, tmpfs_mb=cfg.code_tmpfs_mb,
+        cpu_s=cfg.code_cpu_s,
+        wall_s=cfg.code_wall_s,
+        memory_mb=cfg.code_memory_mb,
+        file_size_mb=cfg.code_file_size_mb,
+        nproc=cfg.code_nproc,
+        tmpfs_mb=cfg.code_tmpfs_mb,
     )
 
 

@@ -61,8 +61,11 @@ class SynLogicVerifiers:
                 spec.loader.exec_module(module)
                 data_module = importlib.import_module("base.data")
         except Exception as e:  # noqa: BLE001 - a broken or incomplete checkout, reported on one line
-            hint = f" (install the checkout's requirements: pip install -r {root / 'requirements.txt'})" \
-                if isinstance(e, ModuleNotFoundError) else ""
+            hint = (
+                f" (install the checkout's requirements: pip install -r {root / 'requirements.txt'})"
+                if isinstance(e, ModuleNotFoundError)
+                else ""
+            )
             raise _error(f"importing {entry} failed: {type(e).__name__}: {e}{hint}") from e
         classes = getattr(module, "verifier_classes", None)
         if not isinstance(classes, Mapping) or not classes:
@@ -79,8 +82,12 @@ class SynLogicVerifiers:
         verifier = self._instances.get(task)
         if verifier is None:
             verifier = self._instances[task] = self._classes[task]()
-        data = self._data_cls(question=reference.get("question") or "", answer=reference.get("answer"),
-                              difficulty=reference.get("difficulty") or 1, metadata=reference.get("metadata"))
+        data = self._data_cls(
+            question=reference.get("question") or "",
+            answer=reference.get("answer"),
+            difficulty=reference.get("difficulty") or 1,
+            metadata=reference.get("metadata"),
+        )
         with _quiet():
             value = verifier.verify(data, response)
         reward = float(bool(value)) if isinstance(value, bool) or value is None else float(value)

@@ -85,10 +85,13 @@ class VerifierTable:
         if self.synlogic is not None and source in self.synlogic.tasks:
             return f"synlogic:{source}"
         if not self.cfg.logic_fallback:
-            where = f"reward.synlogic_dir={self.cfg.synlogic_dir!r}" if self.cfg.synlogic_dir else \
-                "no reward.synlogic_dir"
-            raise ValueError(f"logic row with data_source {source!r}: no official SynLogic verifier ({where}) and "
-                             f"reward.logic_fallback=false; set reward.logic_fallback=true for the generic matcher")
+            where = (
+                f"reward.synlogic_dir={self.cfg.synlogic_dir!r}" if self.cfg.synlogic_dir else "no reward.synlogic_dir"
+            )
+            raise ValueError(
+                f"logic row with data_source {source!r}: no official SynLogic verifier ({where}) and "
+                f"reward.logic_fallback=false; set reward.logic_fallback=true for the generic matcher"
+            )
         check_reference("logic", _logic_gold(reference))
         return "logic"
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def make_engine(
     model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32"
-) -> "VLLMEngine | PrefixedEngine":
+) -> VLLMEngine | PrefixedEngine:
     """Build the engine ``cfg.engine`` names from an HF directory; sync the actor's weights into it afterwards.
     With ``cfg.prefix_model`` set, a second (frozen) engine serves that weaker model and the returned wrapper mixes
     its prefixes into each group; the two must share the tokenizer (checked before either engine starts)."""
@@ -37,8 +37,13 @@ def make_engine(
     except BaseException:
         target.close()
         raise
-    return PrefixedEngine(target, weak, cfg.prefix_fraction, cfg.prefix_cut,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    return PrefixedEngine(
+        target,
+        weak,
+        cfg.prefix_fraction,
+        cfg.prefix_cut,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
 
 
 __all__ = [

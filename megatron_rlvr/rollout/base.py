@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,7 @@ class RolloutEngine(Protocol):
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
         """`n` completions for each prompt, in prompt order."""
 
-    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]], lent: bool = False) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], lent: bool = False) -> None:
         """Load a stream of (HF parameter name, tensor) into the engine's model. ``lent``: a tensor is valid only
         until the engine draws the next bucket of the stream (the bridge's ``lend=True``); copy what must outlive it."""
 

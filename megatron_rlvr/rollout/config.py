@@ -51,8 +51,10 @@ class RolloutConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key}: expected >= 1, got {getattr(self, key)!r}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"rollout.min_new_tokens: expected 0 .. rollout.max_new_tokens={self.max_new_tokens}, "
-                             f"got {self.min_new_tokens!r}")
+            raise ValueError(
+                f"rollout.min_new_tokens: expected 0 .. rollout.max_new_tokens={self.max_new_tokens}, "
+                f"got {self.min_new_tokens!r}"
+            )
         if self.refill_max_rounds < 0:
             raise ValueError(f"rollout.refill_max_rounds: expected >= 0, got {self.refill_max_rounds!r}")
         if self.temperature <= 0:
@@ -66,12 +68,15 @@ class RolloutConfig:
         if self.placement not in ("colocated", "separate"):
             raise ValueError(f"rollout.placement: expected 'colocated' or 'separate', got {self.placement!r}")
         if self.engine_ranks < 0 or (self.placement == "separate") != (self.engine_ranks > 0):
-            raise ValueError(f"rollout.engine_ranks: expected >= 1 with placement 'separate' and 0 with 'colocated', "
-                             f"got {self.engine_ranks!r} with {self.placement!r}")
+            raise ValueError(
+                f"rollout.engine_ranks: expected >= 1 with placement 'separate' and 0 with 'colocated', "
+                f"got {self.engine_ranks!r} with {self.placement!r}"
+            )
         if not 0 <= self.prefix_fraction <= 1:
             raise ValueError(f"rollout.prefix_fraction: expected a share in [0, 1], got {self.prefix_fraction!r}")
         if len(self.prefix_cut) != 2 or not 0 <= self.prefix_cut[0] <= self.prefix_cut[1] <= 1:
-            raise ValueError(f"rollout.prefix_cut: expected a range [lo, hi] with 0 <= lo <= hi <= 1, got "
-                             f"{list(self.prefix_cut)!r}")
+            raise ValueError(
+                f"rollout.prefix_cut: expected a range [lo, hi] with 0 <= lo <= hi <= 1, got {list(self.prefix_cut)!r}"
+            )
         if self.sync_staging not in ("full", "streaming"):
             raise ValueError(f"rollout.sync_staging: expected 'full' or 'streaming', got {self.sync_staging!r}")

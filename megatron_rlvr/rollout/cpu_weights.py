@@ -29,8 +29,8 @@ quantized layers, a name with no route) gets no `DirectLoader` and the engine us
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -67,7 +67,7 @@ class DirectLoader:
         self._buffers = _GemmBuffers()
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> "DirectLoader | None":
+    def for_model(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> DirectLoader | None:
         """None (with the reason logged) when the model is not one this loader covers exactly."""
         try:
             return cls(model, _routes(model, shapes))
@@ -214,12 +214,13 @@ def _routes(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> di
     if not current_platform.is_cpu() or get_tensor_model_parallel_world_size() != 1:
         raise _Unsupported("not a TP=1 CPU model")
     packed_into = {
-        part: (packed, i) for packed, parts in getattr(model, "packed_modules_mapping", {}).items()
+        part: (packed, i)
+        for packed, parts in getattr(model, "packed_modules_mapping", {}).items()
         for i, part in enumerate(parts)
     }
     modules = dict(model.named_modules())
     routes: dict[str, _Route] = {}
-    for name, shape in shapes.items():
+    for name in shapes:
         module_name, _, leaf = name.rpartition(".")
         prefix, _, short = module_name.rpartition(".")
         part, parts = 0, 1
@@ -270,7 +271,7 @@ def _routes(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> di
 def _output_rows(module: torch.nn.Module, leaf: str) -> int:
     t = getattr(module, leaf)
     if t.numel() == 0:  # a GEMM layer whose weight vLLM moved into the handle
-        return int(getattr(module, "output_size_per_partition"))
+        return int(module.output_size_per_partition)
     return t.shape[0]
 
 

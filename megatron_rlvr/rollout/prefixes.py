@@ -29,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from megatron_rlvr.rollout.base import Completion, RolloutEngine, Sampling
 
@@ -55,8 +56,15 @@ def derived_seed(seed: int | None, tag: str) -> int | None:
 class PrefixedEngine:
     """The target engine, with a ``fraction`` share of each group continuing a weak engine's cut answer."""
 
-    def __init__(self, target: RolloutEngine, weak: RolloutEngine, fraction: float, cut: Sequence[float], *,
-                 decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self,
+        target: RolloutEngine,
+        weak: RolloutEngine,
+        fraction: float,
+        cut: Sequence[float],
+        *,
+        decode: Callable[[list[int]], str],
+    ) -> None:
         if not 0 <= fraction <= 1:
             raise ValueError(f"rollout.prefix_fraction: expected a share in [0, 1], got {fraction!r}")
         if len(cut) != 2 or not 0 <= cut[0] <= cut[1] <= 1:
@@ -88,8 +96,12 @@ class PrefixedEngine:
         continued: dict[tuple[int, int], Completion] = {}
         for budget in sorted(by_budget):
             keys = by_budget[budget]
-            call = replace(sampling, max_tokens=budget, seed=derived_seed(sampling.seed, f"continue/{budget}"),
-                           min_tokens=max(0, sampling.min_tokens - (sampling.max_tokens - budget)))
+            call = replace(
+                sampling,
+                max_tokens=budget,
+                seed=derived_seed(sampling.seed, f"continue/{budget}"),
+                min_tokens=max(0, sampling.min_tokens - (sampling.max_tokens - budget)),
+            )
             outs = self.target.generate([list(prompt_token_ids[i]) + prefixes[i, j][0] for i, j in keys], 1, call)
             for key, out in zip(keys, outs):
                 continued[key] = out[0]
@@ -99,11 +111,15 @@ class PrefixedEngine:
             for j in range(k):
                 ids, logprobs, text = prefixes[i, j]
                 c = continued[i, j]
-                group.append(Completion(
-                    token_ids=ids + list(c.token_ids),
-                    logprobs=(logprobs + list(c.logprobs)) if sampling.logprobs else [],
-                    text=text + c.text, finish_reason=c.finish_reason, prefix_len=len(ids),
-                ))
+                group.append(
+                    Completion(
+                        token_ids=ids + list(c.token_ids),
+                        logprobs=(logprobs + list(c.logprobs)) if sampling.logprobs else [],
+                        text=text + c.text,
+                        finish_reason=c.finish_reason,
+                        prefix_len=len(ids),
+                    )
+                )
             result.append(group)
         return result
 
@@ -121,14 +137,11 @@ class PrefixedEngine:
         """A prefix text the target can continue as is: no split character, no stop string, whole or begun."""
         if text.endswith("\ufffd"):
             return False
-        for stop in stops:
-            if stop in text or any(text.endswith(stop[:m]) for m in range(1, len(stop))):
-                return False
-        return True
+        return not any(stop in text or any(text.endswith(stop[:m]) for m in range(1, len(stop))) for stop in stops)
 
     # ---------------------------------------------------------------------------------------------- the rest
 
-    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]], lent: bool = False) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], lent: bool = False) -> None:
         self.target.update_weights(weights, lent=lent)
 
     def sleep(self) -> None:
@@ -182,6 +195,8 @@ def check_same_tokenizer(model_dir: str | Path, prefix_model: str | Path) -> Any
     if sizes[0] != sizes[1]:
         problems.append(f"config vocab_size {sizes[0]} vs {sizes[1]}")
     if problems:
-        raise ConfigError(f"rollout.prefix_model: {str(prefix_model)!r} must use the same tokenizer as the model "
-                          f"{str(model_dir)!r}: " + "; ".join(problems))
+        raise ConfigError(
+            f"rollout.prefix_model: {str(prefix_model)!r} must use the same tokenizer as the model "
+            f"{str(model_dir)!r}: " + "; ".join(problems)
+        )
     return target_tok

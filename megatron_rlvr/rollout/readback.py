@@ -11,7 +11,7 @@ that goes stale). Feeding the identity through the layer's own GEMM returns W^T 
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

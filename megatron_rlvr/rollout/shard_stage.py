@@ -20,8 +20,8 @@ staged tensor itself). The rows of other ranks are zeros, which that loader neve
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 

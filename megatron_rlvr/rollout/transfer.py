@@ -34,7 +34,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -91,8 +91,9 @@ class _Link:
         self.group, self.timeout_s, self.role = group, float(timeout_s), role
         self.size, self.rank = group.size(), group.rank()
         if self.size < 2:
-            raise ValueError(f"weight transfer: the group has {self.size} member(s); expected the sender and >= 1 "
-                             f"engine rank")
+            raise ValueError(
+                f"weight transfer: the group has {self.size} member(s); expected the sender and >= 1 engine rank"
+            )
         backend = group.name() if hasattr(group, "name") else "gloo"
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -117,13 +118,17 @@ class _Link:
             ok = work.wait(datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError or DistBackendError
             self.broken = f"{self.role}: {what}: {e}"
-            how = (f"no answer within {timeout_s:g} s" if "timed out" in str(e).lower()
-                   else "the connection failed (the peer died?)")
+            how = (
+                f"no answer within {timeout_s:g} s"
+                if "timed out" in str(e).lower()
+                else "the connection failed (the peer died?)"
+            )
             raise TransferError(f"weight transfer ({self.role}, member {self.rank}): {what}: {how}: {e}") from e
         if ok is False:  # NCCL may report a timeout by returning False
             self.broken = f"{self.role}: {what}: timed out"
-            raise TransferError(f"weight transfer ({self.role}, member {self.rank}): {what}: no answer within "
-                                f"{timeout_s:g} s")
+            raise TransferError(
+                f"weight transfer ({self.role}, member {self.rank}): {what}: no answer within {timeout_s:g} s"
+            )
 
     def broadcast(self, tensor: torch.Tensor, timeout_s: float):
         opts = dist.BroadcastOptions()
@@ -143,12 +148,19 @@ class WeightSender:
     buffers live; default CUDA for an NCCL group, CPU otherwise (give it for a group with several backends). Extra
     keyword arguments beyond the agreed API: ``bucket_bytes``, ``device``, and ``send(..., wait_s=)``."""
 
-    def __init__(self, group, *, timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        group,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.link = _Link(group, timeout_s, device, "sender")
         if self.link.rank != 0:
-            raise ValueError(f"WeightSender: must be member 0 of the transfer group, this process is member "
-                             f"{self.link.rank}")
+            raise ValueError(
+                f"WeightSender: must be member 0 of the transfer group, this process is member {self.link.rank}"
+            )
         if bucket_bytes <= 0:
             raise ValueError(f"WeightSender: bucket_bytes must be positive, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
@@ -178,16 +190,20 @@ class WeightSender:
                 yield run
 
     def _pack(self, items: list[tuple[str, torch.Tensor]], version: int, index: int, last: bool, slot: int):
-        meta = json.dumps({
-            "version": version, "index": index, "last": last,
-            "items": [(n, str(t.dtype), list(t.shape)) for n, t in items],
-        }).encode()
+        meta = json.dumps(
+            {
+                "version": version,
+                "index": index,
+                "last": last,
+                "items": [(n, str(t.dtype), list(t.shape)) for n, t in items],
+            }
+        ).encode()
         places, end = _layout([(n, str(t.dtype), list(t.shape)) for n, t in items], len(meta))
         if self._slots[slot].numel() < end:
             self._slots[slot] = torch.empty(end, dtype=torch.uint8, device=self.link.device)
         buf = self._slots[slot][:end]
         buf[: len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-        for (name, tensor), (offset, nbytes) in zip(items, places):
+        for (_, tensor), (offset, nbytes) in zip(items, places):
             buf[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         payload = sum(nbytes for _, nbytes in places)
         header = torch.tensor([MAGIC, len(meta), end, version], dtype=torch.int64, device=self.link.device)
@@ -211,8 +227,9 @@ class WeightSender:
                     f"message) where the sender is at {[self.count, index]}; did it stop reading a stream early?"
                 )
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, *,
-             wait_s: float | None = None) -> dict[str, float]:
+    def send(
+        self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, *, wait_s: float | None = None
+    ) -> dict[str, float]:
         """Send one transfer; returns once every engine rank has consumed it. ``version`` must grow from transfer to
         transfer. ``wait_s``: how long the engine ranks may take to start receiving (default ``timeout_s``).
         Returns bytes of tensors sent (once, whatever the number of engine ranks), seconds, messages (buckets) and the
@@ -220,8 +237,9 @@ class WeightSender:
         link = self.link
         link.check()
         if self.last_version is not None and version <= self.last_version:
-            raise ValueError(f"WeightSender.send: version {version} after version {self.last_version}; versions must "
-                             f"grow")
+            raise ValueError(
+                f"WeightSender.send: version {version} after version {self.last_version}; versions must grow"
+            )
         start = time.perf_counter()
         sent, largest, index, in_flight = 0, 0, 0, [None, None]
         hands = self._post_hands(0)
@@ -234,8 +252,13 @@ class WeightSender:
                 for work in in_flight[slot]:
                     link.wait(work, f"broadcast of message {index - 2} (version {version})", link.timeout_s)
             header, buf, payload = self._pack(items or [], version, index, last, slot)
-            self._await_hands(hands, index, version, (wait_s or link.timeout_s) if index == 0 else link.timeout_s,
-                              f"ready for message {index}")
+            self._await_hands(
+                hands,
+                index,
+                version,
+                (wait_s or link.timeout_s) if index == 0 else link.timeout_s,
+                f"ready for message {index}",
+            )
             hands = self._post_hands(-1 if last else index + 1)
             in_flight[slot] = [link.broadcast(header, link.timeout_s), link.broadcast(buf, link.timeout_s)]
             sent, largest = sent + payload, max(largest, payload)
@@ -248,8 +271,12 @@ class WeightSender:
         self._await_hands(hands, -1, version, link.timeout_s, "done")
         self.count += 1
         self.last_version = version
-        return {"transfer/bytes": float(sent), "transfer/seconds": time.perf_counter() - start,
-                "transfer/buckets": float(index - 1), "transfer/max_bucket_bytes": float(largest)}
+        return {
+            "transfer/bytes": float(sent),
+            "transfer/seconds": time.perf_counter() - start,
+            "transfer/buckets": float(index - 1),
+            "transfer/max_bucket_bytes": float(largest),
+        }
 
 
 class WeightReceiver:
@@ -258,8 +285,17 @@ class WeightReceiver:
     Extra keyword arguments beyond the agreed API: ``timeout_s``, ``device`` (as the sender's) and
     ``receive(wait_s=)``."""
 
-    def __init__(self, group, *, engine_tp: int, engine_tp_rank: int, dims: ModelDims | None, shard: bool,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        group,
+        *,
+        engine_tp: int,
+        engine_tp_rank: int,
+        dims: ModelDims | None,
+        shard: bool,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.link = _Link(group, timeout_s, device, "engine")
         if self.link.rank == 0:
             raise ValueError("WeightReceiver: member 0 of the transfer group is the sender")

@@ -30,8 +30,9 @@ import contextlib  # noqa: E402
 import gc  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Iterable  # noqa: E402
+from typing import Any
 
 import torch  # noqa: E402
 
@@ -44,6 +45,7 @@ from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
 logger = logging.getLogger(__name__)
+
 
 class VLLMEngine:
     """A vLLM engine behind the `RolloutEngine` protocol. After any failure inside vLLM it reports itself dead."""
@@ -69,8 +71,12 @@ class VLLMEngine:
             shapes = self.manifest.shapes
             self._direct = self._llm.apply_model(lambda model: DirectLoader.for_model(model, shapes))[0]
         # "full" staging through vLLM's reload keeps only this rank's engine-TP shard of the stream (shard_stage.py)
-        self._stage = ShardStage(self.manifest, ModelDims.from_hf(self._hf_config), cfg.tp if self.on_gpu else 1,
-                                 self._llm.apply_model(_tp_rank)[0] if self.on_gpu else 0)
+        self._stage = ShardStage(
+            self.manifest,
+            ModelDims.from_hf(self._hf_config),
+            cfg.tp if self.on_gpu else 1,
+            self._llm.apply_model(_tp_rank)[0] if self.on_gpu else 0,
+        )
         self.last_staged_bytes = 0  # peak staged bytes of the last "full" sync through vLLM's reload (0: none)
 
     # ---------------------------------------------------------------------------------------------- lifecycle
@@ -242,7 +248,7 @@ class VLLMEngine:
                 raise WeightSyncError(f"post-sync check: engine weights differ from the sent ones: {mismatches[:5]}")
 
     def _update_direct(self, source, feed, full: bool, lent: bool = False) -> None:
-        """"full": the checked stream is built into new GEMM handles aside and committed only after its end, so a
+        """ "full": the checked stream is built into new GEMM handles aside and committed only after its end, so a
         bad stream (raised by `checked` after draining) leaves the engine untouched and alive."""
         touched = False
 
@@ -265,7 +271,7 @@ class VLLMEngine:
             raise self._die("update_weights", e) from e
 
     def _update_by_reload(self, source, feed, full: bool) -> None:
-        """"full": the whole stream is checked and this rank's shard staged in host memory first (a bad stream
+        """ "full": the whole stream is checked and this rank's shard staged in host memory first (a bad stream
         raises WeightSyncError here, the engine untouched); vLLM's loaders then get full-shape tensors, one at a
         time, which they slice for their TP rank themselves (`StagedShards.full_tensors`)."""
         llm = self._llm

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
@@ -34,7 +34,7 @@ class WeightManifest:
     tied_embeddings: bool
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "WeightManifest":
+    def from_model_dir(cls, model_dir: str | Path) -> WeightManifest:
         model_dir = Path(model_dir)
         config_path = model_dir / "config.json"
         if not config_path.is_file():

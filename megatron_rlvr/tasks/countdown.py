@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Literal
 
 Split = Literal["train", "eval"]
 
@@ -159,7 +160,8 @@ def iter_problems(seed: int, split: Split) -> Iterator[CountdownProblem]:
             if misses > 2_000:
                 raise RuntimeError(
                     f"countdown generator: no new {split} problems after {len(seen)} (the {split} split holds only "
-                    f"about that many with these difficulty settings); ask for fewer")
+                    f"about that many with these difficulty settings); ask for fewer"
+                )
             continue
         misses = 0
         target = rng.choice(candidates)

@@ -16,8 +16,9 @@ import signal
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import torch
@@ -43,8 +44,12 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, env: d
     _die_with_parent()
     os.environ.update(env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     import warnings
 
@@ -80,7 +85,7 @@ class WorkerGroup:
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -94,7 +99,8 @@ class WorkerGroup:
             # Not daemonic: megatron's dist checkpointing starts a multiprocessing Manager inside workers, which
             # daemonic processes may not do; close() and PR_SET_PDEATHSIG take care of the cleanup instead.
             proc = ctx.Process(
-                target=_worker_main, args=(rank, self.world_size, port, child, self.env),
+                target=_worker_main,
+                args=(rank, self.world_size, port, child, self.env),
                 name=f"megatron-rlvr-worker-{rank}",
             )
             proc.start()
@@ -179,7 +185,9 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # views and in-place results share an input's storage: only storages no input has are new memory
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()

@@ -77,12 +77,22 @@ def _warnings_of(logger_name: str):
 @contextlib.contextmanager
 def _actors(hf_dir: str, tp: int, *overrides: str):
     """Inside megatron's parallel state at (tp, pp=1): a function building a fresh actor of the test's recipe."""
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.config import load_config
+    from megatron_rlvr.runtime import distributed
 
-    cfg = load_config(None, [f"model.hf_dir={hf_dir}", f"actor.tp={tp}", "actor.pp=1", "actor.micro_batch_size=2",
-                             "actor.lr=1e-3", "algo.loss=casp", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"model.hf_dir={hf_dir}",
+            f"actor.tp={tp}",
+            "actor.pp=1",
+            "actor.micro_batch_size=2",
+            "actor.lr=1e-3",
+            "algo.loss=casp",
+            *overrides,
+        ],
+    )
     distributed.initialize_model_parallel(tp=tp, pp=1, seed=0)
     try:
         yield lambda: MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=10)
@@ -104,12 +114,21 @@ def _round_trip(hf_dir: str, ckpt_root: str, tp: int):
         restored = build()
         checkpoint.load(checkpoint.resolve(ckpt_root, "latest"), restored)
         before, after = _optimizer_state(live), _optimizer_state(restored)
-        differing = sorted(k for k in before if not (
-            torch.equal(before[k], after[k]) if torch.is_tensor(before[k]) else before[k] == after[k]))
+        differing = sorted(
+            k
+            for k in before
+            if not (torch.equal(before[k], after[k]) if torch.is_tensor(before[k]) else before[k] == after[k])
+        )
         next_live = [_update(live, seed) for seed in (5, 6)]
         next_restored = [_update(restored, seed) for seed in (5, 6)]
-        return (differing, before["distinct_step_tensors"], after["distinct_step_tensors"], next_live, next_restored,
-                save_warnings)
+        return (
+            differing,
+            before["distinct_step_tensors"],
+            after["distinct_step_tensors"],
+            next_live,
+            next_restored,
+            save_warnings,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -211,14 +230,22 @@ def test_manifest_is_the_last_file_and_covers_every_ranks_files(saved):
         assert len([f for f in on_disk if f.endswith(".distcp")]) >= 2  # both TP ranks' shards
         for name, entry in manifest["files"].items():
             assert entry["size"] == (ckpt / name).stat().st_size
-        assert max(p.stat().st_mtime_ns for p in ckpt.rglob("*") if p.is_file()) == (
-            ckpt / "manifest.json").stat().st_mtime_ns
+        assert (
+            max(p.stat().st_mtime_ns for p in ckpt.rglob("*") if p.is_file())
+            == (ckpt / "manifest.json").stat().st_mtime_ns
+        )
 
 
-@pytest.mark.parametrize("damage, target", [
-    (_truncate, _largest_shard), (_delete, lambda c: c / "rng" / "rank-00001.pt"), (_flip_byte, _largest_shard),
-    (_delete, lambda c: c / "manifest.json"),
-], ids=["truncated-shard", "missing-file", "flipped-byte", "no-manifest"])
+@pytest.mark.parametrize(
+    "damage, target",
+    [
+        (_truncate, _largest_shard),
+        (_delete, lambda c: c / "rng" / "rank-00001.pt"),
+        (_flip_byte, _largest_shard),
+        (_delete, lambda c: c / "manifest.json"),
+    ],
+    ids=["truncated-shard", "missing-file", "flipped-byte", "no-manifest"],
+)
 def test_damaged_latest_names_the_file_and_falls_back(root, capsys, damage, target):
     from megatron_rlvr import checkpoint
 

@@ -25,11 +25,14 @@ def write_jsonl(path, rows):
 
 
 def test_jsonl_rows_become_items_with_string_and_dict_answers(tmp_path, tokenizer):
-    f = write_jsonl(tmp_path / "p.jsonl", [
-        {"problem": "1 2 3 4 -> 10:", "answer": {"numbers": [1, 2, 3, 4], "target": 10}},
-        "",
-        {"problem": "what is 2+2", "answer": "4", "task": "math", "id": "q7"},
-    ])
+    f = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"problem": "1 2 3 4 -> 10:", "answer": {"numbers": [1, 2, 3, 4], "target": 10}},
+            "",
+            {"problem": "what is 2+2", "answer": "4", "task": "math", "id": "q7"},
+        ],
+    )
     items, stats = load_items(DataConfig(path=str(f)), tokenizer)
     assert stats.rows == 2 and stats.bad_rows == 0
     assert [i.id for i in items] == ["p.jsonl:1", "q7"]
@@ -55,10 +58,16 @@ def test_missing_answer_is_an_error_naming_file_and_line(tmp_path, tokenizer):
 
 
 def test_bad_rows_are_counted_and_skipped_when_configured(tmp_path, tokenizer, caplog):
-    f = write_jsonl(tmp_path / "bad.jsonl", [
-        {"problem": "1 -> 1:", "answer": "1"}, {"problem": "2 -> 2:"}, "{not json", {"answer": "3"},
-        {"problem": "4 -> 4:", "answer": "4"},
-    ])
+    f = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"problem": "1 -> 1:", "answer": "1"},
+            {"problem": "2 -> 2:"},
+            "{not json",
+            {"answer": "3"},
+            {"problem": "4 -> 4:", "answer": "4"},
+        ],
+    )
     with caplog.at_level(logging.WARNING):
         items, stats = load_items(DataConfig(path=str(f), skip_bad_rows=True), tokenizer)
     assert [i.id for i in items] == ["bad.jsonl:1", "bad.jsonl:5"]
@@ -73,9 +82,13 @@ def test_invalid_json_is_an_error_naming_the_line(tmp_path, tokenizer):
 
 
 def test_long_prompts_are_skipped_with_a_warning_not_truncated(tmp_path, tokenizer, caplog):
-    f = write_jsonl(tmp_path / "l.jsonl", [
-        {"problem": "1 2 -> 3:", "answer": "3"}, {"problem": "1 2 3 4 5 6 7 8 9 -> 45:", "answer": "45"},
-    ])
+    f = write_jsonl(
+        tmp_path / "l.jsonl",
+        [
+            {"problem": "1 2 -> 3:", "answer": "3"},
+            {"problem": "1 2 3 4 5 6 7 8 9 -> 45:", "answer": "45"},
+        ],
+    )
     with caplog.at_level(logging.WARNING):
         items, stats = load_items(DataConfig(path=str(f), max_prompt_tokens=10), tokenizer)
     assert [i.id for i in items] == ["l.jsonl:1"] and stats.too_long == 1
@@ -106,7 +119,9 @@ def test_chat_template_wraps_the_problem(tmp_path, tokenizer):
     f = write_jsonl(tmp_path / "p.jsonl", [{"problem": "1 2 -> 3:", "answer": "3"}])
     with pytest.raises(DataError, match="no chat template"):
         load_items(DataConfig(path=str(f), chat_template=True), tokenizer)
-    tokenizer.chat_template = "{% for m in messages %}({{ m['content'] }}){% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    tokenizer.chat_template = (
+        "{% for m in messages %}({{ m['content'] }}){% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
     try:
         items, _ = load_items(DataConfig(path=str(f), chat_template=True), tokenizer)
     finally:

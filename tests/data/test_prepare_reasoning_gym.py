@@ -45,24 +45,54 @@ def test_three_tasks_from_a_seed_and_the_same_seed_gives_the_same_rows(tmp_path,
 
 def test_a_config_field_reaches_the_generator(tmp_path):
     out = tmp_path / "legs.jsonl"
-    main(["prepare", "reasoning-gym", "--tasks", "leg_counting", "--size", "8", "--seed", "1", "--out", str(out),
-          "--config", "leg_counting.min_animals=2", "--config", "leg_counting.max_animals=2", "--no-instruction"])
+    main(
+        [
+            "prepare",
+            "reasoning-gym",
+            "--tasks",
+            "leg_counting",
+            "--size",
+            "8",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+            "--config",
+            "leg_counting.min_animals=2",
+            "--config",
+            "leg_counting.max_animals=2",
+            "--no-instruction",
+        ]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all(len(r["answer"]["metadata"]["animals"]) == 2 for r in rows)
     assert all("<answer>" not in r["problem"] for r in rows)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tasks", "leg_countin", "--size", "2", "--seed", "1"], r"--tasks: reasoning-gym has no dataset 'leg_countin'; "
-                                                               r"did you mean leg_counting"),
-    (["--tasks", "syllogism", "--size", "2"], r"reasoning-gym: give --seed"),
-    (["--tasks", "syllogism", "--size", "0", "--seed", "1"], r"--size 0: expected the number of rows per task"),
-    (["--tasks", "syllogism", "--size", "2", "--seed", "1", "--config", "syllogism.no_such_field=1"],
-     r"--config syllogism: .*no_such_field"),
-    (["--tasks", "syllogism", "--size", "2", "--seed", "1", "--config", "countdown.max_numbers=3"],
-     r"--config 'countdown.max_numbers=3': 'countdown' is not one of --tasks"),
-    (["--tasks", "syllogism", "--size", "2", "--seed", "1", "--src", "somewhere"], r"--src: not with reasoning-gym"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--tasks", "leg_countin", "--size", "2", "--seed", "1"],
+            r"--tasks: reasoning-gym has no dataset 'leg_countin'; "
+            r"did you mean leg_counting",
+        ),
+        (["--tasks", "syllogism", "--size", "2"], r"reasoning-gym: give --seed"),
+        (["--tasks", "syllogism", "--size", "0", "--seed", "1"], r"--size 0: expected the number of rows per task"),
+        (
+            ["--tasks", "syllogism", "--size", "2", "--seed", "1", "--config", "syllogism.no_such_field=1"],
+            r"--config syllogism: .*no_such_field",
+        ),
+        (
+            ["--tasks", "syllogism", "--size", "2", "--seed", "1", "--config", "countdown.max_numbers=3"],
+            r"--config 'countdown.max_numbers=3': 'countdown' is not one of --tasks",
+        ),
+        (
+            ["--tasks", "syllogism", "--size", "2", "--seed", "1", "--src", "somewhere"],
+            r"--src: not with reasoning-gym",
+        ),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     with pytest.raises(DataError, match=message) as info:
         main(["prepare", "reasoning-gym", "--out", str(tmp_path / "x.jsonl"), *args])
@@ -71,11 +101,38 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
 
 def test_gym_flags_on_another_release_and_a_missing_install_are_errors(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"--tasks, --seed: only with `data prepare reasoning-gym`"):
-        main(["prepare", "gsm8k", "--src", str(tmp_path), "--out", str(tmp_path / "x.jsonl"), "--tasks", "a",
-              "--seed", "1"])
+        main(
+            [
+                "prepare",
+                "gsm8k",
+                "--src",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "x.jsonl"),
+                "--tasks",
+                "a",
+                "--seed",
+                "1",
+            ]
+        )
     monkeypatch.setattr(rg_reward, "_found", False)
     monkeypatch.setattr(rg_reward.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(rg_reward.ReasoningGymMissingError, match=r"^reasoning-gym is not installed \(data prepare "
-                                                            r"reasoning-gym\); pip install 'megatron-rlvr\[tasks\]'"):
-        main(["prepare", "reasoning-gym", "--tasks", "syllogism", "--size", "2", "--seed", "1", "--out",
-              str(tmp_path / "x.jsonl")])
+    with pytest.raises(
+        rg_reward.ReasoningGymMissingError,
+        match=r"^reasoning-gym is not installed \(data prepare "
+        r"reasoning-gym\); pip install 'megatron-rlvr\[tasks\]'",
+    ):
+        main(
+            [
+                "prepare",
+                "reasoning-gym",
+                "--tasks",
+                "syllogism",
+                "--size",
+                "2",
+                "--seed",
+                "1",
+                "--out",
+                str(tmp_path / "x.jsonl"),
+            ]
+        )

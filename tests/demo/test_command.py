@@ -13,7 +13,9 @@ from megatron_rlvr.errors import UserError
 
 
 def _rows(pid: str, rewards: list[float], right: str = "9-7+6*3", wrong: str = "1+1") -> list[dict]:
-    return [{"prompt_id": pid, "sample": i, "response": right if r else wrong, "reward": r} for i, r in enumerate(rewards)]
+    return [
+        {"prompt_id": pid, "sample": i, "response": right if r else wrong, "reward": r} for i, r in enumerate(rewards)
+    ]
 
 
 @pytest.fixture
@@ -33,10 +35,19 @@ def fake_run(monkeypatch):
         command._write_eval_split(out / "eval_data", 4, seed=1234)
         ids = [json.loads(line)["id"] for line in (out / "eval_data" / "countdown.jsonl").read_text().splitlines()]
         calls["ids"] = ids
-        base = _rows(ids[0], [1, 0, 0, 0]) + _rows(ids[1], [0, 0, 0, 0]) + _rows(ids[2], [0, 0, 0, 0]) + _rows(ids[3], [0] * 4)
-        trained = (_rows(ids[0], [1, 1, 0, 0]) + _rows(ids[1], [0, 0, 1, 1], right="9*(7-6)+9")
-                   + _rows(ids[2], [0, 1, 1, 1], right="6*3") + _rows(ids[3], [0] * 4))
-        return {label: rows for label, rows in zip(models, (base, trained))}
+        base = (
+            _rows(ids[0], [1, 0, 0, 0])
+            + _rows(ids[1], [0, 0, 0, 0])
+            + _rows(ids[2], [0, 0, 0, 0])
+            + _rows(ids[3], [0] * 4)
+        )
+        trained = (
+            _rows(ids[0], [1, 1, 0, 0])
+            + _rows(ids[1], [0, 0, 1, 1], right="9*(7-6)+9")
+            + _rows(ids[2], [0, 1, 1, 1], right="6*3")
+            + _rows(ids[3], [0] * 4)
+        )
+        return dict(zip(models, (base, trained)))
 
     monkeypatch.setattr(command, "_train", train)
     monkeypatch.setattr(command, "_evaluate", evaluate)
@@ -45,7 +56,9 @@ def fake_run(monkeypatch):
 
 def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, fake_run):
     out = tmp_path / "demo"
-    assert command.main(["--out", str(out), "--seed", "7", "--eval-n", "4", "--eval-prompts", "4", "trainer.steps=2"]) == 0
+    assert (
+        command.main(["--out", str(out), "--seed", "7", "--eval-n", "4", "--eval-prompts", "4", "trainer.steps=2"]) == 0
+    )
     assert fake_run["overrides"][-2:] == ["trainer.steps=2", "trainer.seed=7"]
     report = out / "report"
     md = (report / "report.md").read_text()
@@ -53,7 +66,9 @@ def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, f
     assert (report / "candidates.png").read_bytes()[:4] == b"\x89PNG"
     # the prompt where the trained model gains most on the base (3 vs 0), and its first correct answer
     chosen = json.loads((report / "results.json").read_text())["candidates"]
-    assert chosen["prompt_id"] == fake_run["ids"][2] and chosen["response"] == "6*3" and chosen["path"] == "candidates.png"
+    assert (
+        chosen["prompt_id"] == fake_run["ids"][2] and chosen["response"] == "6*3" and chosen["path"] == "candidates.png"
+    )
     numbers = json.loads((report / "candidates.json").read_text())
     assert [m["label"] for m in numbers["models"]] == ["base", "trained (casp)"]
     assert numbers["response"] == "6*3" and numbers["top_n"] == command.CANDIDATES_TOP_N

@@ -25,8 +25,25 @@ def test_tool_writes_a_checkpoint_whose_tokenizer_survives_autotokenizer(tmp_pat
     from megatron_rlvr.tasks import countdown as task
 
     out = tmp_path / "model"
-    assert _tool().main(["--out", str(out), "--steps", "3", "--train-problems", "60", "--eval-problems", "2",
-                         "--eval-samples", "2", "--layers", "2"]) == 0
+    assert (
+        _tool().main(
+            [
+                "--out",
+                str(out),
+                "--steps",
+                "3",
+                "--train-problems",
+                "60",
+                "--eval-problems",
+                "2",
+                "--eval-samples",
+                "2",
+                "--layers",
+                "2",
+            ]
+        )
+        == 0
+    )
     info = json.loads((out / "training_info.json").read_text())
     assert info["vocab_size"] % 8 == 0 and set(info["base_eval"]) >= {"pass@1", "pass@2"}
     tok = AutoTokenizer.from_pretrained(out)
@@ -39,8 +56,27 @@ def test_tool_writes_a_checkpoint_whose_tokenizer_survives_autotokenizer(tmp_pat
 
     # continuing from it keeps the tokenizer and shape
     out2 = tmp_path / "model2"
-    assert _tool().main(["--init-from", str(out), "--out", str(out2), "--seed", "1", "--steps", "2",
-                         "--train-problems", "30", "--eval-problems", "1", "--eval-samples", "2"]) == 0
+    assert (
+        _tool().main(
+            [
+                "--init-from",
+                str(out),
+                "--out",
+                str(out2),
+                "--seed",
+                "1",
+                "--steps",
+                "2",
+                "--train-problems",
+                "30",
+                "--eval-problems",
+                "1",
+                "--eval-samples",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert (out2 / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
     assert json.loads((out2 / "training_info.json").read_text())["continued_from"]["args"]["layers"] == 2
 
@@ -54,8 +90,26 @@ def test_weak_preset_builds_a_smaller_model_on_the_demo_tokenizer(tmp_path):
     demo = TOOL.parents[1] / "megatron_rlvr" / "demo" / "model"
     out = tmp_path / "weak"
     # --out and the size flags beside --weak override its preset; the tokenizer still comes from the demo model
-    assert _tool().main(["--weak", "--out", str(out), "--steps", "3", "--train-problems", "30", "--eval-problems", "1",
-                         "--eval-samples", "2", "--layers", "1"]) == 0
+    assert (
+        _tool().main(
+            [
+                "--weak",
+                "--out",
+                str(out),
+                "--steps",
+                "3",
+                "--train-problems",
+                "30",
+                "--eval-problems",
+                "1",
+                "--eval-samples",
+                "2",
+                "--layers",
+                "1",
+            ]
+        )
+        == 0
+    )
     info = json.loads((out / "training_info.json").read_text())
     assert info["args"]["tokenizer_from"] == "megatron_rlvr/demo/model" and info["args"]["hidden"] == 64
     assert (out / "tokenizer.json").read_text() == (demo / "tokenizer.json").read_text()

@@ -22,7 +22,13 @@ def tokenizer():
 
 
 def test_checkpoint_files_are_committed_and_small():
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (MODEL / name).is_file(), name
     assert (MODEL / "model.safetensors").stat().st_size < 5 * 1024**2
 
@@ -48,8 +54,10 @@ def test_tokenizer_round_trip_and_eos(tokenizer):
         assert tokenizer.unk_token_id not in ids
         assert tokenizer.decode(ids) == text
         # the prompt's tokens are a prefix of prompt+answer's: the actor may tokenize them apart
-        assert ids[: len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"])] == tokenizer(
-            p.prompt, add_special_tokens=False)["input_ids"]
+        assert (
+            ids[: len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"])]
+            == tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+        )
     with_eos = tokenizer("1+2", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert tokenizer.decode(with_eos, skip_special_tokens=True) == "1+2"
 
@@ -64,7 +72,7 @@ def test_transformers_loads_it_and_it_answers_then_stops(tokenizer):
     enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**enc, do_sample=False, max_new_tokens=32, pad_token_id=tokenizer.pad_token_id)
-    new = out[:, enc["input_ids"].shape[1]:]
+    new = out[:, enc["input_ids"].shape[1] :]
     ended = [(row == tokenizer.eos_token_id).any().item() for row in new]
     assert all(ended), "the model must end its answers with EOS"
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
@@ -79,12 +87,24 @@ def test_vllm_cpu_loads_and_samples_it():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=MODEL_DIR, distributed_executor_backend="uni", enforce_eager=True,
-              kv_cache_memory_bytes=64 * 1024**2, dtype="float32", seed=0)
+    llm = LLM(
+        model=MODEL_DIR,
+        distributed_executor_backend="uni",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 * 1024**2,
+        dtype="float32",
+        seed=0,
+    )
     problems = task.generate(0, 4, "eval")
     outs = llm.generate([p.prompt for p in problems], SamplingParams(n=8, temperature=1.0, max_tokens=32, seed=0))
     texts = [c.text for o in outs for c in o.outputs]
     finished = [c.finish_reason for o in outs for c in o.outputs]
     assert len(texts) == 32 and finished.count("stop") >= 28, finished
-    assert sum(task.check_solution(t, p.numbers, p.target) for o, p in zip(outs, problems) for t in
-               (c.text for c in o.outputs)) > 0
+    assert (
+        sum(
+            task.check_solution(t, p.numbers, p.target)
+            for o, p in zip(outs, problems)
+            for t in (c.text for c in o.outputs)
+        )
+        > 0
+    )

@@ -29,8 +29,13 @@ def test_per_prompt_counts_correct_and_distinct_answers():
 
 def test_missing_fields_are_named():
     with pytest.raises(ValueError, match=r"base\[1\]: missing reward"):
-        per_prompt([{"prompt_id": "a", "sample": 0, "response": "", "reward": 0},
-                    {"prompt_id": "a", "sample": 1, "response": ""}], "base")
+        per_prompt(
+            [
+                {"prompt_id": "a", "sample": 0, "response": "", "reward": 0},
+                {"prompt_id": "a", "sample": 1, "response": ""},
+            ],
+            "base",
+        )
 
 
 def test_k_values_are_powers_of_two_up_to_n():
@@ -42,18 +47,37 @@ def test_report_folder_has_the_table_the_plots_and_results(tmp_path):
     run = tmp_path / "run"
     with MetricLogger(run, tensorboard=False) as log:
         for s in range(1, 4):
-            log.log(s, {"reward/mean": 0.1 * s, "policy/rank1_prob": 0.7, "policy/rank2_prob": 0.2,
-                        "policy/rank3_prob": 0.05, "policy/entropy": 0.9})
+            log.log(
+                s,
+                {
+                    "reward/mean": 0.1 * s,
+                    "policy/rank1_prob": 0.7,
+                    "policy/rank2_prob": 0.2,
+                    "policy/rank3_prob": 0.05,
+                    "policy/entropy": 0.9,
+                },
+            )
         log.log_histogram(3, "eval/entropy", [0.1, 0.5, 1.2, 0.3])
         log.log(3, {"val/pass@1": 0.25, "val/pass@2": 0.5, "val/entropy": 0.75})
     base = _samples({"p1": ["3*7+4"], "p2": [], "p3": ["1+2", "2+1"]})
     trained = _samples({"p1": ["3*7+4", "4+3*7", "7*3+4"], "p2": ["9-1"], "p3": ["1+2", "2+1"]})
-    summary = write_report(tmp_path / "report", {"base": base, "trained": trained}, metrics={"casp": run / "metrics.jsonl"},
-                           notes=["2 steps"])
+    summary = write_report(
+        tmp_path / "report",
+        {"base": base, "trained": trained},
+        metrics={"casp": run / "metrics.jsonl"},
+        notes=["2 steps"],
+    )
     out = tmp_path / "report"
     names = {p.name for p in summary["files"]}
-    assert {"report.md", "results.json", "pass_at_k.png", "reward.png", "rank_probs.png", "entropy.png",
-            "entropy_hist.png"} <= names
+    assert {
+        "report.md",
+        "results.json",
+        "pass_at_k.png",
+        "reward.png",
+        "rank_probs.png",
+        "entropy.png",
+        "entropy_hist.png",
+    } <= names
     for name in names - {"report.md", "results.json"}:
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     md = (out / "report.md").read_text()
@@ -71,7 +95,9 @@ def test_report_folder_has_the_table_the_plots_and_results(tmp_path):
     assert "| step | pass@1 | pass@2 | entropy |" in md and "| 3 | 25.0 | 50.0 | 0.750 |" in md
     results = json.loads((out / "results.json").read_text())
     assert results["models"]["trained"]["mean_distinct_correct"] == pytest.approx(2.0)
-    assert results["models"]["base"]["pass_at_k_interval"]["1"] == pytest.approx({"estimate": 0.125, "low": 0.0, "high": 0.25})
+    assert results["models"]["base"]["pass_at_k_interval"]["1"] == pytest.approx(
+        {"estimate": 0.125, "low": 0.0, "high": 0.25}
+    )
     assert results["per_prompt"]["base"]["p1"]["n"] == 8 and results["per_prompt"]["base"]["p1"]["correct"] == 1
     assert results["paired"]["trained"]["sign_test_p"] == 1.0
     assert results["per_prompt"]["base"]["p3"]["distinct_correct"] == 2
@@ -98,15 +124,28 @@ def test_off_policy_and_dynamic_sampling_metrics_get_their_panels(tmp_path):
     run = tmp_path / "run"
     with MetricLogger(run, tensorboard=False) as log:
         for s in range(1, 4):
-            log.log(s, {"reward/mean": 0.1 * s, "rollout_correction/weight_mean": 0.99,
-                        "rollout_correction/clipped_frac": 0.01 * s, "batch/groups_trained": 16 - s,
-                        "batch/refill_rounds": s % 2, "response/truncated_frac": 0.0})
-    summary = write_report(tmp_path / "report", {"base": _samples({"p": ["1+2"]}, n=4)},
-                           metrics={"tis": run / "metrics.jsonl"})
+            log.log(
+                s,
+                {
+                    "reward/mean": 0.1 * s,
+                    "rollout_correction/weight_mean": 0.99,
+                    "rollout_correction/clipped_frac": 0.01 * s,
+                    "batch/groups_trained": 16 - s,
+                    "batch/refill_rounds": s % 2,
+                    "response/truncated_frac": 0.0,
+                },
+            )
+    summary = write_report(
+        tmp_path / "report", {"base": _samples({"p": ["1+2"]}, n=4)}, metrics={"tis": run / "metrics.jsonl"}
+    )
     assert (tmp_path / "report" / "off_policy.png").read_bytes()[:4] == b"\x89PNG"
     assert "off_policy.png" in {p.name for p in summary["files"]}
     assert "![off_policy](off_policy.png)" in (tmp_path / "report" / "report.md").read_text()
     # a run that logged none of the keys gets no figure
-    assert plots.plot_metric_panels({"x": [{"step": 1, "reward/mean": 1.0}]}, ("batch/refill_rounds",),
-                                    tmp_path / "none.png") is None
+    assert (
+        plots.plot_metric_panels(
+            {"x": [{"step": 1, "reward/mean": 1.0}]}, ("batch/refill_rounds",), tmp_path / "none.png"
+        )
+        is None
+    )
     assert not (tmp_path / "none.png").exists()

@@ -67,8 +67,14 @@ def main(argv: list[str]) -> int:
 
     data_dir, out, n, chunk = argv[0], argv[1], int(argv[2]), int(argv[3])
     request_samples = int(argv[4]) if len(argv) > 4 else EvalConfig().request_samples
-    cfg = EvalConfig(n_samples=n, chunk=chunk, benchmarks=["math500", "countdown"], data_dir=data_dir, output_dir=out,
-                     request_samples=request_samples)
+    cfg = EvalConfig(
+        n_samples=n,
+        chunk=chunk,
+        benchmarks=["math500", "countdown"],
+        data_dir=data_dir,
+        output_dir=out,
+        request_samples=request_samples,
+    )
     skills = {"weak": 0.1, "strong": 0.6}
     evaluate(
         [os.path.join(out, "models", name) for name in skills],

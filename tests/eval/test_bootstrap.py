@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.eval.bootstrap import (IntervalSpec, bootstrap_pass_at_k, normal_interval, paired_difference,
-                                          per_problem_pass_at_k, sign_test, unpaired_difference)
+from megatron_rlvr.eval.bootstrap import (
+    IntervalSpec,
+    bootstrap_pass_at_k,
+    normal_interval,
+    paired_difference,
+    per_problem_pass_at_k,
+    sign_test,
+    unpaired_difference,
+)
 from megatron_rlvr.eval.passk import pass_at_k
 
 
@@ -32,7 +39,9 @@ def test_intervals_are_reproducible_by_seed_and_per_benchmark_stream():
     other_seed = bootstrap_pass_at_k(n, c, ks, IntervalSpec(resamples=500, seed=4), stream="math500")
     other_stream = bootstrap_pass_at_k(n, c, ks, IntervalSpec(resamples=500, seed=3), stream="aime24")
     for k in ks:
-        assert first[k].estimate == other_seed[k].estimate == pytest.approx(np.mean(pass_at_k(n, c, np.full_like(n, k))))
+        assert (
+            first[k].estimate == other_seed[k].estimate == pytest.approx(np.mean(pass_at_k(n, c, np.full_like(n, k))))
+        )
         assert first[k].low <= first[k].estimate <= first[k].high
     assert any(first[k].low != other_seed[k].low or first[k].high != other_seed[k].high for k in ks)
     assert any(first[k].low != other_stream[k].low for k in ks)
@@ -47,7 +56,7 @@ def test_coverage_of_a_known_true_pass_at_k_is_near_95_percent():
     truth = {k: _true_population_pass_at_k(a, b, k) for k in ks}
     rng = np.random.default_rng(2026)
     spec = IntervalSpec(resamples=500, seed=0)
-    covered = {k: 0 for k in ks}
+    covered = dict.fromkeys(ks, 0)
     for trial in range(trials):
         _, nn, c = _beta_problems(rng, problems, n, a, b)
         intervals = bootstrap_pass_at_k(nn, c, ks, spec, stream=f"trial{trial}")

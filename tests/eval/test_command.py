@@ -17,13 +17,20 @@ def test_missing_model_dir_unknown_benchmark_and_missing_data_are_reported(tmp_p
     (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert main(["--model", str(model), "--benchmarks", "gsm8k,poetry", "--data-dir", str(tmp_path)]) == 2
     assert "unknown ['poetry']" in capsys.readouterr().err
-    assert main(["--model", str(model), "--benchmarks", "gsm8k", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            ["--model", str(model), "--benchmarks", "gsm8k", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "gsm8k.jsonl" in err and "Expected layout: GSM8K" in err
 
 
 def test_config_from_args():
-    args = build_parser().parse_args(["--model", "a", "--benchmarks", "math500,aime24", "gsm8k", "--n", "1024", "--chunk", "2048"])
+    args = build_parser().parse_args(
+        ["--model", "a", "--benchmarks", "math500,aime24", "gsm8k", "--n", "1024", "--chunk", "2048"]
+    )
     cfg, reward_cfg = config_from_args(args)
     assert cfg.benchmarks == ["math500", "aime24", "gsm8k"] and cfg.n_samples == 1024 and cfg.chunk == 1024
     assert reward_cfg.workers >= 1

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from megatron_rlvr.eval.bootstrap import IntervalSpec, bootstrap_pass_at_k, paired_difference, sign_test
-from megatron_rlvr.eval.command import evaluate, main as eval_main
+from megatron_rlvr.eval.command import evaluate
+from megatron_rlvr.eval.command import main as eval_main
 from megatron_rlvr.eval.compare import CompareMismatch, check_comparable, compare_runs
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.results import BenchmarkCounts, ResultsError, load_run, results_json, write_results
@@ -18,8 +19,18 @@ from megatron_rlvr.rewards import RewardConfig
 from tests.eval.fake_engine import FakeEngine, encode
 from tests.eval.test_runner import write_data
 
-SETTINGS = {"model": "m", "seed": 1, "chunk": 8, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24, "stop": [],
-            "chat_template": False, "prompt_format": 1, "problems_per_request": 4}
+SETTINGS = {
+    "model": "m",
+    "seed": 1,
+    "chunk": 8,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "max_new_tokens": 24,
+    "stop": [],
+    "chat_template": False,
+    "prompt_format": 1,
+    "problems_per_request": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +39,18 @@ def fake_eval(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     write_data(root / "data")
     out = root / "out"
-    cfg = EvalConfig(n_samples=16, chunk=8, benchmarks=["math500", "countdown"], data_dir=str(root / "data"),
-                     output_dir=str(out))
+    cfg = EvalConfig(
+        n_samples=16, chunk=8, benchmarks=["math500", "countdown"], data_dir=str(root / "data"), output_dir=str(out)
+    )
     skills = {"weak": 0.1, "strong": 0.6}
-    ks, rows, _ = evaluate([str(out / "models" / s) for s in skills], cfg, RewardConfig(workers=1),
-                                 engine_factory=lambda model, c: FakeEngine(skills[Path(model).name]),
-                                 encoder_factory=lambda model, c: encode, spec=IntervalSpec(resamples=200))
+    ks, rows, _ = evaluate(
+        [str(out / "models" / s) for s in skills],
+        cfg,
+        RewardConfig(workers=1),
+        engine_factory=lambda model, c: FakeEngine(skills[Path(model).name]),
+        encoder_factory=lambda model, c: encode,
+        spec=IntervalSpec(resamples=200),
+    )
     return out, ks, rows
 
 
@@ -47,8 +64,9 @@ def test_results_file_keeps_every_problems_n_and_c(fake_eval):
                 mine = [r for (bb, p, _), r in records.items() if (bb, p) == (bench, pid)]
                 assert n == len(mine) == 16 and c == sum(r["reward"] >= 1.0 for r in mine)
             # every figure recomputes from the file alone
-            again = bootstrap_pass_at_k(np.array(b["n"]), np.array(b["c"]), ks, IntervalSpec(resamples=200),
-                                        stream=bench)
+            again = bootstrap_pass_at_k(
+                np.array(b["n"]), np.array(b["c"]), ks, IntervalSpec(resamples=200), stream=bench
+            )
             assert {str(k): iv.to_json() for k, iv in again.items()} == b["pass_at_k"]
             row = next(r for r in rows if r["model"] == tag and r["benchmark"] == bench)
             assert row["intervals"] == again
@@ -60,8 +78,20 @@ def test_results_file_keeps_every_problems_n_and_c(fake_eval):
 
 def test_compare_of_run_dirs_and_results_files_gives_the_paired_table_and_png(fake_eval, tmp_path, capsys):
     out, ks, _ = fake_eval
-    assert eval_main(["compare", str(out / "weak"), str(out / "strong" / "results.json"), "--out", str(tmp_path),
-                      "--resamples", "300"]) == 0
+    assert (
+        eval_main(
+            [
+                "compare",
+                str(out / "weak"),
+                str(out / "strong" / "results.json"),
+                "--out",
+                str(tmp_path),
+                "--resamples",
+                "300",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "| benchmark | k | A pass@k [95%] | B pass@k [95%] | B - A [95%, paired] | separated |" in text
     assert (tmp_path / "compare_math500.png").read_bytes()[:4] == b"\x89PNG"
@@ -85,25 +115,34 @@ def test_compare_of_run_dirs_and_results_files_gives_the_paired_table_and_png(fa
         (tmp_path / "weak.json").rename(out / "weak" / "results.json")
 
 
-def _results(tmp_path: Path, name: str, settings=None, problems=("p1", "p2", "p3"), n=8, digest="d1",
-             bench="math500") -> Path:
-    counts = {bench: BenchmarkCounts(list(problems), np.full(len(problems), n), np.arange(len(problems)) % (n + 1),
-                                     digest)}
+def _results(
+    tmp_path: Path, name: str, settings=None, problems=("p1", "p2", "p3"), n=8, digest="d1", bench="math500"
+) -> Path:
+    counts = {
+        bench: BenchmarkCounts(list(problems), np.full(len(problems), n), np.arange(len(problems)) % (n + 1), digest)
+    }
     (tmp_path / name).mkdir()
-    return write_results(tmp_path / name, results_json("m", {**SETTINGS, **(settings or {})}, counts, [1, 2],
-                                                       IntervalSpec(resamples=50)))
+    return write_results(
+        tmp_path / name, results_json("m", {**SETTINGS, **(settings or {})}, counts, [1, 2], IntervalSpec(resamples=50))
+    )
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(settings={"temperature": 0.6}), r"the runs differ in temperature \(A: 1.0, B: 0.6\)"),
-    (dict(settings={"max_new_tokens": 512}), "the runs differ in max_new_tokens"),
-    (dict(settings={"stop": ["\n"]}), "the runs differ in stop"),
-    (dict(settings={"chat_template": True}), "the runs differ in chat_template"),
-    (dict(problems=("p1", "p2", "p4")), r"the runs differ in problems of math500 \(1 only in A: 'p3'; 1 only in B: 'p4'\)"),
-    (dict(n=16), r"the runs differ in n on math500 \(A: 8 samples per problem, B: 16\)"),
-    (dict(digest="d2"), "the runs differ in problems of math500: the same ids with other prompt texts"),
-    (dict(bench="aime24"), r"the runs differ in benchmarks \(A: \['math500'\], B: \['aime24'\]\)"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(settings={"temperature": 0.6}), r"the runs differ in temperature \(A: 1.0, B: 0.6\)"),
+        (dict(settings={"max_new_tokens": 512}), "the runs differ in max_new_tokens"),
+        (dict(settings={"stop": ["\n"]}), "the runs differ in stop"),
+        (dict(settings={"chat_template": True}), "the runs differ in chat_template"),
+        (
+            dict(problems=("p1", "p2", "p4")),
+            r"the runs differ in problems of math500 \(1 only in A: 'p3'; 1 only in B: 'p4'\)",
+        ),
+        (dict(n=16), r"the runs differ in n on math500 \(A: 8 samples per problem, B: 16\)"),
+        (dict(digest="d2"), "the runs differ in problems of math500: the same ids with other prompt texts"),
+        (dict(bench="aime24"), r"the runs differ in benchmarks \(A: \['math500'\], B: \['aime24'\]\)"),
+    ],
+)
 def test_mismatched_runs_are_refused_naming_the_field(tmp_path, capsys, change, field):
     a = _results(tmp_path, "a")
     b = _results(tmp_path, "b", **change)

@@ -25,9 +25,29 @@ pytestmark = [
 
 
 def eval_command(data_dir: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "megatron_rlvr.eval.command", "--model", str(MODEL), "--benchmarks", "countdown",
-            "--data-dir", str(data_dir), "--n", str(N), "--chunk", str(CHUNK), "--max-new-tokens", "24",
-            "--max-model-len", "128", "--workers", "1", "--out", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.eval.command",
+        "--model",
+        str(MODEL),
+        "--benchmarks",
+        "countdown",
+        "--data-dir",
+        str(data_dir),
+        "--n",
+        str(N),
+        "--chunk",
+        str(CHUNK),
+        "--max-new-tokens",
+        "24",
+        "--max-model-len",
+        "128",
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+    ]
 
 
 def stored_lines(out: Path) -> int:
@@ -46,7 +66,9 @@ def test_n1024_eval_killed_midway_resumes_to_the_same_table(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     start = time.monotonic()
-    whole = subprocess.run(eval_command(data, tmp_path / "whole"), env=env, capture_output=True, text=True, timeout=1200)
+    whole = subprocess.run(
+        eval_command(data, tmp_path / "whole"), env=env, capture_output=True, text=True, timeout=1200
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     print(f"uninterrupted n={N} eval of {PROBLEMS} prompts: {time.monotonic() - start:.0f} s")
     print(whole.stdout)
@@ -69,8 +91,14 @@ def test_n1024_eval_killed_midway_resumes_to_the_same_table(tmp_path):
     records = [json.loads(line) for p in out.glob("*/samples/shard-*.jsonl") for line in p.read_text().splitlines()]
     keys = {(r["benchmark"], r["problem_id"], r["sample"]) for r in records}
     assert len(records) == len(keys) == PROBLEMS * N
+
     # stronger than the table: every redrawn chunk reproduced the uninterrupted run's texts (per-chunk seeds)
-    texts = lambda root: {(r["problem_id"], r["sample"]): r["text"] for p in root.glob("*/samples/shard-*.jsonl")
-                          for r in map(json.loads, p.read_text().splitlines())}
+    def texts(root):
+        return {
+            (r["problem_id"], r["sample"]): r["text"]
+            for p in root.glob("*/samples/shard-*.jsonl")
+            for r in map(json.loads, p.read_text().splitlines())
+        }
+
     assert texts(out) == texts(tmp_path / "whole")
     print(f"killed after {partial} stored samples; resumed table == uninterrupted table")

@@ -10,8 +10,17 @@ import pytest
 from megatron_rlvr.config import load_config
 from megatron_rlvr.eval.command import estimate, evaluate
 from megatron_rlvr.eval.config import EvalConfig
-from megatron_rlvr.eval.estimate import (EstimateError, JobEstimate, ModelEstimate, Throughput, append_timing,
-                                         format_estimate, halfwidth_bound, read_timing, recipe_estimate)
+from megatron_rlvr.eval.estimate import (
+    EstimateError,
+    JobEstimate,
+    ModelEstimate,
+    Throughput,
+    append_timing,
+    format_estimate,
+    halfwidth_bound,
+    read_timing,
+    recipe_estimate,
+)
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.plan.eval_estimate import main as estimate_main
 from megatron_rlvr.rewards import RewardConfig
@@ -46,13 +55,17 @@ def test_wall_time_and_gpu_hours_arithmetic():
     assert JobEstimate({"x": 1}, 1, [model], gpus=0).gpu_hours is None  # CPU: no GPU-hours
     given = ModelEstimate("m", 1000, 1000, 100, tokens_per_second=1e4)  # a user's throughput: every sample at the cap
     assert given.wall_seconds == pytest.approx(10.0) and given.tokens_expected is None
-    assert halfwidth_bound(30) == pytest.approx(1.959964 * 0.5 / 30 ** 0.5, rel=1e-6)
+    assert halfwidth_bound(30) == pytest.approx(1.959964 * 0.5 / 30**0.5, rel=1e-6)
 
 
 def test_the_k1024_recipe_prints_its_estimate_and_interval_columns(capsys):
     cfg = load_config(K1024)
     job = recipe_estimate(cfg)  # /data/eval is not on this machine: the published sizes, said in a note
-    assert job.benchmarks == {"aime24": 30, "aime25": 30, "amc23": 40} and job.n == 1024 and job.gpus == cfg.rollout.tp == 4
+    assert (
+        job.benchmarks == {"aime24": 30, "aime25": 30, "amc23": 40}
+        and job.n == 1024
+        and job.gpus == cfg.rollout.tp == 4
+    )
     (model,) = job.models
     assert model.samples_total == 102_400 and model.tokens_bound == 102_400 * 3072 and job.wall_seconds is None
     assert estimate_main([str(K1024)]) == 0
@@ -69,8 +82,13 @@ def test_the_k1024_recipe_prints_its_estimate_and_interval_columns(capsys):
 
 def _fake_cfg(root: Path) -> EvalConfig:
     write_data(root / "data")
-    return EvalConfig(n_samples=16, chunk=8, benchmarks=["math500", "countdown"], data_dir=str(root / "data"),
-                      output_dir=str(root / "out"))
+    return EvalConfig(
+        n_samples=16,
+        chunk=8,
+        benchmarks=["math500", "countdown"],
+        data_dir=str(root / "data"),
+        output_dir=str(root / "out"),
+    )
 
 
 def test_calibration_draws_and_keeps_the_first_request_then_recorded_figures_need_no_engine(tmp_path):

@@ -1,8 +1,8 @@
 """pass_at_k against the exact rational value computed with big integers."""
 
+import random
 from fractions import Fraction
 from math import comb
-import random
 
 import numpy as np
 import pytest
@@ -18,8 +18,20 @@ def test_random_triples_match_exact_rationals():
     rng = random.Random(0)
     triples = [(n, rng.randint(0, n), rng.randint(1, n)) for n in (rng.randint(1, 1024) for _ in range(3000))]
     # the hard corners: tiny results, results near one, the largest n
-    triples += [(1024, 1, 1), (1024, 1, 2), (1024, 1023, 1), (1024, 512, 1024), (1024, 1, 1023), (1024, 2, 3),
-                (1000, 999, 1), (7, 0, 3), (7, 7, 7), (1, 1, 1), (1, 0, 1), (1024, 3, 512)]
+    triples += [
+        (1024, 1, 1),
+        (1024, 1, 2),
+        (1024, 1023, 1),
+        (1024, 512, 1024),
+        (1024, 1, 1023),
+        (1024, 2, 3),
+        (1000, 999, 1),
+        (7, 0, 3),
+        (7, 7, 7),
+        (1, 1, 1),
+        (1, 0, 1),
+        (1024, 3, 512),
+    ]
     ns, cs, ks = (np.array(x) for x in zip(*triples))
     got = pass_at_k(ns, cs, ks)
     worst = 0.0

@@ -24,21 +24,35 @@ FAKE = Path(__file__).with_name("fake_engine.py")
 
 def write_data(data_dir: Path) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{"unique_id": f"p{i}", "problem": f"What is {i} times one, written as a single digit number?", "answer": str(i)}
-            for i in (1, 2, 7)]
+    rows = [
+        {"unique_id": f"p{i}", "problem": f"What is {i} times one, written as a single digit number?", "answer": str(i)}
+        for i in (1, 2, 7)
+    ]
     (data_dir / "math500.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows = [{"id": "c0", "numbers": [1, 2, 3], "target": 9}, {"id": "c1", "numbers": [2, 3], "target": 6}]
     (data_dir / "countdown.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run_fake_eval(data_dir: Path, out: Path, n: int, chunk: int, request_samples: int,
-                  env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def run_fake_eval(
+    data_dir: Path, out: Path, n: int, chunk: int, request_samples: int, env_extra: dict | None = None
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
-    return subprocess.run([sys.executable, str(FAKE), str(data_dir), str(out), str(n), str(chunk), str(request_samples)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(FAKE), str(data_dir), str(out), str(n), str(chunk), str(request_samples)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
-BLOCKS = {("math500", "p1"): 0, ("math500", "p2"): 0, ("math500", "p7"): 1, ("countdown", "c0"): 0, ("countdown", "c1"): 0}
+BLOCKS = {
+    ("math500", "p1"): 0,
+    ("math500", "p2"): 0,
+    ("math500", "p7"): 1,
+    ("countdown", "c0"): 0,
+    ("countdown", "c1"): 0,
+}
 
 
 @pytest.mark.slow
@@ -52,8 +66,14 @@ def test_killed_run_resumes_to_the_same_table(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     log = tmp_path / "calls.log"
-    killed = run_fake_eval(data, tmp_path / "resumed", n, chunk, request_samples,
-                           {"FAKE_ENGINE_KILL_AT": "20", "FAKE_ENGINE_LOG": str(log)})
+    killed = run_fake_eval(
+        data,
+        tmp_path / "resumed",
+        n,
+        chunk,
+        request_samples,
+        {"FAKE_ENGINE_KILL_AT": "20", "FAKE_ENGINE_LOG": str(log)},
+    )
     assert killed.returncode == -signal.SIGKILL
     first_calls = len(log.read_text().splitlines())
     assert first_calls == 19  # the engine of the first model (each model gets its own)
@@ -61,7 +81,9 @@ def test_killed_run_resumes_to_the_same_table(tmp_path):
     stored = sum(len(r) for r in records.values())
     assert 0 < stored < 2 * 5 * n
     # a request's samples go out in one write: stored requests are whole
-    stored_requests = {(tag, b, BLOCKS[(b, p)], r["chunk"]) for tag, recs in records.items() for (b, p, _), r in recs.items()}
+    stored_requests = {
+        (tag, b, BLOCKS[(b, p)], r["chunk"]) for tag, recs in records.items() for (b, p, _), r in recs.items()
+    }
     assert stored == sum(2 if (b, blk) != ("math500", 1) else 1 for _, b, blk, _ in stored_requests) * chunk
     # scoring runs beside the next draw: the request drawn just before the kill may not be stored yet
     assert first_calls - 1 <= len(stored_requests) <= first_calls
@@ -78,10 +100,17 @@ def test_killed_run_resumes_to_the_same_table(tmp_path):
             del r["model"], r["settings"]["model"]
         assert results[0] == results[1]
     for tag in ("weak", "strong"):
-        lines = [l for s in sorted((tmp_path / "resumed" / tag / "samples").glob("*.jsonl")) for l in s.read_text().splitlines()]
+        lines = [
+            line
+            for s in sorted((tmp_path / "resumed" / tag / "samples").glob("*.jsonl"))
+            for line in s.read_text().splitlines()
+        ]
         keys = [(r["benchmark"], r["problem_id"], r["sample"]) for r in map(json.loads, lines)]
         assert len(keys) == len(set(keys)) == 5 * n  # nothing lost, nothing twice
-        texts = lambda d: {k: r["text"] for k, r in load_records(d).items()}
+
+        def texts(d):
+            return {k: r["text"] for k, r in load_records(d).items()}
+
         assert texts(tmp_path / "resumed" / tag) == texts(tmp_path / "whole" / tag)  # the very same samples
     assert (tmp_path / "resumed" / "passk_math500.png").stat().st_size > 0
     print((tmp_path / "resumed" / "table.md").read_text())
@@ -119,7 +148,9 @@ def test_runner_counts_match_a_direct_computation(tmp_path):
 
 
 def test_store_ignores_a_cut_off_line_and_refuses_other_settings(tmp_path):
-    records = [{"benchmark": "b", "problem_id": "p", "sample": s, "chunk": 0, "reward": 1.0, "text": "x"} for s in range(3)]
+    records = [
+        {"benchmark": "b", "problem_id": "p", "sample": s, "chunk": 0, "reward": 1.0, "text": "x"} for s in range(3)
+    ]
     with SampleStore(tmp_path, {"seed": 1}) as store:
         store.append(records[:2])
         store.append(records[:2])  # already stored: not written twice
@@ -133,9 +164,8 @@ def test_store_ignores_a_cut_off_line_and_refuses_other_settings(tmp_path):
     assert len(list((tmp_path / "samples").glob("shard-*.jsonl"))) == 2  # a resumed run writes a fresh shard
     with pytest.raises(RunSettingsMismatch, match="seed: stored 1, now 2"):
         SampleStore(tmp_path, {"seed": 2})
-    with SampleStore(tmp_path, {"seed": 1}):
-        with pytest.raises(RuntimeError, match="another eval run"):
-            SampleStore(tmp_path, {"seed": 1})
+    with SampleStore(tmp_path, {"seed": 1}), pytest.raises(RuntimeError, match="another eval run"):
+        SampleStore(tmp_path, {"seed": 1})
 
 
 def test_table_rows_are_mean_pass_at_k(tmp_path):
@@ -181,8 +211,9 @@ def test_a_resumed_request_draws_a_prefix_of_its_block_with_the_same_samples(tmp
         EvalRunner(FakeEngine(0.5), encode, cfg, pool, tmp_path / "grown", model="m").run(problems[:1])
         engine = RecordingEngine()
         plans = []
-        EvalRunner(engine, encode, cfg, pool, tmp_path / "grown", model="m",
-                   broadcast=lambda plan: plans.append(plan) or plan).run(problems)
+        EvalRunner(
+            engine, encode, cfg, pool, tmp_path / "grown", model="m", broadcast=lambda plan: plans.append(plan) or plan
+        ).run(problems)
     # each chunk's request draws the whole block again (problem 0 at position 0), keeping only the new samples
     assert [len(r.problems) for r in plans[0]] == [3, 3, 3] and [len(r.stored) for r in plans[0]] == [8, 8, 4]
     assert texts_of(tmp_path / "grown") == texts_of(tmp_path / "whole")
@@ -200,18 +231,39 @@ def test_replicas_split_the_requests_and_together_store_what_one_engine_does(tmp
         # world of 4 ranks, engines of TP=2: replica 0 = ranks 0, 1; replica 1 = ranks 2, 3 (sequential stand-ins
         # for the ranks: rank 0 plans and broadcasts, the others receive its plan)
         engines = {r: RecordingEngine() for r in range(4)}
-        EvalRunner(engines[0], encode, cfg, pool, tmp_path / "four", model="m", world=4, tp=2,
-                   broadcast=lambda plan: plans.append(plan) or plan).run(problems)
-        receive = lambda _: plans[0]
-        EvalRunner(engines[1], encode, cfg, None, tmp_path / "four", model="m", rank=1, world=4, tp=2, broadcast=receive).run(problems)
-        EvalRunner(engines[2], encode, cfg, pool, tmp_path / "four", model="m", rank=2, world=4, tp=2, broadcast=receive).run(problems)
-        EvalRunner(engines[3], encode, cfg, None, tmp_path / "four", model="m", rank=3, world=4, tp=2, broadcast=receive).run(problems)
+        EvalRunner(
+            engines[0],
+            encode,
+            cfg,
+            pool,
+            tmp_path / "four",
+            model="m",
+            world=4,
+            tp=2,
+            broadcast=lambda plan: plans.append(plan) or plan,
+        ).run(problems)
+
+        def receive(_):
+            return plans[0]
+
+        EvalRunner(
+            engines[1], encode, cfg, None, tmp_path / "four", model="m", rank=1, world=4, tp=2, broadcast=receive
+        ).run(problems)
+        EvalRunner(
+            engines[2], encode, cfg, pool, tmp_path / "four", model="m", rank=2, world=4, tp=2, broadcast=receive
+        ).run(problems)
+        EvalRunner(
+            engines[3], encode, cfg, None, tmp_path / "four", model="m", rank=3, world=4, tp=2, broadcast=receive
+        ).run(problems)
     assert len(plans[0]) == 9
     assert engines[0].seeds == engines[1].seeds and engines[2].seeds == engines[3].seeds  # TP ranks in lockstep
     assert len(engines[0].seeds) == 5 and len(engines[2].seeds) == 4  # requests 0, 2, 4, ... and 1, 3, ...
     assert sorted(engines[0].seeds + engines[2].seeds) == sorted(single.seeds)
     shards = sorted(p.name for p in (tmp_path / "four" / "samples").glob("*.jsonl"))
-    assert shards == ["shard-00000-r2.jsonl", "shard-00000.jsonl"] or shards == ["shard-00000.jsonl", "shard-00001-r2.jsonl"]
+    assert shards == ["shard-00000-r2.jsonl", "shard-00000.jsonl"] or shards == [
+        "shard-00000.jsonl",
+        "shard-00001-r2.jsonl",
+    ]
     assert texts_of(tmp_path / "four") == texts_of(tmp_path / "one")
     with pytest.raises(ValueError, match="needs a RewardPool"):
         EvalRunner(engines[2], encode, cfg, None, tmp_path / "x", model="m", rank=2, world=4, tp=2)
@@ -256,9 +308,26 @@ def test_two_engine_replicas_under_torchrun_store_what_one_process_does(tmp_path
     single = run_fake_eval(data, tmp_path / "one", n, chunk, request_samples)
     assert single.returncode == 0, single.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(FAKE),
-                          str(data), str(tmp_path / "two"), str(n), str(chunk), str(request_samples)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(FAKE),
+            str(data),
+            str(tmp_path / "two"),
+            str(n),
+            str(chunk),
+            str(request_samples),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     for tag in ("weak", "strong"):
         shards = sorted(p.name for p in (tmp_path / "two" / tag / "samples").glob("*.jsonl"))

@@ -25,18 +25,18 @@ class _ExportingActor:
 def separate_sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int]], bucket_bytes: int) -> dict:
     """Split the world (last rank: the engine), send the actor's weights twice (a change between), and return each
     side's log-probs of ``seqs`` after each transfer."""
-    from megatron_rlvr.runtime import distributed
-    from megatron_rlvr.runtime import roles as roles_mod
     from megatron_rlvr.experience.engine_ranks import EngineRanksSource
     from megatron_rlvr.rollout import RolloutConfig
+    from megatron_rlvr.runtime import distributed
+    from megatron_rlvr.runtime import roles as roles_mod
 
     roles = roles_mod.split_roles(1, timeout_s=300)
     engine = None
     rollout = RolloutConfig(max_model_len=256, kv_cache_memory_bytes=32 << 20, bucket_bytes=bucket_bytes)
     try:
         if roles.is_engine:
-            from megatron_rlvr.rollout import make_engine
             from megatron_rlvr.experience.engine_server import load_weights
+            from megatron_rlvr.rollout import make_engine
             from megatron_rlvr.rollout.transfer import WeightReceiver
 
             engine = make_engine(hf_dir, rollout)
@@ -55,7 +55,9 @@ def separate_sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int
         rounds = [{"logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]), "transfer": source.take_transfer_metrics()}]
         _change_weights(chunks)
         source._ensure_weights(1)  # what after_update does when the next step samples with the new weights
-        rounds.append({"logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]), "transfer": source.take_transfer_metrics()})
+        rounds.append(
+            {"logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]), "transfer": source.take_transfer_metrics()}
+        )
         source.close()
         return {"role": "actor", "rounds": rounds}
     except BaseException:

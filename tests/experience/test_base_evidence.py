@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlvr.testing.engines import ScriptedEngineBase
-from megatron_rlvr.experience.base_evidence import BaseEvidenceError, base_evidence
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem
+from megatron_rlvr.experience.base_evidence import BaseEvidenceError, base_evidence
 from megatron_rlvr.rollout.base import Completion
 from megatron_rlvr.rollout.prefixes import PrefixedEngine
+from megatron_rlvr.testing.engines import ScriptedEngineBase
 from tests.eval.fake_engine import FakeEngine
 
 M = 4
@@ -27,8 +27,10 @@ class CountingEngine(ScriptedEngineBase):
 
     def generate(self, prompt_token_ids, n, sampling):
         self.calls.append((len(prompt_token_ids), n, sampling.seed))
-        return [[Completion([1], [], "yes" if j < p[0] else "half" if j == p[0] else "no",
-                                "stop") for j in range(n)] for p in prompt_token_ids]
+        return [
+            [Completion([1], [], "yes" if j < p[0] else "half" if j == p[0] else "no", "stop") for j in range(n)]
+            for p in prompt_token_ids
+        ]
 
 
 class NoCalls(CountingEngine):
@@ -48,8 +50,10 @@ class Pool:
 
 
 def _items(correct: list[int]) -> list[PromptItem]:
-    return [PromptItem(id=f"p{i}", prompt="", prompt_ids=(c, 7, 7), answer="yes", task="fake")
-            for i, c in enumerate(correct)]
+    return [
+        PromptItem(id=f"p{i}", prompt="", prompt_ids=(c, 7, 7), answer="yes", task="fake")
+        for i, c in enumerate(correct)
+    ]
 
 
 def _cfg(m: int = M, hf_dir: str = "models/base") -> Config:
@@ -83,13 +87,19 @@ def test_rerun_with_the_file_draws_nothing(tmp_path):
     assert pool.scored == 0
     # a subset of the stored prompts is served from the file as well
     assert base_evidence(NoCalls(), pool, _items(CORRECT)[:3], _cfg(), path, run_seed=5) == {
-        k: first[k] for k in ("p0", "p1", "p2")}
+        k: first[k] for k in ("p0", "p1", "p2")
+    }
 
 
-@pytest.mark.parametrize("change, key", [
-    (dict(m=M + 1), "samples"), (dict(seed=6), "seed"), (dict(hf_dir="models/other"), "model"),
-    (dict(temperature=0.7), "sampling"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (dict(m=M + 1), "samples"),
+        (dict(seed=6), "seed"),
+        (dict(hf_dir="models/other"), "model"),
+        (dict(temperature=0.7), "sampling"),
+    ],
+)
 def test_a_file_of_another_setting_is_rejected(tmp_path, change, key):
     path = tmp_path / "base_evidence.json"
     base_evidence(CountingEngine(), Pool(), _items(CORRECT), _cfg(), path, run_seed=5)
@@ -143,8 +153,7 @@ def test_a_prefixed_engine_draws_from_its_target_only(tmp_path):
 
 def _two_ranks(path: str) -> tuple[dict[str, int], list[int]]:
     engine = CountingEngine()
-    got = base_evidence(engine, Pool(), _items(CORRECT), _cfg(), Path(path), run_seed=5,
-                        chunk_samples=4 * M)
+    got = base_evidence(engine, Pool(), _items(CORRECT), _cfg(), Path(path), run_seed=5, chunk_samples=4 * M)
     return got, [k for k, _, _ in engine.calls]
 
 

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rlvr.testing.engines import ScriptedEngineBase
 from megatron_rlvr.algos import AlgoConfig
-from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.config import load_config
 from megatron_rlvr.data import PromptItem, PromptLoader
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.experience.collect import collect, overlong_penalty
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout import Completion, RolloutConfig
+from megatron_rlvr.testing.engines import ScriptedEngineBase
 
 G = 4
 SOLVED, FAILED, MIXED = 1, 2, 3  # a prompt's first token says how the scripted engine answers it
@@ -37,10 +37,14 @@ class ScriptedEngine(ScriptedEngineBase):
             for j in range(n):
                 yes = prompt[0] == SOLVED or (prompt[0] == MIXED and j % 2 == 0)
                 length = min(2 + j, sampling.max_tokens) if prompt[0] == MIXED else 1
-                group.append(Completion(
-                    token_ids=[7] * length, logprobs=[-0.5 - 0.1 * t for t in range(length)], text="yes" if yes else "no",
-                    finish_reason="length" if length == sampling.max_tokens else "stop",
-                ))
+                group.append(
+                    Completion(
+                        token_ids=[7] * length,
+                        logprobs=[-0.5 - 0.1 * t for t in range(length)],
+                        text="yes" if yes else "no",
+                        finish_reason="length" if length == sampling.max_tokens else "stop",
+                    )
+                )
             out.append(group)
         return out
 
@@ -51,12 +55,21 @@ class ScriptedPool:
 
 
 def _items(kinds: list[int]) -> list[PromptItem]:
-    return [PromptItem(id=f"p{i}", prompt="", prompt_ids=(kind, 9), answer="yes", task="scripted")
-            for i, kind in enumerate(kinds)]
+    return [
+        PromptItem(id=f"p{i}", prompt="", prompt_ids=(kind, 9), answer="yes", task="scripted")
+        for i, kind in enumerate(kinds)
+    ]
 
 
-def _cfg(*, drop: bool = True, rounds: int = 3, max_new_tokens: int = 5, mask_truncated: bool = False,
-         buffer: int = 0, penalty: float = 1.0):
+def _cfg(
+    *,
+    drop: bool = True,
+    rounds: int = 3,
+    max_new_tokens: int = 5,
+    mask_truncated: bool = False,
+    buffer: int = 0,
+    penalty: float = 1.0,
+):
     return SimpleNamespace(
         rollout=RolloutConfig(group_size=G, max_new_tokens=max_new_tokens, refill_max_rounds=rounds),
         algo=AlgoConfig(drop_uniform_groups=drop, mask_truncated=mask_truncated),
@@ -171,9 +184,11 @@ def test_overlong_penalty_enters_the_rewards_and_its_knobs_are_checked():
     torch.testing.assert_close(exp.rewards.view(4, G)[0], torch.tensor([1.0, 0.0, 0.5, -1.0]))
     assert exp.metrics["reward/overlong_penalty"] == pytest.approx(-0.375)
     # the knobs are checked with the rest of the config when it loads, against rollout.max_new_tokens
-    for overrides, key in ((["reward.overlong_buffer=5"], "reward.overlong_buffer"),
-                           (["reward.overlong_buffer=-1"], "reward.overlong_buffer"),
-                           (["reward.overlong_buffer=2", "reward.overlong_penalty=-1.0"], "reward.overlong_penalty")):
+    for overrides, key in (
+        (["reward.overlong_buffer=5"], "reward.overlong_buffer"),
+        (["reward.overlong_buffer=-1"], "reward.overlong_buffer"),
+        (["reward.overlong_buffer=2", "reward.overlong_penalty=-1.0"], "reward.overlong_penalty"),
+    ):
         with pytest.raises(ConfigError, match=key):
             load_config(None, ["rollout.max_new_tokens=5", *overrides]).validate()
 

@@ -37,12 +37,15 @@ def test_engine_rank_logprobs_equal_the_actors_after_each_transfer(workers3, tin
     engine = results[2]["rounds"]
     actor = next(r["rounds"] for r in results[:2] if r["rounds"][0]["logp"] is not None)  # the last stage's
     assert [r["version"] for r in engine] == [0, 1]
-    diffs = [max((e - a).abs().max().item() for e, a in zip(eng["logp"], act["logp"]))
-             for eng, act in zip(engine, actor)]
+    diffs = [
+        max((e - a).abs().max().item() for e, a in zip(eng["logp"], act["logp"])) for eng, act in zip(engine, actor)
+    ]
     moved = max((a - b).abs().max().item() for a, b in zip(actor[0]["logp"], actor[1]["logp"]))
     sent = results[0]["rounds"][1]["transfer"]
-    print(f"tp={tp} pp={pp}: max |engine - actor| per transfer {diffs}; the change moved log-probs {moved:.3g}; "
-          f"second transfer {sent}")
+    print(
+        f"tp={tp} pp={pp}: max |engine - actor| per transfer {diffs}; the change moved log-probs {moved:.3g}; "
+        f"second transfer {sent}"
+    )
     assert sent["transfer/bytes"] > 0 and sent["transfer/buckets"] > 1  # 64 KiB buckets: many messages
     assert moved > 100 * TOL  # the second transfer had something to carry
     assert all(d <= TOL for d in diffs), diffs

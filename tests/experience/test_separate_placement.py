@@ -16,20 +16,23 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.config import load_config
+from megatron_rlvr.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SEPARATE = ["rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=1"]
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (["trainer.off_policy_steps=1"], 2, "needs rollout.placement=separate"),
-    (["trainer.off_policy_steps=2", *SEPARATE], 2, "expected 0 (on-policy) or 1"),
-    (["rollout.placement=separate", "rollout.engine_ranks=2", "actor.tp=1"], 2, "less than the world size 2"),
-    (["rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=2"], 2, "must divide the actor's ranks"),
-    (["rollout.placement=separate", "rollout.engine_ranks=3", "rollout.tp=2", "actor.tp=1"], 8, "multiple of"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["trainer.off_policy_steps=1"], 2, "needs rollout.placement=separate"),
+        (["trainer.off_policy_steps=2", *SEPARATE], 2, "expected 0 (on-policy) or 1"),
+        (["rollout.placement=separate", "rollout.engine_ranks=2", "actor.tp=1"], 2, "less than the world size 2"),
+        (["rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=2"], 2, "must divide the actor's ranks"),
+        (["rollout.placement=separate", "rollout.engine_ranks=3", "rollout.tp=2", "actor.tp=1"], 8, "multiple of"),
+    ],
+)
 def test_placement_checks_name_the_key(overrides, world, message):
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -40,21 +43,46 @@ def test_separate_layouts_that_fit_pass_and_one_step_off_warns_without_correctio
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "trainer.off_policy_steps=1"])
     cfg.validate(2)
     assert any("algo.rollout_correction" in w for w in cfg.warnings())
-    corrected = load_config(ROOT / "configs" / "demo_cpu.yaml",
-                            [*SEPARATE, "trainer.off_policy_steps=1", "algo.rollout_correction=tis"])
+    corrected = load_config(
+        ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "trainer.off_policy_steps=1", "algo.rollout_correction=tis"]
+    )
     assert corrected.validate(2).warnings() == []
     # 4 actor ranks at TP=2 beside 4 engine ranks at engine TP=2
-    load_config(None, ["rollout.placement=separate", "rollout.engine_ranks=4", "rollout.tp=2", "actor.tp=2"]).validate(8)
+    load_config(None, ["rollout.placement=separate", "rollout.engine_ranks=4", "rollout.tp=2", "actor.tp=2"]).validate(
+        8
+    )
 
 
 def _torchrun(out: Path, steps: int, extra: list[str] = ()) -> subprocess.Popen:  # noqa: B006
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "megatron_rlvr.cli", "train", "configs/demo_cpu.yaml", f"trainer.steps={steps}", "trainer.eval_every=0",
-           "trainer.tensorboard=false", "trainer.save_hf=false", "trainer.prompts_per_step=8",
-           f"trainer.output_dir={out}", *SEPARATE, "trainer.off_policy_steps=1", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        "configs/demo_cpu.yaml",
+        f"trainer.steps={steps}",
+        "trainer.eval_every=0",
+        "trainer.tensorboard=false",
+        "trainer.save_hf=false",
+        "trainer.prompts_per_step=8",
+        f"trainer.output_dir={out}",
+        *SEPARATE,
+        "trainer.off_policy_steps=1",
+        *extra,
+    ]
     log = open(out.with_suffix(".log"), "w")
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def _logged(out: Path) -> list[dict]:
@@ -87,9 +115,19 @@ def test_demo_trains_one_step_off_on_an_engine_rank(tmp_path):
 @pytest.mark.slow
 def test_pba_outer_prefixes_and_validation_compose_with_engine_ranks(tmp_path):
     out = tmp_path / "run"
-    proc = _torchrun(out, 2, ["algo.pba=true", "algo.pba_base_samples=2", "algo.kl_coef=0",
-                              "rollout.prefix_model=megatron_rlvr/demo/weak_model", "rollout.prefix_fraction=0.25",
-                              "trainer.eval_every=2", "algo.rollout_correction=tis"])
+    proc = _torchrun(
+        out,
+        2,
+        [
+            "algo.pba=true",
+            "algo.pba_base_samples=2",
+            "algo.kl_coef=0",
+            "rollout.prefix_model=megatron_rlvr/demo/weak_model",
+            "rollout.prefix_fraction=0.25",
+            "trainer.eval_every=2",
+            "algo.rollout_correction=tis",
+        ],
+    )
     try:
         assert proc.wait(timeout=900) == 0, out.with_suffix(".log").read_text()[-3000:]
     finally:
@@ -97,7 +135,7 @@ def test_pba_outer_prefixes_and_validation_compose_with_engine_ranks(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     # the base's evidence came from the engine ranks before the first update: every training prompt, M = 2 each
     counts = json.loads((out / "base_evidence.json").read_text())["counts"]
-    assert len(counts) > 100 and set(counts.values()) <= {0, 1, 2} and 0 < sum(counts.values())
+    assert len(counts) > 100 and set(counts.values()) <= {0, 1, 2} and sum(counts.values()) > 0
     rows = _logged(out)
     assert [r["step"] for r in rows if "loss/pg_loss" in r] == [1, 2]
     trained = [r for r in rows if "loss/pg_loss" in r]
@@ -122,8 +160,9 @@ def test_a_killed_engine_rank_stops_the_run_within_the_timeout(tmp_path):
             time.sleep(0.5)
         launcher = psutil.Process(proc.pid)
         family = launcher.children(recursive=True)
-        engine = next(p for p in family if p.environ().get("RANK") == "1" and "torch.distributed.run" not in
-                      " ".join(p.cmdline()))
+        engine = next(
+            p for p in family if p.environ().get("RANK") == "1" and "torch.distributed.run" not in " ".join(p.cmdline())
+        )
         engine.kill()
         killed = time.monotonic()
         code = proc.wait(timeout=120)

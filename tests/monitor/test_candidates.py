@@ -40,8 +40,7 @@ class _FixedLogits:
 def test_top_n_is_sorted_with_ties_to_the_lower_id_and_padding_ids_excluded(demo):
     _, tokenizer = demo
     # vocab 6 of 8 columns: ids 6 and 7 are padding (largest logits, yet never candidates); ids 1, 3, 4 tie
-    rows = [[0.0, 2.0, 1.0, 2.0, 2.0, -1.0, 9.0, 9.0],
-            [3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0, 9.0]]
+    rows = [[0.0, 2.0, 1.0, 2.0, 2.0, -1.0, 9.0, 9.0], [3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0, 9.0]]
     model = _FixedLogits(rows, vocab_size=6)
     m = cand.candidate_matrix(model, tokenizer, [5, 6, 7], [4, 5], top_n=4, label="fixed")
     probs = torch.softmax(torch.tensor(rows)[:, :6], -1)
@@ -49,7 +48,9 @@ def test_top_n_is_sorted_with_ties_to_the_lower_id_and_padding_ids_excluded(demo
     assert [c["id"] for c in first.candidates] == [1, 3, 4, 2]
     assert [c["id"] for c in second.candidates] == [0, 1, 2, 3]
     for t, tok in enumerate(m.tokens):
-        assert [c["prob"] for c in tok.candidates] == pytest.approx(probs[t, [c["id"] for c in tok.candidates]].tolist())
+        assert [c["prob"] for c in tok.candidates] == pytest.approx(
+            probs[t, [c["id"] for c in tok.candidates]].tolist()
+        )
     assert first.rank == 3 and first.prob == pytest.approx(float(probs[0, 4]))
     assert second.rank is None and second.prob == pytest.approx(float(probs[1, 5]))  # outside the top 4
     assert first.entropy == pytest.approx(float(-(probs[0] * probs[0].log()).sum()), rel=1e-5)
@@ -59,8 +60,12 @@ def test_top_n_is_sorted_with_ties_to_the_lower_id_and_padding_ids_excluded(demo
 def test_sampling_is_deterministic_per_seed_and_stops_before_the_stop_string(demo):
     model, tokenizer = demo
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    draws = {seed: cand.sample_response(model, tokenizer, prompt_ids, max_new_tokens=24, temperature=1.0, seed=seed,
-                                        stop=["\n"]) for seed in range(4)}
+    draws = {
+        seed: cand.sample_response(
+            model, tokenizer, prompt_ids, max_new_tokens=24, temperature=1.0, seed=seed, stop=["\n"]
+        )
+        for seed in range(4)
+    }
     again = cand.sample_response(model, tokenizer, prompt_ids, max_new_tokens=24, temperature=1.0, seed=2, stop=["\n"])
     assert again == draws[2]
     assert len({tuple(r) for r in draws.values()}) > 1  # the seed matters
@@ -77,8 +82,26 @@ def test_cli_renders_models_side_by_side_and_writes_the_numbers(tmp_path, demo):
         changed.lm_head.weight.mul_(3.0)  # sharper: same tokens, other probabilities
     changed.save_pretrained(other)
     png, out_json = tmp_path / "c.png", tmp_path / "c.json"
-    rc = cand.main(["--model", MODEL_DIR, str(other), "--label", "base", "sharp", "--prompt", PROMPT,
-                    "--response", "9+9*(7-6)", "--top-n", "3", "--out", str(png), "--json", str(out_json)])
+    rc = cand.main(
+        [
+            "--model",
+            MODEL_DIR,
+            str(other),
+            "--label",
+            "base",
+            "sharp",
+            "--prompt",
+            PROMPT,
+            "--response",
+            "9+9*(7-6)",
+            "--top-n",
+            "3",
+            "--out",
+            str(png),
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
     data = json.loads(out_json.read_text())
     assert data["response"] == "9+9*(7-6)" and data["sampled"] is False
@@ -97,8 +120,22 @@ def test_sampled_response_with_seed_is_repeatable_through_the_cli(tmp_path):
     outs = []
     for i in range(2):
         path = tmp_path / f"r{i}.json"
-        cand.main(["--model", MODEL_DIR, "--prompt", PROMPT, "--stop", "\n", "--seed", "5", "--out",
-                   str(tmp_path / f"r{i}.png"), "--json", str(path)])
+        cand.main(
+            [
+                "--model",
+                MODEL_DIR,
+                "--prompt",
+                PROMPT,
+                "--stop",
+                "\n",
+                "--seed",
+                "5",
+                "--out",
+                str(tmp_path / f"r{i}.png"),
+                "--json",
+                str(path),
+            ]
+        )
         outs.append(json.loads(path.read_text()))
     assert outs[0]["response_ids"] == outs[1]["response_ids"] and outs[0]["seed"] == 5 and outs[0]["sampled"]
 

@@ -8,15 +8,21 @@ import math
 import pytest
 
 from megatron_rlvr.algos.metrics import token_weighted_mean
-from megatron_rlvr.monitor import MetricLogger, candidate_dynamics, histogram, read_metrics
-from megatron_rlvr.monitor import plots
+from megatron_rlvr.monitor import MetricLogger, candidate_dynamics, histogram, plots, read_metrics
 
 
 def _records(steps=4):
     return [
-        {"step": s, "reward/mean": 0.2 + 0.1 * s, "policy/rank1_prob": 0.6 + 0.05 * s, "policy/rank2_prob": 0.2,
-         "policy/rank3_prob": 0.1, "policy/entropy": 1.0 - 0.1 * s, "loss/entropy_high_entropy": 2.0,
-         "loss/rank1_prob_high_entropy": 0.4}
+        {
+            "step": s,
+            "reward/mean": 0.2 + 0.1 * s,
+            "policy/rank1_prob": 0.6 + 0.05 * s,
+            "policy/rank2_prob": 0.2,
+            "policy/rank3_prob": 0.1,
+            "policy/entropy": 1.0 - 0.1 * s,
+            "loss/entropy_high_entropy": 2.0,
+            "loss/rank1_prob_high_entropy": 0.4,
+        }
         for s in range(1, steps + 1)
     ]
 
@@ -104,9 +110,11 @@ def test_plots_are_written_as_png(tmp_path):
         plots.plot_rank_probs(runs, tmp_path / "rank.png"),
         plots.plot_entropy(runs, tmp_path / "entropy.png"),
         plots.plot_entropy_histograms(
-            [dict(histogram([0.1, 0.2, 1.5], bins=5), step=3, name="eval/entropy")], tmp_path / "hist.png"),
-        plots.plot_pass_at_k({"base": {1: 0.2, 2: 0.35, 4: 0.5}, "trained": {1: 0.4, 2: 0.5, 4: 0.6}},
-                             tmp_path / "passk.png"),
+            [dict(histogram([0.1, 0.2, 1.5], bins=5), step=3, name="eval/entropy")], tmp_path / "hist.png"
+        ),
+        plots.plot_pass_at_k(
+            {"base": {1: 0.2, 2: 0.35, 4: 0.5}, "trained": {1: 0.4, 2: 0.5, 4: 0.6}}, tmp_path / "passk.png"
+        ),
     ]
     for path in written:
         assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,8 +20,9 @@ class Case(NamedTuple):
     vocab_size: int
 
 
-def make_case(num_tokens: int, vocab_padded: int, vocab_size: int, dtype: torch.dtype, seed: int,
-              ties: bool = False) -> Case:
+def make_case(
+    num_tokens: int, vocab_padded: int, vocab_size: int, dtype: torch.dtype, seed: int, ties: bool = False
+) -> Case:
     gen = torch.Generator().manual_seed(seed)
     if ties:  # a handful of distinct values: every top-N slot has equal-valued rivals at other ids and ranks
         logits = torch.randint(0, 3, (num_tokens, vocab_padded), generator=gen).to(torch.float64)
@@ -39,8 +40,10 @@ def shard_of(logits: torch.Tensor, rank: int, tp: int) -> tuple[torch.Tensor, in
 
 def upstream_grads(num_tokens: int, top_n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed + 1)
-    return tuple(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-                 for shape in [(num_tokens,), (num_tokens,), (num_tokens, top_n)])
+    return tuple(
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        for shape in [(num_tokens,), (num_tokens,), (num_tokens, top_n)]
+    )
 
 
 def loss_of(stats, weights) -> torch.Tensor:
@@ -48,9 +51,19 @@ def loss_of(stats, weights) -> torch.Tensor:
     return (stats[0] * w_logp).sum() + (stats[1] * w_h).sum() + (stats[2] * w_top).sum()
 
 
-def compare_to_oracle(case: Case, top_n: int, *, rank: int = 0, tp: int = 1, group=None, temperature: float = 1.0,
-                      implementation: str | None = None, inplace_backward: bool = False,
-                      chunk_tokens: int | None = None, device: str = "cpu") -> dict:
+def compare_to_oracle(
+    case: Case,
+    top_n: int,
+    *,
+    rank: int = 0,
+    tp: int = 1,
+    group=None,
+    temperature: float = 1.0,
+    implementation: str | None = None,
+    inplace_backward: bool = False,
+    chunk_tokens: int | None = None,
+    device: str = "cpu",
+) -> dict:
     """Max abs differences of our op on this rank's shard vs the dense oracle on the full logits."""
     full = case.logits.to(device)
     targets = case.targets.to(device)
@@ -58,8 +71,16 @@ def compare_to_oracle(case: Case, top_n: int, *, rank: int = 0, tp: int = 1, gro
     shard = shard.clone().requires_grad_()
     ours_in = shard.clone() if inplace_backward else shard
     stats = vocab_parallel_token_stats(
-        ours_in, targets, top_n, group=group, vocab_start=start, vocab_size=case.vocab_size, temperature=temperature,
-        inplace_backward=inplace_backward, chunk_tokens=chunk_tokens, implementation=implementation,
+        ours_in,
+        targets,
+        top_n,
+        group=group,
+        vocab_start=start,
+        vocab_size=case.vocab_size,
+        temperature=temperature,
+        inplace_backward=inplace_backward,
+        chunk_tokens=chunk_tokens,
+        implementation=implementation,
     )
     acc = reference.accumulate_dtype(full.dtype)
     weights = tuple(w.to(device) for w in upstream_grads(full.shape[0], top_n, acc, seed=7))

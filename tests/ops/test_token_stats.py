@@ -69,8 +69,9 @@ def test_top_n_zero_and_no_tokens(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_leading_dims_and_large_top_n(impl):
     case = make_case(6, 64, 61, torch.float32, seed=4)
-    stats = vocab_parallel_token_stats(case.logits.view(2, 3, 64), case.targets.view(2, 3), 61, vocab_size=61,
-                                       implementation=impl)
+    stats = vocab_parallel_token_stats(
+        case.logits.view(2, 3, 64), case.targets.view(2, 3), 61, vocab_size=61, implementation=impl
+    )
     dense = reference.dense_token_stats(case.logits, case.targets, 61, vocab_size=61)
     assert stats.logp.shape == (2, 3) and stats.topn_ids.shape == (2, 3, 61)
     assert torch.equal(stats.topn_ids.view(6, 61), dense.topn_ids)
@@ -102,8 +103,11 @@ class _LargeAllocations(TorchDispatchMode):
         inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         known = {a.untyped_storage().data_ptr() for a in inputs}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if (isinstance(t, torch.Tensor) and t.numel() >= self.threshold
-                    and t.untyped_storage().data_ptr() not in known):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.numel() >= self.threshold
+                and t.untyped_storage().data_ptr() not in known
+            ):
                 self.sizes.append((str(func), tuple(t.shape)))
         return out
 
@@ -118,8 +122,9 @@ def test_inplace_backward_same_gradient_no_buffer(impl, dtype):
     for inplace in (False, True):
         leaf = case.logits.clone().requires_grad_()
         logits = leaf * 1  # a non-leaf buffer, as the output layer's logits are
-        stats = vocab_parallel_token_stats(logits, case.targets, 3, vocab_size=250, inplace_backward=inplace,
-                                           chunk_tokens=4, implementation=impl)
+        stats = vocab_parallel_token_stats(
+            logits, case.targets, 3, vocab_size=250, inplace_backward=inplace, chunk_tokens=4, implementation=impl
+        )
         loss = loss_of(stats, weights)
         with _LargeAllocations(num_tokens * vocab) as tracker:
             (grads[inplace],) = torch.autograd.grad(loss, logits)
@@ -193,8 +198,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA 
 def test_cuda_kernel_matches_oracle(dtype, ties, inplace):
     assert backends.resolve(torch.device("cuda"), None, 3) == "cuda"
     case = make_case(33, 5000, 4990, dtype, seed=10, ties=ties)
-    check(compare_to_oracle(case, 3, temperature=0.7, implementation="cuda", inplace_backward=inplace,
-                            device="cuda"), dtype)
+    check(
+        compare_to_oracle(case, 3, temperature=0.7, implementation="cuda", inplace_backward=inplace, device="cuda"),
+        dtype,
+    )
     check(compare_to_oracle(case, 0, implementation="cuda", device="cuda"), dtype)
 
 
@@ -206,8 +213,9 @@ def test_cuda_gradcheck_and_empty():
     targets = case.targets.cuda()
     fn = lambda x: tuple(vocab_parallel_token_stats(x, targets, 3, vocab_size=21, implementation="cuda")[:3])  # noqa: E731
     assert torch.autograd.gradcheck(fn, (logits,))
-    empty = vocab_parallel_token_stats(torch.zeros(0, 7, device="cuda"), torch.zeros(0, dtype=torch.long,
-                                       device="cuda"), 2, implementation="cuda")
+    empty = vocab_parallel_token_stats(
+        torch.zeros(0, 7, device="cuda"), torch.zeros(0, dtype=torch.long, device="cuda"), 2, implementation="cuda"
+    )
     assert empty.topn_ids.shape == (0, 2)
 
 
@@ -244,8 +252,9 @@ def test_every_cpu_instruction_set_matches_oracle(isa):
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "MEGATRON_RLVR_CPU_ISA": isa, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT], cwd=repo, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     if out["isa"] != isa and isa == "avx2":

@@ -28,16 +28,25 @@ def _tp_group(tp: int):
     return _groups[tp]
 
 
-def _run_case(tp: int, dtype: torch.dtype, impl: str, top_n: int, vocab_size: int, ties: bool,
-              temperature: float, inplace: bool) -> dict:
+def _run_case(
+    tp: int, dtype: torch.dtype, impl: str, top_n: int, vocab_size: int, ties: bool, temperature: float, inplace: bool
+) -> dict:
     import torch.distributed as dist
 
     group = _tp_group(tp)
     rank_in_tp = dist.get_rank(group)
     # every TP group sees the same case; the padded width is a multiple of tp as megatron pads it
     case = make_case(10, 100, vocab_size, dtype, seed=20 + tp, ties=ties)
-    result = compare_to_oracle(case, top_n, rank=rank_in_tp, tp=tp, group=group, temperature=temperature,
-                               implementation=impl, inplace_backward=inplace)
+    result = compare_to_oracle(
+        case,
+        top_n,
+        rank=rank_in_tp,
+        tp=tp,
+        group=group,
+        temperature=temperature,
+        implementation=impl,
+        inplace_backward=inplace,
+    )
     result["rank"] = dist.get_rank()
     return result
 

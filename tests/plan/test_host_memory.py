@@ -13,8 +13,9 @@ from megatron_rlvr.plan.host_memory import GB, host_header_line, host_plan, stag
 from megatron_rlvr.plan.memory import ModelDims
 from megatron_rlvr.plan.recipe_files import find_recipe, recipe_names
 
-H200_TRAIN = [n for n in recipe_names()
-              if not n.startswith("eval_") and "--executor slurm_h200" in find_recipe(n).read_text()]
+H200_TRAIN = [
+    n for n in recipe_names() if not n.startswith("eval_") and "--executor slurm_h200" in find_recipe(n).read_text()
+]
 
 
 def _host(name: str, overrides: list[str] = (), host_gb: float | None = None):
@@ -48,9 +49,9 @@ def test_the_staging_arithmetic_is_what_the_shard_stage_keeps(tmp_path):
     from megatron_rlvr.bridge import HFCheckpointReader
     from megatron_rlvr.bridge.mapping import ModelDims as BridgeDims
     from megatron_rlvr.models import load_hf_config
-    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
     from megatron_rlvr.rollout.shard_stage import ShardStage
     from megatron_rlvr.rollout.weight_manifest import WeightManifest
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     hf_dir = make_tiny_hf_model("qwen2", tmp_path / "m", vocab_size=1024)
     hf = load_hf_config(hf_dir)

@@ -22,19 +22,21 @@ def _meta_stage_counts(models: list[str], tp: int, pp: int) -> dict[str, int]:
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
     from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR
+    from megatron_rlvr.runtime import distributed
 
     counts = {}
     with distributed.model_parallel(tp=tp, pp=pp):
         for model in models:
             hf = load_hf_config(MODEL_CONFIGS_DIR / model)
-            tcfg = transformer_config_from_hf(hf, tp=tp, pp=pp, params_dtype=torch.bfloat16,
-                                              perform_initialization=False)
+            tcfg = transformer_config_from_hf(
+                hf, tp=tp, pp=pp, params_dtype=torch.bfloat16, perform_initialization=False
+            )
             with torch.device("meta"):
-                gpt = build_gpt_model(hf, tcfg, pre_process=ps.is_pipeline_first_stage(),
-                                      post_process=ps.is_pipeline_last_stage())
+                gpt = build_gpt_model(
+                    hf, tcfg, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
+                )
             counts[model] = sum(p.numel() for p in gpt.parameters())
         counts["stage"] = ps.get_pipeline_model_parallel_rank()
     return counts
@@ -58,8 +60,11 @@ def tiny_qwen(tmp_path_factory):
     return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen"), with_tokenizer=False))
 
 
-CASES = [Case(1, 1, distributed_optimizer=True), Case(2, 1, distributed_optimizer=True, reference=True),
-         Case(1, 2, distributed_optimizer=False, reference=True, micro_batch_size=1)]
+CASES = [
+    Case(1, 1, distributed_optimizer=True),
+    Case(2, 1, distributed_optimizer=True, reference=True),
+    Case(1, 2, distributed_optimizer=False, reference=True, micro_batch_size=1),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label.replace(" ", "_"))

@@ -72,7 +72,8 @@ def test_colocated_engine_sleeps_and_separate_engines_have_their_own_ranks():
     c, ph = actor.components, actor.phases
     assert c["engine_weights"] + c["kv_cache"] + c["engine_workspace"] == int(0.45 * 141 * GB)
     assert ph["rollout"] - ph["statistics"] == pytest.approx(
-        c["engine_weights"] + c["kv_cache"] - c["forward_working"] - c["logits"] - c["op_scratch"], abs=1)
+        c["engine_weights"] + c["kv_cache"] - c["forward_working"] - c["logits"] - c["op_scratch"], abs=1
+    )
     separate = plan_layout(dims, dataclasses.replace(lay, placement="separate", engine_ranks=4), 141)
     assert [r.name for r in separate.ranks] == ["actor", "engine rank"]
     assert separate.ranks[0].components["engine_weights"] == 0
@@ -86,10 +87,11 @@ def test_layout_reads_knobs_that_other_issues_add_with_their_defaults():
     cfg = load_config(find_recipe(BIG))
     lay = Layout.from_config(cfg, 32)
     assert (lay.tp, lay.dp, lay.placement, lay.engine_ranks, lay.micro_tokens) == (8, 4, "colocated", 0, 5120)
-    fake = SimpleNamespace(**{k: getattr(cfg, k) for k in ("model", "algo", "trainer")},
-                           actor=SimpleNamespace(**{**vars(cfg.actor), "max_tokens_per_micro_batch": 16384}),
-                           rollout=SimpleNamespace(**{**vars(cfg.rollout), "placement": "separate",
-                                                      "engine_ranks": 8}))
+    fake = SimpleNamespace(
+        **{k: getattr(cfg, k) for k in ("model", "algo", "trainer")},
+        actor=SimpleNamespace(**{**vars(cfg.actor), "max_tokens_per_micro_batch": 16384}),
+        rollout=SimpleNamespace(**{**vars(cfg.rollout), "placement": "separate", "engine_ranks": 8}),
+    )
     lay = Layout.from_config(fake, 32)
     assert (lay.dp, lay.placement, lay.engine_ranks, lay.micro_tokens) == (3, "separate", 8, 16384)
 
@@ -108,18 +110,28 @@ def test_json_has_the_documented_keys(capsys):
     assert plan["fits"] is True and 0 < plan["peak_gb"] <= 141
     assert set(plan["phases"]) == {"rollout", "statistics", "update", "sync"}
     assert plan["peak_gb"] == max(plan["phases"].values())
-    for key in ("actor_weights_gb", "actor_grads_gb", "optimizer_gb", "activations_gb", "reference_gb",
-                "engine_weights_gb", "kv_cache_gb"):
+    for key in (
+        "actor_weights_gb",
+        "actor_grads_gb",
+        "optimizer_gb",
+        "activations_gb",
+        "reference_gb",
+        "engine_weights_gb",
+        "kv_cache_gb",
+    ):
         assert key in plan["components"], key
     assert plan["components"]["actor_weights_gb"] == pytest.approx(32.76e9 / 8 * 2 / 1e9, rel=0.01)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["no_such_recipe"], "known recipes"),
-    ([BIG, "actor.tp=3"], "actor.tp"),
-    ([BIG, "algo.alpha=lots"], "algo.alpha"),
-    ([BIG, "--nodes", "0"], "--nodes"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["no_such_recipe"], "known recipes"),
+        ([BIG, "actor.tp=3"], "actor.tp"),
+        ([BIG, "algo.alpha=lots"], "algo.alpha"),
+        ([BIG, "--nodes", "0"], "--nodes"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert command.main(args) == 2
     err = capsys.readouterr().err

@@ -7,7 +7,7 @@ answers in any form that is right, not only the gold string's."""
 
 from pathlib import Path
 
-TASK2VERIFIER = '''import os
+TASK2VERIFIER = """import os
 import sys
 print(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
@@ -18,17 +18,17 @@ verifier_classes = {
     "game_of_24": GameOf24Verifier,
     "word_sorting": WordSortingVerifier,
 }
-'''
+"""
 
-DATA = '''class Data:
+DATA = """class Data:
     def __init__(self, question: str, answer: str, difficulty: int = 1, metadata: dict = None, **kwargs):
         self.question = question
         self.answer = answer
         self.difficulty = difficulty
         self.metadata = metadata
-'''
+"""
 
-VERIFIER = '''from abc import ABC, abstractmethod
+VERIFIER = """from abc import ABC, abstractmethod
 
 
 class Verifier(ABC):
@@ -39,7 +39,7 @@ class Verifier(ABC):
     @abstractmethod
     def extract_answer(self, test_solution: str):
         raise NotImplementedError
-'''
+"""
 
 WORD_SORTING = '''import re
 

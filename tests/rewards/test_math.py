@@ -99,7 +99,9 @@ def test_pathological_answers_score_zero_without_stalling_the_pool():
     names = list(PATHOLOGICAL)
     with RewardPool(cfg) as pool:
         start = time.monotonic()
-        rewards, counters = pool.score_batch(["math"] * len(names), [PATHOLOGICAL[n] for n in names], ["4"] * len(names))
+        rewards, counters = pool.score_batch(
+            ["math"] * len(names), [PATHOLOGICAL[n] for n in names], ["4"] * len(names)
+        )
         print(f"{len(names)} pathological items in {time.monotonic() - start:.1f} s, counters {counters}")
         assert rewards == [0.0] * len(names), dict(zip(names, rewards))
         assert counters["items"] == len(names) and counters["crashes"] == 0
@@ -126,8 +128,17 @@ def _catch(fn):
     return "no error"
 
 
-@pytest.mark.parametrize("name", ["deep nesting", "deep parentheses", "10k-digit number", "10k-digit last number",
-                                  "megabytes of text", "megabytes of numbers"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "deep nesting",
+        "deep parentheses",
+        "10k-digit number",
+        "10k-digit last number",
+        "megabytes of text",
+        "megabytes of numbers",
+    ],
+)
 def test_oversized_answers_are_rejected_before_parsing(name):
     from megatron_rlvr.rewards.math_verifier import is_pathological
 

@@ -28,10 +28,16 @@ def plugin_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(plugin_file):
-    overrides = [f"reward.plugins.word={HELPERS}:exact_word", f"reward.plugins.short={plugin_file}:at_most",
-                 f"reward.plugins.hang={HELPERS}:hang", f"reward.plugins.abort={HELPERS}:abort",
-                 f"reward.plugins.raises={HELPERS}:raises", f"reward.plugins.range={HELPERS}:out_of_range",
-                 "reward.workers=2", "reward.timeout_s=3"]
+    overrides = [
+        f"reward.plugins.word={HELPERS}:exact_word",
+        f"reward.plugins.short={plugin_file}:at_most",
+        f"reward.plugins.hang={HELPERS}:hang",
+        f"reward.plugins.abort={HELPERS}:abort",
+        f"reward.plugins.raises={HELPERS}:raises",
+        f"reward.plugins.range={HELPERS}:out_of_range",
+        "reward.workers=2",
+        "reward.timeout_s=3",
+    ]
     cfg = load_config(None, overrides)
     with RewardPool(cfg.reward) as p:
         yield p
@@ -59,8 +65,9 @@ def test_a_hanging_plugin_is_killed_at_the_timeout_and_counted(pool):
 
 
 def test_an_aborting_plugin_is_a_counted_crash_and_the_pool_goes_on(pool):
-    rewards, counters = pool.score_batch(["abort", "word", "abort", "short"], ["x", "yes", "y", "ab"],
-                                         [None, "yes", None, 5])
+    rewards, counters = pool.score_batch(
+        ["abort", "word", "abort", "short"], ["x", "yes", "y", "ab"], [None, "yes", None, 5]
+    )
     assert rewards == [0.0, 1.0, 0.0, 1.0] and counters["crashes"] == 2 and counters["errors"] == 0
     rewards, counters = pool.score_batch(["word"] * 3, ["a", "b", "c"], ["a", "x", "c"])
     assert rewards == [1.0, 0.0, 1.0] and counters["crashes"] == 0
@@ -75,15 +82,24 @@ def test_a_raising_plugin_scores_0_with_its_message_in_the_log(pool, caplog):
     assert "reward.plugins.range returned 2.0; expected a float in [0, 1]" in logged
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("no_such_package.verifiers:score", r"reward\.plugins\.mine: no module named 'no_such_package'"),
-    (f"{HELPERS}:missing", rf"reward\.plugins\.mine: {HELPERS} has no attribute 'missing'"),
-    (f"{HELPERS}:NOT_A_FUNCTION", r"reward\.plugins\.mine: .*NOT_A_FUNCTION is a int, not a function"),
-    (f"{HELPERS}:one_argument", r"reward\.plugins\.mine: .*one_argument\(response\) cannot be called as "
-                                r"fn\(response, reference\)"),
-    ("plugins/absent.py:score", r"reward\.plugins\.mine: file plugins/absent\.py not found"),
-    ("just_a_name", r"reward\.plugins\.mine: expected 'package\.module:function' or 'FILE\.py:function' \(a path\)"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_such_package.verifiers:score", r"reward\.plugins\.mine: no module named 'no_such_package'"),
+        (f"{HELPERS}:missing", rf"reward\.plugins\.mine: {HELPERS} has no attribute 'missing'"),
+        (f"{HELPERS}:NOT_A_FUNCTION", r"reward\.plugins\.mine: .*NOT_A_FUNCTION is a int, not a function"),
+        (
+            f"{HELPERS}:one_argument",
+            r"reward\.plugins\.mine: .*one_argument\(response\) cannot be called as "
+            r"fn\(response, reference\)",
+        ),
+        ("plugins/absent.py:score", r"reward\.plugins\.mine: file plugins/absent\.py not found"),
+        (
+            "just_a_name",
+            r"reward\.plugins\.mine: expected 'package\.module:function' or 'FILE\.py:function' \(a path\)",
+        ),
+    ],
+)
 def test_each_bad_spec_is_a_one_line_error_naming_the_key(spec, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(None, [f"reward.plugins.mine={spec}"])
@@ -93,8 +109,11 @@ def test_each_bad_spec_is_a_one_line_error_naming_the_key(spec, message):
 def test_a_file_that_fails_to_import_and_a_taken_task_name_are_errors_naming_the_key(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_dependency\n")
-    with pytest.raises(ConfigError, match=r"reward\.plugins\.mine: importing .*broken\.py failed: "
-                                          r"ModuleNotFoundError: No module named 'no_such_dependency'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reward\.plugins\.mine: importing .*broken\.py failed: "
+        r"ModuleNotFoundError: No module named 'no_such_dependency'",
+    ):
         load_config(None, [f"reward.plugins.mine={broken}:score"])
     with pytest.raises(ConfigError, match=r"reward\.plugins\.math: 'math' is a built-in verifier's task"):
         load_config(None, [f"reward.plugins.math={HELPERS}:exact_word"])
@@ -111,7 +130,7 @@ def test_the_docs_worked_example(tmp_path, monkeypatch):
     from megatron_rlvr.rewards.verifiers import VerifierTable
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
-    section = doc[doc.index("### A worked example"):]
+    section = doc[doc.index("### A worked example") :]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     row = json.loads(re.search(r"```json\n(.*?)```", section, re.DOTALL).group(1))
     (tmp_path / "my_verifiers.py").write_text(code)

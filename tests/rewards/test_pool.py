@@ -20,9 +20,19 @@ def test_mixed_batch_keeps_order_and_counts_failures(pool):
     references = ["2", None, None, None, "a", {"numbers": [1, 1], "target": 2}, "(B)", "2", "a"]
     rewards, counters = pool.score_batch(tasks, responses, references)
     assert rewards == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
-    assert counters == {"items": 9, "timeouts": 1, "crashes": 1, "errors": 1, "verifier/math": 2, "verifier/extra:hang": 1,
-                        "verifier/extra:die": 1, "verifier/extra:boom": 1, "verifier/extra:echo": 2,
-                        "verifier/countdown": 1, "verifier/logic": 1}
+    assert counters == {
+        "items": 9,
+        "timeouts": 1,
+        "crashes": 1,
+        "errors": 1,
+        "verifier/math": 2,
+        "verifier/extra:hang": 1,
+        "verifier/extra:die": 1,
+        "verifier/extra:boom": 1,
+        "verifier/extra:echo": 2,
+        "verifier/countdown": 1,
+        "verifier/logic": 1,
+    }
     assert any("verifier bug" in e for e in pool.last_errors)
     # the replaced workers serve the next batch
     rewards, counters = pool.score_batch(["math"] * 3, ["\\boxed{1}", "\\boxed{2}", "x"], ["1", "2", "3"])
@@ -30,8 +40,12 @@ def test_mixed_batch_keeps_order_and_counts_failures(pool):
 
 
 def test_pool_agrees_with_in_process_score(pool):
-    cases = [("math", "\\boxed{\\frac{1}{2}}", "0.5"), ("logic", "the answer is True", "False"),
-             ("countdown", "3*8", {"numbers": [3, 8], "target": 24}), ("math", "answer is 7", "7")]
+    cases = [
+        ("math", "\\boxed{\\frac{1}{2}}", "0.5"),
+        ("logic", "the answer is True", "False"),
+        ("countdown", "3*8", {"numbers": [3, 8], "target": 24}),
+        ("math", "answer is 7", "7"),
+    ]
     rewards, _ = pool.score_batch(*zip(*cases))
     assert rewards == [score(*case) for case in cases] == [1.0, 0.0, 1.0, 1.0]
 

@@ -25,8 +25,23 @@ def corrupt(task: str, gold: str) -> str:
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("rg") / "train.jsonl"
-    assert data_main(["prepare", "reasoning-gym", "--tasks", "leg_counting,syllogism,family_relationships",
-                      "--size", "10", "--seed", "3", "--out", str(out)]) == 0
+    assert (
+        data_main(
+            [
+                "prepare",
+                "reasoning-gym",
+                "--tasks",
+                "leg_counting,syllogism,family_relationships",
+                "--size",
+                "10",
+                "--seed",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -60,6 +75,9 @@ def test_bad_rows_and_a_missing_install_are_one_line_errors(pool, rows, monkeypa
     assert "reasoning-gym has no dataset 'no_such_task'" in pool.last_errors[0]
     monkeypatch.setattr(rg_reward, "_found", False)
     monkeypatch.setattr(rg_reward.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(rg_reward.ReasoningGymMissingError, match=r"^reasoning-gym is not installed \(task "
-                                                            r"'reasoning_gym:syllogism'\); pip install "):
+    with pytest.raises(
+        rg_reward.ReasoningGymMissingError,
+        match=r"^reasoning-gym is not installed \(task "
+        r"'reasoning_gym:syllogism'\); pip install ",
+    ):
         pool.score_batch(["reasoning_gym:syllogism"], ["Yes"], [rows[0]["answer"]])

@@ -39,12 +39,20 @@ def _train_two_steps(data_path: str, out_dir: str):
     from megatron_rlvr.runtime import distributed
     from megatron_rlvr.trainer import train
 
-    cfg = load_config(RECIPE, [
-        f"model.hf_dir={ROOT / 'megatron_rlvr' / 'demo' / 'model'}", f"data.path={data_path}",
-        f"trainer.output_dir={out_dir}", "trainer.steps=2", f"trainer.prompts_per_step={PROMPTS}",
-        f"rollout.group_size={GROUP}", "checkpoint.save_every=0", "trainer.tensorboard=false",
-        "trainer.save_hf=false",
-    ])
+    cfg = load_config(
+        RECIPE,
+        [
+            f"model.hf_dir={ROOT / 'megatron_rlvr' / 'demo' / 'model'}",
+            f"data.path={data_path}",
+            f"trainer.output_dir={out_dir}",
+            "trainer.steps=2",
+            f"trainer.prompts_per_step={PROMPTS}",
+            f"rollout.group_size={GROUP}",
+            "checkpoint.save_every=0",
+            "trainer.tensorboard=false",
+            "trainer.save_hf=false",
+        ],
+    )
     try:
         return train(cfg)
     finally:
@@ -68,5 +76,7 @@ def test_the_recipe_trains_two_steps_on_a_reasoning_gym_task(workers2, tmp_path)
         assert metrics["reward/errors"] == metrics["reward/timeouts"] == metrics["reward/crashes"] == 0
         assert 0.01 - 1e-6 <= metrics["reward/mean"] <= 1.0  # score_answer gives any answer 0.01 at least
         assert metrics["response/tokens_trained"] > 0
-    print("reasoning_gym_cpu, 2 steps:", [{k: round(v, 4) for k, v in m.items() if k.startswith("reward/")}
-                                          for m in history])
+    print(
+        "reasoning_gym_cpu, 2 steps:",
+        [{k: round(v, 4) for k, v in m.items() if k.startswith("reward/")} for m in history],
+    )

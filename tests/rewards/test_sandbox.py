@@ -69,15 +69,21 @@ def test_fork_bomb_is_contained():
 
 
 def test_memory_bomb_is_contained():
-    for bomb in ("x = bytearray(8 * 1024**3)\nprint('ok')", "chunks = []\nwhile True:\n    chunks.append(' ' * 10**7)\n"):
+    for bomb in (
+        "x = bytearray(8 * 1024**3)\nprint('ok')",
+        "chunks = []\nwhile True:\n    chunks.append(' ' * 10**7)\n",
+    ):
         assert verify_code(bomb, io_reference("ok"), LIMITS) == 0.0
     result = run_python("x = bytearray(8 * 1024**3)", "", LIMITS)
     assert "MemoryError" in result.stderr
 
 
 def test_writing_outside_the_work_dir_fails(tmp_path):
-    host_only = [tmp_path / "pwned", Path.home() / f".rlvr_pwned_{uuid.uuid4().hex}",
-                 Path(__file__).with_name(f"pwned_{uuid.uuid4().hex}")]
+    host_only = [
+        tmp_path / "pwned",
+        Path.home() / f".rlvr_pwned_{uuid.uuid4().hex}",
+        Path(__file__).with_name(f"pwned_{uuid.uuid4().hex}"),
+    ]
     # with namespaces these two exist inside too, but as the program's own tmpfs: the host's must stay untouched
     private = [Path("/tmp") / f"pwned_{uuid.uuid4().hex}", Path("/dev/shm") / f"pwned_{uuid.uuid4().hex}"]
     program = "import sys\nfor path in sys.stdin.read().split():\n    open(path, 'w').write('x')\nprint('wrote')\n"
@@ -88,7 +94,10 @@ def test_writing_outside_the_work_dir_fails(tmp_path):
         verify_code(program, io_reference("wrote", str(target)), LIMITS)
         assert not target.exists(), target
     # inside its own work dir it may write
-    assert verify_code("open('scratch.txt', 'w').write('x')\nprint(open('scratch.txt').read())", io_reference("x"), LIMITS) == 1.0
+    assert (
+        verify_code("open('scratch.txt', 'w').write('x')\nprint(open('scratch.txt').read())", io_reference("x"), LIMITS)
+        == 1.0
+    )
     assert leftovers() == []
 
 
@@ -174,7 +183,9 @@ def test_without_namespaces_it_warns_loudly_and_says_what_is_left(monkeypatch, t
     if sandbox._interpreter_reachable_by_others():
         assert result.isolation == "uid+rlimits" and int(result.stdout) != 0
         target = tmp_path / "pwned"
-        assert verify_code(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')", io_reference("wrote"), LIMITS) == 0.0
+        assert (
+            verify_code(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')", io_reference("wrote"), LIMITS) == 0.0
+        )
         assert not target.exists()
     else:  # e.g. Python under a 0700 /root: no uid could exec it, so the program keeps ours
         assert result.isolation == "rlimits-only" and int(result.stdout) == os.getuid()

@@ -45,8 +45,13 @@ def test_the_strongest_containment_is_in_force_here():
 @needs_namespaces
 def test_host_files_cannot_be_read(tmp_path):
     secret = uuid.uuid4().hex
-    files = [Path("/tmp") / f"rlvr_tests_{secret}.json", Path("/dev/shm") / f"rlvr_{secret}", tmp_path / "answers",
-             Path.home() / f".rlvr_{secret}", Path(__file__).with_name(f"answers_{secret}.txt")]
+    files = [
+        Path("/tmp") / f"rlvr_tests_{secret}.json",
+        Path("/dev/shm") / f"rlvr_{secret}",
+        tmp_path / "answers",
+        Path.home() / f".rlvr_{secret}",
+        Path(__file__).with_name(f"answers_{secret}.txt"),
+    ]
     program = "import sys\nfor path in sys.stdin.read().split():\n    print(open(path).read())\n"
     try:
         for path in files:
@@ -64,11 +69,25 @@ def test_host_files_cannot_be_read(tmp_path):
         "import json, os\nprint(json.dumps([sorted(os.listdir(d)) for d in ('/', '/dev', '/etc')]))\n"
         "for path in ('/usr/pwned', '/etc/pwned', '/pwned', '/dev/pwned', os.__file__ + '.pwned'):\n"
         "    try:\n        open(path, 'w')\n        print('wrote', path)\n    except OSError:\n        pass\n",
-        "", SMALL,
+        "",
+        SMALL,
     )
     top, dev, etc = json.loads(result.stdout.splitlines()[0])
-    assert set(top) <= {"bin", "sbin", "usr", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc", "tmp",
-                        "sandbox", *[Path(d).parts[1] for d in sandbox._system_dirs()]}, top
+    assert set(top) <= {
+        "bin",
+        "sbin",
+        "usr",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "etc",
+        "dev",
+        "proc",
+        "tmp",
+        "sandbox",
+        *[Path(d).parts[1] for d in sandbox._system_dirs()],
+    }, top
     assert "work" not in top and "home" not in top and "data" not in top
     assert set(dev) <= {"null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout", "stderr", "shm"}, dev
     assert set(etc) <= {"passwd", "group", "hosts", "ld.so.cache"}, etc
@@ -186,11 +205,15 @@ def test_a_timed_out_program_leaves_no_cgroup_and_a_dead_owners_groups_are_swept
 @needs_namespaces
 def test_a_killed_scoring_process_takes_its_sandbox_along():
     """A pool worker SIGKILLed at its deadline must not leave the program running, nor its cgroup and files."""
-    scorer = subprocess.Popen([
-        sys.executable, "-c",
-        "from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python\n"
-        "run_python('import time\\ntime.sleep(120)', '', SandboxLimits(wall_s=120, cpu_s=120, memory_mb=128))\n",
-    ], cwd=Path(__file__).parents[2])
+    scorer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python\n"
+            "run_python('import time\\ntime.sleep(120)', '', SandboxLimits(wall_s=120, cpu_s=120, memory_mb=128))\n",
+        ],
+        cwd=Path(__file__).parents[2],
+    )
     try:
         deadline = time.monotonic() + 30
         while not sandbox_processes() and time.monotonic() < deadline:
@@ -204,9 +227,13 @@ def test_a_killed_scoring_process_takes_its_sandbox_along():
         time.sleep(0.05)
     assert sandbox_processes() == []
     # its host dir and its group outlive it until the next scoring process (the replacement worker) sweeps them
-    sweeper = subprocess.run([
-        sys.executable, "-c",
-        "from megatron_rlvr.rewards.sandbox import run_python\nassert run_python('print(1)').stdout == '1\\n'\n",
-    ], cwd=Path(__file__).parents[2], timeout=60)
+    sweeper = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from megatron_rlvr.rewards.sandbox import run_python\nassert run_python('print(1)').stdout == '1\\n'\n",
+        ],
+        cwd=Path(__file__).parents[2],
+        timeout=60,
+    )
     assert sweeper.returncode == 0 and leftovers(scorer.pid) == []
-

@@ -36,8 +36,8 @@ def sync_and_compare(
 ) -> dict:
     """Two rounds of (export -> rank 0's engine.update_weights -> log-probs on both sides); a weight change between.
     ``lend``: rank 0 takes lent buckets (``update_weights(lent=True)``), the other ranks only serve (receive=False)."""
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_hf_weights
+    from megatron_rlvr.runtime import distributed
 
     engine = None
     try:

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlvr.testing.engines import ScriptedEngineBase
 from megatron_rlvr.rollout import RolloutConfig, RolloutEngine, Sampling
 from megatron_rlvr.rollout.base import Completion
 from megatron_rlvr.rollout.prefixes import PrefixedEngine, check_same_tokenizer, prefixed_count
+from megatron_rlvr.testing.engines import ScriptedEngineBase
 
 EOS = 0
 CHARS = "\x00abcdefgh;"  # id -> character; id 0 is EOS (decodes to nothing), ";" (id 9) the stop string's
@@ -116,8 +116,9 @@ def test_prefix_tokens_are_masked_out_of_the_loss():
     from megatron_rlvr.experience.collect import to_batch
 
     out = _engine(fraction=0.5)[0].generate(PROMPTS, 4, _sampling())
-    items = [PromptItem(id=str(i), prompt="", prompt_ids=tuple(p), answer="", task="math")
-             for i, p in enumerate(PROMPTS)]
+    items = [
+        PromptItem(id=str(i), prompt="", prompt_ids=tuple(p), answer="", task="math") for i, p in enumerate(PROMPTS)
+    ]
     batch, engine_logp = to_batch(items, out, torch.zeros(12), pad_id=0)
     row = 0
     for prompt, group in zip(PROMPTS, out):
@@ -136,8 +137,9 @@ def test_same_seed_same_samples_other_seed_other_prefixes():
     assert [c.token_ids for g in a for c in g[2:]] != [c.token_ids for g in b for c in g[2:]]
 
 
-@pytest.mark.parametrize("fraction, n, k", [(0.0, 4, 0), (0.25, 2, 1), (0.25, 8, 2), (0.5, 3, 2), (1.0, 4, 4),
-                                            (0.3, 10, 3)])
+@pytest.mark.parametrize(
+    "fraction, n, k", [(0.0, 4, 0), (0.25, 2, 1), (0.25, 8, 2), (0.5, 3, 2), (1.0, 4, 4), (0.3, 10, 3)]
+)
 def test_share_of_prefixed_samples(fraction, n, k):
     assert prefixed_count(fraction, n) == k
     engine, target, weak = _engine(fraction=fraction)
@@ -245,12 +247,17 @@ def test_vllm_continuations_have_the_targets_logprobs_and_prefixes_the_weak_ones
     prompt + response gives the engine's log-probs: the weak's on the prefix, the target's on the continuation."""
     from transformers import AutoTokenizer
 
-    from megatron_rlvr.tasks import countdown as task
     from megatron_rlvr.rollout import make_engine
+    from megatron_rlvr.tasks import countdown as task
     from tests.rollout.hf_reference import hf_token_logprobs, load_hf
 
-    cfg = RolloutConfig(max_model_len=128, kv_cache_memory_bytes=32 * 1024**2, prefix_model=str(DEMO / "weak_model"),
-                        prefix_fraction=0.5, prefix_cut=[0.3, 0.9])
+    cfg = RolloutConfig(
+        max_model_len=128,
+        kv_cache_memory_bytes=32 * 1024**2,
+        prefix_model=str(DEMO / "weak_model"),
+        prefix_fraction=0.5,
+        prefix_cut=[0.3, 0.9],
+    )
     engine = make_engine(DEMO / "model", cfg, seed=0)
     try:
         assert isinstance(engine, PrefixedEngine)

@@ -11,9 +11,9 @@ import torch
 from megatron_rlvr.bridge.mapping import ModelDims
 from megatron_rlvr.bridge.reshard import engine_shard
 from megatron_rlvr.models import load_hf_config
-from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 from megatron_rlvr.rollout.shard_stage import ShardStage
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError
+from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
 
 def _model(tmp_path, family: str, **kw):
@@ -49,8 +49,9 @@ def test_staged_shards_are_vllms_slices_and_full_tensors_give_them_back(tmp_path
             assert shard.untyped_storage().data_ptr() != weights[name].untyped_storage().data_ptr()  # a copy
         for name, full in staged.full_tensors():  # a loader that slices for its own TP rank, as vLLM's do
             assert tuple(full.shape) == tuple(weights[name].shape)
-            assert torch.equal(engine_shard(name, full, dims, tp, rank), engine_shard(name, weights[name], dims, tp,
-                                                                                      rank)), name
+            assert torch.equal(
+                engine_shard(name, full, dims, tp, rank), engine_shard(name, weights[name], dims, tp, rank)
+            ), name
         assert staged.items == [] and staged.nbytes == 0  # handed over: the stage let go of every shard
     norms = sum(_nbytes({n: t}) for n, t in weights.items() if "norm" in n)
     for peak in per_rank:

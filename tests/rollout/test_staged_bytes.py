@@ -20,8 +20,15 @@ from megatron_rlvr.testing.workers import WorkerGroup
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 BUCKET_BYTES = 64 << 20
-MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-             num_key_value_heads=4, head_dim=64)  # 110e6 parameters, 442 MB in fp32
+MODEL = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+)  # 110e6 parameters, 442 MB in fp32
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +100,21 @@ def _member(hf_dir: str, plan: list[tuple[int, int, bool]]) -> dict:
                 error = str(e)
             for _ in stream:  # already drained by the stage; a no-op unless it raised early
                 pass
-        row = {"version": version, "tp": tp, "bad": bad, "error": error, "live_peak": live.peak,
-               "buffer_before": buffer_before, "buffer_bytes": rx.buffer_bytes}
+        row = {
+            "version": version,
+            "tp": tp,
+            "bad": bad,
+            "error": error,
+            "live_peak": live.peak,
+            "buffer_before": buffer_before,
+            "buffer_bytes": rx.buffer_bytes,
+        }
         if staged is not None:
             row["stage_peak"] = staged.peak_bytes
             want = _weights(hf_dir, version)
-            row["wrong"] = [n for n, s in staged.shards()
-                            if not torch.equal(s, engine_shard(n, want[n], dims, tp, rank))]
+            row["wrong"] = [
+                n for n, s in staged.shards() if not torch.equal(s, engine_shard(n, want[n], dims, tp, rank))
+            ]
             del want
         del staged
         out.append(row)
@@ -116,16 +131,20 @@ def results(hf_dir):
 def test_peak_staged_bytes_per_engine_rank_at_tp_1_and_2(results):
     model_bytes = results[0]["model_bytes"]
     print(f"\nmodel {model_bytes / 1e6:.1f} MB fp32, bucket bound {BUCKET_BYTES >> 20} MiB")
-    print(f"{'engine rank':>11} {'TP':>3} {'staged MB':>10} {'measured MB':>12} {'buffer MB':>10} "
-          f"{'(measured)/model':>17} {'bound MB':>9}")
+    print(
+        f"{'engine rank':>11} {'TP':>3} {'staged MB':>10} {'measured MB':>12} {'buffer MB':>10} "
+        f"{'(measured)/model':>17} {'bound MB':>9}"
+    )
     for member in (1, 2):
         for row in results[member]["rows"]:
             if row["bad"]:
                 continue
             measured = row["live_peak"] + row["buffer_before"]  # a buffer allocated earlier is not in live_peak
             bound = (0.55 if row["tp"] == 2 else 1.05) * model_bytes + row["buffer_bytes"]
-            print(f"{member - 1:>11} {row['tp']:>3} {row['stage_peak'] / 1e6:>10.1f} {measured / 1e6:>12.1f} "
-                  f"{row['buffer_bytes'] / 1e6:>10.1f} {measured / model_bytes:>17.3f} {bound / 1e6:>9.1f}")
+            print(
+                f"{member - 1:>11} {row['tp']:>3} {row['stage_peak'] / 1e6:>10.1f} {measured / 1e6:>12.1f} "
+                f"{row['buffer_bytes'] / 1e6:>10.1f} {measured / model_bytes:>17.3f} {bound / 1e6:>9.1f}"
+            )
             assert row["wrong"] == []
             assert measured <= bound, (member, row)
             if row["tp"] == 2:

@@ -78,8 +78,9 @@ def _store_group(port: int, member: int, timeout_s: float):
     return dist.ProcessGroupGloo(dist.PrefixStore("weights", store), member, 3, datetime.timedelta(seconds=timeout_s))
 
 
-def _engine_receives(group, hf_dir: str, versions: int, shard: bool = True, die_after: int | None = None,
-                     only: str | None = None) -> dict:
+def _engine_receives(
+    group, hf_dir: str, versions: int, shard: bool = True, die_after: int | None = None, only: str | None = None
+) -> dict:
     """Receive ``versions`` transfers and compare each tensor with what the sender held; ``die_after``: exit the
     process after that many tensors of the second transfer."""
     from megatron_rlvr.bridge.reshard import engine_shard
@@ -87,8 +88,9 @@ def _engine_receives(group, hf_dir: str, versions: int, shard: bool = True, die_
 
     ref, dims = _model(hf_dir, only)
     member = group.rank()
-    rx = WeightReceiver(group, engine_tp=ENGINE_TP, engine_tp_rank=member - 1, dims=dims, shard=shard,
-                        timeout_s=TIMEOUT_S)
+    rx = WeightReceiver(
+        group, engine_tp=ENGINE_TP, engine_tp_rank=member - 1, dims=dims, shard=shard, timeout_s=TIMEOUT_S
+    )
     got_versions, problems, buffers = [], [], []
     for i in range(versions):
         version, stream = rx.receive()
@@ -107,8 +109,15 @@ def _engine_receives(group, hf_dir: str, versions: int, shard: bool = True, die_
     return {"versions": got_versions, "problems": problems, "buffer_bytes": buffers}
 
 
-def _sender_sends(group, hf_dir: str, versions: list[int], bucket_bytes: int, die_in: int | None = None,
-                  whole: list[bool] | None = None, only: str | None = None) -> dict:
+def _sender_sends(
+    group,
+    hf_dir: str,
+    versions: list[int],
+    bucket_bytes: int,
+    die_in: int | None = None,
+    whole: list[bool] | None = None,
+    only: str | None = None,
+) -> dict:
     """Send each version in buckets of ``bucket_bytes`` (or, where ``whole``, as one bucket the sender must cut);
     ``die_in``: exit the process after the first bucket of that version."""
     from megatron_rlvr.rollout.transfer import WeightSender
@@ -176,19 +185,42 @@ def _run_member(port: int, hf_dir: str, jobs: dict[int, dict], world: bool = Fal
         child.join(60)
         out["child_exit"] = child.exitcode
     else:
-        group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S)) if world
-                 else _store_group(port, member, TIMEOUT_S))
+        group = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+            if world
+            else _store_group(port, member, TIMEOUT_S)
+        )
         if member == 0:
-            out.update(_timed(_sender_sends, group, hf_dir, job.get("versions", [1, 2]), job.get("bucket_bytes",
-                              150_000), whole=job.get("whole"), only=job.get("only")))
+            out.update(
+                _timed(
+                    _sender_sends,
+                    group,
+                    hf_dir,
+                    job.get("versions", [1, 2]),
+                    job.get("bucket_bytes", 150_000),
+                    whole=job.get("whole"),
+                    only=job.get("only"),
+                )
+            )
         elif job.get("silent_after") is not None:
             out.update(_timed(_engine_receives, group, hf_dir, job["silent_after"], shard=job.get("shard", True)))
             time.sleep(TIMEOUT_S + SLACK_S)  # holds the group open and answers nothing
         else:
-            out.update(_timed(_engine_receives, group, hf_dir, job.get("versions", 2), shard=job.get("shard", True),
-                              only=job.get("only")))
-    out["children_left"] = [p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
-                            and p.status() != psutil.STATUS_ZOMBIE]
+            out.update(
+                _timed(
+                    _engine_receives,
+                    group,
+                    hf_dir,
+                    job.get("versions", 2),
+                    shard=job.get("shard", True),
+                    only=job.get("only"),
+                )
+            )
+    out["children_left"] = [
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]
     return out
 
 
@@ -222,8 +254,11 @@ def test_messages_and_buffers_stay_within_the_bucket_bound(workers3, hf_dir):
     largest = max(t.numel() * 4 for t in ref.values())
     assert max(t.numel() * 4 for t in layers.values()) <= bound < largest  # the model exercises both rules
     # one bucket holding everything: the sender cuts it to the bound; the vocabulary tensors go alone, over it
-    jobs = {0: {"versions": [1], "bucket_bytes": bound, "whole": [True]}, 1: {"versions": 1, "shard": False},
-            2: {"versions": 1, "shard": False}}
+    jobs = {
+        0: {"versions": [1], "bucket_bytes": bound, "whole": [True]},
+        1: {"versions": 1, "shard": False},
+        2: {"versions": 1, "shard": False},
+    }
     results = workers3.run(_run_member, free_port(), hf_dir, jobs)
     assert results[0]["error"] is None, results[0]["error"]
     (stats,) = results[0]["result"]["stats"]

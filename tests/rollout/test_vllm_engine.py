@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 from megatron_rlvr.rollout import EngineDiedError, RolloutConfig, RolloutEngine, Sampling, WeightSyncError
 from megatron_rlvr.rollout.vllm_engine import VLLMEngine, make_engine
+from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 from tests.rollout.hf_reference import hf_state_dict, hf_token_logprobs, load_hf, load_into_hf, perturbed
 
 pytestmark = pytest.mark.engine
@@ -119,7 +119,7 @@ def test_sampling_n16_is_well_formed_and_logprobs_are_of_logits_over_temperature
     sampling = Sampling(temperature=0.7, max_tokens=12, seed=7)
     out = engine.generate(prompts, 16, sampling)
     assert len(out) == 2 and all(len(group) == 16 for group in out)
-    for prompt, group in zip(prompts, out):
+    for group in out:
         for c in group:
             assert 1 <= len(c.token_ids) <= 12 and len(c.logprobs) == len(c.token_ids)
             assert all(math.isfinite(lp) and lp <= 0 for lp in c.logprobs)
@@ -148,7 +148,9 @@ def test_max_tokens_and_stop_string_end_generation(qwen):
     # min_tokens: no end before it, whatever the model prefers (a stop string on every character, EOS sampled)
     every = [chr(c) for c in range(32, 127)]
     early = engine.generate([[9, 8, 7]], 4, Sampling(temperature=1.0, max_tokens=12, seed=0, stop=every))[0]
-    floor = engine.generate([[9, 8, 7]], 4, Sampling(temperature=1.0, max_tokens=12, min_tokens=7, seed=0, stop=every))[0]
+    floor = engine.generate([[9, 8, 7]], 4, Sampling(temperature=1.0, max_tokens=12, min_tokens=7, seed=0, stop=every))[
+        0
+    ]
     assert min(len(c.token_ids) for c in early) < 7 <= min(len(c.token_ids) for c in floor)
     for prompt in ([9, 8, 7], [1, 2, 3, 4], [70, 80, 90], [33, 44], [101, 102, 103]):
         full = engine.generate([prompt], 1, greedy)[0][0]
@@ -298,8 +300,9 @@ def test_top_p_logprobs_are_of_the_truncated_renormalized_distribution(qwen):
 
 
 @pytest.mark.parametrize("path", ["direct", "reload_shard_stage"])
-def test_a_wrong_shape_in_the_last_bucket_leaves_the_weights_bit_identical_and_the_engine_alive(qwen, path,
-                                                                                                 monkeypatch):
+def test_a_wrong_shape_in_the_last_bucket_leaves_the_weights_bit_identical_and_the_engine_alive(
+    qwen, path, monkeypatch
+):
     """Under "full", a stream whose last bucket holds a wrong shape is refused after it was drained: every weight
     the engine computes with reads back bit for bit as before, and the engine still generates. Both CPU paths: the
     direct loader, and vLLM's reload behind the shard stage (the GPU path's staging, at TP 1 here)."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 from megatron_rlvr.rollout import RolloutConfig, WeightManifest, WeightSyncError
+from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 from tests.rollout.hf_reference import hf_state_dict, load_hf
 
 
@@ -73,7 +73,14 @@ def test_non_float_and_non_pairs_are_refused(llama_dir, llama_sd):
 
 @pytest.mark.parametrize(
     "key, value",
-    [("tp", 0), ("temperature", 0.0), ("top_p", 1.5), ("sleep_level", 3), ("sync_staging", "lazy"), ("min_new_tokens", 65)],
+    [
+        ("tp", 0),
+        ("temperature", 0.0),
+        ("top_p", 1.5),
+        ("sleep_level", 3),
+        ("sync_staging", "lazy"),
+        ("min_new_tokens", 65),
+    ],
 )
 def test_rollout_config_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ValueError, match=f"rollout.{key}"):

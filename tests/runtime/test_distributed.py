@@ -19,13 +19,25 @@ def _transformer_config():
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, bf16=False,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bf16=False,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32, sequence_parallel=False,
+        pipeline_dtype=torch.float32,
+        sequence_parallel=False,
     )
 
 
@@ -35,9 +47,13 @@ def _build_model():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(
-        config=_transformer_config(), transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-        max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
+        config=_transformer_config(),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
 
@@ -78,8 +94,13 @@ def _train_step(ddp_model, optimizer):
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(tokens.split(1)), model=[ddp_model],
-        num_microbatches=len(tokens), seq_length=SEQ, micro_batch_size=1, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=iter(tokens.split(1)),
+        model=[ddp_model],
+        num_microbatches=len(tokens),
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=False,
     )
     local = torch.tensor(
         [sum(float(x["loss"]) for x in losses), float(len(losses))] if losses else [0.0, 0.0], dtype=torch.float64

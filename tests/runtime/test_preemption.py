@@ -55,8 +55,9 @@ _CHILD = textwrap.dedent("""
 
 
 def test_a_repeat_counts_once_and_a_later_second_signal_exits_at_once():
-    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=REPO)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
     try:
         assert child.stdout.readline().split() == ["requested", "True", "SIGUSR1"]
         assert child.stdout.readline().strip() == "ready"
@@ -71,7 +72,6 @@ def test_a_repeat_counts_once_and_a_later_second_signal_exits_at_once():
     assert rc == 128 + signal.SIGTERM and elapsed < 10, (rc, elapsed, err)
     assert err.count("got SIGUSR1") == 1 and "second signal (SIGTERM): exiting now, without a checkpoint" in err
     assert "still running" not in child.stdout.read()
-
 
 
 def _agree(signalled_rank: int):

@@ -31,8 +31,14 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_dry_run_of_the_whole_check(tmp_path):
-    done = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=REPO, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "--dry-run"],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for stage in ("actor_small_cpu", "op_bench", "actor_1b", "bridge", "summary"):
         assert f"dry run: {stage}: " in done.stdout, done.stdout
@@ -42,19 +48,31 @@ def test_dry_run_of_the_whole_check(tmp_path):
 
 
 def test_usage_error(tmp_path):
-    done = subprocess.run(["bash", "tools/gpu_check.sh", "--bogus"], cwd=REPO, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "--bogus"],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2 and "usage" in done.stderr
 
 
 def _dry_run(tmp_path: Path, *invocations: str) -> subprocess.CompletedProcess:
     listing = tmp_path / "dry_run.txt"
     listing.write_text("".join(line + "\n" for line in invocations))
-    return subprocess.run([sys.executable, str(CHECK / "dry_run.py"), str(listing)], cwd=REPO, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(CHECK / "dry_run.py"), str(listing)],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-SCRIPT = '''
+SCRIPT = """
 import argparse
 {imports}
 
@@ -65,15 +83,18 @@ def build_parser():
 
 def preflight(args):
     return []
-'''
+"""
 
 
-@pytest.mark.parametrize("imports,args,expected", [
-    ("", "--out\tx.json", None),
-    ("import no_such_module_for_gpu_check", "--out\tx.json", "ModuleNotFoundError"),
-    ("", "--outt\tx.json", "exit 2"),  # the parser refuses an argument gpu_check.sh passes
-    ("import vllm", "--out\tx.json", "neither on the device image nor in wheels.lock"),
-])
+@pytest.mark.parametrize(
+    "imports,args,expected",
+    [
+        ("", "--out\tx.json", None),
+        ("import no_such_module_for_gpu_check", "--out\tx.json", "ModuleNotFoundError"),
+        ("", "--outt\tx.json", "exit 2"),  # the parser refuses an argument gpu_check.sh passes
+        ("import vllm", "--out\tx.json", "neither on the device image nor in wheels.lock"),
+    ],
+)
 def test_dry_run_fails_on_a_broken_script(tmp_path, imports, args, expected):
     script = tmp_path / "stage_script.py"
     script.write_text(SCRIPT.format(imports=imports if "vllm" not in imports else "def _later():\n    " + imports))
@@ -95,9 +116,11 @@ def test_wheel_tags_for_the_device():
     wheels = _module("wheels")
     assert wheels.check_tags([e.file for e in wheels.read_lock()]) == []  # what gpu_wheels.sh fetches
     assert wheels.check_tags(["einops-0.8.1-py3-none-any.whl", "x-1.0-cp312-abi3-manylinux_2_17_x86_64.whl"]) == []
-    for bad in ("megatron_core-0.16.1-cp311-cp311-manylinux_2_28_x86_64.whl",  # another python
-                "x-1.0-cp312-cp312-manylinux_2_40_x86_64.whl",  # a newer glibc than the image's
-                "x-1.0-cp312-cp312-macosx_11_0_arm64.whl"):
+    for bad in (
+        "megatron_core-0.16.1-cp311-cp311-manylinux_2_28_x86_64.whl",  # another python
+        "x-1.0-cp312-cp312-manylinux_2_40_x86_64.whl",  # a newer glibc than the image's
+        "x-1.0-cp312-cp312-macosx_11_0_arm64.whl",
+    ):
         assert len(wheels.check_tags([bad])) == 1, bad
     two = wheels.check_tags(["einops-0.8.1-py3-none-any.whl", "einops-0.8.2-py3-none-any.whl"])
     assert len(two) == 1 and "2 versions" in two[0]

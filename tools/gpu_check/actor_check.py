@@ -41,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(common.MODELS), default="small")
     p.add_argument("--mode", choices=["compare", "throughput"], default="compare")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="what the run must be on (the device is torch's: hide the GPU with CUDA_VISIBLE_DEVICES=)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="what the run must be on (the device is torch's: hide the GPU with CUDA_VISIBLE_DEVICES=)",
+    )
     p.add_argument("--dtypes", default="float32,bfloat16", help="compare mode: one fresh actor per dtype and layout")
     p.add_argument("--layouts", default="padded,packed", help=f"comma list of {sorted(LAYOUTS)}")
     p.add_argument("--sequences", type=int, default=8)
@@ -63,7 +67,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
     layouts = [x for x in args.layouts.split(",") if x]
     dtypes = [x for x in args.dtypes.split(",") if x]
     errors = [f"--layouts: unknown {x!r}; expected {sorted(LAYOUTS)}" for x in layouts if x not in LAYOUTS]
-    errors += [f"--dtypes: unknown {x!r}; expected float32, bfloat16" for x in dtypes if x not in ("float32", "bfloat16")]
+    errors += [
+        f"--dtypes: unknown {x!r}; expected float32, bfloat16" for x in dtypes if x not in ("float32", "bfloat16")
+    ]
     if not layouts or not dtypes:
         errors.append("--layouts and --dtypes need at least one entry each")
     if args.min_response < 1 or args.max_response < args.min_response:
@@ -84,19 +90,20 @@ def preflight(args: argparse.Namespace) -> list[str]:
     import megatron.core.pipeline_parallel  # noqa: F401
     import torch  # noqa: F401
 
-    from megatron_rlvr.actor.megatron_actor import MegatronActor  # noqa: F401
     from megatron_rlvr.actor.batch import SequenceBatch  # noqa: F401
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.actor.config import ActorConfig  # noqa: F401
+    from megatron_rlvr.actor.megatron_actor import MegatronActor  # noqa: F401
+    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig  # noqa: F401
-    from megatron_rlvr.testing.tiny_models import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
     from megatron_rlvr.ops import backends  # noqa: F401
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
 
     AlgoConfig(loss="casp")
     missing = [f for f in PACKING_FIELDS if f not in {f.name for f in dataclasses.fields(ActorConfig)}]
     if missing:
-        raise SystemExit(f"actor_check: ActorConfig has no {missing}; the check sets them to run the actor padded "
-                         "and packed")
+        raise SystemExit(
+            f"actor_check: ActorConfig has no {missing}; the check sets them to run the actor padded and packed"
+        )
     return []
 
 
@@ -167,8 +174,13 @@ def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool,
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
-    return MegatronActor(ModelConfig(hf_dir=str(hf_dir)), actor_config(args, layout, bf16), AlgoConfig(loss="casp"),
-                         temperature=1.0, total_steps=total_steps)
+    return MegatronActor(
+        ModelConfig(hf_dir=str(hf_dir)),
+        actor_config(args, layout, bf16),
+        AlgoConfig(loss="casp"),
+        temperature=1.0,
+        total_steps=total_steps,
+    )
 
 
 def _update_figures(metrics: dict[str, float]) -> dict[str, float]:
@@ -180,8 +192,8 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
     """A fresh actor per (dtype, layout): statistics, ``steps`` updates, statistics again."""
     import torch
 
-    from megatron_rlvr.runtime.distributed import model_parallel
     from megatron_rlvr.ops import backends
+    from megatron_rlvr.runtime.distributed import model_parallel
 
     runs: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
@@ -219,8 +231,8 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
     writes the figures so far after each phase: a stage stopped at its time limit still leaves them."""
     import torch
 
-    from megatron_rlvr.runtime.distributed import model_parallel
     from megatron_rlvr.ops import backends
+    from megatron_rlvr.runtime.distributed import model_parallel
 
     out: dict[str, Any] = {"layouts": {}, "complete": False}
     layouts = args.layouts.split(",")
@@ -229,12 +241,19 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
         timer = common.Timer(cuda)
         with timer:
             actor = build_actor(hf_dir, args, "padded", bf16=True, total_steps=1 + args.steps * len(layouts))
-        out |= {"build_s": round(timer.seconds, 2), "build_peak_gib": round(peak_bytes(cuda) / 2**30, 2),
-                "impl": backends.resolve(torch.device("cuda" if cuda else "cpu"), None, 3)}
+        out |= {
+            "build_s": round(timer.seconds, 2),
+            "build_peak_gib": round(peak_bytes(cuda) / 2**30, 2),
+            "impl": backends.resolve(torch.device("cuda" if cuda else "cpu"), None, 3),
+        }
         batch = make_batch(actor.vocab_size, args)
         tokens = real_tokens(batch)
-        out |= {"real_tokens": tokens, "padded_tokens": int(batch.tokens.numel()),
-                "sequences": len(batch), "max_len": int(batch.tokens.shape[1])}
+        out |= {
+            "real_tokens": tokens,
+            "padded_tokens": int(batch.tokens.numel()),
+            "sequences": len(batch),
+            "max_len": int(batch.tokens.shape[1]),
+        }
         batch.old_logp = actor.compute_old_logp(batch)  # warms up the kernels and the allocator
         with timer:
             actor.update(batch, mini_batches=1)  # allocates the optimizer's state
@@ -246,9 +265,12 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
             reset_peak(cuda)
             with timer:
                 stats[layout] = actor.compute_old_logp(batch)
-            out["layouts"][layout] = {"status": "ok", "stats_pass_s": round(timer.seconds, 4),
-                                      "stats_tokens_per_s": round(tokens / timer.seconds),
-                                      "stats_peak_gib": round(peak_bytes(cuda) / 2**30, 2)}
+            out["layouts"][layout] = {
+                "status": "ok",
+                "stats_pass_s": round(timer.seconds, 4),
+                "stats_tokens_per_s": round(tokens / timer.seconds),
+                "stats_peak_gib": round(peak_bytes(cuda) / 2**30, 2),
+            }
             save(out)
         mask = batch.response_mask
         first = next(iter(stats), None)
@@ -263,8 +285,10 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
             for _ in range(args.steps):
                 with timer:
                     metrics = actor.update(batch, mini_batches=1)
-                fig["updates"].append(_update_figures(metrics) | {"seconds": round(timer.seconds, 4),
-                                                                  "tokens_per_s": round(tokens / timer.seconds)})
+                fig["updates"].append(
+                    _update_figures(metrics)
+                    | {"seconds": round(timer.seconds, 4), "tokens_per_s": round(tokens / timer.seconds)}
+                )
             fig["update_peak_gib"] = round(peak_bytes(cuda) / 2**30, 2)
             save(out)
     out["complete"] = True
@@ -280,9 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "auto" and (args.device == "cuda") != cuda:
         raise SystemExit(f"actor_check: --device {args.device} but torch.cuda.is_available() is {cuda}")
     backend = common.init_process_group()
-    result: dict[str, Any] = {"env": common.environment(), "backend": backend, "model": args.model,
-                              "params": common.param_count(common.MODELS[args.model]),
-                              "args": {k: str(v) for k, v in vars(args).items()}}
+    result: dict[str, Any] = {
+        "env": common.environment(),
+        "backend": backend,
+        "model": args.model,
+        "params": common.param_count(common.MODELS[args.model]),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     from megatron_rlvr.models.builder import transformer_engine_available
 
     result["transformer_engine"] = transformer_engine_available()

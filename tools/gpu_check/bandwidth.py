@@ -62,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = x.numel() * x.element_size()
     read_ms = median_ms(lambda: x.sum(), args.repeats)
     copy_ms = median_ms(lambda: y.copy_(x), args.repeats)
-    result = {"env": common.environment(), "buffer_bytes": nbytes, "read_ms": round(read_ms, 4),
-              "copy_ms": round(copy_ms, 4), "read_gb_per_s": round(nbytes / read_ms / 1e6, 1),
-              "copy_gb_per_s": round(2 * nbytes / copy_ms / 1e6, 1)}
+    result = {
+        "env": common.environment(),
+        "buffer_bytes": nbytes,
+        "read_ms": round(read_ms, 4),
+        "copy_ms": round(copy_ms, 4),
+        "read_gb_per_s": round(nbytes / read_ms / 1e6, 1),
+        "copy_gb_per_s": round(2 * nbytes / copy_ms / 1e6, 1),
+    }
     common.write_json(args.out, result)
     print(f"bandwidth: read {result['read_gb_per_s']} GB/s, copy (read + write) {result['copy_gb_per_s']} GB/s")
     return 0

@@ -70,7 +70,7 @@ def hf_from_state_dict(state: dict[str, Any], hf: dict[str, Any]) -> dict[str, A
         elif name == "decoder.final_layernorm.weight":
             out["model.norm.weight"] = t
         elif name.startswith("decoder.layers."):
-            layer, rest = name[len("decoder.layers."):].split(".", 1)
+            layer, rest = name[len("decoder.layers.") :].split(".", 1)
             prefix = f"model.layers.{layer}."
             if rest in suffix:
                 out[prefix + suffix[rest]] = t
@@ -79,7 +79,8 @@ def hf_from_state_dict(state: dict[str, Any], hf: dict[str, Any]) -> dict[str, A
                 rows = t.reshape(ng, (per_group + 2) * d, *t.shape[1:])  # per group: its q heads, then k, then v
                 out[prefix + f"self_attn.q_proj.{kind}"] = rows[:, : per_group * d].reshape(nq * d, *t.shape[1:])
                 out[prefix + f"self_attn.k_proj.{kind}"] = rows[:, per_group * d : (per_group + 1) * d].reshape(
-                    ng * d, *t.shape[1:])
+                    ng * d, *t.shape[1:]
+                )
                 out[prefix + f"self_attn.v_proj.{kind}"] = rows[:, (per_group + 1) * d :].reshape(ng * d, *t.shape[1:])
             elif rest == "mlp.linear_fc1.weight":
                 gate, up = t.chunk(2, dim=0)
@@ -102,8 +103,13 @@ def timed_export(model, hf: dict[str, Any], bucket_bytes: int, cuda: bool) -> tu
             got.update(bucket)
     nbytes = sum(t.numel() * t.element_size() for t in got.values())
     devices = sorted({str(t.device) for t in got.values()})
-    return got, {"seconds": round(timer.seconds, 4), "bytes": nbytes, "gb_per_s": round(nbytes / timer.seconds / 1e9, 3),
-                 "tensors": len(got), "yielded_on": devices}
+    return got, {
+        "seconds": round(timer.seconds, 4),
+        "bytes": nbytes,
+        "gb_per_s": round(nbytes / timer.seconds / 1e9, 3),
+        "tensors": len(got),
+        "yielded_on": devices,
+    }
 
 
 def bit_exact(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +119,7 @@ def bit_exact(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
 
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     common_names = sorted(set(got) & set(want))
+
     def same(a, b) -> bool:
         if a.shape != b.shape:
             return False
@@ -122,8 +129,15 @@ def bit_exact(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
 
     differ = [n for n in common_names if not same(got[n], want[n])]
     dtypes = sorted({f"{got[n].dtype} for {want[n].dtype}" for n in common_names if got[n].dtype != want[n].dtype})
-    return {"ok": not (missing or extra or differ), "compared": len(common_names), "missing": missing[:5],
-            "unexpected": extra[:5], "differ": differ[:5], "n_differ": len(differ), "dtype_differs": dtypes}
+    return {
+        "ok": not (missing or extra or differ),
+        "compared": len(common_names),
+        "missing": missing[:5],
+        "unexpected": extra[:5],
+        "differ": differ[:5],
+        "n_differ": len(differ),
+        "dtype_differs": dtypes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors import safe_open
 
     from megatron_rlvr.bridge import load_hf_weights
-    from megatron_rlvr.runtime.distributed import model_parallel
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
+    from megatron_rlvr.runtime.distributed import model_parallel
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
@@ -159,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         files: dict[str, Any] = {}
         for f in sorted(Path(hf_dir).glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as st:
-                files |= {k: st.get_tensor(k) for k in st.keys()}
+                files |= {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118 - safe_open is not a dict
         result["export_loaded"]["vs_checkpoint_files"] = bit_exact(got, files)
         del got
 
@@ -171,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         want = hf_from_state_dict(model.state_dict(), hf)
         result["export_moved"]["vs_state_dict"] = bit_exact(got, want)
         result["export_moved"]["moved_from_files"] = sum(not torch.equal(got[n], files[n]) for n in files if n in got)
-    result["ok"] = bool(result["export_loaded"]["vs_checkpoint_files"]["ok"]
-                        and result["export_moved"]["vs_state_dict"]["ok"] and result["export_moved"]["moved_from_files"])
+    result["ok"] = bool(
+        result["export_loaded"]["vs_checkpoint_files"]["ok"]
+        and result["export_moved"]["vs_state_dict"]["ok"]
+        and result["export_moved"]["moved_from_files"]
+    )
     common.write_json(args.out, result)
     print(f"bridge_check: {'ok' if result['ok'] else 'MISMATCH'}; wrote {args.out}")
     return 0 if result["ok"] else 1

@@ -27,14 +27,29 @@ if str(REPO) not in sys.path:  # the scripts run from a plain checkout, nothing 
 # A random Qwen2 of ~1.0B parameters (Qwen2.5's vocabulary and head size, tied embeddings like Qwen2.5-0.5B/1.5B):
 # embedding 151936 x 2048 = 311M, 16 layers of 44M. Big enough that the GPU, not Python, sets the pace.
 MODEL_1B: dict[str, Any] = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
-    num_key_value_heads=2, head_dim=128, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=128,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
 )
 # The model both devices run for the CPU-vs-CUDA comparison: small enough for the CPU in seconds, with GQA, q/k/v
 # biases, untied embeddings and a vocabulary that is not a multiple of 128 (padding rows in the logits).
 MODEL_SMALL: dict[str, Any] = dict(
-    vocab_size=4001, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False,
+    vocab_size=4001,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
 )
 MODELS = {"1b": MODEL_1B, "small": MODEL_SMALL}
 DEFAULT_WORK = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check"))
@@ -55,12 +70,12 @@ def param_count(cfg: dict[str, Any]) -> int:
 def model_dir(name: str, work: Path = DEFAULT_WORK) -> Path:
     """A random HF Qwen2 checkpoint (bf16 safetensors, config.json; no tokenizer: the actor reads token ids only),
     written once per machine: a finished directory holds the marker file ``.complete``."""
-    from megatron_rlvr.testing.tiny_models import write_random_hf_checkpoint
-
     import fcntl
     import shutil
 
     import torch
+
+    from megatron_rlvr.testing.tiny_models import write_random_hf_checkpoint
 
     out = work / f"qwen2-{name}"
     work.mkdir(parents=True, exist_ok=True)
@@ -68,8 +83,9 @@ def model_dir(name: str, work: Path = DEFAULT_WORK) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / ".complete").is_file():
             shutil.rmtree(out, ignore_errors=True)
-            write_random_hf_checkpoint("qwen2", out, dtype=torch.bfloat16, max_shard_size=1 << 30, seed=7,
-                                       **MODELS[name])
+            write_random_hf_checkpoint(
+                "qwen2", out, dtype=torch.bfloat16, max_shard_size=1 << 30, seed=7, **MODELS[name]
+            )
             (out / ".complete").write_text("")
     return out
 
@@ -106,7 +122,7 @@ class Timer:
 
             torch.cuda.synchronize()
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self._sync()
         self.start = time.perf_counter()
         return self
@@ -128,12 +144,20 @@ def environment() -> dict[str, Any]:
 
     import torch
 
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-                "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count}
+        env |= {
+            "gpu": props.name,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+        }
     try:
         import megatron.core
 

@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 # (rtol, atol) per dtype: log-probs (about -8 for this vocabulary) and the scalars (loss, gradient norm)
-TOLERANCES = {"float32": {"logp": (1.3e-4, 1e-4), "scalar": (1e-4, 1e-5)},
-              "bfloat16": {"logp": (1.6e-2, 1e-2), "scalar": (1.6e-2, 1e-3)}}
+TOLERANCES = {
+    "float32": {"logp": (1.3e-4, 1e-4), "scalar": (1e-4, 1e-5)},
+    "bfloat16": {"logp": (1.6e-2, 1e-2), "scalar": (1.6e-2, 1e-3)},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +51,10 @@ def tensor_verdict(a, b, tol: tuple[float, float]) -> dict[str, Any]:
     if a.shape != b.shape:
         return {"ok": False, "reason": f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"}
     diff = (a - b).abs()
-    return {"ok": bool((diff <= tol[1] + tol[0] * b.abs()).all()) and bool(torch.isfinite(a).all()),
-            "max_abs_diff": float(diff.max()) if diff.numel() else 0.0}
+    return {
+        "ok": bool((diff <= tol[1] + tol[0] * b.abs()).all()) and bool(torch.isfinite(a).all()),
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+    }
 
 
 def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict) -> dict[str, Any]:
@@ -58,8 +62,10 @@ def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict
     for key, run in cuda["runs"].items():
         other = cpu["runs"].get(key, {})
         if run.get("status") != "ok" or other.get("status") != "ok":
-            out["runs"][key] = {"ok": None, "reason": f"not run on both: cuda {run.get('status')}, "
-                                                      f"cpu {other.get('status')}"}
+            out["runs"][key] = {
+                "ok": None,
+                "reason": f"not run on both: cuda {run.get('status')}, cpu {other.get('status')}",
+            }
             continue
         tol = TOLERANCES[key.split("/")[0]]
         verdict: dict[str, Any] = {
@@ -68,10 +74,13 @@ def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict
             "updates": [],
         }
         for a, b in zip(run["updates"], other["updates"]):
-            verdict["updates"].append({
-                name: {"cuda": a[name], "cpu": b[name], "ok": _within(a[name], b[name], tol["scalar"])}
-                for name in ("actor/loss", "actor/grad_norm") if name in a and name in b
-            })
+            verdict["updates"].append(
+                {
+                    name: {"cuda": a[name], "cpu": b[name], "ok": _within(a[name], b[name], tol["scalar"])}
+                    for name in ("actor/loss", "actor/grad_norm")
+                    if name in a and name in b
+                }
+            )
         checks = [verdict["logp_before"]["ok"], verdict["logp_after"]["ok"]]
         checks += [v["ok"] for u in verdict["updates"] for v in u.values()]
         verdict["ok"] = all(checks) and len(run["updates"]) == len(other["updates"]) > 0
@@ -81,7 +90,8 @@ def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict
             a, b = f"{dtype}/packed", f"{dtype}/padded"
             if figures["runs"].get(a, {}).get("status") == "ok" and figures["runs"].get(b, {}).get("status") == "ok":
                 out["packed_vs_padded"][f"{device}/{dtype}"] = tensor_verdict(
-                    t[a]["before"], t[b]["before"], TOLERANCES[dtype]["logp"])
+                    t[a]["before"], t[b]["before"], TOLERANCES[dtype]["logp"]
+                )
     verdicts = [v["ok"] for v in out["runs"].values() if v["ok"] is not None]
     verdicts += [v["ok"] for v in out["packed_vs_padded"].values()]
     out["ok"] = bool(verdicts) and all(verdicts)
@@ -92,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    missing = [f"{p} (its stage left no figures: see its status and log)" for p in (args.cuda, args.cpu)
-               if not p.is_file()]
+    missing = [
+        f"{p} (its stage left no figures: see its status and log)" for p in (args.cuda, args.cpu) if not p.is_file()
+    ]
     if missing:
         common.write_json(args.out, {"ok": False, "reason": "missing: " + "; ".join(missing)})
         print(f"compare: nothing to compare, missing {missing}", file=sys.stderr)

@@ -91,8 +91,11 @@ def _imports(tree: ast.AST, module_level_only: bool) -> set[str]:
 def third_party_imports(scripts: list[Path]) -> dict[str, set[str]]:
     """{top-level package: the files importing it} for this project's loaded modules (module level) and the
     check's scripts (anywhere)."""
-    files = {Path(m.__file__).resolve(): True for name, m in list(sys.modules.items())
-             if name.split(".")[0] == "megatron_rlvr" and getattr(m, "__file__", None)}
+    files = {
+        Path(m.__file__).resolve(): True
+        for name, m in list(sys.modules.items())
+        if name.split(".")[0] == "megatron_rlvr" and getattr(m, "__file__", None)
+    }
     files |= {s.resolve(): False for s in scripts}
     files |= {p.resolve(): False for p in HERE.glob("*.py")}
     users: dict[str, set[str]] = {}
@@ -114,8 +117,10 @@ def check_packages(users: dict[str, set[str]]) -> list[str]:
         if not dists:
             problems.append(f"'{top}' (imported by {sorted(where)[0]}): no installed distribution provides it here")
         elif not dists & available:
-            problems.append(f"'{top}' (from {sorted(dists)}, imported by {sorted(where)[0]}) is neither on the device "
-                            f"image nor in wheels.lock: the GPU call would fail to import it")
+            problems.append(
+                f"'{top}' (from {sorted(dists)}, imported by {sorted(where)[0]}) is neither on the device "
+                f"image nor in wheels.lock: the GPU call would fail to import it"
+            )
     return problems
 
 
@@ -145,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dry run FAILED: {f}", file=sys.stderr)
     if failures:
         return 1
-    print(f"dry run ok: {len(lines)} invocations parsed and imported; third-party imports all on the device image "
-          "or carried")
+    print(
+        f"dry run ok: {len(lines)} invocations parsed and imported; third-party imports all on the device image "
+        "or carried"
+    )
     return 0
 
 

@@ -34,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     with timer:
         out = common.model_dir(args.model, args.work)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    print(f"make_model: {out} ({common.param_count(common.MODELS[args.model]) / 1e9:.3f}B parameters, "
-          f"{size / 2**30:.2f} GiB) in {timer.seconds:.1f} s")
+    print(
+        f"make_model: {out} ({common.param_count(common.MODELS[args.model]) / 1e9:.3f}B parameters, "
+        f"{size / 2**30:.2f} GiB) in {timer.seconds:.1f} s"
+    )
     return 0
 
 

@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         result["use_backend"] = FALLBACK if all(v == "ok" for v in result["fallback"].values()) else None
     common.write_json(args.out, result)
-    print(f"pg_probe: library backend {result['library_backend']}: {result['library']}; "
-          f"later stages use {result['use_backend'] or 'the library backend'}")
+    print(
+        f"pg_probe: library backend {result['library_backend']}: {result['library']}; "
+        f"later stages use {result['use_backend'] or 'the library backend'}"
+    )
     return 0
 
 

@@ -104,10 +104,13 @@ def read_bounds(bench: dict[str, Any], bw: dict[str, Any] | None) -> dict[str, A
     out = {}
     for dtype, fig in bench.get("by_dtype", {}).items():
         once = fig["logits_bytes"] / gbs
-        out[dtype] = {"read_once_s": round(once, 5), "fwd_over_read_bound": round(fig["ours_fwd"] / once, 2),
-                      "floor_over_read_bound": round(fig["floor_logsumexp"] / once, 2),
-                      "fwdbwd_inplace_over_bound": round(fig["ours_fwdbwd_inplace"] / (3 * once), 2),
-                      "fwd_effective_gb_per_s": round(fig["logits_bytes"] / fig["ours_fwd"] / 1e9, 1)}
+        out[dtype] = {
+            "read_once_s": round(once, 5),
+            "fwd_over_read_bound": round(fig["ours_fwd"] / once, 2),
+            "floor_over_read_bound": round(fig["floor_logsumexp"] / once, 2),
+            "fwdbwd_inplace_over_bound": round(fig["ours_fwdbwd_inplace"] / (3 * once), 2),
+            "fwd_effective_gb_per_s": round(fig["logits_bytes"] / fig["ours_fwd"] / 1e9, 1),
+        }
     return out
 
 
@@ -127,8 +130,10 @@ def gather(work: Path) -> dict[str, Any]:
         "actor_1b": _json(work / "actor_1b.json"),
         "bridge": _json(work / "bridge.json"),
     }
-    env = next((d["env"] for d in (result["actor_1b"], result["bridge"], bw, result["actor_small_cuda"])
-                if d and "env" in d), None)
+    env = next(
+        (d["env"] for d in (result["actor_1b"], result["bridge"], bw, result["actor_small_cuda"]) if d and "env" in d),
+        None,
+    )
     result["env"] = env
     return result
 
@@ -139,8 +144,10 @@ def _row(label: str, value: Any) -> None:
 
 def print_table(r: dict[str, Any]) -> None:
     env = r.get("env") or {}
-    print(f"\ngpu_check summary: {env.get('gpu', '?')} torch {env.get('torch', '?')} CUDA {env.get('cuda', '?')} "
-          f"megatron-core {env.get('megatron_core', '?')}; {r.get('total_s', '?')} s of a {r.get('budget_s', '?')} s budget")
+    print(
+        f"\ngpu_check summary: {env.get('gpu', '?')} torch {env.get('torch', '?')} CUDA {env.get('cuda', '?')} "
+        f"megatron-core {env.get('megatron_core', '?')}; {r.get('total_s', '?')} s of a {r.get('budget_s', '?')} s budget"
+    )
     print("stages:")
     for name, s in r["stages"].items():
         _row(name, f"{s['status']:8s} {s.get('seconds', 0):5d} s" + (f"  ({s['reason']})" if s.get("reason") else ""))
@@ -151,16 +158,23 @@ def print_table(r: dict[str, Any]) -> None:
     bench = r.get("op_bench") or {}
     for dtype, fig in bench.get("by_dtype", {}).items():
         bound = (r.get("op_bench_vs_bytes_read") or {}).get(dtype, {})
-        _row(f"op {dtype} fwd s (floor, composite)",
-             f"{fig['ours_fwd']} ({fig['floor_logsumexp']}, {fig['composite_fwd']}); "
-             f"x floor {fig['fwd_over_floor']}, x read bound {bound.get('fwd_over_read_bound', '?')}")
-        _row(f"op {dtype} fwd+bwd s (in place, composite)",
-             f"{fig['ours_fwdbwd']} ({fig['ours_fwdbwd_inplace']}, {fig['composite_fwdbwd']}); "
-             f"speedup {fig['fwdbwd_speedup_vs_composite']}x, in place {fig['fwdbwd_inplace_speedup_vs_composite']}x")
+        _row(
+            f"op {dtype} fwd s (floor, composite)",
+            f"{fig['ours_fwd']} ({fig['floor_logsumexp']}, {fig['composite_fwd']}); "
+            f"x floor {fig['fwd_over_floor']}, x read bound {bound.get('fwd_over_read_bound', '?')}",
+        )
+        _row(
+            f"op {dtype} fwd+bwd s (in place, composite)",
+            f"{fig['ours_fwdbwd']} ({fig['ours_fwdbwd_inplace']}, {fig['composite_fwdbwd']}); "
+            f"speedup {fig['fwdbwd_speedup_vs_composite']}x, in place {fig['fwdbwd_inplace_speedup_vs_composite']}x",
+        )
     pg = r.get("process_group") or {}
     if pg:
-        _row("process group", f"library {pg.get('library_backend')} {pg.get('library')}; stages used "
-                              f"{pg.get('use_backend') or 'the library backend'}")
+        _row(
+            "process group",
+            f"library {pg.get('library_backend')} {pg.get('library')}; stages used "
+            f"{pg.get('use_backend') or 'the library backend'}",
+        )
     cmp_ = r.get("actor_compare") or {}
     if cmp_.get("reason"):
         _row("actor CUDA vs CPU", cmp_["reason"])
@@ -169,33 +183,43 @@ def print_table(r: dict[str, Any]) -> None:
             if v.get("ok") is None:
                 _row(f"actor CUDA vs CPU {key}", v.get("reason"))
                 continue
-            _row(f"actor CUDA vs CPU {key}", f"{'ok' if v['ok'] else 'MISMATCH'}; max |dlogp| before "
-                 f"{v['logp_before'].get('max_abs_diff')}, after {v['logp_after'].get('max_abs_diff')}")
+            _row(
+                f"actor CUDA vs CPU {key}",
+                f"{'ok' if v['ok'] else 'MISMATCH'}; max |dlogp| before "
+                f"{v['logp_before'].get('max_abs_diff')}, after {v['logp_after'].get('max_abs_diff')}",
+            )
         for key, v in cmp_.get("packed_vs_padded", {}).items():
             _row(f"packed vs padded {key}", f"{'ok' if v['ok'] else 'MISMATCH'}; max |dlogp| {v.get('max_abs_diff')}")
     big = r.get("actor_1b") or {}
     if big:
-        _row("actor 1B", f"{big.get('params', 0) / 1e9:.2f}B params, {big.get('backend')}, op {big.get('impl')}, "
-                         f"TE {big.get('transformer_engine')}; build {big.get('build_s')} s; "
-                         f"{big.get('real_tokens')} real of {big.get('padded_tokens')} padded tokens"
-                         + ("" if big.get("complete") else " (INCOMPLETE: the stage stopped early)"))
+        _row(
+            "actor 1B",
+            f"{big.get('params', 0) / 1e9:.2f}B params, {big.get('backend')}, op {big.get('impl')}, "
+            f"TE {big.get('transformer_engine')}; build {big.get('build_s')} s; "
+            f"{big.get('real_tokens')} real of {big.get('padded_tokens')} padded tokens"
+            + ("" if big.get("complete") else " (INCOMPLETE: the stage stopped early)"),
+        )
         for layout, fig in big.get("layouts", {}).items():
             if fig.get("status") != "ok":
                 _row(f"actor 1B {layout}", f"{fig.get('status')}: {fig.get('reason')}")
                 continue
             ups = fig.get("updates", [])
             _row(f"actor 1B {layout} stats tok/s, peak GiB", f"{fig['stats_tokens_per_s']}, {fig['stats_peak_gib']}")
-            _row(f"actor 1B {layout} update tok/s, peak GiB",
-                 f"{[u['tokens_per_s'] for u in ups]}, {fig.get('update_peak_gib')}; "
-                 f"loss {[round(u.get('actor/loss', float('nan')), 5) for u in ups]}")
+            _row(
+                f"actor 1B {layout} update tok/s, peak GiB",
+                f"{[u['tokens_per_s'] for u in ups]}, {fig.get('update_peak_gib')}; "
+                f"loss {[round(u.get('actor/loss', float('nan')), 5) for u in ups]}",
+            )
     br = r.get("bridge") or {}
     for key, label in (("export_loaded", "vs checkpoint files"), ("export_moved", "vs state dict")):
         fig = br.get(key)
         if fig:
             exact = fig.get("vs_checkpoint_files") or fig.get("vs_state_dict") or {}
-            _row(f"bridge {key} GB/s, bit-exact {label}",
-                 f"{fig['gb_per_s']} ({fig['bytes'] / 2**30:.2f} GiB in {fig['seconds']} s, to {fig['yielded_on']}); "
-                 f"{exact.get('ok')} over {exact.get('compared')} tensors")
+            _row(
+                f"bridge {key} GB/s, bit-exact {label}",
+                f"{fig['gb_per_s']} ({fig['bytes'] / 2**30:.2f} GiB in {fig['seconds']} s, to {fig['yielded_on']}); "
+                f"{exact.get('ok')} over {exact.get('compared')} tensors",
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

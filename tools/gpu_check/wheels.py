@@ -89,18 +89,29 @@ def check_tags(files: list[str]) -> list[str]:
             problems.append(f"{name}: not a wheel file name ({exc})")
             continue
         if not file_tags & accepted:
-            problems.append(f"{name}: none of its tags ({', '.join(sorted(map(str, file_tags)))}) installs on "
-                            f"CPython {DEVICE_PYTHON[0]}.{DEVICE_PYTHON[1]} x86-64 Linux")
+            problems.append(
+                f"{name}: none of its tags ({', '.join(sorted(map(str, file_tags)))}) installs on "
+                f"CPython {DEVICE_PYTHON[0]}.{DEVICE_PYTHON[1]} x86-64 Linux"
+            )
         versions.setdefault(project, set()).add(str(version))
-    problems += [f"{p}: {len(v)} versions ({', '.join(sorted(v))}); pip --no-index needs one"
-                 for p, v in versions.items() if len(v) > 1]
+    problems += [
+        f"{p}: {len(v)} versions ({', '.join(sorted(v))}); pip --no-index needs one"
+        for p, v in versions.items()
+        if len(v) > 1
+    ]
     return problems
 
 
 def _runtime_needs(metadata: str) -> list[Requirement]:
     """Requires-Dist entries that apply on the device without any extra."""
-    env = default_environment() | {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-                                   "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    env = default_environment() | {
+        "python_version": "3.12",
+        "python_full_version": "3.12.3",
+        "sys_platform": "linux",
+        "platform_machine": "x86_64",
+        "implementation_name": "cpython",
+        "extra": "",
+    }
     needs = []
     for line in Parser().parsestr(metadata).get_all("Requires-Dist") or []:
         req = Requirement(line)
@@ -135,16 +146,21 @@ def check_dir(whl_dir: Path, lock: list[Locked]) -> list[str]:
                 problems.append(f"{path}: holds no python package to import")
             for req in _runtime_needs(z.read(meta).decode()):
                 if canonicalize_name(req.name) not in available:
-                    problems.append(f"{entry.file}: needs {req} at run time, which is neither on the device image "
-                                    f"({IMAGE_PACKAGES.name}) nor in {LOCK.name}")
+                    problems.append(
+                        f"{entry.file}: needs {req} at run time, which is neither on the device image "
+                        f"({IMAGE_PACKAGES.name}) nor in {LOCK.name}"
+                    )
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=REPO / ".whl", help="the carried wheels (default: .whl/)")
-    parser.add_argument("--allow-missing", action="store_true",
-                        help="a missing wheel folder is not an error (a clean clone): check the lock's tags only")
+    parser.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="a missing wheel folder is not an error (a clean clone): check the lock's tags only",
+    )
     args = parser.parse_args(argv)
     lock = read_lock()
     problems = check_tags([e.file for e in lock])

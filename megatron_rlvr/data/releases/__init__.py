@@ -20,8 +20,9 @@ from megatron_rlvr.data.releases.base import (
     normalize,
 )
 
-RELEASES: dict[str, Release] = {r.name: r for r in (
-    math.MATH, math.GSM8K, math.DAPO, synlogic.SYNLOGIC, code.DEEPCODER, code.LIVECODEBENCH)}
+RELEASES: dict[str, Release] = {
+    r.name: r for r in (math.MATH, math.GSM8K, math.DAPO, synlogic.SYNLOGIC, code.DEEPCODER, code.LIVECODEBENCH)
+}
 RELEASE_NAMES = tuple(RELEASES)
 
 
@@ -29,5 +30,16 @@ def get_release(name: str) -> Release:
     return RELEASES[name]
 
 
-__all__ = ["RELEASES", "RELEASE_NAMES", "Options", "Prepared", "Release", "Skip", "chat_text", "content_id", "first",
-           "get_release", "normalize"]
+__all__ = [
+    "RELEASES",
+    "RELEASE_NAMES",
+    "Options",
+    "Prepared",
+    "Release",
+    "Skip",
+    "chat_text",
+    "content_id",
+    "first",
+    "get_release",
+    "normalize",
+]

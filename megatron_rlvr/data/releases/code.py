@@ -14,8 +14,10 @@ from typing import Any
 
 from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, first
 
-STDIN_INSTRUCTION = ("\n\nRead the input from standard input and write the answer to standard output."
-                     "\n\nReturn the complete program in one ```python code block.")
+STDIN_INSTRUCTION = (
+    "\n\nRead the input from standard input and write the answer to standard output."
+    "\n\nReturn the complete program in one ```python code block."
+)
 STARTER_INSTRUCTION = "\n\nComplete this starter code:\n```python\n{starter}\n```\n\nReturn the complete program in one ```python code block."
 
 
@@ -29,7 +31,9 @@ def _tests(value: Any) -> Any:
 
 
 def _io(inputs: list, outputs: list) -> dict:
-    text = lambda v: v if isinstance(v, str) else "\n".join(map(str, v)) if isinstance(v, list) else str(v)
+    def text(v):
+        return v if isinstance(v, str) else "\n".join(map(str, v)) if isinstance(v, list) else str(v)
+
     return {"io": [{"input": text(i), "output": text(o)} for i, o in zip(inputs, outputs)]}
 
 
@@ -53,8 +57,9 @@ def convert_deepcoder(record: dict, options: Options) -> Prepared:
     if kinds <= {"stdin", "stdin_stdout"}:
         if any(not isinstance(t.get("input"), str) or not isinstance(t.get("output"), str) for t in tests):
             raise Skip("a stdin/stdout case without string 'input' and 'output'")
-        return Prepared(problem, _io([t["input"] for t in tests], [t["output"] for t in tests]), "code",
-                        problem + STDIN_INSTRUCTION)
+        return Prepared(
+            problem, _io([t["input"] for t in tests], [t["output"] for t in tests]), "code", problem + STDIN_INSTRUCTION
+        )
     if kinds == {"functional"}:
         metadata = record.get("metadata") or {}
         metadata = json.loads(metadata) if isinstance(metadata, str) else metadata
@@ -80,7 +85,15 @@ def convert_livecodebench(record: dict, options: Options) -> Prepared:
     return Prepared(p.text, p.reference, "code", p.prompt, str(first(record, "question_id") or ""))
 
 
-DEEPCODER = Release("deepcoder", convert_deepcoder, "DeepCoder: 'problem', 'tests' (JSON: stdin/stdout or functional "
-                    "cases), 'starter_code', 'metadata.func_name'; <subset>/train-*.parquet")
-LIVECODEBENCH = Release("livecodebench", convert_livecodebench, "LiveCodeBench code_generation_lite: 'question_id', "
-                        "'question_content', 'starter_code', 'public_test_cases', 'private_test_cases', 'metadata'")
+DEEPCODER = Release(
+    "deepcoder",
+    convert_deepcoder,
+    "DeepCoder: 'problem', 'tests' (JSON: stdin/stdout or functional "
+    "cases), 'starter_code', 'metadata.func_name'; <subset>/train-*.parquet",
+)
+LIVECODEBENCH = Release(
+    "livecodebench",
+    convert_livecodebench,
+    "LiveCodeBench code_generation_lite: 'question_id', "
+    "'question_content', 'starter_code', 'public_test_cases', 'private_test_cases', 'metadata'",
+)

@@ -10,8 +10,9 @@ path part named ``split`` or a name ``split.*`` / ``split-*``; when no file name
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from megatron_rlvr.data.sources import DataError
 
@@ -35,8 +36,13 @@ def release_files(src: str | Path, split: str = "train") -> list[Path]:
         return [src]
     if not src.is_dir():
         raise DataError(f"--src {src}: not found; give the release's directory or one of its data files")
-    files = sorted(p for p in src.rglob("*") if p.is_file() and p.name.lower().endswith(SUFFIXES)
-                   and not any(part.startswith(".") for part in p.relative_to(src).parts))
+    files = sorted(
+        p
+        for p in src.rglob("*")
+        if p.is_file()
+        and p.name.lower().endswith(SUFFIXES)
+        and not any(part.startswith(".") for part in p.relative_to(src).parts)
+    )
     if not files:
         raise DataError(f"--src {src}: holds no {', '.join(SUFFIXES)} files")
     splits = {p: _split_of(p, src) for p in files}

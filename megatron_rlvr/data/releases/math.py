@@ -36,7 +36,9 @@ def convert_math(record: dict, options: Options) -> Prepared:
     answer = _last_boxed(str(solution)) if solution is not None else None
     if not answer or not answer.strip():
         raise Skip("no \\boxed{} answer in 'solution'")
-    return Prepared(problem, answer.strip(), "math", _with_instruction(problem, options), str(first(record, "unique_id") or ""))
+    return Prepared(
+        problem, answer.strip(), "math", _with_instruction(problem, options), str(first(record, "unique_id") or "")
+    )
 
 
 def convert_gsm8k(record: dict, options: Options) -> Prepared:
@@ -70,9 +72,21 @@ def convert_dapo(record: dict, options: Options) -> Prepared:
     return Prepared(problem, str(answer).strip(), "math", _with_instruction(problem, options), str(rid or ""))
 
 
-MATH = Release("math", convert_math, "hendrycks MATH: 'problem', 'level' ('Level 3'), 'solution' (answer = its last "
-               "\\boxed{}); the tarball's train/<subject>/<n>.json or HF parquet/jsonl", uses_levels=True)
-GSM8K = Release("gsm8k", convert_gsm8k, "GSM8K (openai/gsm8k): 'question', 'answer' ending in '#### <number>'; "
-                "data/train.jsonl or main/train-*.parquet")
-DAPO = Release("dapo-math-17k", convert_dapo, "DAPO-Math-17k: 'prompt' (chat messages; DAPO's instruction wrapper is "
-               "removed), 'reward_model.ground_truth', 'extra_info.index'; data/dapo-math-17k.parquet")
+MATH = Release(
+    "math",
+    convert_math,
+    "hendrycks MATH: 'problem', 'level' ('Level 3'), 'solution' (answer = its last "
+    "\\boxed{}); the tarball's train/<subject>/<n>.json or HF parquet/jsonl",
+    uses_levels=True,
+)
+GSM8K = Release(
+    "gsm8k",
+    convert_gsm8k,
+    "GSM8K (openai/gsm8k): 'question', 'answer' ending in '#### <number>'; data/train.jsonl or main/train-*.parquet",
+)
+DAPO = Release(
+    "dapo-math-17k",
+    convert_dapo,
+    "DAPO-Math-17k: 'prompt' (chat messages; DAPO's instruction wrapper is "
+    "removed), 'reward_model.ground_truth', 'extra_info.index'; data/dapo-math-17k.parquet",
+)

@@ -131,12 +131,15 @@ def _check_gold(name: str, dataset: Any, entry: dict[str, Any], reference: dict[
     except Exception as e:  # noqa: BLE001 - a scorer that fails on its own gold answer
         raise Skip(f"score_answer fails on the gold answer ({type(e).__name__})") from None
     if as_written != as_generated:
-        raise Skip(f"the gold answer scores {as_written:g} on the row as written but {as_generated:g} as generated "
-                   f"(the metadata does not survive JSON)")
+        raise Skip(
+            f"the gold answer scores {as_written:g} on the row as written but {as_generated:g} as generated "
+            f"(the metadata does not survive JSON)"
+        )
 
 
-def generate_rows(tasks: Iterable[str], size: int, seed: int, configs: dict[str, dict[str, Any]],
-                  instruction: bool, report: GymReport) -> list[dict[str, Any]]:
+def generate_rows(
+    tasks: Iterable[str], size: int, seed: int, configs: dict[str, dict[str, Any]], instruction: bool, report: GymReport
+) -> list[dict[str, Any]]:
     """The rows of every task (module docstring), repeated questions kept once, unusable entries counted."""
     if size < 1:
         raise DataError(f"--size {size}: expected the number of rows per task, >= 1")
@@ -162,8 +165,15 @@ def generate_rows(tasks: Iterable[str], size: int, seed: int, configs: dict[str,
                 report.duplicates += 1
                 continue
             seen.add(key)
-            rows.append({"id": row_id, "problem": question + (ANSWER_INSTRUCTION if instruction else ""),
-                         "answer": reference, "task": f"reasoning_gym:{name}", "source": SOURCE})
+            rows.append(
+                {
+                    "id": row_id,
+                    "problem": question + (ANSWER_INSTRUCTION if instruction else ""),
+                    "answer": reference,
+                    "task": f"reasoning_gym:{name}",
+                    "source": SOURCE,
+                }
+            )
     return rows
 
 

@@ -59,6 +59,10 @@ def convert(record: dict, options: Options) -> Prepared:
     return Prepared(problem, reference, "logic", problem, f"{task}/{rid}" if task and rid is not None else "")
 
 
-SYNLOGIC = Release("synlogic", convert, "SynLogic: 'prompt' (chat messages), 'data_source', 'reward_model.ground_truth' "
-                   "(or 'answer'), 'extra_info.game_data_str' (question, answer, difficulty, metadata); "
-                   "synlogic_{easy,hard}/train.parquet")
+SYNLOGIC = Release(
+    "synlogic",
+    convert,
+    "SynLogic: 'prompt' (chat messages), 'data_source', 'reward_model.ground_truth' "
+    "(or 'answer'), 'extra_info.game_data_str' (question, answer, difficulty, metadata); "
+    "synlogic_{easy,hard}/train.parquet",
+)
