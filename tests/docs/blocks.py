@@ -8,6 +8,8 @@ fence (invisible on the rendered page), one per line, at any indentation:
     <!-- doc-test: s|OLD|NEW| [why] -->    before running, replace every OLD by NEW (literal text; the character
                                            after ``s`` is the delimiter; free text after it says why). OLD must
                                            occur in the block: a stale override fails
+    <!-- doc-test: long: REASON -->        runs only with DOC_TEST_LONG=1 (over the test's time budget); REASON
+                                           says what it costs
     <!-- doc-test: timeout SECONDS -->     the block's time limit (default 600)
 
 The grammar is documented in docs/development.md ("Documented commands").
@@ -38,6 +40,7 @@ class Block:
     info: str  # the fence's info string, e.g. "bash cpu"
     text: str  # the block as shown, indentation removed
     skip: str = ""  # the skip reason, if any
+    long: str = ""  # why it runs only with DOC_TEST_LONG=1, if it does
     subs: list[tuple[str, str]] = field(default_factory=list)
     timeout: float = DEFAULT_TIMEOUT
 
@@ -73,6 +76,10 @@ def _parse_directive(body: str, block: Block) -> None:
         block.skip = body[len("skip:"):].strip()
         if not block.skip:
             raise DocTestError(f"{block.where}: doc-test skip needs a reason: <!-- doc-test: skip: REASON -->")
+    elif body.startswith("long:"):
+        block.long = body[len("long:"):].strip()
+        if not block.long:
+            raise DocTestError(f"{block.where}: doc-test long needs a reason: <!-- doc-test: long: REASON -->")
     elif body.startswith("timeout "):
         try:
             block.timeout = float(body.split()[1])
@@ -85,7 +92,7 @@ def _parse_directive(body: str, block: Block) -> None:
             raise DocTestError(f"{block.where}: doc-test {body!r}: expected s{delim}OLD{delim}NEW{delim} [why]")
         block.subs.append((parts[0], parts[1]))
     else:
-        raise DocTestError(f"{block.where}: doc-test {body!r}: expected 'skip: REASON', 's|OLD|NEW|' or 'timeout N'")
+        raise DocTestError(f"{block.where}: doc-test {body!r}: expected 'skip: REASON', 'long: REASON', 's|OLD|NEW|' or 'timeout N'")
 
 
 def parse_blocks(path: Path, repo: Path = REPO) -> list[Block]:

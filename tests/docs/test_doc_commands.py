@@ -18,6 +18,7 @@ import re
 import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ def test_every_command_block_says_where_it_runs_and_its_overrides_apply():
             problems.append(f"{block.where}: ```{block.info}: expected ```bash {' | '.join(KINDS)}")
             continue
         if block.kind == "other":
-            if block.subs or block.skip:
+            if block.subs or block.skip or block.long:
                 problems.append(f"{block.where}: doc-test directives on a ```{block.info} block, which never runs")
             continue
         try:
@@ -66,7 +67,9 @@ def test_every_command_block_says_where_it_runs_and_its_overrides_apply():
 
 
 def _tracked_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    """The files a clone of this working tree would have: tracked ones, and new ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                         capture_output=True, check=True).stdout
     return [p for p in out.decode().split("\0") if p]
 
 
@@ -103,13 +106,16 @@ def _run(script: str, root: Path, timeout: float, activated: bool = False) -> tu
     """Run ``script`` with bash -e in ``root``: (exit status, output, wall seconds, CPU seconds of its processes)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
+    # a session of its own: on a timeout the whole block (torchrun, its ranks, engines) is killed, not only bash
+    proc = subprocess.Popen(["bash", "-c", "set -eo pipefail\n" + script], cwd=root, env=_env(root, activated),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(["bash", "-c", "set -eo pipefail\n" + script], cwd=root, env=_env(root, activated),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        status, output = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        status, output = 124, out + f"\n(timed out after {timeout:.0f} s)"
+        output, _ = proc.communicate(timeout=timeout)
+        status = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        status, output = 124, output + f"\n(timed out after {timeout:.0f} s)"
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return status, output, time.perf_counter() - start, cpu
@@ -134,6 +140,8 @@ def _report(block: Block, result: str, wall: float, cpu: float) -> None:
 def test_cpu_block_runs(block: Block, scratch: Path):
     if block.skip:
         pytest.skip(f"{block.where}: {block.skip}")
+    if block.long and os.environ.get("DOC_TEST_LONG") != "1":
+        pytest.skip(f"{block.where}: long (DOC_TEST_LONG=1 runs it): {block.long}")
     status, output, wall, cpu = _run(block.runnable_text(), scratch, block.timeout)
     _report(block, "pass" if status == 0 and not ERROR_LINE.search(output) else "FAIL", wall, cpu)
     _check(block, "the block", status, output)
