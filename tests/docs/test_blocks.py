@@ -2,9 +2,9 @@
 
 import pytest
 
-pytestmark = pytest.mark.docs
-
 from tests.docs.blocks import DocTestError, commands, parse_blocks
+
+pytestmark = pytest.mark.docs
 
 PAGE = """# A page
 

@@ -84,6 +84,10 @@ def scratch(tmp_path_factory) -> Path:
             shutil.copy2(src, root / rel)
     for so in (REPO / "megatron_rlvr").glob("_C*.so"):  # built by tools/setup_env.sh, not tracked
         shutil.copy2(so, root / "megatron_rlvr" / so.name)
+    # a repository, as a clone is: the Slurm launcher's dry run packs the job from git (nemo-run's packager)
+    git = ["git", "-c", "user.name=doc-test", "-c", "user.email=doc-test@localhost", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "scratch copy for tests/docs"]):
+        subprocess.run(git + args, cwd=root, check=True, capture_output=True)
     venv = (REPO / ".venv").resolve()
     if not (venv / "bin" / "python").exists():
         pytest.fail(f"{REPO / '.venv'}: no virtual environment; run the quick start (tools/setup_env.sh) first")
@@ -96,7 +100,8 @@ def scratch(tmp_path_factory) -> Path:
 
 def _env(root: Path, activated: bool = False) -> dict[str, str]:
     # PYTHONPATH makes the scratch copy's package win over the shared editable install, as a clone's own would
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    # NEMORUN_HOME: the launchers' experiment records stay in the scratch copy, not in ~/.nemo_run
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", NEMORUN_HOME=str(root / "outputs" / "nemo_run"))
     if activated:  # the cluster page's commands run after `source .venv/bin/activate`
         env["PATH"] = f"{root / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return env
