@@ -48,13 +48,10 @@ def _train(out: Path, algo: str, overrides: list[str], nproc: int) -> None:
 
 
 def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
-    from megatron_rlvr.tasks.countdown import generate
+    """The countdown eval problems the demo evaluates on: what `data prepare countdown` writes."""
+    from megatron_rlvr.data.countdown_split import countdown_rows, write_rows
 
-    data_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{"id": p.id, "numbers": list(p.numbers), "target": p.target} for p in generate(seed, count, "eval")]
-    tmp = data_dir / "countdown.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, data_dir / "countdown.jsonl")
+    write_rows(countdown_rows("eval", count, seed), data_dir / "countdown.jsonl")
 
 
 def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[str, list[dict]]:

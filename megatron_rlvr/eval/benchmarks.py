@@ -203,6 +203,7 @@ class BenchmarkSpec:
     layout: str
     build: Callable[[Row, int, str], Problem]
     per_task_dir: bool = False  # BBH: also a directory of <task>.jsonl files
+    make: str = ""  # the command that writes the file, for benchmarks generated here ({data_dir}: the folder)
 
 
 MATH_LAYOUT = "(also accepted: 'question' for 'problem', a 'solution' whose last \\boxed{} is the answer)"
@@ -218,7 +219,8 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
     "bbh": BenchmarkSpec(("bbh",), "BIG-Bench Hard (lukaemon/bbh): 'input', 'target', plus 'task' in one file, or a directory bbh/<task>.jsonl", _bbh_row, per_task_dir=True),
     "livecodebench": BenchmarkSpec(("livecodebench", "code_generation_lite"), "LiveCodeBench (code_generation_lite): 'question_id', 'question_content', 'starter_code', 'public_test_cases' and 'private_test_cases' (JSON strings, private possibly base64/zlib/pickled), 'metadata' with 'func_name' for functional tests", _livecodebench_row),
     "humanevalplus": BenchmarkSpec(("humanevalplus", "HumanEvalPlus"), "HumanEval+ (evalplus/humanevalplus): 'task_id', 'prompt', 'entry_point', 'test' (defines check(candidate))", _humanevalplus_row),
-    "countdown": BenchmarkSpec(("countdown",), "countdown (the demo task): 'id', 'numbers' (list of ints), 'target' (int), optional 'prompt'", _countdown_row),
+    "countdown": BenchmarkSpec(("countdown",), "countdown (the demo task): 'id', 'numbers' (list of ints), 'target' (int), optional 'prompt'", _countdown_row,
+                               make="megatron-rlvr data prepare countdown --out {data_dir}/countdown.jsonl"),
 }
 
 
@@ -262,7 +264,8 @@ def benchmark_files(name: str, data_dir: str | Path) -> list[tuple[Path, str | N
             files = sorted(folder.glob("*.jsonl")) + sorted(folder.glob("*.parquet"))
             if files:
                 return [(f, f.stem) for f in files]
-    raise BenchmarkMissing(f"benchmark {name!r}: no data file; tried {', '.join(tried)}. Expected layout: {spec.layout}")
+    make = f"; make it with `{spec.make.format(data_dir=data_dir)}`" if spec.make else f". Expected layout: {spec.layout}"
+    raise BenchmarkMissing(f"benchmark {name!r}: no data file; tried {', '.join(tried)}{make}")
 
 
 def load_benchmark(name: str, data_dir: str | Path, limit: int | None = None) -> list[Problem]:

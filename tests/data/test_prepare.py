@@ -218,3 +218,25 @@ def test_bad_sources_are_one_clear_error(tmp_path):
     with pytest.raises(DataError, match="--check-against .*: no benchmark file there"):
         main(["prepare", "gsm8k", "--src", str(tmp_path / "only_test" / "test.jsonl"), "--out", str(tmp_path / "o.jsonl"),
               "--check-against", str(tmp_path / "empty")])
+
+
+def test_countdown_split_is_what_the_eval_reads_and_the_demo_evaluates(tmp_path, capsys):
+    from megatron_rlvr.demo.command import _write_eval_split
+    from megatron_rlvr.eval.benchmarks import BenchmarkMissing, load_benchmark
+    from megatron_rlvr.tasks.countdown import split_of
+
+    data = tmp_path / "data"
+    with pytest.raises(BenchmarkMissing, match=rf"make it with `megatron-rlvr data prepare countdown --out {data}/countdown.jsonl`$"):
+        load_benchmark("countdown", data)
+    assert main(["prepare", "countdown", "--out", str(data / "countdown.jsonl"), "--count", "16"]) == 0
+    assert "wrote 16 eval problems (seed 1234)" in capsys.readouterr().out
+    problems = load_benchmark("countdown", data)
+    assert len({p.problem_id for p in problems}) == 16
+    assert all(split_of(tuple(p.reference["numbers"]), p.reference["target"]) == "eval" for p in problems)
+    _write_eval_split(tmp_path / "demo_eval", 16, seed=1234)  # the demo's own eval file, byte for byte
+    assert (tmp_path / "demo_eval" / "countdown.jsonl").read_bytes() == (data / "countdown.jsonl").read_bytes()
+    train = tmp_path / "train.jsonl"
+    assert main(["prepare", "countdown", "--out", str(train), "--split", "train", "--count", "16"]) == 0
+    assert not {r["id"] for r in out_rows(train)} & {p.problem_id for p in problems}
+    with pytest.raises(DataError, match="--count 0: expected at least 1 problem"):
+        main(["prepare", "countdown", "--out", str(train), "--count", "0"])
