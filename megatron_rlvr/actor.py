@@ -32,11 +32,13 @@ import torch.distributed as dist
 from megatron_rlvr import distributed
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.algos.losses import LOSS_TERMS, SUBSET_MEANS
 from megatron_rlvr.config import ActorConfig, ModelConfig
 from megatron_rlvr.monitor.dynamics import token_weighted_mean
 from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
 from megatron_rlvr.packing import PackedLayout, Plan, pack, plan_micro_batches, sequence_lengths, unpack
+from megatron_rlvr.teacher import build_teacher, student_logits_at
 
 MONITOR_TOP_N = 3  # rank-1/2/3 probabilities are always reported, whatever the loss's top_n
 
@@ -52,6 +54,10 @@ class SequenceBatch:
     ref_logp: torch.Tensor | None = None  # [B, S - 1] of the frozen reference, when the loss has a KL term
     rollout_logp: torch.Tensor | None = None  # [B, S - 1] the engine's log-probs of the sampled tokens (responses)
     kl_coef: torch.Tensor | None = None  # [B] the KL term's coefficient per sequence (PBA), in place of algo.kl_coef
+    # the distillation teacher's scores of the response tokens (teacher.py): log-prob, top-N ids, logits at them
+    teacher_logp: torch.Tensor | None = None  # [B, S - 1]
+    teacher_ids: torch.Tensor | None = None  # [B, S - 1, N]
+    teacher_logits: torch.Tensor | None = None  # [B, S - 1, N]
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -59,7 +65,7 @@ class SequenceBatch:
     def _map(self, fn) -> "SequenceBatch":
         return SequenceBatch(*(None if t is None else fn(t) for t in (
             self.tokens, self.response_mask, self.advantages, self.old_logp, self.ref_logp, self.rollout_logp,
-            self.kl_coef)))
+            self.kl_coef, self.teacher_logp, self.teacher_ids, self.teacher_logits)))
 
     def select(self, index: torch.Tensor | slice) -> "SequenceBatch":
         return self._map(lambda t: t[index])
@@ -121,6 +127,8 @@ class MegatronActor:
         self.local_vocab = padded_vocab_size(
             self.vocab_size, actor_cfg.tp, model_cfg.make_vocab_size_divisible_by
         ) // actor_cfg.tp
+        # algo.distill: a frozen teacher beside the reference (teacher.py); trainer: actor.teacher.attach(...)
+        self.teacher = build_teacher(self, model_cfg, algo_cfg)
 
     # -----------------------------------------------------------------------------------------------------------
     def _build_chunks(self, model_cfg: ModelConfig) -> list[torch.nn.Module]:
@@ -346,6 +354,10 @@ class MegatronActor:
 
             def loss_fn(mb: _MicroBatch, logits: torch.Tensor):
                 seqs = mb.seqs.to(device)
+                teacher, student_at = None, None
+                if seqs.teacher_logp is not None:  # distillation: the student's logits at the teacher's top-N ids
+                    teacher = TeacherScores(seqs.teacher_logp, seqs.teacher_ids, seqs.teacher_logits)
+                    logits, student_at = student_logits_at(self, logits, mb, seqs.teacher_ids)
                 # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
                 stats = self._token_stats(logits, mb, inplace_backward=True)
                 old_logp = seqs.old_logp
@@ -355,7 +367,8 @@ class MegatronActor:
                 loss, metrics = policy_loss(
                     stats, old_logp, seqs.advantages, seqs.response_mask, self.algo_cfg, ref_logp=seqs.ref_logp,
                     rollout_logp=seqs.rollout_logp, num_tokens=num_tokens, num_seqs=num_seqs,
-                    target_ids=seqs.tokens[:, 1:], kl_coef=seqs.kl_coef,
+                    target_ids=seqs.tokens[:, 1:], kl_coef=seqs.kl_coef, teacher=teacher,
+                    student_at_teacher_ids=student_at,
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()}

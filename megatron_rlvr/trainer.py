@@ -153,6 +153,8 @@ def _loop(cfg: Config, actor, source, preemption: Preemption, logger, progress, 
                 exp.batch.old_logp = actor.compute_old_logp(exp.batch)
             if actor.reference is not None:  # algo.kl_coef > 0, or PBA's anchor: the loss's KL term
                 exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
+            if actor.teacher is not None:  # algo.distill: the frozen teacher scores the response tokens
+                actor.teacher.attach(actor, exp.batch, exp.items)
         with timer("update"):
             update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
         nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0
@@ -220,9 +222,10 @@ def _rollout_metrics(exp) -> dict[str, float]:
 
 
 def _named(update_metrics: dict[str, float]) -> dict[str, float]:
-    """The actor logs every loss metric as loss/<key>; the rollout correction's keep their own family."""
-    prefix = "loss/rollout_correction/"
-    return {k[len("loss/"):] if k.startswith(prefix) else k: v for k, v in update_metrics.items()}
+    """The actor logs every loss metric as loss/<key>; the rollout correction's and distillation's keep their own
+    family."""
+    own = ("loss/rollout_correction/", "loss/distill/")
+    return {k[len("loss/"):] if k.startswith(own) else k: v for k, v in update_metrics.items()}
 
 
 def _progress(enabled: bool, start: int, total: int):

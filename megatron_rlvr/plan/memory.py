@@ -10,6 +10,9 @@ follows from what the code of this project allocates (megatron_rlvr/actor.py, ro
   params themselves as the main params), sharded over DP with the distributed optimizer;
 - the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``): a second copy of the
   weights, no grads, no optimizer;
+- the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
+  actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
+  like the statistics pass); ``self`` holds a copy of the student unless the reference is that copy already;
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware),
   times the micro-batches the 1F1B schedule keeps in flight on a pipeline stage; the fused op's logits shard
   (kept for its in-place backward) and its per-token records;
@@ -127,6 +130,9 @@ class Layout:
     distributed_optimizer: bool = True
     param_bytes: int = 2
     reference: bool = False
+    teacher: ModelDims | None = None  # algo.distill=teacher: the teacher's shapes
+    teacher_copy: bool = False  # algo.distill=self without a reference: one more copy of the student
+    teacher_source: str = ""  # algo.teacher_hf_dir (for the problem line when the teacher does not fit)
     top_n: int = 3
     divisible_by: int = 128
     engine_tp: int = 1
@@ -151,7 +157,10 @@ class Layout:
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * r.max_model_len
         reference = cfg.algo.kl_coef > 0 or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
+        teacher = _teacher_dims(cfg.algo.teacher_hf_dir) if cfg.algo.distill == "teacher" else None
         return cls(
+            teacher=teacher, teacher_copy=cfg.algo.distill == "self" and not reference,
+            teacher_source=cfg.algo.teacher_hf_dir if teacher else "",
             tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp, sequence_parallel=a.sequence_parallel, recompute=a.recompute,
             micro_tokens=micro_tokens, max_seq_len=r.max_model_len,
             micro_batches=max(1, math.ceil(per_rank_tokens / micro_tokens)),
@@ -160,6 +169,29 @@ class Layout:
             engine_tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
             placement=placement, engine_ranks=engine_ranks, bucket_bytes=r.bucket_bytes, gpu=gpu,
         )
+
+
+def _teacher_dims(hf_dir: str) -> ModelDims:
+    from megatron_rlvr.config import ConfigError
+    from megatron_rlvr.plan.recipe_files import load_hf_config
+
+    hf = load_hf_config(hf_dir)
+    if hf is None:
+        raise ConfigError(f"algo.teacher_hf_dir={hf_dir!r}: no config.json there or in configs/models/; the plan "
+                          "needs the teacher's shapes")
+    try:
+        return ModelDims.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"algo.teacher_hf_dir={hf_dir!r}: config.json lacks a usable shape ({e})") from e
+
+
+def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
+    """The distillation teacher's weights on one rank of ``stage`` (0 without one)."""
+    if lay.teacher is not None:
+        return stage_params(lay.teacher, lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
+    if lay.teacher_copy:
+        return stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +208,7 @@ def actor_static(dims: ModelDims, lay: Layout, stage: int) -> dict[str, int]:
         "actor_grads": n * FP32,
         "optimizer": shard * per_value,
         "reference": n * lay.param_bytes if lay.reference else 0,
+        "teacher": teacher_bytes(dims, lay, stage),
     }
 
 
@@ -314,14 +347,14 @@ class Plan:
 
 # the components each phase adds up (the engine's share differs while it sleeps)
 PHASE_PARTS: dict[str, tuple[str, ...]] = {
-    "rollout": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_weights", "kv_cache",
+    "rollout": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_weights", "kv_cache",
                 "engine_workspace", "runtime"),
-    "statistics": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "forward_working",
-                   "logits", "op_scratch", "runtime"),
-    "update": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "activations",
-               "backward_working", "logits", "op_scratch", "runtime"),
-    "sync": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "engine_weights",
-             "sync_buckets", "runtime"),
+    "statistics": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
+                   "forward_working", "logits", "op_scratch", "runtime"),
+    "update": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
+               "activations", "backward_working", "logits", "op_scratch", "runtime"),
+    "sync": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
+             "engine_weights", "sync_buckets", "runtime"),
 }
 ENGINE_RANK_PARTS = ("engine_weights", "kv_cache", "engine_workspace", "runtime")
 
@@ -338,6 +371,8 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
     largest_weight = max(vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp)
     c["backward_working"] = layer_activation_bytes(dims, lay, recompute="none") + largest_weight * lay.param_bytes
     c["forward_working"] = layer_activation_bytes(dims, lay, recompute="none")  # no-grad pass: one layer at a time
+    if lay.teacher is not None:  # the teacher's pass is one too, of its own layer width
+        c["forward_working"] = max(c["forward_working"], layer_activation_bytes(lay.teacher, lay, recompute="none"))
     c["logits"] = logits_bytes(dims, lay) if last else 0
     c["op_scratch"] = op_scratch_bytes(lay) if last else 0
     c["runtime"] = RUNTIME_BYTES if lay.gpu else 0
@@ -370,6 +405,14 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
         headroom_gb = HEADROOM_FRACTION * gpu_memory_gb if lay.gpu else 0.0
     ranks = [actor_rank_plan(dims, lay, s, gpu_memory) for s in range(lay.pp)]
     plan = Plan(lay, gpu_memory, ranks, headroom=int(headroom_gb * GB))
+    held = max(r.components.get("teacher", 0) for r in ranks)
+    if held and plan.over > 0 and plan.over <= held:  # it is the teacher that does not fit
+        key = f"algo.teacher_hf_dir={lay.teacher_source!r}" if lay.teacher is not None else "algo.distill=self"
+        plan.problems.append(
+            f"{key}: the teacher's weights, {held / GB:.1f} GB per GPU at TP={lay.tp} PP={lay.pp}, do not fit beside "
+            f"the student (peak {(plan.peak + plan.headroom) / GB:.1f} GB with headroom, of {gpu_memory / GB:.1f} GB;"
+            f" {(plan.peak + plan.headroom - held) / GB:.1f} GB without the teacher): raise actor.tp / actor.pp"
+        )
     if lay.gpu and (lay.placement != "separate" or lay.engine_ranks):
         engine = engine_components(dims, lay, gpu_memory)
         if lay.placement == "separate":
