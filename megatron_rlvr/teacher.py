@@ -139,7 +139,10 @@ class Teacher:
             width = batch.response_mask.shape[1]
             scores = TeacherScores(*(realign(t, shifts, width) for t in (scores.logp, scores.topn_ids,
                                                                         scores.topn_logits)))
-        batch.teacher_logp, batch.teacher_ids, batch.teacher_logits = scores.logp, scores.topn_ids, scores.topn_logits
+        keep = batch.response_mask.to(torch.bool)  # prompt and padding positions: 0, as their statistics are
+        batch.teacher_logp = torch.where(keep, scores.logp, torch.zeros_like(scores.logp))
+        batch.teacher_ids = torch.where(keep[..., None], scores.topn_ids, torch.zeros_like(scores.topn_ids))
+        batch.teacher_logits = torch.where(keep[..., None], scores.topn_logits, torch.zeros_like(scores.topn_logits))
 
     @torch.no_grad()
     def score(self, actor: "MegatronActor", batch: "SequenceBatch") -> TeacherScores:

@@ -25,6 +25,7 @@ Assumptions that were not measured here are named constants below. Sizes are in 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -130,9 +131,8 @@ class Layout:
     distributed_optimizer: bool = True
     param_bytes: int = 2
     reference: bool = False
-    teacher: ModelDims | None = None  # algo.distill=teacher: the teacher's shapes
+    teacher: str = ""  # algo.distill=teacher: algo.teacher_hf_dir, whose config.json gives the teacher's shapes
     teacher_copy: bool = False  # algo.distill=self without a reference: one more copy of the student
-    teacher_source: str = ""  # algo.teacher_hf_dir (for the problem line when the teacher does not fit)
     top_n: int = 3
     divisible_by: int = 128
     engine_tp: int = 1
@@ -157,10 +157,11 @@ class Layout:
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * r.max_model_len
         reference = cfg.algo.kl_coef > 0 or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
-        teacher = _teacher_dims(cfg.algo.teacher_hf_dir) if cfg.algo.distill == "teacher" else None
+        teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""
+        if teacher:
+            teacher_dims(teacher)  # a bad teacher directory fails here, naming the key
         return cls(
             teacher=teacher, teacher_copy=cfg.algo.distill == "self" and not reference,
-            teacher_source=cfg.algo.teacher_hf_dir if teacher else "",
             tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp, sequence_parallel=a.sequence_parallel, recompute=a.recompute,
             micro_tokens=micro_tokens, max_seq_len=r.max_model_len,
             micro_batches=max(1, math.ceil(per_rank_tokens / micro_tokens)),
@@ -171,7 +172,9 @@ class Layout:
         )
 
 
-def _teacher_dims(hf_dir: str) -> ModelDims:
+@functools.lru_cache(maxsize=8)
+def teacher_dims(hf_dir: str) -> ModelDims:
+    """The teacher's shapes from its config.json (or the copy in configs/models/)."""
     from megatron_rlvr.config import ConfigError
     from megatron_rlvr.plan.recipe_files import load_hf_config
 
@@ -187,8 +190,8 @@ def _teacher_dims(hf_dir: str) -> ModelDims:
 
 def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
     """The distillation teacher's weights on one rank of ``stage`` (0 without one)."""
-    if lay.teacher is not None:
-        return stage_params(lay.teacher, lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
+    if lay.teacher:
+        return stage_params(teacher_dims(lay.teacher), lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
     if lay.teacher_copy:
         return stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
     return 0
@@ -371,8 +374,9 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
     largest_weight = max(vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp)
     c["backward_working"] = layer_activation_bytes(dims, lay, recompute="none") + largest_weight * lay.param_bytes
     c["forward_working"] = layer_activation_bytes(dims, lay, recompute="none")  # no-grad pass: one layer at a time
-    if lay.teacher is not None:  # the teacher's pass is one too, of its own layer width
-        c["forward_working"] = max(c["forward_working"], layer_activation_bytes(lay.teacher, lay, recompute="none"))
+    if lay.teacher:  # the teacher's pass is one too, of its own layer width
+        teacher_layer = layer_activation_bytes(teacher_dims(lay.teacher), lay, recompute="none")
+        c["forward_working"] = max(c["forward_working"], teacher_layer)
     c["logits"] = logits_bytes(dims, lay) if last else 0
     c["op_scratch"] = op_scratch_bytes(lay) if last else 0
     c["runtime"] = RUNTIME_BYTES if lay.gpu else 0
@@ -407,7 +411,7 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
     plan = Plan(lay, gpu_memory, ranks, headroom=int(headroom_gb * GB))
     held = max(r.components.get("teacher", 0) for r in ranks)
     if held and plan.over > 0 and plan.over <= held:  # it is the teacher that does not fit
-        key = f"algo.teacher_hf_dir={lay.teacher_source!r}" if lay.teacher is not None else "algo.distill=self"
+        key = f"algo.teacher_hf_dir={lay.teacher!r}" if lay.teacher else "algo.distill=self"
         plan.problems.append(
             f"{key}: the teacher's weights, {held / GB:.1f} GB per GPU at TP={lay.tp} PP={lay.pp}, do not fit beside "
             f"the student (peak {(plan.peak + plan.headroom) / GB:.1f} GB with headroom, of {gpu_memory / GB:.1f} GB;"
