@@ -17,6 +17,8 @@ whether a batch was packed, and packing changes no number beyond float rounding.
 With ``algo.kl_coef > 0`` (or PBA with ``algo.pba_kl_coef > 0``) the actor also holds a frozen reference policy (the
 same chunks, loaded from the same initial weights, never trained) whose log-probs feed the loss's k3 KL term; without
 it nothing extra is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
+With ``algo.distill`` the actor also holds a frozen teacher (teacher.py), scored beside the reference; its scores
+travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms.
 """
 
 from __future__ import annotations

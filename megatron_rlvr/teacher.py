@@ -218,6 +218,11 @@ def _teacher_chunks(actor: "MegatronActor", teacher_dir: str, divisible: int) ->
     if int(hf["vocab_size"]) < actor.vocab_size:
         raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: vocab_size {hf['vocab_size']} is smaller than the "
                         f"student's {actor.vocab_size}")
+    heads, kv_heads, layers = (int(hf.get(k, 1)) for k in ("num_attention_heads", "num_key_value_heads",
+                                                            "num_hidden_layers"))
+    if heads % a.tp or kv_heads % a.tp or layers % (a.pp * (a.vpp or 1)):
+        raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: {heads} heads / {kv_heads} KV heads / {layers} layers "
+                        f"do not divide over the actor's TP={a.tp} / PP={a.pp} x VPP={a.vpp or 1}")
     tcfg = transformer_config_from_hf(
         hf, tp=a.tp, pp=a.pp, vpp=a.vpp, params_dtype=actor.tcfg.params_dtype, sequence_parallel=a.sequence_parallel,
         recompute=a.recompute, variable_seq_lengths=actor.tcfg.variable_seq_lengths,

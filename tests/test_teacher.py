@@ -216,3 +216,14 @@ def test_reference_answers_of_strings_numbers_and_the_countdown_task():
     reference = {"numbers": [3, 7, 4, 9], "target": 31}
     solution = reference_text(PromptItem("d", "", (1,), reference, "countdown"))
     assert check_solution(solution, reference["numbers"], reference["target"])
+
+
+def test_a_teacher_whose_heads_do_not_divide_the_actor_tp_is_one_line(other_model):
+    from types import SimpleNamespace
+
+    from megatron_rlvr.teacher import _teacher_chunks
+
+    actor = SimpleNamespace(cfg=SimpleNamespace(tp=3, pp=1, vpp=None), vocab_size=1)
+    with pytest.raises(UserError) as e:
+        _teacher_chunks(actor, other_model, 128)
+    assert str(e.value).startswith(f"algo.teacher_hf_dir={other_model!r}: ") and "TP=3" in str(e.value)
