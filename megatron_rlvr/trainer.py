@@ -171,6 +171,8 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
                 exp.batch.old_logp = actor.compute_old_logp(exp.batch)
             if actor.reference is not None:  # algo.kl_coef > 0, or PBA's anchor: the loss's KL term
                 exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
+            if actor.teacher is not None:  # algo.distill: the frozen teacher scores the response tokens
+                actor.teacher.attach(actor, exp.batch, exp.items)
         with timer("update"):
             update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
         nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0

@@ -23,6 +23,10 @@ class SequenceBatch:
     ref_logp: torch.Tensor | None = None  # [B, S - 1] of the frozen reference, when the loss has a KL term
     rollout_logp: torch.Tensor | None = None  # [B, S - 1] the engine's log-probs of the sampled tokens (responses)
     kl_coef: torch.Tensor | None = None  # [B] the KL term's coefficient per sequence (PBA), in place of algo.kl_coef
+    # the distillation teacher's scores of the response tokens (actor/teacher.py): log-prob, top-N ids, logits at them
+    teacher_logp: torch.Tensor | None = None  # [B, S - 1]
+    teacher_ids: torch.Tensor | None = None  # [B, S - 1, N]
+    teacher_logits: torch.Tensor | None = None  # [B, S - 1, N]
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -30,7 +34,7 @@ class SequenceBatch:
     def _map(self, fn) -> "SequenceBatch":
         return SequenceBatch(*(None if t is None else fn(t) for t in (
             self.tokens, self.response_mask, self.advantages, self.old_logp, self.ref_logp, self.rollout_logp,
-            self.kl_coef)))
+            self.kl_coef, self.teacher_logp, self.teacher_ids, self.teacher_logits)))
 
     def select(self, index: torch.Tensor | slice) -> "SequenceBatch":
         return self._map(lambda t: t[index])

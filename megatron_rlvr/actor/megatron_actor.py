@@ -17,6 +17,8 @@ whether a batch was packed, and packing changes no number beyond float rounding.
 With ``algo.kl_coef > 0`` (or PBA with ``algo.pba_kl_coef > 0``) the actor also holds a frozen reference policy (the
 same chunks, loaded from the same initial weights, never trained) whose log-probs feed the loss's k3 KL term; without
 it nothing extra is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
+With ``algo.distill`` the actor also holds a frozen teacher (actor/teacher.py), scored beside the reference; its scores
+travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from megatron_rlvr.models.config import ModelConfig
 from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
 from megatron_rlvr.actor.batch import SequenceBatch
 from megatron_rlvr.actor.packing import PackedLayout, Plan, pack, plan_micro_batches, sequence_lengths, unpack
+from megatron_rlvr.algos.distill import TeacherScores
+from megatron_rlvr.actor.teacher import build_teacher, student_logits_at
 
 MONITOR_TOP_N = 3  # rank-1/2/3 probabilities are always reported, whatever the loss's top_n
 
@@ -95,6 +99,8 @@ class MegatronActor:
         self.local_vocab = padded_vocab_size(
             self.vocab_size, actor_cfg.tp, model_cfg.make_vocab_size_divisible_by
         ) // actor_cfg.tp
+        # algo.distill: a frozen teacher beside the reference (actor/teacher.py); trainer: actor.teacher.attach(...)
+        self.teacher = build_teacher(self, model_cfg, algo_cfg)
 
     # -----------------------------------------------------------------------------------------------------------
     def _build_chunks(self, model_cfg: ModelConfig) -> list[torch.nn.Module]:
@@ -322,6 +328,10 @@ class MegatronActor:
 
             def loss_fn(mb: _MicroBatch, logits: torch.Tensor):
                 seqs = mb.seqs.to(device)
+                teacher, student_at = None, None
+                if seqs.teacher_logp is not None:  # distillation: the student's logits at the teacher's top-N ids
+                    teacher = TeacherScores(seqs.teacher_logp, seqs.teacher_ids, seqs.teacher_logits)
+                    logits, student_at = student_logits_at(self, logits, mb, seqs.teacher_ids)
                 # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
                 stats = self._token_stats(logits, mb, inplace_backward=True)
                 old_logp = seqs.old_logp
@@ -331,7 +341,8 @@ class MegatronActor:
                 loss, metrics = policy_loss(
                     stats, old_logp, seqs.advantages, seqs.response_mask, self.algo_cfg, ref_logp=seqs.ref_logp,
                     rollout_logp=seqs.rollout_logp, num_tokens=num_tokens, num_seqs=num_seqs,
-                    target_ids=seqs.tokens[:, 1:], kl_coef=seqs.kl_coef,
+                    target_ids=seqs.tokens[:, 1:], kl_coef=seqs.kl_coef, teacher=teacher,
+                    student_at_teacher_ids=student_at,
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()}

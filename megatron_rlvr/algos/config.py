@@ -15,6 +15,10 @@ LOSS_NAMES: tuple[str, ...] = get_args(LossName)
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 RolloutCorrection = Literal["none", "tis", "mis", "icepop"]
+DistillMode = Literal["none", "teacher", "self"]
+DISTILL_MODES: tuple[str, ...] = get_args(DistillMode)
+DistillSignal = Literal["reverse_kl_sampled", "topn_forward_kl", "both"]
+DISTILL_SIGNALS: tuple[str, ...] = get_args(DistillSignal)
 ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
 
 
@@ -55,6 +59,16 @@ class AlgoConfig:
     pba_base_samples: int = 16
     pba_min_correct: int = 2
     pba_kl_coef: float = 0.1
+    # on-policy distillation (docs/distillation.md, algos/distill.py): a frozen teacher scores the
+    # student's sampled responses; teacher = the model of teacher_hf_dir (same tokenizer), self = the frozen initial
+    # policy reading self_distill_template (the reference answer before the prompt)
+    distill: DistillMode = "none"
+    distill_coef: float = 1.0  # weight of the distillation terms against the RL loss
+    distill_only: bool = False  # pure distillation: the group advantage term off (no verifier signal)
+    distill_signal: DistillSignal = "both"  # reverse_kl_sampled (per-token advantage), topn_forward_kl, or both
+    distill_top_n: int = 8  # N of the teacher's top-N in topn_forward_kl
+    teacher_hf_dir: str = ""
+    self_distill_template: str = "Reference answer: {answer}\n\n"
     # baselines
     beta: float = 0.01  # entropy_bonus / entropy_adv / kl_cov coefficient
     kappa: float = 2.0  # entropy_adv cap |A| / kappa
@@ -110,6 +124,26 @@ class AlgoConfig:
             raise bad("pba_min_correct", f"in [0, pba_base_samples={self.pba_base_samples}]")
         if not self.pba_kl_coef >= 0:
             raise bad("pba_kl_coef", ">= 0")
+        if self.distill not in DISTILL_MODES:
+            raise ValueError(f"algo.distill: got {self.distill!r}; allowed values: {', '.join(DISTILL_MODES)}")
+        if self.distill_signal not in DISTILL_SIGNALS:
+            raise ValueError(f"algo.distill_signal: got {self.distill_signal!r}; allowed values: "
+                             f"{', '.join(DISTILL_SIGNALS)}")
+        if not (self.distill_coef >= 0 and self.distill_coef < float("inf")):
+            raise bad("distill_coef", "a finite number >= 0")
+        if self.distill_top_n < 1:
+            raise bad("distill_top_n", ">= 1")
+        if self.distill_only and self.distill == "none":
+            raise bad("distill_only", "false under algo.distill=none (there is no teacher to distill from)")
+        if self.distill == "teacher" and not self.teacher_hf_dir:
+            raise bad("teacher_hf_dir", "the teacher's HF model directory under algo.distill=teacher")
+        if self.distill == "self":
+            try:
+                self.self_distill_template.format(answer="")
+            except (KeyError, IndexError, ValueError) as e:
+                raise bad("self_distill_template", f"a template whose only field is {{answer}} ({e!r})") from None
+            if "{answer}" not in self.self_distill_template:
+                raise bad("self_distill_template", "a template holding {answer} (the privileged context)")
         if not self.kappa > 0:
             raise bad("kappa", "> 0")
         if not 0 <= self.cov_fraction <= 1:

@@ -27,6 +27,8 @@ Choices where docs/algorithms.md leaves room (each checked by tests/algos agains
 - kl_cov / clip_cov keep PPO-clip underneath and select the top ``cov_fraction`` tokens deterministically within
   the tokens of this call (verl's clip_cov samples among a covariance band instead).
 - forking_tokens and psr / nsr zero the other tokens' weights but keep every response token in the normalizer.
+- On-policy distillation (distill.py): the reverse-KL signal is added to the per-token advantage after the loss's
+  shaping (so CaSP's positive / negative split stays the sample's), and the top-N forward KL is one more extra term.
 - The rollout correction (rollout_correction.py) multiplies the detached multiplier of ``w``, so it scales the policy
   term's value and gradient alike, for every loss; the extra terms (entropy bonus, KL, kl_cov penalty) are not
   reweighted, and corrected-away tokens stay in the normalizer.
@@ -42,6 +44,8 @@ from torch import Tensor
 
 from megatron_rlvr.algos.aggregate import aggregate, response_counts
 from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.algos.distill import (TeacherScores, check_teacher, distill_metrics, reverse_kl_advantage,
+                                         topn_forward_kl)
 from megatron_rlvr.algos.metrics import loss_metrics
 from megatron_rlvr.algos.rollout_correction import correction_weights
 from megatron_rlvr.algos.token_view import TokenView
@@ -171,6 +175,8 @@ def policy_loss(
     num_seqs: float | None = None,
     target_ids: Tensor | None = None,
     kl_coef: Tensor | None = None,
+    teacher: TeacherScores | None = None,
+    student_at_teacher_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss ``cfg.loss`` of one (micro-)batch and its metrics (plain floats over this batch's response tokens).
 
@@ -186,9 +192,16 @@ def policy_loss(
     read from the statistics (logp equal to the rank-1 log-prob up to rounding).
     ``kl_coef`` [B], per response, replaces cfg.kl_coef in the k3 KL term (PBA); ``ref_logp`` is then required
     when any entry is > 0. Its term comes back as the metric ``kl_loss`` (``kl_ref`` stays the unweighted estimate).
+    ``teacher`` (distill.TeacherScores, required when cfg.distill is not "none") and ``student_at_teacher_ids``
+    [B, T, N] (the student's logits / temperature at the teacher's top-N ids, ops.given_ids; required by the
+    topn_forward_kl signal) add the distillation terms of distill.py; metrics ``distill/*`` and ``distill_loss``.
     """
     if cfg.loss not in LOSSES:
         raise ValueError(f"algo.loss: got {cfg.loss!r}; allowed values: {', '.join(LOSSES)}")
+    if cfg.distill != "none" and teacher is None:
+        raise ValueError(f"teacher: algo.distill={cfg.distill} needs the teacher's scores of the response tokens")
+    if cfg.distill_only:  # pure distillation: the group advantage term is off, whatever the rewards were
+        advantages = torch.zeros_like(advantages)
     view = _token_view(stats, old_logp, advantages, mask, cfg, target_ids)
     if kl_coef is None:
         if cfg.kl_coef > 0 and ref_logp is None:
@@ -214,6 +227,11 @@ def policy_loss(
 
     shaping = LOSSES[cfg.loss](view)
     adv = shaping.advantages.detach()
+    distilling = teacher is not None and cfg.distill_coef > 0  # coefficient 0: the RL loss bit for bit
+    if teacher is not None:
+        check_teacher(teacher, tuple(view.logp.shape), student_at_teacher_ids, cfg)
+        if distilling and cfg.distill_signal in ("reverse_kl_sampled", "both"):
+            adv = adv + cfg.distill_coef * reverse_kl_advantage(view.logp, teacher.logp, view.mask)
     log_ratio = view.logp - view.old_logp
     rho = torch.exp(log_ratio)
     clipped = ((adv > 0) & (rho > 1 + cfg.eps_high)) | ((adv < 0) & (rho < 1 - cfg.eps_low))
@@ -262,8 +280,21 @@ def policy_loss(
         elif cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * extras["kl_ref"]
 
+    distilled: dict[str, Tensor] = {}
+    if teacher is not None:
+        forward_kl = torch.zeros_like(view.logp)
+        if student_at_teacher_ids is not None:
+            forward_kl, form = topn_forward_kl(student_at_teacher_ids, teacher.topn_logits, view.mask)
+            if distilling and cfg.distill_signal in ("topn_forward_kl", "both"):
+                term = cfg.distill_coef * agg(form)
+                extras["distill_loss"] = cfg.distill_coef * agg(forward_kl)
+                loss = loss + extras["distill_loss"] + (term - term.detach())
+        distilled = distill_metrics(view.logp, stats.topn_ids[..., 0], teacher, forward_kl, view.mask)
+
     metrics = loss_metrics(view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp,
                            candidates=shaping.candidates)
+    if distilled:
+        metrics.update(zip(distilled, torch.stack(list(distilled.values())).tolist()))
     metrics.update(loss=float(loss.detach()), pg_loss=float(pg_value), num_tokens=local_tokens)
     metrics.update({name: float(value.detach()) for name, value in extras.items()})
     if correct:

@@ -10,6 +10,9 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
   params themselves as the main params), sharded over DP with the distributed optimizer;
 - the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``): a second copy of the
   weights, no grads, no optimizer;
+- the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
+  actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
+  like the statistics pass); ``self`` holds a copy of the student unless the reference is that copy already;
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware),
   times the micro-batches the 1F1B schedule keeps in flight on a pipeline stage; the fused op's logits shard
   (kept for its in-place backward) and its per-token records;
@@ -22,6 +25,7 @@ Assumptions that were not measured here are named constants below. Sizes are in 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -128,6 +132,8 @@ class Layout:
     distributed_optimizer: bool = True
     param_bytes: int = 2
     reference: bool = False
+    teacher: str = ""  # algo.distill=teacher: algo.teacher_hf_dir, whose config.json gives the teacher's shapes
+    teacher_copy: bool = False  # algo.distill=self without a reference: one more copy of the student
     top_n: int = 3
     divisible_by: int = 128
     engine_tp: int = 1
@@ -152,7 +158,11 @@ class Layout:
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * r.max_model_len
         reference = cfg.algo.kl_coef > 0 or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
+        teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""
+        if teacher:
+            teacher_dims(teacher)  # a bad teacher directory fails here, naming the key
         return cls(
+            teacher=teacher, teacher_copy=cfg.algo.distill == "self" and not reference,
             tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp, sequence_parallel=a.sequence_parallel, recompute=a.recompute,
             micro_tokens=micro_tokens, max_seq_len=r.max_model_len,
             micro_batches=max(1, math.ceil(per_rank_tokens / micro_tokens)),
@@ -161,6 +171,31 @@ class Layout:
             engine_tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
             placement=placement, engine_ranks=engine_ranks, bucket_bytes=r.bucket_bytes, gpu=gpu,
         )
+
+
+@functools.lru_cache(maxsize=8)
+def teacher_dims(hf_dir: str) -> ModelDims:
+    """The teacher's shapes from its config.json (or the copy in configs/models/)."""
+    from megatron_rlvr.config import ConfigError
+    from megatron_rlvr.plan.recipe_files import load_hf_config
+
+    hf = load_hf_config(hf_dir)
+    if hf is None:
+        raise ConfigError(f"algo.teacher_hf_dir={hf_dir!r}: no config.json there or in configs/models/; the plan "
+                          "needs the teacher's shapes")
+    try:
+        return ModelDims.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"algo.teacher_hf_dir={hf_dir!r}: config.json lacks a usable shape ({e})") from e
+
+
+def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
+    """The distillation teacher's weights on one rank of ``stage`` (0 without one)."""
+    if lay.teacher:
+        return stage_params(teacher_dims(lay.teacher), lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
+    if lay.teacher_copy:
+        return stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,6 +212,7 @@ def actor_static(dims: ModelDims, lay: Layout, stage: int) -> dict[str, int]:
         "actor_grads": n * FP32,
         "optimizer": shard * per_value,
         "reference": n * lay.param_bytes if lay.reference else 0,
+        "teacher": teacher_bytes(dims, lay, stage),
     }
 
 
@@ -315,14 +351,14 @@ class Plan:
 
 # the components each phase adds up (the engine's share differs while it sleeps)
 PHASE_PARTS: dict[str, tuple[str, ...]] = {
-    "rollout": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_weights", "kv_cache",
+    "rollout": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_weights", "kv_cache",
                 "engine_workspace", "runtime"),
-    "statistics": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "forward_working",
-                   "logits", "op_scratch", "runtime"),
-    "update": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "activations",
-               "backward_working", "logits", "op_scratch", "runtime"),
-    "sync": ("actor_weights", "actor_grads", "optimizer", "reference", "engine_workspace", "engine_weights",
-             "sync_buckets", "runtime"),
+    "statistics": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
+                   "forward_working", "logits", "op_scratch", "runtime"),
+    "update": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
+               "activations", "backward_working", "logits", "op_scratch", "runtime"),
+    "sync": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
+             "engine_weights", "sync_buckets", "runtime"),
 }
 ENGINE_RANK_PARTS = ("engine_weights", "kv_cache", "engine_workspace", "runtime")
 
@@ -339,6 +375,9 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
     largest_weight = max(vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp)
     c["backward_working"] = layer_activation_bytes(dims, lay, recompute="none") + largest_weight * lay.param_bytes
     c["forward_working"] = layer_activation_bytes(dims, lay, recompute="none")  # no-grad pass: one layer at a time
+    if lay.teacher:  # the teacher's pass is one too, of its own layer width
+        teacher_layer = layer_activation_bytes(teacher_dims(lay.teacher), lay, recompute="none")
+        c["forward_working"] = max(c["forward_working"], teacher_layer)
     c["logits"] = logits_bytes(dims, lay) if last else 0
     c["op_scratch"] = op_scratch_bytes(lay) if last else 0
     c["runtime"] = RUNTIME_BYTES if lay.gpu else 0
@@ -371,6 +410,14 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
         headroom_gb = HEADROOM_FRACTION * gpu_memory_gb if lay.gpu else 0.0
     ranks = [actor_rank_plan(dims, lay, s, gpu_memory) for s in range(lay.pp)]
     plan = Plan(lay, gpu_memory, ranks, headroom=int(headroom_gb * GB))
+    held = max(r.components.get("teacher", 0) for r in ranks)
+    if held and plan.over > 0 and plan.over <= held:  # it is the teacher that does not fit
+        key = f"algo.teacher_hf_dir={lay.teacher!r}" if lay.teacher else "algo.distill=self"
+        plan.problems.append(
+            f"{key}: the teacher's weights, {held / GB:.1f} GB per GPU at TP={lay.tp} PP={lay.pp}, do not fit beside "
+            f"the student (peak {(plan.peak + plan.headroom) / GB:.1f} GB with headroom, of {gpu_memory / GB:.1f} GB;"
+            f" {(plan.peak + plan.headroom - held) / GB:.1f} GB without the teacher): raise actor.tp / actor.pp"
+        )
     if lay.gpu and (lay.placement != "separate" or lay.engine_ranks):
         engine = engine_components(dims, lay, gpu_memory)
         if lay.placement == "separate":

@@ -83,9 +83,12 @@ def reference_loss(
     num_seqs: float | None = None,
     rollout_logp: Tensor | None = None,
     kl_coefs: Tensor | None = None,
+    token_advantages: Tensor | None = None,
 ) -> Tensor:
     """The loss of docs/algorithms.md: value = clipped surrogate (+ extra terms), gradient = detached-weight form.
-    ``kl_coefs`` [B]: the KL coefficient of each response in place of cfg.kl_coef (PBA)."""
+    ``kl_coefs`` [B]: the KL coefficient of each response in place of cfg.kl_coef (PBA). ``token_advantages``
+    [B, T]: added to each token's advantage in the weight, clip and value (distillation's reverse-KL signal); which
+    tokens are positive / negative samples stays the response's advantage."""
     B, T, _ = logits.shape
     correction = reference_correction(old_logp, rollout_logp, mask, cfg) if rollout_logp is not None else None
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
@@ -126,8 +129,9 @@ def reference_loss(
             A = float(advantages[b])
             if cfg.loss == "entropy_adv":
                 A = A + min(cfg.beta * float(entropy[b, t].detach()), abs(A) / cfg.kappa)
+            A_token = A if token_advantages is None else A + float(token_advantages[b, t])
             rho = float(torch.exp(logp[b, t].detach() - old_logp[b, t]))
-            clipped = (A > 0 and rho > 1 + cfg.eps_high) or (A < 0 and rho < 1 - cfg.eps_low)
+            clipped = (A_token > 0 and rho > 1 + cfg.eps_high) or (A_token < 0 and rho < 1 - cfg.eps_low)
             scale = 1.0
             target = logp[b, t]
             if cfg.loss == "casp":
@@ -153,10 +157,10 @@ def reference_loss(
                 scale = 0.0
             if correction is not None:
                 scale = scale * correction[b][t]
-            w = 0.0 if clipped else A * rho * scale
+            w = 0.0 if clipped else A_token * rho * scale
             grad_terms[b, t] = -w * target
             clipped_rho = min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high)
-            value_terms[b, t] = -scale * min(rho * A, clipped_rho * A)
+            value_terms[b, t] = -scale * min(rho * A_token, clipped_rho * A_token)
             extra = torch.zeros((), dtype=logits.dtype)
             if cfg.loss == "kl_cov" and selected[b, t]:
                 extra = extra + cfg.beta * (logp[b, t] - old_logp[b, t]).abs()
