@@ -1,9 +1,10 @@
-"""The one Megatron <-> HF name table for the Llama-family layout (Qwen2 and Llama), and the shapes on each side.
+"""The one Megatron <-> HF name table for the Llama-family layout (Qwen2, Llama, Qwen3), and the shapes on each
+side.
 
 Megatron names here are *global*: ``decoder.layers.{i}`` uses the global layer index, whatever pipeline stage or
 virtual chunk holds it. Each entry carries a ``kind`` saying how the tensor is laid out and sharded:
 
-- ``replicated``: the same on every TP rank (RMSNorm weights).
+- ``replicated``: the same on every TP rank (RMSNorm weights, Qwen3's per-head q/k norms).
 - ``column`` / ``row``: TP-sharded along dim 0 / dim 1, same layout as HF (o_proj, down_proj are ``row``).
 - ``vocab``: dim 0 sharded and padded to ``padded_vocab_size`` rows; padding rows are zero and never exported.
 - ``qkv``: Megatron interleaves per query group ``[q_g (heads_per_group * d), k_g (d), v_g (d)]``; HF has q/k/v.
@@ -35,6 +36,7 @@ class ModelDims:
     layers: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3), [head_dim] each, replicated over TP
 
     @property
     def heads_per_group(self) -> int:
@@ -52,6 +54,7 @@ class ModelDims:
             layers=hf["num_hidden_layers"],
             tied=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family_of(hf).QKV_BIAS,
+            qk_norm=family_of(hf).QK_NORM,
         )
 
 
@@ -98,6 +101,9 @@ def mapping_table(dims: ModelDims, te_names: bool = False) -> list[ParamMapping]
                     "qkv",
                 )
             )
+        if dims.qk_norm:
+            table.append(ParamMapping(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"))
+            table.append(ParamMapping(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"))
         table.append(ParamMapping(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
         table.append(ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated"))
         table.append(
@@ -121,7 +127,7 @@ def hf_shapes(m: ParamMapping, dims: ModelDims) -> list[tuple[int, ...]]:
     if m.kind == "vocab":
         return [(dims.vocab, H)]
     if m.kind == "replicated":
-        return [(H,)]
+        return [(d,)] if m.megatron.endswith(("q_layernorm.weight", "k_layernorm.weight")) else [(H,)]
     if m.megatron.endswith("linear_proj.weight"):
         return [(H, dims.heads * d)]
     if m.megatron.endswith("linear_fc2.weight"):

@@ -124,23 +124,39 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(use_te: bool | None = None):
+def layer_spec(use_te: bool | None = None, tcfg=None, vp_stage: int | None = None):
     """Transformer Engine spec when TE is usable, else megatron-core's local (pure torch) spec with an attention
-    that also takes packed sequences (the same math as megatron's, one sequence at a time)."""
+    that also takes packed sequences (the same math as megatron's, one sequence at a time).
+
+    ``tcfg`` adds what the model's config asks for: q/k norms (``qk_layernorm``) and, with experts, megatron's
+    per-layer block spec (``moe_layer_freq`` picks a dense or an MoE layer for each index; this stage's slice).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
     if use_te is None:
         use_te = transformer_engine_available()
+    qk_layernorm = bool(tcfg is not None and tcfg.qk_layernorm)
+    if tcfg is not None and tcfg.num_moe_experts:
+        block = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
+        for spec in block.layer_specs if not use_te else ():
+            _use_packed_attention(spec)
+        return block
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    _use_packed_attention(spec)
+    return spec
+
+
+def _use_packed_attention(spec) -> None:
     from megatron_rlvr.runtime.cpu.attention import PackedDotProductAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
-    return spec
 
 
 def build_gpt_model(
@@ -163,7 +179,7 @@ def build_gpt_model(
     llama3 = rope["rope_type"] == "llama3"
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=layer_spec(use_te, tcfg, vp_stage),
         vocab_size=padded_vocab_size(hf["vocab_size"], tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
         pre_process=pre_process,

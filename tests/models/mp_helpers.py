@@ -81,3 +81,15 @@ def varied_batch(vocab: int, lengths: list[int], seed: int = 0) -> torch.Tensor:
 
 def max_valid_diff(a: torch.Tensor, b: torch.Tensor, lengths: list[int], vocab: int) -> float:
     return max((a[i, :n, :vocab] - b[i, :n, :vocab]).abs().max().item() for i, n in enumerate(lengths))
+
+
+def max_log_prob_rel_diff(a: torch.Tensor, b: torch.Tensor, lengths: list[int], vocab: int) -> float:
+    """Max relative difference of the next-token log-probs of each valid position's actual next token (what the
+    losses read), between full-vocab logits ``a`` (padded) and ``b``."""
+    worst = 0.0
+    for i, n in enumerate(lengths):
+        la = torch.log_softmax(a[i, : n - 1, :vocab].double(), -1)
+        lb = torch.log_softmax(b[i, : n - 1, :vocab].double(), -1)
+        # every vocabulary entry, not only the sampled one: a wrong row anywhere shows up
+        worst = max(worst, ((la - lb).abs() / lb.abs().clamp_min(1e-12)).max().item())
+    return worst
