@@ -52,11 +52,14 @@ def transformer_config_from_hf(
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    ep: int = 1,
+    etp: int | None = None,
     **megatron_overrides: Any,
 ):
     """The megatron-core ``TransformerConfig`` reproducing ``hf``'s math, with the given parallel layout.
 
     ``recompute``: ``"none"``, ``"selective"`` (core attention) or ``"full"`` (every layer, uniform).
+    ``ep`` / ``etp``: expert parallel and expert tensor parallel sizes (``etp`` None: megatron's default, = tp).
     ``megatron_overrides`` are passed to ``TransformerConfig`` last (e.g. ``variable_seq_lengths=True``).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -71,6 +74,15 @@ def transformer_config_from_hf(
         raise ValueError(f"tp={tp} must divide the model's num_key_value_heads={num_kv_heads(hf)}")
     if hf["num_hidden_layers"] % (pp * (vpp or 1)):
         raise ValueError(f"pp*vpp={pp * (vpp or 1)} must divide num_hidden_layers={hf['num_hidden_layers']}")
+    family_kwargs = family.megatron_kwargs(hf)
+    experts = family_kwargs.get("num_moe_experts")
+    if (ep > 1 or (etp or 1) > 1) and not experts:
+        raise ValueError(f"ep={ep}, etp={etp}: expert parallelism needs a mixture-of-experts model")
+    if experts and experts % ep:
+        raise ValueError(f"ep={ep} must divide the model's num_experts={experts}")
+    if experts and family_kwargs["moe_ffn_hidden_size"] % (etp or tp):
+        raise ValueError(f"etp={etp or tp} must divide the model's moe_intermediate_size="
+                         f"{family_kwargs['moe_ffn_hidden_size']}")
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],
@@ -90,6 +102,8 @@ def transformer_config_from_hf(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -105,7 +119,7 @@ def transformer_config_from_hf(
         attention_softmax_in_fp32=True,
         use_cpu_initialization=not on_gpu,
     )
-    kwargs.update(family.megatron_kwargs(hf))
+    kwargs.update(family_kwargs)
     if recompute == "selective":
         kwargs.update(recompute_granularity="selective")
     elif recompute == "full":

@@ -10,13 +10,14 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from megatron_rlvr.models import llama, qwen2, qwen3
+from megatron_rlvr.models import llama, qwen2, qwen3, qwen3_moe
 from megatron_rlvr.models.family import ModelFamily, UnsupportedModelError
 
 FAMILIES: dict[str, ModelFamily] = {
     qwen2.ARCHITECTURE: qwen2,
     llama.ARCHITECTURE: llama,
     qwen3.ARCHITECTURE: qwen3,
+    qwen3_moe.ARCHITECTURE: qwen3_moe,
 }
 
 

@@ -8,17 +8,19 @@ import torch
 import torch.distributed as dist
 
 
-def build_chunks(hf_dir: str, tp: int, pp: int, seed: int = 1234, load: bool = True, vpp: int | None = None):
-    """initialize_model_parallel(tp, pp, vpp) and this rank's model chunks (HF weights loaded when ``load``)."""
+def build_chunks(hf_dir: str, tp: int, pp: int, seed: int = 1234, load: bool = True, vpp: int | None = None,
+                 ep: int = 1, etp: int | None = None):
+    """initialize_model_parallel(tp, pp, vpp, ep, etp) and this rank's model chunks (HF weights loaded when
+    ``load``)."""
     from megatron.core import parallel_state as ps
 
     from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import load_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
 
-    distributed.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed)
+    distributed.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep, etp=etp)
     hf = load_hf_config(hf_dir)
-    tcfg = transformer_config_from_hf(hf, tp=tp, pp=pp, vpp=vpp)
+    tcfg = transformer_config_from_hf(hf, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
