@@ -54,12 +54,14 @@ def transformer_config_from_hf(
     recompute: str = "none",
     ep: int = 1,
     etp: int | None = None,
+    moe_aux_loss_coeff: float = 0.0,
     **megatron_overrides: Any,
 ):
     """The megatron-core ``TransformerConfig`` reproducing ``hf``'s math, with the given parallel layout.
 
     ``recompute``: ``"none"``, ``"selective"`` (core attention) or ``"full"`` (every layer, uniform).
     ``ep`` / ``etp``: expert parallel and expert tensor parallel sizes (``etp`` None: megatron's default, = tp).
+    ``moe_aux_loss_coeff`` > 0 adds megatron's router load-balancing loss (an MoE model's own math has none).
     ``megatron_overrides`` are passed to ``TransformerConfig`` last (e.g. ``variable_seq_lengths=True``).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -120,6 +122,8 @@ def transformer_config_from_hf(
         use_cpu_initialization=not on_gpu,
     )
     kwargs.update(family_kwargs)
+    if experts and moe_aux_loss_coeff:
+        kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff)
     if recompute == "selective":
         kwargs.update(recompute_granularity="selective")
     elif recompute == "full":

@@ -106,3 +106,36 @@ def test_moe_log_probs_match_transformers(workers2, moe_dirs, norm, tp, pp, ep, 
     print(f"qwen3_moe norm_topk_prob={norm} TP={tp} PP={pp} EP={ep} ETP={etp or tp}: max relative log-prob "
           f"difference vs transformers = {rel:.2e}")
     assert rel <= REL_TOL
+
+
+@pytest.mark.parametrize(
+    "actor,world,message",
+    [
+        ({"ep": 3}, 6, "actor.ep=3 must divide the model's num_experts=8"),
+        ({"ep": 4, "etp": 2}, 4, "actor.ep * actor.etp = 4 * 2 must divide dp * tp = 4"),
+        ({"tp": 2, "pp": 2, "ep": 2, "etp": 2}, 4, "actor.ep * actor.etp = 2 * 2 must divide dp * tp = 2"),
+        ({"etp": 3}, 3, "actor.etp=3 must divide the model's moe_intermediate_size=64"),
+        ({"ep": 0}, 1, "actor.ep: must be >= 1"),
+    ],
+)
+def test_config_validate_names_every_expert_layout_that_does_not_divide(actor, world, message):
+    from megatron_rlvr.config import Config, ConfigError
+
+    cfg = Config()
+    for key, value in actor.items():
+        setattr(cfg.actor, key, value)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=world, model_shape=_config())
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_validate_refuses_expert_parallelism_for_a_dense_model_and_accepts_a_good_layout():
+    from megatron_rlvr.config import Config, ConfigError
+
+    cfg = Config()
+    cfg.actor.ep = 2
+    dense = make_tiny_hf_config("qwen3").to_dict()
+    with pytest.raises(ConfigError, match="actor.ep=2.*dense model"):
+        cfg.validate(world_size=2, model_shape=dense)
+    cfg.actor.tp, cfg.actor.etp = 2, 1
+    assert cfg.validate(world_size=4, model_shape=_config())
