@@ -109,6 +109,8 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
     tp_group, pp_group, tp_rank, tp, pp_rank, mp_group = _groups()
     dims = ModelDims.from_hf(hf)
     entries, problems = local_entries(model_chunks, dims, tp)
+    if dims.experts and _experts_laid_out_apart(tp):  # the gather below runs over TP and PP only (docs/moe.md)
+        problems.append("experts: exported only at EP=1 with ETP equal to TP (expert-parallel export is not built)")
     params = {e.mapping.megatron: e.param for e in entries if e.param is not None}
     cache_owner = as_chunks(model_chunks)[0]
     cached: _Plan | None = getattr(cache_owner, "_megatron_rlvr_export_plan", None)
@@ -140,6 +142,12 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
     cache_owner._megatron_rlvr_export_plan = plan
     PLAN_BUILDS += 1
     return plan, params
+
+
+def _experts_laid_out_apart(tp: int) -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() != tp
 
 
 def _aligned(nbytes: int) -> int:

@@ -4,7 +4,7 @@ at (TP, PP, EP) = (1,1,1), (2,1,1) (ETP=2), (1,2,1), (1,1,2), (2,1,2) (ETP=1) on
 Each rank loads its shards (its experts only, under EP), re-lays out every local shard into HF slices
 (``layout.shard_to_hf``, with the ETP group for experts), and the slices of all ranks reassemble into every HF tensor
 of the checkpoint exactly, replicas agreeing. At EP=1 the gathered streaming export (``export_hf_weights``) is
-checked too; at EP > 1 it is not supported yet (docs/moe.md)."""
+checked too; at EP > 1 (or ETP != TP) it refuses on every rank (not built yet, docs/moe.md)."""
 
 from __future__ import annotations
 
@@ -86,3 +86,25 @@ def test_moe_hf_megatron_hf_is_bit_exact(workers2, moe_dirs, norm, tp, pp, ep, e
         for _, exported in results:
             assert sorted(exported) == sorted(expected)
             assert all(torch.equal(exported[n], t) for n, t in expected.items())
+
+
+def _export_refusal_worker(hf_dir: str, tp: int, ep: int, etp: int):
+    from megatron_rlvr.bridge import BridgeError, export_hf_weights
+    from megatron_rlvr.runtime import distributed
+
+    try:
+        hf, chunks = build_chunks(hf_dir, tp, 1, ep=ep, etp=etp)
+        try:
+            list(export_hf_weights(chunks, hf))
+        except BridgeError as e:
+            return str(e)
+        return None
+    finally:
+        distributed.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp,ep,etp", [(1, 2, 1), (2, 1, 1)])
+def test_export_refuses_experts_laid_out_apart_from_tp_on_every_rank(workers2, moe_dirs, tp, ep, etp):
+    # a gather over TP alone would miss the other EP rank's experts, or repeat ETP-replicated ones: refused instead
+    for message in workers2.run(_export_refusal_worker, moe_dirs[True], tp, ep, etp):
+        assert message is not None and "experts: exported only at EP=1 with ETP equal to TP" in message
