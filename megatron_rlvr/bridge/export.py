@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.bridge.layout import shard_to_hf
-from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, local_entries
+from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
 from megatron_rlvr.bridge.mapping import ModelDims, ParamMapping, hf_shapes
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -109,7 +109,7 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
     tp_group, pp_group, tp_rank, tp, pp_rank, mp_group = _groups()
     dims = ModelDims.from_hf(hf)
     entries, problems = local_entries(model_chunks, dims, tp)
-    if dims.experts and _experts_laid_out_apart(tp):  # the gather below runs over TP and PP only (docs/moe.md)
+    if dims.experts and experts_laid_out_apart(tp):  # the gather below runs over TP and PP only (docs/moe.md)
         problems.append("experts: exported only at EP=1 with ETP equal to TP (expert-parallel export is not built)")
     params = {e.mapping.megatron: e.param for e in entries if e.param is not None}
     cache_owner = as_chunks(model_chunks)[0]
@@ -142,12 +142,6 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
     cache_owner._megatron_rlvr_export_plan = plan
     PLAN_BUILDS += 1
     return plan, params
-
-
-def _experts_laid_out_apart(tp: int) -> bool:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() != tp
 
 
 def _aligned(nbytes: int) -> int:

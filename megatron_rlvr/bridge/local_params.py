@@ -97,3 +97,10 @@ def shard_rank_and_size(m: ParamMapping, tp: int = 0) -> tuple[int, int]:
     if m.expert:
         return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return (0, tp) if tp else tp_rank_and_size()
+
+
+def experts_laid_out_apart(tp: int) -> bool:
+    """Whether experts are cut otherwise than the TP group cuts the rest (EP > 1, or ETP != TP)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() != tp
