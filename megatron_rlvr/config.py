@@ -102,6 +102,7 @@ class Config:
             raise ConfigError("actor.vpp: the interleaved schedule needs actor.pack_sequences=true")
         if a.sequence_parallel and a.tp < 2:
             raise ConfigError("actor.sequence_parallel: needs actor.tp >= 2")
+        self._validate_experts(world_size, model_shape)
         if model_shape:
             for key in ("num_attention_heads", "num_key_value_heads"):
                 n = model_shape.get(key)
@@ -134,6 +135,28 @@ class Config:
             )
         self._validate_placement(world_size)
         return self
+
+    def _validate_experts(self, world_size: int | None, model_shape: Mapping[str, Any] | None) -> None:
+        """Expert parallelism (docs/moe.md): every layout that does not divide is named."""
+        a = self.actor
+        for key in ("ep", "etp"):
+            if getattr(a, key) < 1:
+                raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
+        if a.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"actor.moe_aux_loss_coeff: must be >= 0, got {a.moe_aux_loss_coeff}")
+        if world_size is not None and world_size % (a.tp * a.pp) == 0 and (world_size // a.pp) % (a.ep * a.etp):
+            raise ConfigError(f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * tp = {world_size // a.pp} "
+                              f"(world size {world_size} / actor.pp {a.pp})")
+        if model_shape:
+            experts = model_shape.get("num_experts") or model_shape.get("num_local_experts")
+            if not experts and (a.ep > 1 or a.etp > 1 or a.moe_aux_loss_coeff):
+                raise ConfigError(f"actor.ep={a.ep}, actor.etp={a.etp}, actor.moe_aux_loss_coeff="
+                                  f"{a.moe_aux_loss_coeff}: set for a dense model (no num_experts in its config)")
+            if experts and experts % a.ep:
+                raise ConfigError(f"actor.ep={a.ep} must divide the model's num_experts={experts}")
+            ffn = model_shape.get("moe_intermediate_size")
+            if experts and ffn and ffn % a.etp:
+                raise ConfigError(f"actor.etp={a.etp} must divide the model's moe_intermediate_size={ffn}")
 
     def _validate_placement(self, world_size: int | None) -> None:
         """Separate placement and one-step-off training (docs/separate-placement.md)."""

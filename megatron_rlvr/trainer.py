@@ -98,7 +98,8 @@ def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]
     from megatron_rlvr.rewards import RewardPool
 
     t = cfg.trainer
-    distributed.initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed)
+    distributed.initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed, ep=cfg.actor.ep,
+                                          etp=cfg.actor.etp)
     rank0 = distributed.rank() == 0
     out = Path(t.output_dir)
     if rank0:

@@ -13,6 +13,14 @@ class ActorConfig:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
+    # Mixture-of-experts models only (docs/moe.md): experts are spread over ep expert-parallel ranks, each expert's
+    # weights cut over etp expert-tensor-parallel ranks; ep * etp must divide dp * tp, and ep the experts.
+    ep: int = 1
+    etp: int = 1
+    # The router's load-balancing loss. 0 by default: RL fine-tunes a trained router whose balance pretraining
+    # already set, the objective should be the policy loss alone, and a balancing term would pull the routing (and
+    # so the log-probs the importance ratios compare) away from the rollout's.
+    moe_aux_loss_coeff: float = 0.0
     sequence_parallel: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     micro_batch_size: int = 1  # sequences per micro-batch when max_tokens_per_micro_batch is 0

@@ -71,6 +71,7 @@ class MegatronActor:
         self.tcfg = transformer_config_from_hf(
             self.hf, tp=actor_cfg.tp, pp=actor_cfg.pp, vpp=actor_cfg.vpp, params_dtype=dtype,
             sequence_parallel=actor_cfg.sequence_parallel, recompute=actor_cfg.recompute,
+            ep=actor_cfg.ep, etp=actor_cfg.etp, moe_aux_loss_coeff=actor_cfg.moe_aux_loss_coeff,
             # micro-batches differ in length (packed streams, token budgets): stages exchange each one's shape. Not
             # under the interleaved schedule: megatron-core's shape exchange posts its sends to the previous and the
             # next stage in one order and its receives in that order too, so at PP=2 (both are one rank) the

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.bridge.layout import shard_to_hf
-from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, local_entries
+from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
 from megatron_rlvr.bridge.mapping import ModelDims, ParamMapping, hf_shapes
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -110,6 +110,8 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
     tp_group, pp_group, tp_rank, tp, pp_rank, mp_group = _groups()
     dims = ModelDims.from_hf(hf)
     entries, problems = local_entries(model_chunks, dims, tp)
+    if dims.experts and experts_laid_out_apart(tp):  # the gather below runs over TP and PP only (docs/moe.md)
+        problems.append("experts: exported only at EP=1 with ETP equal to TP (expert-parallel export is not built)")
     params = {e.mapping.megatron: e.param for e in entries if e.param is not None}
     cache_owner = as_chunks(model_chunks)[0]
     cached: _Plan | None = getattr(cache_owner, "_megatron_rlvr_export_plan", None)

@@ -1,5 +1,5 @@
 """Loading an HF safetensors checkpoint into this rank's Megatron chunks at any (TP, PP): each rank reads only the
-slices its own shards need, one tensor at a time."""
+slices its own shards need, one tensor at a time (experts: only the experts of its EP rank, cut over ETP)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from megatron_rlvr.bridge.hf_reader import HFCheckpointReader
 from megatron_rlvr.bridge.layout import load_shard
-from megatron_rlvr.bridge.local_params import BridgeError, local_entries, tp_rank_and_size
+from megatron_rlvr.bridge.local_params import BridgeError, local_entries, shard_rank_and_size, tp_rank_and_size
 from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes
 from megatron_rlvr.models.hf_config import load_hf_config
 
@@ -39,5 +39,6 @@ def load_hf_weights(model_chunks, hf_dir: str | Path) -> None:
     with HFCheckpointReader(hf_dir) as reader:
         reader.check_shapes({n: s for m, _ in todo for n, s in zip(m.hf, hf_shapes(m, dims))})
         for m, param in todo:
-            shard = load_shard(m, reader.read, dims, tp_rank, tp, tuple(param.shape))
+            rank, size = shard_rank_and_size(m) if m.expert else (tp_rank, tp)
+            shard = load_shard(m, reader.read, dims, rank, size, tuple(param.shape))
             param.copy_(shard.to(param.dtype))

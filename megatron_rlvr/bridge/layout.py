@@ -1,6 +1,9 @@
 """Tensor re-layout between Megatron and HF for each mapping kind: HF slices -> one Megatron TP shard (load),
 a gathered Megatron tensor -> HF tensors (export), and one Megatron shard -> the matching HF row/column slices
-(the same-TP hand-over, no gather)."""
+(the same-TP hand-over, no gather).
+
+``tp_rank`` / ``tp`` name the group that shards the tensor: TP, or ETP for an expert's weight
+(``local_params.shard_rank_and_size``)."""
 
 from __future__ import annotations
 
@@ -62,10 +65,11 @@ def to_hf(m: ParamMapping, full: torch.Tensor, dims: ModelDims, tp: int) -> list
     if m.kind == "vocab":
         return [(m.hf[0], full[: dims.vocab])]
     if m.kind == "gate_up":
-        # Concatenated shards are [gate_0; up_0; gate_1; up_1; ...].
-        shards = full.reshape(tp, 2, dims.ffn // tp, *full.shape[1:])
-        return [(m.hf[0], shards[:, 0].reshape(dims.ffn, *full.shape[1:])),
-                (m.hf[1], shards[:, 1].reshape(dims.ffn, *full.shape[1:]))]
+        # Concatenated shards are [gate_0; up_0; gate_1; up_1; ...] (ffn: the dense MLP's or one expert's).
+        ffn = full.shape[0] // 2
+        shards = full.reshape(tp, 2, ffn // tp, *full.shape[1:])
+        return [(m.hf[0], shards[:, 0].reshape(ffn, *full.shape[1:])),
+                (m.hf[1], shards[:, 1].reshape(ffn, *full.shape[1:]))]
     if m.kind == "qkv":
         return list(zip(m.hf, _split_qkv(full, dims)))
     raise KeyError(f"unknown mapping kind {m.kind!r} for {m.megatron}")

@@ -1,5 +1,6 @@
-"""This rank's Megatron parameters under their global names (``decoder.layers.{global i}``), from the model chunks
-(plain GPTModel, or wrapped by megatron's DDP / Float16Module), and their mapping entries."""
+"""This rank's Megatron parameters under their global names (``decoder.layers.{global i}``, and
+``mlp.experts.local_experts.{global expert}``), from the model chunks (plain GPTModel, or wrapped by megatron's DDP /
+Float16Module), and their mapping entries."""
 
 from __future__ import annotations
 
@@ -36,9 +37,18 @@ def global_named_params(model_chunks) -> dict[str, torch.Tensor]:
         for name, param in chunk.named_parameters():
             parts = name.split(".")
             if parts[:2] == ["decoder", "layers"]:
+                if parts[4:6] == ["experts", "local_experts"]:  # local expert j -> its global index
+                    local = len(chunk.decoder.layers[int(parts[2])].mlp.experts.local_experts)
+                    parts[6] = str(_expert_rank() * local + int(parts[6]))
                 parts[2] = str(layer_ids[parts[2]])
             out[".".join(parts)] = param
     return out
+
+
+def _expert_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
 
 
 def uses_te_names(params: dict[str, torch.Tensor]) -> bool:
@@ -61,13 +71,14 @@ def local_entries(model_chunks, dims: ModelDims, tp: int) -> tuple[list[LocalEnt
     for m in table:
         p = params.get(m.megatron)
         if p is not None:
-            expected = megatron_local_shape(m, dims, tp)
+            expected = megatron_local_shape(m, dims, shard_rank_and_size(m, tp)[1])
             if m.kind == "vocab":  # padding depends on the divisor knob: any row count covering the vocab works
                 ok = p.dim() == 2 and p.shape[1] == dims.hidden and p.shape[0] * tp >= dims.vocab
             else:
                 ok = tuple(p.shape) == expected
             if not ok:
-                problems.append(f"{m.megatron}: local shape {list(p.shape)}, expected {list(expected)} at TP={tp}")
+                where = f"ETP={shard_rank_and_size(m, tp)[1]}" if m.expert else f"TP={tp}"
+                problems.append(f"{m.megatron}: local shape {list(p.shape)}, expected {list(expected)} at {where}")
         entries.append(LocalEntry(m, p))
     return entries, problems
 
@@ -76,3 +87,20 @@ def tp_rank_and_size() -> tuple[int, int]:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def shard_rank_and_size(m: ParamMapping, tp: int = 0) -> tuple[int, int]:
+    """(rank, size) of the group that shards ``m``: expert tensor parallel for an expert's weight, else TP (``tp``
+    given: just the size is wanted for a TP entry, and it is ``tp``)."""
+    from megatron.core import parallel_state as ps
+
+    if m.expert:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return (0, tp) if tp else tp_rank_and_size()
+
+
+def experts_laid_out_apart(tp: int) -> bool:
+    """Whether experts are cut otherwise than the TP group cuts the rest (EP > 1, or ETP != TP)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() != tp

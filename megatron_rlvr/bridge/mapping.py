@@ -1,13 +1,19 @@
-"""The one Megatron <-> HF name table for the Llama-family layout (Qwen2 and Llama), and the shapes on each side.
+"""The one Megatron <-> HF name table for the Llama-family layout (Qwen2, Llama, Qwen3), and the shapes on each
+side.
 
 Megatron names here are *global*: ``decoder.layers.{i}`` uses the global layer index, whatever pipeline stage or
 virtual chunk holds it. Each entry carries a ``kind`` saying how the tensor is laid out and sharded:
 
-- ``replicated``: the same on every TP rank (RMSNorm weights).
+- ``replicated``: the same on every TP rank (RMSNorm weights, Qwen3's per-head q/k norms).
 - ``column`` / ``row``: TP-sharded along dim 0 / dim 1, same layout as HF (o_proj, down_proj are ``row``).
 - ``vocab``: dim 0 sharded and padded to ``padded_vocab_size`` rows; padding rows are zero and never exported.
 - ``qkv``: Megatron interleaves per query group ``[q_g (heads_per_group * d), k_g (d), v_g (d)]``; HF has q/k/v.
 - ``gate_up``: Megatron's fc1 shard r is ``[gate_r; up_r]``; HF has gate_proj and up_proj.
+
+Mixture-of-experts layers (Qwen3-MoE) add the router (``replicated``, [experts, hidden]) and, per expert ``e``
+(its *global* index, whichever expert-parallel rank holds it), ``gate_up`` and ``row`` entries marked ``expert``:
+those are sharded over the expert tensor-parallel group (ETP) instead of TP, and exist only on the EP rank that
+owns expert ``e`` (megatron-core's SequentialMLP, ``mlp.experts.local_experts.{j}``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ class ModelDims:
     layers: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3), [head_dim] each, replicated over TP
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    moe_ffn: int = 0  # each expert's intermediate size
+    moe_layers: tuple[int, ...] = ()  # the layer indices with experts (the others have a dense MLP)
 
     @property
     def heads_per_group(self) -> int:
@@ -42,6 +52,8 @@ class ModelDims:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelDims":
+        moe = family_of(hf).megatron_kwargs(hf)
+        pattern = moe.get("moe_layer_freq") or []
         return cls(
             hidden=hf["hidden_size"],
             heads=hf["num_attention_heads"],
@@ -52,6 +64,10 @@ class ModelDims:
             layers=hf["num_hidden_layers"],
             tied=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family_of(hf).QKV_BIAS,
+            qk_norm=family_of(hf).QK_NORM,
+            experts=int(moe.get("num_moe_experts") or 0),
+            moe_ffn=int(moe.get("moe_ffn_hidden_size") or 0),
+            moe_layers=tuple(i for i, is_moe in enumerate(pattern) if is_moe),
         )
 
 
@@ -60,6 +76,7 @@ class ParamMapping:
     megatron: str
     hf: tuple[str, ...]
     kind: str
+    expert: bool = False  # a routed expert's weight: sharded over ETP, held by one EP rank
 
     @property
     def tp_dim(self) -> int | None:
@@ -98,7 +115,13 @@ def mapping_table(dims: ModelDims, te_names: bool = False) -> list[ParamMapping]
                     "qkv",
                 )
             )
+        if dims.qk_norm:
+            table.append(ParamMapping(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"))
+            table.append(ParamMapping(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"))
         table.append(ParamMapping(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
+        if i in dims.moe_layers:
+            table += _moe_entries(dims, m, h)
+            continue
         table.append(ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated"))
         table.append(
             ParamMapping(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up")
@@ -109,9 +132,27 @@ def mapping_table(dims: ModelDims, te_names: bool = False) -> list[ParamMapping]
     return table
 
 
+def _moe_entries(dims: ModelDims, m: str, h: str) -> list[ParamMapping]:
+    """One MoE layer's MLP: its norm (never fused into a linear, TE spec or not), router and experts."""
+    out = [
+        ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
+        ParamMapping(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated"),
+    ]
+    for e in range(dims.experts):
+        me, he = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+        out.append(ParamMapping(me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "gate_up",
+                                expert=True))
+        out.append(ParamMapping(me + "linear_fc2.weight", (he + "down_proj.weight",), "row", expert=True))
+    return out
+
+
 def hf_shapes(m: ParamMapping, dims: ModelDims) -> list[tuple[int, ...]]:
     """The HF tensors' shapes for one entry, in the order of ``m.hf``."""
     d, H = dims.head_dim, dims.hidden
+    if m.expert:
+        return [(dims.moe_ffn, H), (dims.moe_ffn, H)] if m.kind == "gate_up" else [(H, dims.moe_ffn)]
+    if m.megatron.endswith("mlp.router.weight"):
+        return [(dims.experts, H)]
     bias = m.megatron.endswith(".bias")
     if m.kind == "qkv":
         rows = (dims.heads * d, dims.groups * d, dims.groups * d)
@@ -121,7 +162,7 @@ def hf_shapes(m: ParamMapping, dims: ModelDims) -> list[tuple[int, ...]]:
     if m.kind == "vocab":
         return [(dims.vocab, H)]
     if m.kind == "replicated":
-        return [(H,)]
+        return [(d,)] if m.megatron.endswith(("q_layernorm.weight", "k_layernorm.weight")) else [(H,)]
     if m.megatron.endswith("linear_proj.weight"):
         return [(H, dims.heads * d)]
     if m.megatron.endswith("linear_fc2.weight"):
@@ -142,6 +183,7 @@ def megatron_full_shape(m: ParamMapping, dims: ModelDims, tp: int, divisible_by:
 def megatron_local_shape(
     m: ParamMapping, dims: ModelDims, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
 ) -> tuple[int, ...]:
+    """One shard's shape; ``tp`` is the size of the group that shards ``m`` (ETP for an expert's weight)."""
     full = list(megatron_full_shape(m, dims, tp, divisible_by))
     if m.tp_dim is not None:
         full[m.tp_dim] //= tp

@@ -52,11 +52,16 @@ def transformer_config_from_hf(
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    ep: int = 1,
+    etp: int | None = None,
+    moe_aux_loss_coeff: float = 0.0,
     **megatron_overrides: Any,
 ):
     """The megatron-core ``TransformerConfig`` reproducing ``hf``'s math, with the given parallel layout.
 
     ``recompute``: ``"none"``, ``"selective"`` (core attention) or ``"full"`` (every layer, uniform).
+    ``ep`` / ``etp``: expert parallel and expert tensor parallel sizes (``etp`` None: megatron's default, = tp).
+    ``moe_aux_loss_coeff`` > 0 adds megatron's router load-balancing loss (an MoE model's own math has none).
     ``megatron_overrides`` are passed to ``TransformerConfig`` last (e.g. ``variable_seq_lengths=True``).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -71,6 +76,15 @@ def transformer_config_from_hf(
         raise ValueError(f"tp={tp} must divide the model's num_key_value_heads={num_kv_heads(hf)}")
     if hf["num_hidden_layers"] % (pp * (vpp or 1)):
         raise ValueError(f"pp*vpp={pp * (vpp or 1)} must divide num_hidden_layers={hf['num_hidden_layers']}")
+    family_kwargs = family.megatron_kwargs(hf)
+    experts = family_kwargs.get("num_moe_experts")
+    if (ep > 1 or (etp or 1) > 1) and not experts:
+        raise ValueError(f"ep={ep}, etp={etp}: expert parallelism needs a mixture-of-experts model")
+    if experts and experts % ep:
+        raise ValueError(f"ep={ep} must divide the model's num_experts={experts}")
+    if experts and family_kwargs["moe_ffn_hidden_size"] % (etp or tp):
+        raise ValueError(f"etp={etp or tp} must divide the model's moe_intermediate_size="
+                         f"{family_kwargs['moe_ffn_hidden_size']}")
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],
@@ -90,6 +104,8 @@ def transformer_config_from_hf(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -105,7 +121,9 @@ def transformer_config_from_hf(
         attention_softmax_in_fp32=True,
         use_cpu_initialization=not on_gpu,
     )
-    kwargs.update(family.megatron_kwargs(hf))
+    kwargs.update(family_kwargs)
+    if experts and moe_aux_loss_coeff:
+        kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff)
     if recompute == "selective":
         kwargs.update(recompute_granularity="selective")
     elif recompute == "full":
@@ -124,23 +142,39 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(use_te: bool | None = None):
+def layer_spec(use_te: bool | None = None, tcfg=None, vp_stage: int | None = None):
     """Transformer Engine spec when TE is usable, else megatron-core's local (pure torch) spec with an attention
-    that also takes packed sequences (the same math as megatron's, one sequence at a time)."""
+    that also takes packed sequences (the same math as megatron's, one sequence at a time).
+
+    ``tcfg`` adds what the model's config asks for: q/k norms (``qk_layernorm``) and, with experts, megatron's
+    per-layer block spec (``moe_layer_freq`` picks a dense or an MoE layer for each index; this stage's slice).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
     if use_te is None:
         use_te = transformer_engine_available()
+    qk_layernorm = bool(tcfg is not None and tcfg.qk_layernorm)
+    if tcfg is not None and tcfg.num_moe_experts:
+        block = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
+        for spec in block.layer_specs if not use_te else ():
+            _use_packed_attention(spec)
+        return block
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    _use_packed_attention(spec)
+    return spec
+
+
+def _use_packed_attention(spec) -> None:
     from megatron_rlvr.runtime.cpu.attention import PackedDotProductAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
-    return spec
 
 
 def build_gpt_model(
@@ -163,7 +197,7 @@ def build_gpt_model(
     llama3 = rope["rope_type"] == "llama3"
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=layer_spec(use_te, tcfg, vp_stage),
         vocab_size=padded_vocab_size(hf["vocab_size"], tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
         pre_process=pre_process,

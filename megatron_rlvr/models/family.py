@@ -18,10 +18,11 @@ class UnsupportedModelError(UserError, ValueError):
 
 
 class ModelFamily(Protocol):
-    """One HF architecture: its name, whether q/k/v carry a bias, its refusals and its megatron-core settings."""
+    """One HF architecture: its name, whether q/k/v carry a bias and a norm, its refusals and its megatron-core settings."""
 
     ARCHITECTURE: str
     QKV_BIAS: bool
+    QK_NORM: bool  # a per-head RMSNorm on q and k before rope (megatron's qk_layernorm)
 
     def validate(self, hf: Mapping[str, Any], where: str) -> None:
         """Raise `UnsupportedModelError` naming ``where`` and the field for anything that would change the math."""

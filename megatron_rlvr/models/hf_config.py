@@ -1,6 +1,6 @@
 """Reading an HF ``config.json`` and picking its family by the ``architectures`` field.
 
-The family files (``qwen2.py``, ``llama.py``) hold what differs and refuse anything that would silently change the
+The family files (``qwen2.py``, ``llama.py``, ``qwen3.py``) hold what differs and refuse anything that would silently change the
 math; the checks they share are in ``family.py``.
 """
 
@@ -10,10 +10,15 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from megatron_rlvr.models import llama, qwen2
+from megatron_rlvr.models import llama, qwen2, qwen3, qwen3_moe
 from megatron_rlvr.models.family import ModelFamily, UnsupportedModelError
 
-FAMILIES: dict[str, ModelFamily] = {qwen2.ARCHITECTURE: qwen2, llama.ARCHITECTURE: llama}
+FAMILIES: dict[str, ModelFamily] = {
+    qwen2.ARCHITECTURE: qwen2,
+    llama.ARCHITECTURE: llama,
+    qwen3.ARCHITECTURE: qwen3,
+    qwen3_moe.ARCHITECTURE: qwen3_moe,
+}
 
 
 def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -39,7 +44,7 @@ def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def family_of(hf: Mapping[str, Any], where: str = "<config dict>") -> ModelFamily:
-    """The family module (``qwen2`` or ``llama``) for this config's ``architectures`` entry."""
+    """The family module (``qwen2``, ``llama``, ``qwen3``, ...) for this config's ``architectures`` entry."""
     families = FAMILIES
     archs = hf.get("architectures") or []
     if len(archs) != 1 or archs[0] not in families:

@@ -9,6 +9,7 @@ from megatron_rlvr.models.family import UnsupportedModelError, validate_common
 
 ARCHITECTURE = "LlamaForCausalLM"
 QKV_BIAS = False
+QK_NORM = False
 
 
 def validate(hf: Mapping[str, Any], where: str) -> None:

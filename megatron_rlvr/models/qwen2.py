@@ -8,6 +8,7 @@ from megatron_rlvr.models.family import UnsupportedModelError, validate_common
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 QKV_BIAS = True
+QK_NORM = False
 
 
 def validate(hf: Mapping[str, Any], where: str) -> None:

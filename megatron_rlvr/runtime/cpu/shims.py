@@ -81,6 +81,9 @@ class _CpuCudaModule(types.ModuleType):
         def synchronize(self) -> None:
             pass
 
+        def record_event(self, *_args: Any) -> "_CpuCudaModule._NullStream":
+            return self  # an event that is already complete: its synchronize() returns at once
+
     Stream = _NullStream
 
     @staticmethod
@@ -177,6 +180,13 @@ _MODULES_ON_CPU_TORCH = {
     "megatron.core.rerun_state_machine": "the rerun/fault-injection state machine in every schedule",
     "megatron.core.timers": "timers' synchronize calls",
     "megatron.core.transformer.transformer_block": "activation buffers",
+    # MoEAlltoAllTokenDispatcher: a class-level torch.cuda.Stream() for its device-to-host copies, and the event it
+    # records there (docs/moe.md)
+    "megatron.core.transformer.moe.token_dispatcher": "MoE all-to-all dispatcher streams",
+    # save_to_aux_losses_tracker: per-layer loss values on device="cuda"
+    "megatron.core.transformer.moe.moe_utils": "MoE auxiliary-loss tracker",
+    # Router.gating: moves a CPU-initialized router weight to torch.cuda.current_device() on first use
+    "megatron.core.transformer.moe.router": "MoE router weight placement",
 }
 
 
@@ -241,5 +251,8 @@ def apply_cpu_shims() -> bool:
             module.torch = cpu_torch
     _shim_rng_state_setter()
     _shim_tensor_methods()
+    from megatron_rlvr.runtime.cpu.moe import apply_moe_shims
+
+    apply_moe_shims()
     _SHIMS_APPLIED = True
     return True
