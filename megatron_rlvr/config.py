@@ -12,9 +12,10 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import yaml
 
@@ -76,19 +77,19 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
-    def validate(self, world_size: int | None = None, model_shape: Mapping[str, int] | None = None) -> "Config":
+    def validate(self, world_size: int | None = None, model_shape: Mapping[str, int] | None = None) -> Config:
         """Cross-section checks. ``model_shape`` holds the HF config's head/vocab sizes when known."""
         a = self.actor
         for key in ("tp", "pp", "micro_batch_size"):
             if getattr(a, key) < 1:
                 raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
-        if world_size is not None and self.rollout.placement != "separate":  # separate: _validate_placement
-            if world_size % (a.tp * a.pp) != 0:
-                raise ConfigError(
-                    f"actor.tp * actor.pp = {a.tp} * {a.pp} = {a.tp * a.pp} must divide the world size {world_size} "
-                    f"(tp * pp * dp == world size); allowed tp*pp: "
-                    f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-                )
+        # separate placement: _validate_placement checks the actor's share of the world
+        if world_size is not None and self.rollout.placement != "separate" and world_size % (a.tp * a.pp) != 0:
+            raise ConfigError(
+                f"actor.tp * actor.pp = {a.tp} * {a.pp} = {a.tp * a.pp} must divide the world size {world_size} "
+                f"(tp * pp * dp == world size); allowed tp*pp: "
+                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+            )
         if a.max_tokens_per_micro_batch < 0:
             raise ConfigError(
                 f"actor.max_tokens_per_micro_batch: must be >= 0 (0 = micro_batch_size sequences), got "
@@ -124,8 +125,10 @@ class Config:
                 )
         r = self.reward
         if not 0 <= r.overlong_buffer < self.rollout.max_new_tokens:
-            raise ConfigError(f"reward.overlong_buffer: expected 0 (off) or a buffer L_c < rollout.max_new_tokens = "
-                              f"{self.rollout.max_new_tokens} tokens, got {r.overlong_buffer}")
+            raise ConfigError(
+                f"reward.overlong_buffer: expected 0 (off) or a buffer L_c < rollout.max_new_tokens = "
+                f"{self.rollout.max_new_tokens} tokens, got {r.overlong_buffer}"
+            )
         if not r.overlong_penalty >= 0:
             raise ConfigError(f"reward.overlong_penalty: expected >= 0, got {r.overlong_penalty}")
         if self.trainer.prompts_per_step % self.trainer.mini_batches_per_step != 0:
@@ -145,13 +148,17 @@ class Config:
         if a.moe_aux_loss_coeff < 0:
             raise ConfigError(f"actor.moe_aux_loss_coeff: must be >= 0, got {a.moe_aux_loss_coeff}")
         if world_size is not None and world_size % (a.tp * a.pp) == 0 and (world_size // a.pp) % (a.ep * a.etp):
-            raise ConfigError(f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * tp = {world_size // a.pp} "
-                              f"(world size {world_size} / actor.pp {a.pp})")
+            raise ConfigError(
+                f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * tp = {world_size // a.pp} "
+                f"(world size {world_size} / actor.pp {a.pp})"
+            )
         if model_shape:
             experts = model_shape.get("num_experts") or model_shape.get("num_local_experts")
             if not experts and (a.ep > 1 or a.etp > 1 or a.moe_aux_loss_coeff):
-                raise ConfigError(f"actor.ep={a.ep}, actor.etp={a.etp}, actor.moe_aux_loss_coeff="
-                                  f"{a.moe_aux_loss_coeff}: set for a dense model (no num_experts in its config)")
+                raise ConfigError(
+                    f"actor.ep={a.ep}, actor.etp={a.etp}, actor.moe_aux_loss_coeff="
+                    f"{a.moe_aux_loss_coeff}: set for a dense model (no num_experts in its config)"
+                )
             if experts and experts % a.ep:
                 raise ConfigError(f"actor.ep={a.ep} must divide the model's num_experts={experts}")
             ffn = model_shape.get("moe_intermediate_size")
@@ -164,18 +171,24 @@ class Config:
         if off not in (0, 1):
             raise ConfigError(f"trainer.off_policy_steps: expected 0 (on-policy) or 1 (one-step-off), got {off!r}")
         if off and r.placement != "separate":
-            raise ConfigError("trainer.off_policy_steps=1 needs rollout.placement=separate (with rollout.engine_ranks "
-                              "> 0): colocated engines share the actor's devices and cannot generate during an update")
+            raise ConfigError(
+                "trainer.off_policy_steps=1 needs rollout.placement=separate (with rollout.engine_ranks "
+                "> 0): colocated engines share the actor's devices and cannot generate during an update"
+            )
         if r.placement != "separate":
             return
         if r.engine_ranks % r.tp != 0:
-            raise ConfigError(f"rollout.engine_ranks={r.engine_ranks} must be a multiple of rollout.tp={r.tp} "
-                              f"(each engine spans rollout.tp engine ranks)")
+            raise ConfigError(
+                f"rollout.engine_ranks={r.engine_ranks} must be a multiple of rollout.tp={r.tp} "
+                f"(each engine spans rollout.tp engine ranks)"
+            )
         if world_size is None:
             return
         if r.engine_ranks >= world_size:
-            raise ConfigError(f"rollout.engine_ranks={r.engine_ranks} must be less than the world size {world_size}: "
-                              "the other ranks are the actor")
+            raise ConfigError(
+                f"rollout.engine_ranks={r.engine_ranks} must be less than the world size {world_size}: "
+                "the other ranks are the actor"
+            )
         actors = world_size - r.engine_ranks
         if actors % (a.tp * a.pp) != 0:
             raise ConfigError(
@@ -202,7 +215,7 @@ class Config:
 # Keys that existed once and changed nothing, or moved: a recipe that still sets one is told what to set instead.
 REMOVED_KEYS: dict[str, str] = {
     "model.dtype": "actor.bf16 (true: bf16 compute; the rollout engines serve in the same dtype) and, for "
-                   "evaluation, eval.dtype",
+    "evaluation, eval.dtype",
 }
 
 

@@ -14,9 +14,10 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from megatron_rlvr import checkpoint
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
@@ -98,8 +99,9 @@ def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]
     from megatron_rlvr.rewards import RewardPool
 
     t = cfg.trainer
-    distributed.initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed, ep=cfg.actor.ep,
-                                          etp=cfg.actor.etp)
+    distributed.initialize_model_parallel(
+        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed, ep=cfg.actor.ep, etp=cfg.actor.etp
+    )
     rank0 = distributed.rank() == 0
     out = Path(t.output_dir)
     if rank0:
@@ -109,8 +111,11 @@ def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]
     prompts = prompt_stream(cfg)
     val_items = load_validation_items(cfg, prompts.tokenizer) if t.eval_every else []
     if rank0:
-        print(f"[data] {len(prompts.items)} prompts from {prompts.stats.rows} rows ({prompts.stats.bad_rows} bad rows "
-              f"skipped, {prompts.stats.too_long} over data.max_prompt_tokens skipped)", flush=True)
+        print(
+            f"[data] {len(prompts.items)} prompts from {prompts.stats.rows} rows ({prompts.stats.bad_rows} bad rows "
+            f"skipped, {prompts.stats.too_long} over data.max_prompt_tokens skipped)",
+            flush=True,
+        )
         for warning in cfg.warnings():
             print(f"[config] warning: {warning}", file=sys.stderr, flush=True)
     actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature, total_steps=t.steps)
@@ -126,19 +131,37 @@ def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
             print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
         start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
-    logger = MetricLogger(
-        str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project, resume_step=start_step or None
-    ) if rank0 else None
+    logger = (
+        MetricLogger(str(out), tensorboard=t.tensorboard, wandb_project=t.wandb_project, resume_step=start_step or None)
+        if rank0
+        else None
+    )
     progress = _progress(rank0, start_step, t.steps)
 
     with RewardPool(cfg.reward) as pool:
         # colocated: this rank's engine; separate: the engine ranks, fed with the actor's weights
-        source = make_source(cfg, roles, actor, pool, prompts.loader, prompts.pad_id, start_step=start_step,
-                             pending=pending)
-        anchor = pba_anchor(cfg, source.engine, pool, prompts.items, out / "base_evidence.json",
-                            start_step) if cfg.algo.pba else None
-        run = Run(cfg, actor, source, preemption, logger, progress, ckpt_root, val_items, prompts.pad_id,
-                  start_step, nonfinite_in_a_row, anchor)
+        source = make_source(
+            cfg, roles, actor, pool, prompts.loader, prompts.pad_id, start_step=start_step, pending=pending
+        )
+        anchor = (
+            pba_anchor(cfg, source.engine, pool, prompts.items, out / "base_evidence.json", start_step)
+            if cfg.algo.pba
+            else None
+        )
+        run = Run(
+            cfg,
+            actor,
+            source,
+            preemption,
+            logger,
+            progress,
+            ckpt_root,
+            val_items,
+            prompts.pad_id,
+            start_step,
+            nonfinite_in_a_row,
+            anchor,
+        )
         history, preempted = _loop(run)
         # not after an error: a rank that raised alone must exit (engine ranks see it go and exit too), not wait here
         source.close()
@@ -194,16 +217,25 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
             if (step + 1) % t.log_every == 0 or last or preempted:
                 run.logger.log(step + 1, metrics)
             run.progress.update(1)
-            run.progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
-                                     loss=f"{metrics.get('actor/loss', 0):.4f}")
+            run.progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
         if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):
             state = {**source.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row, "config": to_dict(cfg)}
-            checkpoint.save(run.ckpt_root, step + 1, actor, state, cfg.checkpoint.keep_last, hf_dir=cfg.model.hf_dir,
-                            objects={"pending_rollout": source.pending()})
+            checkpoint.save(
+                run.ckpt_root,
+                step + 1,
+                actor,
+                state,
+                cfg.checkpoint.keep_last,
+                hf_dir=cfg.model.hf_dir,
+                objects={"pending_rollout": source.pending()},
+            )
         if preempted:
             if run.logger is not None:
-                print(f"[preempt] {run.preemption.reason}: stopped after step {step + 1} with its checkpoint; "
-                      "rerun the same command to resume", flush=True)
+                print(
+                    f"[preempt] {run.preemption.reason}: stopped after step {step + 1} with its checkpoint; "
+                    "rerun the same command to resume",
+                    flush=True,
+                )
             break
     return history, preempted
 
@@ -232,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rlvr train", description=__doc__)
     parser.add_argument("config", help="YAML recipe (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2 algo.alpha=0.05")
-    parser.add_argument("--resume", default=None, help="'latest' (default from the recipe), a checkpoint dir, or 'none'")
+    parser.add_argument(
+        "--resume", default=None, help="'latest' (default from the recipe), a checkpoint dir, or 'none'"
+    )
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
     if args.resume is not None:

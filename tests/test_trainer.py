@@ -18,13 +18,30 @@ _COMPARED = ("reward/mean", "actor/loss", "actor/grad_norm", "loss/entropy", "lo
 def _config(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
     from megatron_rlvr.config import load_config
 
-    return load_config(None, [
-        f"model.hf_dir={hf_dir}", f"actor.tp={tp}", f"actor.pp={pp}", "actor.micro_batch_size=4", "actor.lr=1e-3",
-        "algo.loss=entropy_bonus", "algo.beta=0.05", "rollout.group_size=4", "rollout.max_new_tokens=6",
-        "rollout.max_model_len=64", "rollout.kv_cache_memory_bytes=16777216", "data.max_prompt_tokens=48",
-        "reward.workers=1", "data.demo_train_problems=64", f"trainer.steps={steps}", "trainer.prompts_per_step=2", "trainer.tensorboard=false",
-        f"trainer.output_dir={out_dir}", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"model.hf_dir={hf_dir}",
+            f"actor.tp={tp}",
+            f"actor.pp={pp}",
+            "actor.micro_batch_size=4",
+            "actor.lr=1e-3",
+            "algo.loss=entropy_bonus",
+            "algo.beta=0.05",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=6",
+            "rollout.max_model_len=64",
+            "rollout.kv_cache_memory_bytes=16777216",
+            "data.max_prompt_tokens=48",
+            "reward.workers=1",
+            "data.demo_train_problems=64",
+            f"trainer.steps={steps}",
+            "trainer.prompts_per_step=2",
+            "trainer.tensorboard=false",
+            f"trainer.output_dir={out_dir}",
+            *extra,
+        ],
+    )
 
 
 def _train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
@@ -83,8 +100,12 @@ def _train_recording_calls(hf_dir: str, out_dir: str, tp: int, pp: int, steps: i
     from megatron_rlvr.rollout.vllm_engine import VLLMEngine
 
     calls, real = [], {}
-    for cls, name in ((VLLMEngine, "generate"), (VLLMEngine, "sleep"), (VLLMEngine, "update_weights"),
-                      (MegatronActor, "update")):
+    for cls, name in (
+        (VLLMEngine, "generate"),
+        (VLLMEngine, "sleep"),
+        (VLLMEngine, "update_weights"),
+        (MegatronActor, "update"),
+    ):
         real[cls, name] = getattr(cls, name)
 
         def recorded(self, *args, _name=name, _fn=real[cls, name], **kwargs):
@@ -125,8 +146,8 @@ def _nonfinite_losses(hf_dir: str, out_dir: str):
     more than actor.max_nonfinite_in_a_row steps in a row were skipped."""
     import torch
 
-    from megatron_rlvr.actor import megatron_actor as actor_module
     from megatron_rlvr import trainer
+    from megatron_rlvr.actor import megatron_actor as actor_module
 
     real_loss, real_update, seen = actor_module.policy_loss, actor_module.MegatronActor.update, []
 
@@ -137,8 +158,12 @@ def _nonfinite_losses(hf_dir: str, out_dir: str):
     def update(self, *args, **kwargs):
         before = [p.detach().clone() for p in self.model_chunks[0].parameters()]
         metrics = real_update(self, *args, **kwargs)
-        seen.append((metrics["actor/nonfinite"], all(torch.equal(a, b) for a, b in
-                                                     zip(before, self.model_chunks[0].parameters()))))
+        seen.append(
+            (
+                metrics["actor/nonfinite"],
+                all(torch.equal(a, b) for a, b in zip(before, self.model_chunks[0].parameters())),
+            )
+        )
         return metrics
 
     actor_module.policy_loss, actor_module.MegatronActor.update = nan_loss, update
@@ -154,7 +179,6 @@ def _nonfinite_losses(hf_dir: str, out_dir: str):
 def _failing_checkpoint(hf_dir: str, out_dir: str):
     """Train 2 steps saving every step, with the disk 'full' on the second save."""
     import errno
-
     from pathlib import Path
 
     from megatron.core import dist_checkpointing
@@ -189,8 +213,12 @@ def _assert_step_exports_like_final_hf(step_dir, final_hf):
     from safetensors.torch import load_file
 
     out = step_dir.parent.parent / "step2_hf"
-    subprocess.run([sys.executable, "tools/convert.py", "mcore-to-hf", "--mcore-dir", str(step_dir), "--out", str(out)],
-                   check=True, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    subprocess.run(
+        [sys.executable, "tools/convert.py", "mcore-to-hf", "--mcore-dir", str(step_dir), "--out", str(out)],
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=600,
+    )
     ours, theirs = load_file(final_hf / "model.safetensors"), {}
     for f in out.glob("*.safetensors"):
         theirs.update(load_file(f))
@@ -211,8 +239,16 @@ _VALIDATION = ["trainer.eval_every=2", "eval.n_samples=2", "eval.limit=3", "eval
 # the (1, 2) run also trains with the KL term to the frozen reference: the PP layout, where its log-probs are broadcast
 @pytest.mark.parametrize("tp,pp,kl_coef", [(2, 1, 0.0), (1, 2, 0.1)])
 def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp, kl_coef):
-    runs = workers2.run(_train_recording_calls, tiny_model, str(tmp_path / "run"), tp, pp, 2,
-                        [*_VALIDATION, f"algo.kl_coef={kl_coef}"], timeout_s=900)
+    runs = workers2.run(
+        _train_recording_calls,
+        tiny_model,
+        str(tmp_path / "run"),
+        tp,
+        pp,
+        2,
+        [*_VALIDATION, f"algo.kl_coef={kl_coef}"],
+        timeout_s=900,
+    )
     histories = [history for history, _ in runs]
     assert [len(h) for h in histories] == [2, 2]
     # the engine sleeps (on GPU: frees its memory for the actor) after every sampling, before any update
@@ -245,7 +281,7 @@ def _assert_kl_to_reference_logged(run_dir: Path, history: list[dict]) -> None:
     from megatron_rlvr.monitor import read_metrics
 
     assert history[0]["loss/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
-    assert 0 < history[1]["loss/kl_ref"] and math.isfinite(history[1]["loss/kl_ref"])
+    assert history[1]["loss/kl_ref"] > 0 and math.isfinite(history[1]["loss/kl_ref"])
     logged = read_metrics(run_dir / "metrics.jsonl")
     assert [m["loss/kl_ref"] for m in logged if "loss/kl_ref" in m] == [m["loss/kl_ref"] for m in history]
 
@@ -286,8 +322,17 @@ def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path, re
         run, tiny_model, str(tmp_path / "cut"), 2, 1, 4, [*extra, "checkpoint.save_every=2"], timeout_s=900
     )[0]
     assert [m["step"] for m in resumed] == [3, 4]
-    compared = _COMPARED + (("batch/refill_rounds", "batch/groups_trained", "batch/uniform_groups_dropped",
-                             "response/tokens_trained", "rollout_correction/weight_mean") if refill else ())
+    compared = _COMPARED + (
+        (
+            "batch/refill_rounds",
+            "batch/groups_trained",
+            "batch/uniform_groups_dropped",
+            "response/tokens_trained",
+            "rollout_correction/weight_mean",
+        )
+        if refill
+        else ()
+    )
     for got, want in zip(resumed, full[2:]):
         for key in compared:
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["step"], key)
@@ -296,14 +341,22 @@ def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path, re
         assert all(m["batch/groups_trained"] > 0 for m in full)
 
 
-@pytest.mark.parametrize("kind,shift,weight,dropped", [("tis", 0.0, 1.0, 0.0), ("tis", 1.0, 2.0, 1.0),
-                                                     ("icepop", 0.5, math.exp(0.5), 0.0), ("mis", 1.0, 0.0, 1.0)])
+@pytest.mark.parametrize(
+    "kind,shift,weight,dropped",
+    [("tis", 0.0, 1.0, 0.0), ("tis", 1.0, 2.0, 1.0), ("icepop", 0.5, math.exp(0.5), 0.0), ("mis", 1.0, 0.0, 1.0)],
+)
 def test_rollout_correction_reads_the_engine_log_probs(workers2, tiny_model, tmp_path, kind, shift, weight, dropped):
     """The engine's log-probs reach the loss: shifted by s, every token's rho is e^s (e^1 > C = 2: truncated to 2 by
     tis, outside mis's band [0.5, 2]; e^0.5 inside icepop's, kept as is); unshifted, the fp32 CPU engine agrees with
     the actor, so tis is the identity."""
-    history = workers2.run(_engine_logp_shifted, tiny_model, str(tmp_path / "rc"), shift,
-                           [f"algo.rollout_correction={kind}"], timeout_s=900)[0]
+    history = workers2.run(
+        _engine_logp_shifted,
+        tiny_model,
+        str(tmp_path / "rc"),
+        shift,
+        [f"algo.rollout_correction={kind}"],
+        timeout_s=900,
+    )[0]
     key = "rollout_correction/clipped_frac" if kind == "tis" else "rollout_correction/masked_frac"
     assert history[0]["rollout_correction/weight_mean"] == pytest.approx(weight, abs=1e-4)
     assert history[0][key] == dropped

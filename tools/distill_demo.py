@@ -43,13 +43,24 @@ def run_row(out: Path, name: str, steps: int) -> int:
     (row / "base_model").parent.mkdir(parents=True, exist_ok=True)
     if not (row / "base_model" / "config.json").is_file():  # the demo keeps a base_model it finds: the student
         shutil.copytree(STUDENT, row / "base_model", dirs_exist_ok=True)
-    cmd = [sys.executable, "-m", "megatron_rlvr.cli", "demo", "--out", str(row), "--algo", "casp",
-           f"trainer.steps={steps}", *ROWS[name]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.cli",
+        "demo",
+        "--out",
+        str(row),
+        "--algo",
+        "casp",
+        f"trainer.steps={steps}",
+        *ROWS[name],
+    ]
     with open(out / f"{row.name}.log", "a") as log:
         log.write("+ " + " ".join(cmd) + "\n")
         log.flush()
-        return subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1")).returncode
+        return subprocess.run(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1")
+        ).returncode
 
 
 def _last_mean(records: list[dict], key: str, last: int = 10) -> float | None:
@@ -73,8 +84,11 @@ def table(out: Path) -> dict:
         solved = {label: {p for p, s in per.items() if s["correct"]} for label, per in data["per_prompt"].items()}
         records = read_metrics(row / "train" / "metrics.jsonl")
         runs[name] = records
-        base = base or {"pass_at_k": data["models"][base_label]["pass_at_k"], "solved": len(solved[base_label]),
-                        "prompts": data["models"][base_label]["prompts"]}
+        base = base or {
+            "pass_at_k": data["models"][base_label]["pass_at_k"],
+            "solved": len(solved[base_label]),
+            "prompts": data["models"][base_label]["prompts"],
+        }
         rows[name] = {
             "pass_at_k": data["models"][trained_label]["pass_at_k"],
             "solved": len(solved[trained_label]),
@@ -84,15 +98,19 @@ def table(out: Path) -> dict:
             "train_reward_last10": _last_mean(records, "reward/mean"),
         }
     ks = sorted({int(k) for r in rows.values() if r for k in r["pass_at_k"]})
-    lines = ["| run | " + " | ".join(f"pass@{k}" for k in ks) + " | solved | gained | lost | reverse_kl | "
-             "forward_kl_topn | teacher_logp | top1_agreement |", "|---|" + "---|" * (len(ks) + 7)]
+    lines = [
+        "| run | " + " | ".join(f"pass@{k}" for k in ks) + " | solved | gained | lost | reverse_kl | "
+        "forward_kl_topn | teacher_logp | top1_agreement |",
+        "|---|" + "---|" * (len(ks) + 7),
+    ]
 
     def cells(curve: dict) -> str:
         return " | ".join(f"{100 * curve[str(k)]:.1f}" for k in ks)
 
     if base:
-        lines.append(f"| student (weak model, base) | {cells(base['pass_at_k'])} | {base['solved']} | - | - |"
-                     " - | - | - | - |")
+        lines.append(
+            f"| student (weak model, base) | {cells(base['pass_at_k'])} | {base['solved']} | - | - | - | - | - | - |"
+        )
     for name, r in rows.items():
         if r is None:
             lines.append(f"| {name} | not run |")

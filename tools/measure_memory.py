@@ -99,7 +99,8 @@ def config_of(case: Case, hf_dir: str, world: int):
 def predicted(case: Case, hf_dir: str, world: int) -> list[dict[str, int]]:
     """The plan's bytes for each rank (by its pipeline stage): static components and the update's peak."""
     from megatron_rlvr.models import load_hf_config
-    from megatron_rlvr.plan.memory import Layout, ModelDims, actor_rank_plan
+    from megatron_rlvr.plan.memory import Layout, actor_rank_plan
+    from megatron_rlvr.plan.model_dims import ModelDims
 
     dims = ModelDims.from_hf(load_hf_config(hf_dir))
     lay = Layout.from_config(config_of(case, hf_dir, world), world, gpu=False)

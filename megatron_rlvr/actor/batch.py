@@ -31,13 +31,27 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def _map(self, fn) -> "SequenceBatch":
-        return SequenceBatch(*(None if t is None else fn(t) for t in (
-            self.tokens, self.response_mask, self.advantages, self.old_logp, self.ref_logp, self.rollout_logp,
-            self.kl_coef, self.teacher_logp, self.teacher_ids, self.teacher_logits)))
+    def _map(self, fn) -> SequenceBatch:
+        return SequenceBatch(
+            *(
+                None if t is None else fn(t)
+                for t in (
+                    self.tokens,
+                    self.response_mask,
+                    self.advantages,
+                    self.old_logp,
+                    self.ref_logp,
+                    self.rollout_logp,
+                    self.kl_coef,
+                    self.teacher_logp,
+                    self.teacher_ids,
+                    self.teacher_logits,
+                )
+            )
+        )
 
-    def select(self, index: torch.Tensor | slice) -> "SequenceBatch":
+    def select(self, index: torch.Tensor | slice) -> SequenceBatch:
         return self._map(lambda t: t[index])
 
-    def to(self, device: torch.device) -> "SequenceBatch":
+    def to(self, device: torch.device) -> SequenceBatch:
         return self._map(lambda t: t.to(device))

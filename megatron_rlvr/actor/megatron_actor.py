@@ -24,24 +24,24 @@ travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.runtime import distributed
+from megatron_rlvr.actor.batch import SequenceBatch
+from megatron_rlvr.actor.config import ActorConfig
+from megatron_rlvr.actor.packing import PackedLayout, Plan, pack, plan_micro_batches, sequence_lengths, unpack
+from megatron_rlvr.actor.teacher import build_teacher, student_logits_at
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.algos.metrics import combine_micro_batches, finish_subset_means, summed_over_data_parallel
-from megatron_rlvr.actor.config import ActorConfig
 from megatron_rlvr.models.config import ModelConfig
 from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
-from megatron_rlvr.actor.batch import SequenceBatch
-from megatron_rlvr.actor.packing import PackedLayout, Plan, pack, plan_micro_batches, sequence_lengths, unpack
-from megatron_rlvr.algos.distill import TeacherScores
-from megatron_rlvr.actor.teacher import build_teacher, student_logits_at
+from megatron_rlvr.runtime import distributed
 
 MONITOR_TOP_N = 3  # rank-1/2/3 probabilities are always reported, whatever the loss's top_n
 
@@ -57,11 +57,19 @@ class _MicroBatch:
 
 class MegatronActor:
     def __init__(
-        self, model_cfg: ModelConfig, actor_cfg: ActorConfig, algo_cfg: AlgoConfig, *, temperature: float,
+        self,
+        model_cfg: ModelConfig,
+        actor_cfg: ActorConfig,
+        algo_cfg: AlgoConfig,
+        *,
+        temperature: float,
         total_steps: int,
     ) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         from megatron_rlvr.models import load_hf_config, padded_vocab_size, transformer_config_from_hf
 
@@ -69,9 +77,16 @@ class MegatronActor:
         self.hf = load_hf_config(model_cfg.hf_dir)
         dtype = torch.bfloat16 if actor_cfg.bf16 else torch.float32
         self.tcfg = transformer_config_from_hf(
-            self.hf, tp=actor_cfg.tp, pp=actor_cfg.pp, vpp=actor_cfg.vpp, params_dtype=dtype,
-            sequence_parallel=actor_cfg.sequence_parallel, recompute=actor_cfg.recompute,
-            ep=actor_cfg.ep, etp=actor_cfg.etp, moe_aux_loss_coeff=actor_cfg.moe_aux_loss_coeff,
+            self.hf,
+            tp=actor_cfg.tp,
+            pp=actor_cfg.pp,
+            vpp=actor_cfg.vpp,
+            params_dtype=dtype,
+            sequence_parallel=actor_cfg.sequence_parallel,
+            recompute=actor_cfg.recompute,
+            ep=actor_cfg.ep,
+            etp=actor_cfg.etp,
+            moe_aux_loss_coeff=actor_cfg.moe_aux_loss_coeff,
             # micro-batches differ in length (packed streams, token budgets): stages exchange each one's shape. Not
             # under the interleaved schedule: megatron-core's shape exchange posts its sends to the previous and the
             # next stage in one order and its receives in that order too, so at PP=2 (both are one rank) the
@@ -91,15 +106,16 @@ class MegatronActor:
                 c.requires_grad_(False)
                 c.eval()
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=actor_cfg.use_distributed_optimizer,
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=actor_cfg.use_distributed_optimizer,
             overlap_grad_reduce=False,
         )
         self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=c) for c in chunks]
         self.optimizer, self.scheduler = self._build_optimizer(total_steps)
         self.vocab_size = int(self.hf["vocab_size"])
-        self.local_vocab = padded_vocab_size(
-            self.vocab_size, actor_cfg.tp, model_cfg.make_vocab_size_divisible_by
-        ) // actor_cfg.tp
+        self.local_vocab = (
+            padded_vocab_size(self.vocab_size, actor_cfg.tp, model_cfg.make_vocab_size_divisible_by) // actor_cfg.tp
+        )
         # algo.distill: a frozen teacher beside the reference (actor/teacher.py); trainer: actor.teacher.attach(...)
         self.teacher = build_teacher(self, model_cfg, algo_cfg)
 
@@ -117,11 +133,17 @@ class MegatronActor:
         chunks = []
         for vp in range(self.cfg.vpp or 1):
             vp_stage = vp if self.cfg.vpp else None
-            chunks.append(build_gpt_model(
-                self.hf, self.tcfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage), vp_stage=vp_stage,
-                use_te=use_te, make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
-            ))
+            chunks.append(
+                build_gpt_model(
+                    self.hf,
+                    self.tcfg,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    vp_stage=vp_stage,
+                    use_te=use_te,
+                    make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
+                )
+            )
         if model_cfg.load:
             from megatron_rlvr.bridge.dist_ckpt import load_dist_checkpoint
 
@@ -136,16 +158,32 @@ class MegatronActor:
 
         a = self.cfg
         opt_cfg = OptimizerConfig(
-            optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.grad_clip, bf16=a.bf16, params_dtype=torch.float32,
+            optimizer="adam",
+            lr=a.lr,
+            min_lr=a.min_lr,
+            weight_decay=a.weight_decay,
+            adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2,
+            adam_eps=a.adam_eps,
+            clip_grad=a.grad_clip,
+            bf16=a.bf16,
+            params_dtype=torch.float32,
             use_distributed_optimizer=a.use_distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(opt_cfg, self.model)
         steps = max(1, total_steps)
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if a.lr_warmup_steps else a.lr, max_lr=a.lr, min_lr=a.min_lr,
-            lr_warmup_steps=a.lr_warmup_steps, lr_decay_steps=steps, lr_decay_style=a.lr_decay_style,
-            start_wd=a.weight_decay, end_wd=a.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
+            optimizer,
+            init_lr=0.0 if a.lr_warmup_steps else a.lr,
+            max_lr=a.lr,
+            min_lr=a.min_lr,
+            lr_warmup_steps=a.lr_warmup_steps,
+            lr_decay_steps=steps,
+            lr_decay_style=a.lr_decay_style,
+            start_wd=a.weight_decay,
+            end_wd=a.weight_decay,
+            wd_incr_steps=steps,
+            wd_incr_style="constant",
         )
         return optimizer, scheduler
 
@@ -159,8 +197,11 @@ class MegatronActor:
 
         lengths = sequence_lengths(batch.response_mask)
         plan = plan_micro_batches(
-            lengths, ps.get_data_parallel_world_size(), micro_batch_size=self.cfg.micro_batch_size,
-            max_tokens=self.cfg.max_tokens_per_micro_batch, count_multiple=self.cfg.pp if self.cfg.vpp else 1,
+            lengths,
+            ps.get_data_parallel_world_size(),
+            micro_batch_size=self.cfg.micro_batch_size,
+            max_tokens=self.cfg.max_tokens_per_micro_batch,
+            count_multiple=self.cfg.pp if self.cfg.vpp else 1,
         )
         # sequence parallelism splits the stream's tokens over the TP ranks: a multiple of tp
         multiple = self.cfg.tp if self.cfg.sequence_parallel else 1
@@ -189,10 +230,15 @@ class MegatronActor:
         else:
             targets = mb.packed.targets
         stats = vocab_parallel_token_stats(
-            logits, targets.to(logits.device), max(self.algo_cfg.top_n, MONITOR_TOP_N),
+            logits,
+            targets.to(logits.device),
+            max(self.algo_cfg.top_n, MONITOR_TOP_N),
             group=ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None,
-            vocab_start=ps.get_tensor_model_parallel_rank() * self.local_vocab, vocab_size=self.vocab_size,
-            temperature=self.temperature, chunk_tokens=self.cfg.stats_chunk_tokens, inplace_backward=inplace_backward,
+            vocab_start=ps.get_tensor_model_parallel_rank() * self.local_vocab,
+            vocab_size=self.vocab_size,
+            temperature=self.temperature,
+            chunk_tokens=self.cfg.stats_chunk_tokens,
+            inplace_backward=inplace_backward,
         )
         if mb.packed is None:
             return TokenStats(*(t[:, :-1] for t in stats))
@@ -207,7 +253,11 @@ class MegatronActor:
             p = mb.packed
             cu = p.cu_seqlens.to(device)
             params = PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=p.max_seqlen,
+                max_seqlen_kv=p.max_seqlen,
             )
             return model(p.tokens.to(device), p.position_ids.to(device), attention_mask=None, packed_seq_params=params)
         tokens = mb.seqs.tokens.to(device)
@@ -232,8 +282,12 @@ class MegatronActor:
         seq_length, micro_batch_size = (first.packed.num_tokens, 1) if first.packed else first.seqs.tokens.shape[::-1]
         data = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=model if len(model) > 1 else model[0],
-            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
 
@@ -270,8 +324,10 @@ class MegatronActor:
         """The frozen reference's log-probs of the whole batch [B, S - 1], on every rank (needs a reference model:
         algo.kl_coef > 0, or algo.pba with algo.pba_kl_coef > 0)."""
         if self.reference is None:
-            raise RuntimeError("compute_ref_logp: the actor has no reference model (algo.kl_coef = 0 and no PBA "
-                               "anchor: algo.pba false or algo.pba_kl_coef = 0)")
+            raise RuntimeError(
+                "compute_ref_logp: the actor has no reference model (algo.kl_coef = 0 and no PBA "
+                "anchor: algo.pba false or algo.pba_kl_coef = 0)"
+            )
         return self._per_token(batch, "logp", self.reference)
 
     def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
@@ -340,13 +396,23 @@ class MegatronActor:
                     old_logp = stats.logp.detach()
                     logp_rows.append(old_logp)
                 loss, metrics = policy_loss(
-                    stats, old_logp, seqs.advantages, seqs.response_mask, self.algo_cfg, ref_logp=seqs.ref_logp,
-                    rollout_logp=seqs.rollout_logp, num_tokens=num_tokens, num_seqs=num_seqs,
-                    target_ids=seqs.tokens[:, 1:], kl_coef=seqs.kl_coef, teacher=teacher,
+                    stats,
+                    old_logp,
+                    seqs.advantages,
+                    seqs.response_mask,
+                    self.algo_cfg,
+                    ref_logp=seqs.ref_logp,
+                    rollout_logp=seqs.rollout_logp,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                    target_ids=seqs.tokens[:, 1:],
+                    kl_coef=seqs.kl_coef,
+                    teacher=teacher,
                     student_at_teacher_ids=student_at,
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
-                    "loss": loss.detach().clone()}
+                    "loss": loss.detach().clone()
+                }
 
             for m in self.model:
                 m.zero_grad_buffer()
@@ -360,8 +426,11 @@ class MegatronActor:
                 ok, grad_norm = False, math.nan
             if ok:
                 self.scheduler.step(increment=1)
-            step_metrics = {"actor/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                            "actor/nonfinite": float(not ok), "actor/lr": self.optimizer.param_groups[0]["lr"]}
+            step_metrics = {
+                "actor/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                "actor/nonfinite": float(not ok),
+                "actor/lr": self.optimizer.param_groups[0]["lr"],
+            }
             if outputs:
                 step_metrics["actor/loss"] = sum(float(o.pop("loss")) for o in outputs)
                 step_metrics |= combine_micro_batches([{k: float(v) for k, v in o.items()} for o in outputs])

@@ -15,8 +15,8 @@ bounding each sequence) and ``unpack`` puts per-token values of that stream back
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -152,8 +152,15 @@ def pack(tokens: torch.Tensor, lengths: Sequence[int], multiple: int = 1, total:
     src = has_next.nonzero().squeeze(1)
     targets[src] = flat[src + 1]
     return PackedLayout(
-        tokens=flat[None], targets=targets[None], position_ids=position[None], cu_seqlens=cu,
-        max_seqlen=int(segments.max()), rows=rows[src], cols=position[src], src=src, real_tokens=real,
+        tokens=flat[None],
+        targets=targets[None],
+        position_ids=position[None],
+        cu_seqlens=cu,
+        max_seqlen=int(segments.max()),
+        rows=rows[src],
+        cols=position[src],
+        src=src,
+        real_tokens=real,
     )
 
 

@@ -20,22 +20,23 @@ its logits / temperature at the teacher's ids (ops.given_ids), in the padded vie
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from megatron_rlvr.actor.packing import unpack
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.ops.given_ids import logits_at_ids
-from megatron_rlvr.actor.packing import unpack
 
 if TYPE_CHECKING:
     from megatron_rlvr.actor.batch import SequenceBatch
-    from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.data import PromptItem
+    from megatron_rlvr.models.config import ModelConfig
 
 
 class ActorPasses(Protocol):
@@ -51,8 +52,9 @@ class ActorPasses(Protocol):
 
     def _plan(self, batch: SequenceBatch) -> tuple[Any, list[Any]]: ...
 
-    def _run_schedule(self, micro: list[Any], fn: Any, *, forward_only: bool, model: list[torch.nn.Module]
-                      ) -> list[dict]: ...
+    def _run_schedule(
+        self, micro: list[Any], fn: Any, *, forward_only: bool, model: list[torch.nn.Module]
+    ) -> list[dict]: ...
 
     def _to_every_rank(self, rows: list[torch.Tensor], plan: Any, size: int, width: int) -> torch.Tensor: ...
 
@@ -72,12 +74,14 @@ def check_same_tokenizer(student_dir: str, teacher_dir: str) -> None:
     student, teacher = _vocab(student_dir), _vocab(teacher_dir)
     if student != teacher:
         differ = sum(teacher.get(tok) != i for tok, i in student.items()) + len(set(teacher) - set(student))
-        raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: its tokenizer differs from model.hf_dir's "
-                        f"({differ} tokens differ; {len(teacher)} vs {len(student)} tokens); distillation needs the "
-                        "student's tokenizer")
+        raise UserError(
+            f"algo.teacher_hf_dir={teacher_dir!r}: its tokenizer differs from model.hf_dir's "
+            f"({differ} tokens differ; {len(teacher)} vs {len(student)} tokens); distillation needs the "
+            "student's tokenizer"
+        )
 
 
-def reference_text(item: "PromptItem") -> str:
+def reference_text(item: PromptItem) -> str:
     """The privileged context's answer of a prompt: its reference answer (a string or number, or a dict's
     ``solution`` / ``answer``); for the embedded countdown task, whose reference is (numbers, target), a solution
     expression of the task's own solver. One-line UserError when there is none."""
@@ -96,8 +100,10 @@ def reference_text(item: "PromptItem") -> str:
         return str(answer)
     elif isinstance(answer, str) and answer.strip():
         return answer
-    raise UserError(f"algo.distill=self: prompt {item.id!r} has no reference answer to put in "
-                    f"algo.self_distill_template (its answer is {answer!r})")
+    raise UserError(
+        f"algo.distill=self: prompt {item.id!r} has no reference answer to put in "
+        f"algo.self_distill_template (its answer is {answer!r})"
+    )
 
 
 class PrivilegedContext:
@@ -107,15 +113,16 @@ class PrivilegedContext:
         self.tokenizer, self.template = tokenizer, template
         self._ids: dict[str, list[int]] = {}
 
-    def ids(self, item: "PromptItem") -> list[int]:
+    def ids(self, item: PromptItem) -> list[int]:
         if item.id not in self._ids:
             text = self.template.format(answer=reference_text(item))
             self._ids[item.id] = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return self._ids[item.id]
 
 
-def privileged_batch(batch: "SequenceBatch", prefixes: Sequence[Sequence[int]], pad_id: int = 0
-                     ) -> tuple["SequenceBatch", torch.Tensor]:
+def privileged_batch(
+    batch: SequenceBatch, prefixes: Sequence[Sequence[int]], pad_id: int = 0
+) -> tuple[SequenceBatch, torch.Tensor]:
     """(prefix_i + tokens_i rows with the response mask shifted by k_i = len(prefix_i), the shifts k [B])."""
     from megatron_rlvr.actor.batch import SequenceBatch
 
@@ -129,8 +136,8 @@ def privileged_batch(batch: "SequenceBatch", prefixes: Sequence[Sequence[int]], 
     for i, prefix in enumerate(prefixes):
         k = len(prefix)
         tokens[i, :k] = torch.tensor(list(prefix), dtype=batch.tokens.dtype)
-        tokens[i, k:k + s] = batch.tokens[i]
-        mask[i, k:k + s - 1] = batch.response_mask[i]
+        tokens[i, k : k + s] = batch.tokens[i]
+        mask[i, k : k + s - 1] = batch.response_mask[i]
     return SequenceBatch(tokens, mask, batch.advantages), shifts
 
 
@@ -142,11 +149,12 @@ def realign(values: torch.Tensor, shifts: torch.Tensor, width: int) -> torch.Ten
 
 
 class Teacher:
-    def __init__(self, chunks: list[torch.nn.Module], local_vocab: int, cfg: AlgoConfig,
-                 context: PrivilegedContext | None) -> None:
+    def __init__(
+        self, chunks: list[torch.nn.Module], local_vocab: int, cfg: AlgoConfig, context: PrivilegedContext | None
+    ) -> None:
         self.chunks, self.local_vocab, self.cfg, self.context = chunks, local_vocab, cfg, context
 
-    def attach(self, actor: ActorPasses, batch: "SequenceBatch", items: Sequence["PromptItem"]) -> None:
+    def attach(self, actor: ActorPasses, batch: SequenceBatch, items: Sequence[PromptItem]) -> None:
         """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields."""
         scored, shifts = batch, None
         if self.context is not None:
@@ -158,15 +166,16 @@ class Teacher:
         scores = self.score(actor, scored)
         if shifts is not None:
             width = batch.response_mask.shape[1]
-            scores = TeacherScores(*(realign(t, shifts, width) for t in (scores.logp, scores.topn_ids,
-                                                                        scores.topn_logits)))
+            scores = TeacherScores(
+                *(realign(t, shifts, width) for t in (scores.logp, scores.topn_ids, scores.topn_logits))
+            )
         keep = batch.response_mask.to(torch.bool)  # prompt and padding positions: 0, as their statistics are
         batch.teacher_logp = torch.where(keep, scores.logp, torch.zeros_like(scores.logp))
         batch.teacher_ids = torch.where(keep[..., None], scores.topn_ids, torch.zeros_like(scores.topn_ids))
         batch.teacher_logits = torch.where(keep[..., None], scores.topn_logits, torch.zeros_like(scores.topn_logits))
 
     @torch.no_grad()
-    def score(self, actor: ActorPasses, batch: "SequenceBatch") -> TeacherScores:
+    def score(self, actor: ActorPasses, batch: SequenceBatch) -> TeacherScores:
         """One forward-only pass of the teacher's chunks over ``batch``: its scores in ``batch``'s own layout."""
         from megatron.core import parallel_state as ps
 
@@ -181,11 +190,16 @@ class Teacher:
         def collect(mb, logits: torch.Tensor):
             targets = torch.roll(mb.seqs.tokens, shifts=-1, dims=1) if mb.packed is None else mb.packed.targets
             stats = vocab_parallel_token_stats(
-                logits, targets.to(logits.device), n, group=group, vocab_start=start, vocab_size=actor.vocab_size,
-                temperature=actor.temperature, chunk_tokens=actor.cfg.stats_chunk_tokens,
+                logits,
+                targets.to(logits.device),
+                n,
+                group=group,
+                vocab_start=start,
+                vocab_size=actor.vocab_size,
+                temperature=actor.temperature,
+                chunk_tokens=actor.cfg.stats_chunk_tokens,
             )
-            _, at = logits_at_ids(logits, stats.topn_ids, vocab_start=start, temperature=actor.temperature,
-                                  group=group)
+            _, at = logits_at_ids(logits, stats.topn_ids, vocab_start=start, temperature=actor.temperature, group=group)
             fields = (stats.logp, stats.topn_ids.float(), at)
             if mb.packed is None:
                 fields = tuple(f[:, :-1] for f in fields)
@@ -199,13 +213,14 @@ class Teacher:
         values = actor._to_every_rank([o["teacher"] for o in outputs], plan, len(batch), width * (1 + 2 * n))
         b = len(batch)
         logp = values[:, :width]
-        ids = values[:, width:width * (1 + n)].reshape(b, width, n).round().long()
-        at = values[:, width * (1 + n):].reshape(b, width, n)
+        ids = values[:, width : width * (1 + n)].reshape(b, width, n).round().long()
+        at = values[:, width * (1 + n) :].reshape(b, width, n)
         return TeacherScores(logp, ids, at)
 
 
-def student_logits_at(actor: ActorPasses, logits: torch.Tensor, mb, teacher_ids: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def student_logits_at(
+    actor: ActorPasses, logits: torch.Tensor, mb, teacher_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits alias for the fused op, the student's logits / temperature at ``teacher_ids`` [b, S - 1, N] in the
     padded view). Call it before the op on the same logits (see ops.given_ids: the gradient is added in place)."""
     from megatron.core import parallel_state as ps
@@ -219,8 +234,11 @@ def student_logits_at(actor: ActorPasses, logits: torch.Tensor, mb, teacher_ids:
         stream[p.src.to(ids.device)] = ids[p.rows.to(ids.device), p.cols.to(ids.device)]
         ids = stream[None]
     alias, at = logits_at_ids(
-        logits, ids, vocab_start=ps.get_tensor_model_parallel_rank() * actor.local_vocab,
-        temperature=actor.temperature, group=ps.get_tensor_model_parallel_group() if actor.cfg.tp > 1 else None,
+        logits,
+        ids,
+        vocab_start=ps.get_tensor_model_parallel_rank() * actor.local_vocab,
+        temperature=actor.temperature,
+        group=ps.get_tensor_model_parallel_group() if actor.cfg.tp > 1 else None,
     )
     if mb.packed is None:
         return alias, at[:, :-1]
@@ -237,30 +255,46 @@ def _teacher_chunks(actor: ActorPasses, teacher_dir: str, divisible: int) -> tup
     a = actor.cfg
     hf = load_hf_config(teacher_dir)
     if int(hf["vocab_size"]) < actor.vocab_size:
-        raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: vocab_size {hf['vocab_size']} is smaller than the "
-                        f"student's {actor.vocab_size}")
-    heads, kv_heads, layers = (int(hf.get(k, 1)) for k in ("num_attention_heads", "num_key_value_heads",
-                                                            "num_hidden_layers"))
+        raise UserError(
+            f"algo.teacher_hf_dir={teacher_dir!r}: vocab_size {hf['vocab_size']} is smaller than the "
+            f"student's {actor.vocab_size}"
+        )
+    heads, kv_heads, layers = (
+        int(hf.get(k, 1)) for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers")
+    )
     if heads % a.tp or kv_heads % a.tp or layers % (a.pp * (a.vpp or 1)):
-        raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: {heads} heads / {kv_heads} KV heads / {layers} layers "
-                        f"do not divide over the actor's TP={a.tp} / PP={a.pp} x VPP={a.vpp or 1}")
+        raise UserError(
+            f"algo.teacher_hf_dir={teacher_dir!r}: {heads} heads / {kv_heads} KV heads / {layers} layers "
+            f"do not divide over the actor's TP={a.tp} / PP={a.pp} x VPP={a.vpp or 1}"
+        )
     tcfg = transformer_config_from_hf(
-        hf, tp=a.tp, pp=a.pp, vpp=a.vpp, params_dtype=actor.tcfg.params_dtype, sequence_parallel=a.sequence_parallel,
-        recompute=a.recompute, variable_seq_lengths=actor.tcfg.variable_seq_lengths,
+        hf,
+        tp=a.tp,
+        pp=a.pp,
+        vpp=a.vpp,
+        params_dtype=actor.tcfg.params_dtype,
+        sequence_parallel=a.sequence_parallel,
+        recompute=a.recompute,
+        variable_seq_lengths=actor.tcfg.variable_seq_lengths,
     )
     chunks = []
     for vp in range(a.vpp or 1):
         vp_stage = vp if a.vpp else None
-        chunks.append(build_gpt_model(
-            hf, tcfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage), vp_stage=vp_stage,
-            make_vocab_size_divisible_by=divisible,
-        ))
+        chunks.append(
+            build_gpt_model(
+                hf,
+                tcfg,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage,
+                make_vocab_size_divisible_by=divisible,
+            )
+        )
     load_hf_weights(chunks, teacher_dir)
     return chunks, padded_vocab_size(int(hf["vocab_size"]), a.tp, divisible) // a.tp
 
 
-def build_teacher(actor: ActorPasses, model_cfg: "ModelConfig", cfg: AlgoConfig) -> Teacher | None:
+def build_teacher(actor: ActorPasses, model_cfg: ModelConfig, cfg: AlgoConfig) -> Teacher | None:
     """The teacher of ``algo.distill`` on this rank (frozen), or None under ``none``."""
     if cfg.distill == "none":
         return None

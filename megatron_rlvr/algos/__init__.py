@@ -10,5 +10,4 @@ from megatron_rlvr.algos.config import LOSS_NAMES, AlgoConfig
 from megatron_rlvr.algos.losses import LOSSES, policy_loss
 from megatron_rlvr.algos.pba import pba_metrics, sequence_kl_coef
 
-__all__ = ["AlgoConfig", "LOSS_NAMES", "LOSSES", "compute_advantages", "pba_metrics", "policy_loss",
-           "sequence_kl_coef"]
+__all__ = ["AlgoConfig", "LOSS_NAMES", "LOSSES", "compute_advantages", "pba_metrics", "policy_loss", "sequence_kl_coef"]

@@ -18,7 +18,9 @@ def compute_advantages(rewards: Tensor, group_size: int, cfg: AlgoConfig) -> tup
     and True everywhere otherwise. A uniform group's advantages are exactly 0 either way.
     """
     if not isinstance(rewards, Tensor) or rewards.dim() != 1:
-        raise ValueError(f"rewards: expected a 1-D tensor [prompts * group_size], got {getattr(rewards, 'shape', rewards)}")
+        raise ValueError(
+            f"rewards: expected a 1-D tensor [prompts * group_size], got {getattr(rewards, 'shape', rewards)}"
+        )
     if group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(
             f"group_size: expected a positive divisor of the number of rewards {rewards.numel()}, got {group_size}"

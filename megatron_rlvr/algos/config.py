@@ -88,8 +88,10 @@ class AlgoConfig:
         if self.apply_to not in ("both", "positive", "negative"):
             raise bad("apply_to", "'both', 'positive' or 'negative'")
         if self.rollout_correction not in ROLLOUT_CORRECTIONS:
-            raise ValueError(f"algo.rollout_correction: got {self.rollout_correction!r}; allowed values: "
-                             f"{', '.join(ROLLOUT_CORRECTIONS)}")
+            raise ValueError(
+                f"algo.rollout_correction: got {self.rollout_correction!r}; allowed values: "
+                f"{', '.join(ROLLOUT_CORRECTIONS)}"
+            )
         if self.rollout_correction_level not in ("token", "sequence"):
             raise bad("rollout_correction_level", "'token' or 'sequence'")
         # rho = 1 (engine and actor agree) must keep weight 1, so every correction is the identity on-policy
@@ -127,8 +129,9 @@ class AlgoConfig:
         if self.distill not in DISTILL_MODES:
             raise ValueError(f"algo.distill: got {self.distill!r}; allowed values: {', '.join(DISTILL_MODES)}")
         if self.distill_signal not in DISTILL_SIGNALS:
-            raise ValueError(f"algo.distill_signal: got {self.distill_signal!r}; allowed values: "
-                             f"{', '.join(DISTILL_SIGNALS)}")
+            raise ValueError(
+                f"algo.distill_signal: got {self.distill_signal!r}; allowed values: {', '.join(DISTILL_SIGNALS)}"
+            )
         if not (self.distill_coef >= 0 and self.distill_coef < float("inf")):
             raise bad("distill_coef", "a finite number >= 0")
         if self.distill_top_n < 1:

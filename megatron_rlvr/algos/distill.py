@@ -48,15 +48,20 @@ def check_teacher(teacher: TeacherScores, shape: tuple[int, int], student_at: Te
         raise ValueError(f"teacher.logp: expected shape {shape} like stats.logp, got {tuple(teacher.logp.shape)}")
     for name, tensor in (("teacher.topn_ids", teacher.topn_ids), ("teacher.topn_logits", teacher.topn_logits)):
         if tensor.dim() != 3 or tuple(tensor.shape[:2]) != shape:
-            raise ValueError(f"{name}: expected shape [B, T, N] = [{shape[0]}, {shape[1]}, N], got "
-                             f"{tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name}: expected shape [B, T, N] = [{shape[0]}, {shape[1]}, N], got {tuple(tensor.shape)}"
+            )
     uses_topn = cfg.distill_signal in ("topn_forward_kl", "both")
     if uses_topn and student_at is None:
-        raise ValueError("student_at_teacher_ids: algo.distill_signal="
-                         f"{cfg.distill_signal} needs the student's scaled logits at the teacher's top-N ids [B, T, N]")
+        raise ValueError(
+            "student_at_teacher_ids: algo.distill_signal="
+            f"{cfg.distill_signal} needs the student's scaled logits at the teacher's top-N ids [B, T, N]"
+        )
     if student_at is not None and tuple(student_at.shape) != tuple(teacher.topn_ids.shape):
-        raise ValueError(f"student_at_teacher_ids: expected shape {tuple(teacher.topn_ids.shape)} like "
-                         f"teacher.topn_ids, got {tuple(student_at.shape)}")
+        raise ValueError(
+            f"student_at_teacher_ids: expected shape {tuple(teacher.topn_ids.shape)} like "
+            f"teacher.topn_ids, got {tuple(student_at.shape)}"
+        )
 
 
 def reverse_kl_advantage(logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> Tensor:
@@ -79,8 +84,9 @@ def topn_forward_kl(student_at: Tensor, teacher_topn_logits: Tensor, mask: Tenso
 
 
 @torch.no_grad()
-def distill_metrics(logp: Tensor, student_top1: Tensor, teacher: TeacherScores, forward_kl: Tensor, mask: Tensor
-                    ) -> dict[str, Tensor]:
+def distill_metrics(
+    logp: Tensor, student_top1: Tensor, teacher: TeacherScores, forward_kl: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
     """Means over response tokens: distill/reverse_kl (the sampled estimate logp_pi - logp_T of KL(pi || T)),
     distill/forward_kl_topn, distill/teacher_logp, distill/top1_agreement (student's rank-1 id = teacher's)."""
     count = mask.sum().clamp(min=1).to(logp.dtype)

@@ -36,20 +36,26 @@ Choices where docs/algorithms.md leaves room (each checked by tests/algos agains
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from megatron_rlvr.algos.aggregate import aggregate, response_counts
 from megatron_rlvr.algos.config import AlgoConfig
-from megatron_rlvr.algos.distill import (TeacherScores, check_teacher, distill_metrics, reverse_kl_advantage,
-                                         topn_forward_kl)
+from megatron_rlvr.algos.distill import (
+    TeacherScores,
+    check_teacher,
+    distill_metrics,
+    reverse_kl_advantage,
+    topn_forward_kl,
+)
 from megatron_rlvr.algos.metrics import loss_metrics
 from megatron_rlvr.algos.rollout_correction import correction_weights
-from megatron_rlvr.algos.token_view import TokenView
 from megatron_rlvr.algos.token_masks import adaptive_candidates, high_entropy_mask, top_covariance_mask
+from megatron_rlvr.algos.token_view import TokenView
 
 if TYPE_CHECKING:
     from megatron_rlvr.ops import TokenStats
@@ -149,8 +155,11 @@ def candidate_weights(topn_logp: Tensor, weights: str, inside: Tensor | None = N
     if inside is not None:
         if weights == "uniform":
             # 1/k rounded as the fixed path rounds 1/N (a Python float cast to the dtype): a full set is bit-equal
-            table = torch.tensor([0.0] + [1.0 / k for k in range(1, topn_logp.shape[-1] + 1)],
-                                 dtype=topn_logp.dtype, device=topn_logp.device)
+            table = torch.tensor(
+                [0.0] + [1.0 / k for k in range(1, topn_logp.shape[-1] + 1)],
+                dtype=topn_logp.dtype,
+                device=topn_logp.device,
+            )
             share = table[inside.sum(dim=-1)][..., None].expand_as(topn_logp)
             return torch.where(inside, share, torch.zeros_like(share))
         if weights == "softmax":
@@ -163,7 +172,7 @@ def candidate_weights(topn_logp: Tensor, weights: str, inside: Tensor | None = N
 
 
 def policy_loss(
-    stats: "TokenStats",
+    stats: TokenStats,
     old_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
@@ -210,11 +219,15 @@ def policy_loss(
         kl_coef = _sequence_kl_coef(kl_coef, view.logp, ref_logp is not None)
     for name, given in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
         if given is not None and given.shape != view.logp.shape:
-            raise ValueError(f"{name}: expected shape {tuple(view.logp.shape)} like stats.logp, got {tuple(given.shape)}")
+            raise ValueError(
+                f"{name}: expected shape {tuple(view.logp.shape)} like stats.logp, got {tuple(given.shape)}"
+            )
     correct = cfg.rollout_correction != "none"
     if correct and rollout_logp is None:
-        raise ValueError(f"rollout_logp: algo.rollout_correction = {cfg.rollout_correction!r} needs the engine's "
-                         "log-probs of the sampled tokens [B, T]")
+        raise ValueError(
+            f"rollout_logp: algo.rollout_correction = {cfg.rollout_correction!r} needs the engine's "
+            "log-probs of the sampled tokens [B, T]"
+        )
     local_tokens, local_seqs = response_counts(view.mask)
     counts = dict(
         num_tokens=local_tokens if num_tokens is None else float(num_tokens),
@@ -291,8 +304,9 @@ def policy_loss(
                 loss = loss + extras["distill_loss"] + (term - term.detach())
         distilled = distill_metrics(view.logp, stats.topn_ids[..., 0], teacher, forward_kl, view.mask)
 
-    metrics = loss_metrics(view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp,
-                           candidates=shaping.candidates)
+    metrics = loss_metrics(
+        view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp, candidates=shaping.candidates
+    )
     if distilled:
         metrics.update(zip(distilled, torch.stack(list(distilled.values())).tolist()))
     metrics.update(loss=float(loss.detach()), pg_loss=float(pg_value), num_tokens=local_tokens)
@@ -305,8 +319,9 @@ def policy_loss(
 def _sequence_kl_coef(kl_coef: Tensor, logp: Tensor, have_ref: bool) -> Tensor:
     """Check the per-sequence KL coefficients [B] (finite, >= 0; ref_logp given where any is > 0), in logp's dtype."""
     if tuple(kl_coef.shape) != tuple(logp.shape[:1]):
-        raise ValueError(f"kl_coef: expected shape [B] = [{logp.shape[0]}] (one per response), "
-                         f"got {tuple(kl_coef.shape)}")
+        raise ValueError(
+            f"kl_coef: expected shape [B] = [{logp.shape[0]}] (one per response), got {tuple(kl_coef.shape)}"
+        )
     coef = kl_coef.detach().to(device=logp.device, dtype=logp.dtype)
     valid, anchored = torch.stack([(torch.isfinite(coef) & (coef >= 0)).all(), (coef > 0).any()]).tolist()
     if not valid:
@@ -317,7 +332,12 @@ def _sequence_kl_coef(kl_coef: Tensor, logp: Tensor, have_ref: bool) -> Tensor:
 
 
 def _token_view(
-    stats: "TokenStats", old_logp: Tensor | None, advantages: Tensor, mask: Tensor, cfg: AlgoConfig, target_ids: Tensor | None
+    stats: TokenStats,
+    old_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgoConfig,
+    target_ids: Tensor | None,
 ) -> TokenView:
     """Check shapes (errors name the argument) and broadcast everything to [B, T]."""
     logp = stats.logp
@@ -336,7 +356,9 @@ def _token_view(
                 f"got {tuple(tensor.shape)}"
             )
     if tuple(advantages.shape) != shape[:1]:
-        raise ValueError(f"advantages: expected shape [B] = [{shape[0]}] (one per response), got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages: expected shape [B] = [{shape[0]}] (one per response), got {tuple(advantages.shape)}"
+        )
     mask = mask.to(torch.bool)
     adv = advantages.detach().to(logp.dtype)[:, None].expand(shape)
     is_top1 = _sampled_is_top1(stats, target_ids)
@@ -355,7 +377,7 @@ def _token_view(
     )
 
 
-def _sampled_is_top1(stats: "TokenStats", target_ids: Tensor | None) -> Tensor:
+def _sampled_is_top1(stats: TokenStats, target_ids: Tensor | None) -> Tensor:
     """Whether y_t is the rank-1 candidate: by id when the caller passes the sampled ids, else by probability.
 
     TokenStats carries no sampled ids; without them y_t counts as rank 1 when its log-prob equals the rank-1
@@ -364,7 +386,9 @@ def _sampled_is_top1(stats: "TokenStats", target_ids: Tensor | None) -> Tensor:
     top1 = stats.topn_ids[..., 0]
     if target_ids is not None:
         if tuple(target_ids.shape) != tuple(top1.shape):
-            raise ValueError(f"target_ids: expected shape {tuple(top1.shape)} like stats.logp, got {tuple(target_ids.shape)}")
+            raise ValueError(
+                f"target_ids: expected shape {tuple(top1.shape)} like stats.logp, got {tuple(target_ids.shape)}"
+            )
         return top1 == target_ids.to(top1.device)
     logp, best = stats.logp.detach(), stats.topn_logp[..., 0].detach()
     tolerance = 8 * torch.finfo(logp.dtype).eps * (1 + best.abs())

@@ -13,7 +13,8 @@ the subset means by their counts once the data-parallel ranks have summed them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -29,7 +30,7 @@ def _mean(values: Tensor, where: Tensor) -> Tensor:
 
 @torch.no_grad()
 def loss_metrics(
-    view: "TokenView", *, log_ratio: Tensor, clipped: Tensor, top_ranks: Tensor, candidates: Tensor | None = None
+    view: TokenView, *, log_ratio: Tensor, clipped: Tensor, top_ranks: Tensor, candidates: Tensor | None = None
 ) -> dict[str, float]:
     mask, high = view.mask, view.high_entropy
     log_ratio = log_ratio.detach()

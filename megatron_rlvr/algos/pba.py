@@ -17,13 +17,17 @@ from megatron_rlvr.algos.config import AlgoConfig
 
 def _check(base_correct: Tensor, cfg: AlgoConfig) -> Tensor:
     if not isinstance(base_correct, Tensor) or base_correct.dim() != 1:
-        raise ValueError(f"base_correct: expected a 1-D tensor [prompts] of correct counts, got "
-                         f"{getattr(base_correct, 'shape', base_correct)!r}")
+        raise ValueError(
+            f"base_correct: expected a 1-D tensor [prompts] of correct counts, got "
+            f"{getattr(base_correct, 'shape', base_correct)!r}"
+        )
     counts = base_correct.detach().to(torch.float64)
     bad = ~torch.isfinite(counts) | (counts < 0) | (counts > cfg.pba_base_samples) | (counts != counts.round())
     if bool(bad.any()):
-        raise ValueError(f"base_correct: expected whole counts in [0, algo.pba_base_samples = "
-                         f"{cfg.pba_base_samples}], got {base_correct.tolist()}")
+        raise ValueError(
+            f"base_correct: expected whole counts in [0, algo.pba_base_samples = "
+            f"{cfg.pba_base_samples}], got {base_correct.tolist()}"
+        )
     return counts
 
 
@@ -39,8 +43,9 @@ def sequence_kl_coef(base_correct: Tensor, group_size: int, cfg: AlgoConfig) -> 
     if group_size < 1:
         raise ValueError(f"group_size: expected >= 1, got {group_size}")
     risky = risky_prompts(base_correct, cfg)
-    coef = torch.where(risky, torch.tensor(cfg.pba_kl_coef, dtype=torch.float64),
-                       torch.tensor(cfg.kl_coef, dtype=torch.float64))
+    coef = torch.where(
+        risky, torch.tensor(cfg.pba_kl_coef, dtype=torch.float64), torch.tensor(cfg.kl_coef, dtype=torch.float64)
+    )
     return coef.repeat_interleave(group_size).to(torch.float32)
 
 

@@ -96,8 +96,12 @@ class Schedule:
 CHOSEN = {"grpo": {}, "entropy_bonus": {"beta": 0.214}, "casp": {"alpha": 0.814}, "casp_adaptive": {"alpha": 0.985}}
 # The same grid for alpha and beta: 0.1 to ~1 in 10% steps (log-spaced: both act multiplicatively on the loss).
 GRID = tuple(round(0.1 * 1.1**k, 3) for k in range(25))
-SWEEP_GRID = {"grpo": [{}], "entropy_bonus": [{"beta": b} for b in GRID], "casp": [{"alpha": a} for a in GRID],
-              "casp_adaptive": [{"alpha": a} for a in GRID]}
+SWEEP_GRID = {
+    "grpo": [{}],
+    "entropy_bonus": [{"beta": b} for b in GRID],
+    "casp": [{"alpha": a} for a in GRID],
+    "casp_adaptive": [{"alpha": a} for a in GRID],
+}
 REPORT_SEEDS = (0, 1, 2)
 SWEEP_SEEDS = (100, 101, 102)
 
@@ -105,8 +109,9 @@ SWEEP_SEEDS = (100, 101, 102)
 def method_config(method: str, coefficients: dict[str, float]) -> AlgoConfig:
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; allowed values: {', '.join(METHODS)}")
-    base = AlgoConfig(loss=method if method != "casp_adaptive" else "casp", tau_q=0.0, top_n=3, lambda_top1=0.5,
-                      alpha=0.0, beta=0.0)
+    base = AlgoConfig(
+        loss=method if method != "casp_adaptive" else "casp", tau_q=0.0, top_n=3, lambda_top1=0.5, alpha=0.0, beta=0.0
+    )
     if method == "casp_adaptive":
         base = dataclasses.replace(base, candidates="adaptive", candidate_mass=ADAPTIVE_MASS)
     return dataclasses.replace(base, **coefficients)
@@ -142,8 +147,11 @@ def evaluate(tree: Tree, logits: torch.Tensor) -> dict[str, float]:
     leaves = tree.leaf_probs(logits)
     on_reward = leaves[tree.rewarding()]
     entropy = -(leaves * leaves.clamp_min(1e-300).log()).sum()
-    return {"accuracy": float(on_reward.sum()), "modes": int((on_reward >= MODE_THRESHOLD).sum()),
-            "entropy": float(entropy)}
+    return {
+        "accuracy": float(on_reward.sum()),
+        "modes": int((on_reward >= MODE_THRESHOLD).sum()),
+        "entropy": float(entropy),
+    }
 
 
 def run_methods(
@@ -166,8 +174,10 @@ def format_table(results: dict[str, list[dict]], coefficients: dict[str, dict[st
     for method, rows in results.items():
         coef = ",".join(f"{k}={v:g}" for k, v in coefficients[method].items()) or "-"
         for row in rows:
-            lines.append(f"{method:<15}{coef:<13}{row['seed']:>5}{row['accuracy']:>10.3f}{row['modes']:>5}/6"
-                         f"{row['entropy']:>9.3f}")
+            lines.append(
+                f"{method:<15}{coef:<13}{row['seed']:>5}{row['accuracy']:>10.3f}{row['modes']:>5}/6"
+                f"{row['entropy']:>9.3f}"
+            )
         mean_acc = sum(r["accuracy"] for r in rows) / len(rows)
         mean_modes = sum(r["modes"] for r in rows) / len(rows)
         mean_ent = sum(r["entropy"] for r in rows) / len(rows)
@@ -184,8 +194,11 @@ def sweep(
     tree: Tree, schedule: Schedule, seeds: tuple[int, ...] = SWEEP_SEEDS, grid: dict[str, list[dict]] | None = None
 ) -> tuple[str, dict]:
     """Each method's coefficient grid on the sweep seeds; returns the table and the chosen coefficients."""
-    lines = [f"{'method':<15}{'coef':<13}" + "".join(f"{'seed ' + str(s):>13}" for s in seeds)
-             + f"{'min modes':>11}{'mean acc':>10}"]
+    lines = [
+        f"{'method':<15}{'coef':<13}"
+        + "".join(f"{'seed ' + str(s):>13}" for s in seeds)
+        + f"{'min modes':>11}{'mean acc':>10}"
+    ]
     chosen: dict[str, dict[str, float]] = {}
     for method, candidates in (grid or SWEEP_GRID).items():
         best_key = None
@@ -216,8 +229,9 @@ def save_plot(tree: Tree, finals: dict[tuple[str, int], torch.Tensor], seeds: tu
     index = shown.nonzero()[:, 0].tolist()
     labels = [f"{i // tree.branching}{i % tree.branching}" for i in index] + ["other"]
     methods = sorted({m for m, _ in finals}, key=METHODS.index)
-    fig, axes = plt.subplots(len(methods) + 1, 1, figsize=(max(6, 0.45 * len(labels)), 2.2 * (len(methods) + 1)),
-                             sharex=True)
+    fig, axes = plt.subplots(
+        len(methods) + 1, 1, figsize=(max(6, 0.45 * len(labels)), 2.2 * (len(methods) + 1)), sharex=True
+    )
     colors = ["tab:green" if rewarding[i] else "tab:red" for i in index] + ["tab:gray"]
 
     def bars(ax, flat: torch.Tensor, title: str) -> None:
@@ -233,8 +247,13 @@ def save_plot(tree: Tree, finals: dict[tuple[str, int], torch.Tensor], seeds: tu
         bars(ax, mean, f"{method}: mean over seeds {list(seeds)}")
         for s in seeds:  # each seed as a marker, so a mode kept on average only is visible as such
             flat = tree.leaf_probs(finals[method, s]).flatten()
-            ax.scatter(range(len(index) + 1), [float(flat[i]) for i in index] + [float(flat[~shown].sum())],
-                       s=6, color="black", zorder=3)
+            ax.scatter(
+                range(len(index) + 1),
+                [float(flat[i]) for i in index] + [float(flat[~shown].sum())],
+                s=6,
+                color="black",
+                zorder=3,
+            )
     axes[-1].set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
     axes[-1].set_xlabel("leaf (root action, subtree action)")
     fig.tight_layout()
@@ -255,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beta", type=float, help="override the chosen entropy-bonus coefficient (not the default)")
     parser.add_argument("--alpha", type=float, help="override the chosen CaSP alpha (not the default)")
     parser.add_argument("--adaptive-alpha", type=float, help="override the chosen casp_adaptive alpha")
-    parser.add_argument("--candidate-mass", type=float,
-                        help=f"casp_adaptive's candidate_mass (default {ADAPTIVE_MASS})")
+    parser.add_argument(
+        "--candidate-mass", type=float, help=f"casp_adaptive's candidate_mass (default {ADAPTIVE_MASS})"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.group_size < 2 or not args.lr > 0 or not args.seeds or args.branching < 8:
         parser.error("expected --steps >= 1, --group-size >= 2, --lr > 0, --branching >= 8 and at least one seed")
@@ -274,15 +294,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.candidate_mass is not None:
         coefficients["casp_adaptive"]["candidate_mass"] = args.candidate_mass
     seeds = tuple(args.seeds)
-    print(f"tree: depth 2, {tree.branching} actions per node, 2 x 3 rewarding leaves; G={schedule.group_size}, "
-          f"steps={schedule.steps}, SGD lr={schedule.lr}, seeds {list(seeds)}")
+    print(
+        f"tree: depth 2, {tree.branching} actions per node, 2 x 3 rewarding leaves; G={schedule.group_size}, "
+        f"steps={schedule.steps}, SGD lr={schedule.lr}, seeds {list(seeds)}"
+    )
     if args.sweep:
         started = time.monotonic()
         table, chosen = sweep(tree, schedule)
         agrees = "the same as" if chosen == CHOSEN else "DIFFERENT from"
-        print(f"sweep on seeds {list(SWEEP_SEEDS)} (rule: most modes kept on every sweep seed, then mean accuracy)"
-              f" in {time.monotonic() - started:.0f} s; each cell: accuracy modes\n{table}\n"
-              f"chosen: {json.dumps(chosen)} ({agrees} the coefficients used below)")
+        print(
+            f"sweep on seeds {list(SWEEP_SEEDS)} (rule: most modes kept on every sweep seed, then mean accuracy)"
+            f" in {time.monotonic() - started:.0f} s; each cell: accuracy modes\n{table}\n"
+            f"chosen: {json.dumps(chosen)} ({agrees} the coefficients used below)"
+        )
     started = time.monotonic()
     results, finals = run_methods(tree, schedule, coefficients, seeds)
     print(format_table(results, coefficients))

@@ -7,7 +7,7 @@ a gathered Megatron tensor -> HF tensors (export), and one Megatron shard -> the
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -68,8 +68,10 @@ def to_hf(m: ParamMapping, full: torch.Tensor, dims: ModelDims, tp: int) -> list
         # Concatenated shards are [gate_0; up_0; gate_1; up_1; ...] (ffn: the dense MLP's or one expert's).
         ffn = full.shape[0] // 2
         shards = full.reshape(tp, 2, ffn // tp, *full.shape[1:])
-        return [(m.hf[0], shards[:, 0].reshape(ffn, *full.shape[1:])),
-                (m.hf[1], shards[:, 1].reshape(ffn, *full.shape[1:]))]
+        return [
+            (m.hf[0], shards[:, 0].reshape(ffn, *full.shape[1:])),
+            (m.hf[1], shards[:, 1].reshape(ffn, *full.shape[1:])),
+        ]
     if m.kind == "qkv":
         return list(zip(m.hf, _split_qkv(full, dims)))
     raise KeyError(f"unknown mapping kind {m.kind!r} for {m.megatron}")

@@ -18,8 +18,9 @@ owns expert ``e`` (megatron-core's SequentialMLP, ``mlp.experts.local_experts.{j
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from megatron_rlvr.models.builder import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
 from megatron_rlvr.models.family import head_dim, num_kv_heads
@@ -51,7 +52,7 @@ class ModelDims:
         return self.heads // self.groups
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelDims":
+    def from_hf(cls, hf: Mapping[str, Any]) -> ModelDims:
         moe = family_of(hf).megatron_kwargs(hf)
         pattern = moe.get("moe_layer_freq") or []
         return cls(
@@ -140,8 +141,11 @@ def _moe_entries(dims: ModelDims, m: str, h: str) -> list[ParamMapping]:
     ]
     for e in range(dims.experts):
         me, he = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
-        out.append(ParamMapping(me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "gate_up",
-                                expert=True))
+        out.append(
+            ParamMapping(
+                me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "gate_up", expert=True
+            )
+        )
         out.append(ParamMapping(me + "linear_fc2.weight", (he + "down_proj.weight",), "row", expert=True))
     return out
 

@@ -46,8 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="the JSONL file to write, e.g. data/countdown.jsonl")
     parser.add_argument("--split", default="eval", choices=["eval", "train"], help="which split (default: eval)")
     parser.add_argument("--count", type=int, default=DEFAULT_COUNT, help=f"problems (default: {DEFAULT_COUNT})")
-    parser.add_argument("--seed", type=int, default=DataConfig.seed,
-                        help=f"generator seed (default: {DataConfig.seed}, the recipes' data.seed)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=DataConfig.seed,
+        help=f"generator seed (default: {DataConfig.seed}, the recipes' data.seed)",
+    )
     return parser
 
 

@@ -46,7 +46,7 @@ class Report:
 
 
 def parse_levels(text: str) -> frozenset[int]:
-    """"3-5" -> {3, 4, 5}; "1" -> {1}; "1,3" -> {1, 3}."""
+    """ "3-5" -> {3, 4, 5}; "1" -> {1}; "1,3" -> {1, 3}."""
     levels: set[int] = set()
     try:
         for part in text.split(","):
@@ -59,8 +59,9 @@ def parse_levels(text: str) -> frozenset[int]:
     return frozenset(levels)
 
 
-def convert_release(release: Release, src: str, split: str, options: Options, strict: bool,
-                    report: Report, seen: set[str]) -> list[dict]:
+def convert_release(
+    release: Release, src: str, split: str, options: Options, strict: bool, report: Report, seen: set[str]
+) -> list[dict]:
     rows = []
     for path in release_files(src, split):
         for where, record in read_records(path):
@@ -69,7 +70,9 @@ def convert_release(release: Release, src: str, split: str, options: Options, st
                 prepared = release.convert(record, options)
             except Skip as e:
                 if strict:
-                    raise DataError(f"{where}: {release.name} row skipped: {e} (expected layout: {release.layout})")
+                    raise DataError(
+                        f"{where}: {release.name} row skipped: {e} (expected layout: {release.layout})"
+                    ) from None
                 report.skipped[str(e)] += 1
                 report.first_skipped.setdefault(str(e), where)
                 continue
@@ -78,19 +81,30 @@ def convert_release(release: Release, src: str, split: str, options: Options, st
                 report.duplicates += 1
                 continue
             seen.add(key)
-            rows.append({
-                "id": f"{release.name}-{prepared.id}" if prepared.id else content_id(release.name, prepared.problem),
-                "problem": prepared.prompt or prepared.problem, "answer": prepared.answer, "task": prepared.task,
-                "source": release.name, "_text": prepared.problem,
-            })
+            rows.append(
+                {
+                    "id": f"{release.name}-{prepared.id}"
+                    if prepared.id
+                    else content_id(release.name, prepared.problem),
+                    "problem": prepared.prompt or prepared.problem,
+                    "answer": prepared.answer,
+                    "task": prepared.task,
+                    "source": release.name,
+                    "_text": prepared.problem,
+                }
+            )
     return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlvr data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
-    p = sub.add_parser("prepare", help="a training set from a public release", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "prepare",
+        help="a training set from a public release",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("name", choices=RELEASE_NAMES + (REASONING_GYM,), help="the release")
     p.add_argument("--src", default=None, help="the release as downloaded: its directory or one data file")
     p.add_argument("--out", required=True, help="the JSONL file to write")
@@ -105,10 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("reasoning-gym (generated: no --src)")
     g.add_argument("--tasks", default=None, help="reasoning-gym dataset names, comma-separated")
     g.add_argument("--size", type=int, default=None, help="rows per task")
-    g.add_argument("--seed", type=int, default=None, help="the generators' seed (the same seed, the same rows; most "
-                   "tasks draw entry i from seed + i, so sets meant to be disjoint need seeds --size apart)")
-    g.add_argument("--config", action="append", default=[], metavar="NAME.KEY=VALUE",
-                   help="a field of task NAME's reasoning-gym config (repeatable)")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the generators' seed (the same seed, the same rows; most "
+        "tasks draw entry i from seed + i, so sets meant to be disjoint need seeds --size apart)",
+    )
+    g.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME.KEY=VALUE",
+        help="a field of task NAME's reasoning-gym config (repeatable)",
+    )
     return parser
 
 
@@ -133,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.add_src and not args.add:
         raise DataError("--add-src: only with --add NAME")
     if args.levels and not (release.uses_levels or (extra and extra.uses_levels)):
-        raise DataError(f"--levels: only the math release has levels (this command prepares {args.name}"
-                        f"{' + ' + args.add if args.add else ''})")
+        raise DataError(
+            f"--levels: only the math release has levels (this command prepares {args.name}"
+            f"{' + ' + args.add if args.add else ''})"
+        )
     if args.drop_overlap and not args.check_against:
         raise DataError("--drop-overlap: needs --check-against DIR")
     levels = parse_levels(args.levels) if args.levels else None
@@ -171,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         names = Counter(hit.split("/", 1)[0] for _, hit in report.overlap)
         shown = "; ".join(f"{rid} = {hit}" for rid, hit in report.overlap[:3])
         action = "dropped" if args.drop_overlap else "kept (--drop-overlap drops them)"
-        print(f"overlap with {', '.join(benchmarks)} under {args.check_against}: {len(report.overlap)} training "
-              f"problems {dict(names) if names else ''} {action}{'; e.g. ' + shown if shown else ''}")
+        print(
+            f"overlap with {', '.join(benchmarks)} under {args.check_against}: {len(report.overlap)} training "
+            f"problems {dict(names) if names else ''} {action}{'; e.g. ' + shown if shown else ''}"
+        )
     return 0
 
 
@@ -190,8 +218,12 @@ def _write(rows: list[dict], path: str) -> Path:
 def _prepare_reasoning_gym(args: argparse.Namespace) -> int:
     from megatron_rlvr.data.releases import reasoning_gym as gym
 
-    for flag, value in (("--src", args.src), ("--add", args.add), ("--levels", args.levels),
-                        ("--check-against", args.check_against)):
+    for flag, value in (
+        ("--src", args.src),
+        ("--add", args.add),
+        ("--levels", args.levels),
+        ("--check-against", args.check_against),
+    ):
         if value:
             raise DataError(f"{flag}: not with {REASONING_GYM} (its rows are generated: --tasks, --size, --seed)")
     missing = [f"--{k}" for k in ("tasks", "size", "seed") if getattr(args, k) is None]
@@ -199,13 +231,15 @@ def _prepare_reasoning_gym(args: argparse.Namespace) -> int:
         raise DataError(f"{REASONING_GYM}: give {', '.join(missing)} (e.g. --tasks leg_counting --size 1000 --seed 1)")
     tasks = gym.parse_tasks(args.tasks)
     report = gym.GymReport()
-    rows = gym.generate_rows(tasks, args.size, args.seed, gym.parse_config(args.config, tasks),
-                             not args.no_instruction, report)
+    rows = gym.generate_rows(
+        tasks, args.size, args.seed, gym.parse_config(args.config, tasks), not args.no_instruction, report
+    )
     if not rows:
         raise DataError(f"{REASONING_GYM} {','.join(tasks)}: no usable rows ({gym.summary(report)})")
     out = _write(rows, args.out)
-    print(f"{REASONING_GYM} {','.join(tasks)} (seed {args.seed}): {gym.summary(report)}; wrote {len(rows)} rows "
-          f"to {out}")
+    print(
+        f"{REASONING_GYM} {','.join(tasks)} (seed {args.seed}): {gym.summary(report)}; wrote {len(rows)} rows to {out}"
+    )
     return 0
 
 

@@ -14,9 +14,10 @@ import json
 import pickle
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from megatron_rlvr.errors import UserError
 
@@ -54,7 +55,9 @@ class Row:
             if name in self.data and self.data[name] is not None:
                 return self.data[name]
         if required:
-            raise BenchmarkError(f"{self.where}: missing field {' or '.join(repr(n) for n in names)}; expected layout: {self.layout}")
+            raise BenchmarkError(
+                f"{self.where}: missing field {' or '.join(repr(n) for n in names)}; expected layout: {self.layout}"
+            )
         return None
 
 
@@ -80,13 +83,21 @@ def _math_row(row: Row, i: int, bench: str) -> Problem:
         solution = row.get("solution", "Solution")
         answer = _last_boxed(str(solution))
         if answer is None:
-            raise BenchmarkError(f"{row.where}: no 'answer' field and no \\boxed{{}} in 'solution'; expected layout: {row.layout}")
+            raise BenchmarkError(
+                f"{row.where}: no 'answer' field and no \\boxed{{}} in 'solution'; expected layout: {row.layout}"
+            )
     if isinstance(answer, list):  # OlympiadBench: final_answer is a list of strings
         answer = ", ".join(str(a).strip("$ ") for a in answer)
     if isinstance(answer, float) and answer.is_integer():  # AMC23 stores 27.0
         answer = int(answer)
-    return Problem(bench, _row_id(row, i, "unique_id", "id", "ID", "idx", "problem_id"), f"{question}{MATH_SUFFIX}", "math",
-                   str(answer).strip(), str(question))
+    return Problem(
+        bench,
+        _row_id(row, i, "unique_id", "id", "ID", "idx", "problem_id"),
+        f"{question}{MATH_SUFFIX}",
+        "math",
+        str(answer).strip(),
+        str(question),
+    )
 
 
 def _gsm8k_row(row: Row, i: int, bench: str) -> Problem:
@@ -100,7 +111,9 @@ def _gsm8k_row(row: Row, i: int, bench: str) -> Problem:
 def _bbh_row(row: Row, i: int, bench: str) -> Problem:
     task = row.get("task", "subset", required=False) or row.data.get("_file_task") or "bbh"
     pid = f"{task}/{_row_id(row, i, 'id', 'idx')}"
-    return Problem(bench, pid, f"{row.get('input')}{LOGIC_SUFFIX}", "logic", str(row.get("target")), str(row.get("input")))
+    return Problem(
+        bench, pid, f"{row.get('input')}{LOGIC_SUFFIX}", "logic", str(row.get("target")), str(row.get("input"))
+    )
 
 
 def _synlogic_row(row: Row, i: int, bench: str) -> Problem:
@@ -115,7 +128,9 @@ def _synlogic_row(row: Row, i: int, bench: str) -> Problem:
         reward_model = row.get("reward_model")
         answer = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
         if answer is None:
-            raise BenchmarkError(f"{row.where}: no 'answer' and no 'reward_model.ground_truth'; expected layout: {row.layout}")
+            raise BenchmarkError(
+                f"{row.where}: no 'answer' and no 'reward_model.ground_truth'; expected layout: {row.layout}"
+            )
     task = row.get("data_source", "task", required=False)
     pid = _row_id(row, i, "id", "idx")
     return Problem(bench, f"{task}/{pid}" if task else pid, str(prompt), "logic", str(answer), str(prompt))
@@ -169,12 +184,16 @@ def _livecodebench_row(row: Row, i: int, bench: str) -> Problem:
         metadata = json.loads(metadata) if isinstance(metadata, str) else metadata
         func_name = metadata.get("func_name")
         if not func_name:
-            raise BenchmarkError(f"{row.where}: functional tests need metadata.func_name; expected layout: {row.layout}")
+            raise BenchmarkError(
+                f"{row.where}: functional tests need metadata.func_name; expected layout: {row.layout}"
+            )
         reference: dict = {"tests": _lcb_functional_tests(cases, func_name)}
         prompt = f"{content}\n\nComplete this starter code:\n```python\n{starter}\n```{CODE_SUFFIX}"
     else:
         reference = {"io": [{"input": c["input"], "output": c["output"]} for c in cases]}
-        prompt = f"{content}\n\nRead the input from standard input and write the answer to standard output.{CODE_SUFFIX}"
+        prompt = (
+            f"{content}\n\nRead the input from standard input and write the answer to standard output.{CODE_SUFFIX}"
+        )
     return Problem(bench, _row_id(row, i, "question_id", "id"), prompt, "code", reference, str(content))
 
 
@@ -192,9 +211,13 @@ def _countdown_row(row: Row, i: int, bench: str) -> Problem:
 
     numbers, target = row.get("numbers"), row.get("target")
     if not isinstance(numbers, list) or not all(isinstance(x, int) for x in numbers) or not isinstance(target, int):
-        raise BenchmarkError(f"{row.where}: 'numbers' must be a list of ints and 'target' an int; expected layout: {row.layout}")
+        raise BenchmarkError(
+            f"{row.where}: 'numbers' must be a list of ints and 'target' an int; expected layout: {row.layout}"
+        )
     prompt = row.get("prompt", required=False) or format_prompt(numbers, target)
-    return Problem(bench, _row_id(row, i, "id"), str(prompt), "countdown", {"numbers": numbers, "target": target}, str(prompt))
+    return Problem(
+        bench, _row_id(row, i, "id"), str(prompt), "countdown", {"numbers": numbers, "target": target}, str(prompt)
+    )
 
 
 @dataclass(frozen=True)
@@ -208,19 +231,62 @@ class BenchmarkSpec:
 
 MATH_LAYOUT = "(also accepted: 'question' for 'problem', a 'solution' whose last \\boxed{} is the answer)"
 BENCHMARKS: dict[str, BenchmarkSpec] = {
-    "math500": BenchmarkSpec(("math500", "MATH-500", "math500/test"), f"MATH-500 (HuggingFaceH4/MATH-500): 'unique_id', 'problem', 'answer' {MATH_LAYOUT}", _math_row),
-    "aime24": BenchmarkSpec(("aime24", "aime_2024"), f"AIME 2024 (HuggingFaceH4/aime_2024): 'id', 'problem', 'answer' {MATH_LAYOUT}", _math_row),
-    "aime25": BenchmarkSpec(("aime25", "aime_2025"), f"AIME 2025 (yentinglin/aime_2025): 'id', 'problem', 'answer' {MATH_LAYOUT}", _math_row),
-    "amc23": BenchmarkSpec(("amc23",), f"AMC 2023 (math-ai/amc23): 'id', 'question', 'answer' (number) {MATH_LAYOUT}", _math_row),
-    "minerva": BenchmarkSpec(("minerva_math", "minerva"), f"Minerva Math (Qwen2.5-Math minerva_math): 'idx', 'problem', 'solution' (or 'answer') {MATH_LAYOUT}", _math_row),
-    "olympiadbench": BenchmarkSpec(("olympiadbench", "OlympiadBench"), "OlympiadBench (OE_TO_maths_en_COMP): 'id', 'question', 'final_answer' (list of strings)", _math_row),
-    "gsm8k": BenchmarkSpec(("gsm8k", "gsm8k/test"), "GSM8K (openai/gsm8k main): 'question', 'answer' ending in '#### <number>'", _gsm8k_row),
-    "synlogic": BenchmarkSpec(("synlogic", "SynLogic"), "SynLogic: 'prompt' (str or chat messages), 'answer' or 'reward_model.ground_truth', optional 'data_source', 'id'", _synlogic_row),
-    "bbh": BenchmarkSpec(("bbh",), "BIG-Bench Hard (lukaemon/bbh): 'input', 'target', plus 'task' in one file, or a directory bbh/<task>.jsonl", _bbh_row, per_task_dir=True),
-    "livecodebench": BenchmarkSpec(("livecodebench", "code_generation_lite"), "LiveCodeBench (code_generation_lite): 'question_id', 'question_content', 'starter_code', 'public_test_cases' and 'private_test_cases' (JSON strings, private possibly base64/zlib/pickled), 'metadata' with 'func_name' for functional tests", _livecodebench_row),
-    "humanevalplus": BenchmarkSpec(("humanevalplus", "HumanEvalPlus"), "HumanEval+ (evalplus/humanevalplus): 'task_id', 'prompt', 'entry_point', 'test' (defines check(candidate))", _humanevalplus_row),
-    "countdown": BenchmarkSpec(("countdown",), "countdown (the demo task): 'id', 'numbers' (list of ints), 'target' (int), optional 'prompt'", _countdown_row,
-                               make="megatron-rlvr data prepare countdown --out {data_dir}/countdown.jsonl"),
+    "math500": BenchmarkSpec(
+        ("math500", "MATH-500", "math500/test"),
+        f"MATH-500 (HuggingFaceH4/MATH-500): 'unique_id', 'problem', 'answer' {MATH_LAYOUT}",
+        _math_row,
+    ),
+    "aime24": BenchmarkSpec(
+        ("aime24", "aime_2024"),
+        f"AIME 2024 (HuggingFaceH4/aime_2024): 'id', 'problem', 'answer' {MATH_LAYOUT}",
+        _math_row,
+    ),
+    "aime25": BenchmarkSpec(
+        ("aime25", "aime_2025"), f"AIME 2025 (yentinglin/aime_2025): 'id', 'problem', 'answer' {MATH_LAYOUT}", _math_row
+    ),
+    "amc23": BenchmarkSpec(
+        ("amc23",), f"AMC 2023 (math-ai/amc23): 'id', 'question', 'answer' (number) {MATH_LAYOUT}", _math_row
+    ),
+    "minerva": BenchmarkSpec(
+        ("minerva_math", "minerva"),
+        f"Minerva Math (Qwen2.5-Math minerva_math): 'idx', 'problem', 'solution' (or 'answer') {MATH_LAYOUT}",
+        _math_row,
+    ),
+    "olympiadbench": BenchmarkSpec(
+        ("olympiadbench", "OlympiadBench"),
+        "OlympiadBench (OE_TO_maths_en_COMP): 'id', 'question', 'final_answer' (list of strings)",
+        _math_row,
+    ),
+    "gsm8k": BenchmarkSpec(
+        ("gsm8k", "gsm8k/test"), "GSM8K (openai/gsm8k main): 'question', 'answer' ending in '#### <number>'", _gsm8k_row
+    ),
+    "synlogic": BenchmarkSpec(
+        ("synlogic", "SynLogic"),
+        "SynLogic: 'prompt' (str or chat messages), 'answer' or 'reward_model.ground_truth', optional 'data_source', 'id'",
+        _synlogic_row,
+    ),
+    "bbh": BenchmarkSpec(
+        ("bbh",),
+        "BIG-Bench Hard (lukaemon/bbh): 'input', 'target', plus 'task' in one file, or a directory bbh/<task>.jsonl",
+        _bbh_row,
+        per_task_dir=True,
+    ),
+    "livecodebench": BenchmarkSpec(
+        ("livecodebench", "code_generation_lite"),
+        "LiveCodeBench (code_generation_lite): 'question_id', 'question_content', 'starter_code', 'public_test_cases' and 'private_test_cases' (JSON strings, private possibly base64/zlib/pickled), 'metadata' with 'func_name' for functional tests",
+        _livecodebench_row,
+    ),
+    "humanevalplus": BenchmarkSpec(
+        ("humanevalplus", "HumanEvalPlus"),
+        "HumanEval+ (evalplus/humanevalplus): 'task_id', 'prompt', 'entry_point', 'test' (defines check(candidate))",
+        _humanevalplus_row,
+    ),
+    "countdown": BenchmarkSpec(
+        ("countdown",),
+        "countdown (the demo task): 'id', 'numbers' (list of ints), 'target' (int), optional 'prompt'",
+        _countdown_row,
+        make="megatron-rlvr data prepare countdown --out {data_dir}/countdown.jsonl",
+    ),
 }
 
 
@@ -264,7 +330,9 @@ def benchmark_files(name: str, data_dir: str | Path) -> list[tuple[Path, str | N
             files = sorted(folder.glob("*.jsonl")) + sorted(folder.glob("*.parquet"))
             if files:
                 return [(f, f.stem) for f in files]
-    make = f"; make it with `{spec.make.format(data_dir=data_dir)}`" if spec.make else f". Expected layout: {spec.layout}"
+    make = (
+        f"; make it with `{spec.make.format(data_dir=data_dir)}`" if spec.make else f". Expected layout: {spec.layout}"
+    )
     raise BenchmarkMissing(f"benchmark {name!r}: no data file; tried {', '.join(tried)}{make}")
 
 
@@ -281,13 +349,17 @@ def load_benchmark(name: str, data_dir: str | Path, limit: int | None = None) ->
                 record = {**record, "_file_task": file_task}
             problem = spec.build(Row(record, f"{path}: row {i}", spec.layout), i, name)
             if problem.problem_id in seen:
-                raise BenchmarkError(f"{path}: row {i}: problem id {problem.problem_id!r} repeats ({seen[problem.problem_id]})")
+                raise BenchmarkError(
+                    f"{path}: row {i}: problem id {problem.problem_id!r} repeats ({seen[problem.problem_id]})"
+                )
             seen[problem.problem_id] = f"{path}: row {i}"
             problems.append(problem)
             if limit is not None and len(problems) >= limit:
                 return problems
     if not problems:
-        raise BenchmarkError(f"benchmark {name!r}: {', '.join(str(p) for p, _ in benchmark_files(name, data_dir))} holds no rows")
+        raise BenchmarkError(
+            f"benchmark {name!r}: {', '.join(str(p) for p, _ in benchmark_files(name, data_dir))} holds no rows"
+        )
     return problems
 
 

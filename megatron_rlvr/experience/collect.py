@@ -64,7 +64,12 @@ def sampling_seed(run_seed: int, step: int, rollout_rank: int, refill_round: int
 
 
 def generate(
-    engine: RolloutEngine, items: list[PromptItem], cfg: RolloutConfig, *, run_seed: int, step: int,
+    engine: RolloutEngine,
+    items: list[PromptItem],
+    cfg: RolloutConfig,
+    *,
+    run_seed: int,
+    step: int,
     refill_round: int = 0,
 ) -> list[list[Completion]]:
     """Every rank of a rollout group generates its share of the prompts; all ranks get every completion. An engine
@@ -76,9 +81,13 @@ def generate(
     rollout_dp, rollout_rank = world // tp, rank // tp
     mine = list(range(rollout_rank, len(items), rollout_dp))
     sampling = Sampling(
-        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, min_tokens=cfg.min_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_tokens=cfg.max_new_tokens,
+        min_tokens=cfg.min_new_tokens,
         stop=list(cfg.stop),
-        seed=sampling_seed(run_seed, step, rollout_rank, refill_round), logprobs=True,
+        seed=sampling_seed(run_seed, step, rollout_rank, refill_round),
+        logprobs=True,
     )
     died = ""
     try:
@@ -136,7 +145,14 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 
 
 def _sample_round(
-    engine: RolloutEngine, pool, items: list[PromptItem], cfg: "Config", *, run_seed: int, step: int, refill_round: int,
+    engine: RolloutEngine,
+    pool,
+    items: list[PromptItem],
+    cfg: Config,
+    *,
+    run_seed: int,
+    step: int,
+    refill_round: int,
     counters: dict[str, int],
 ) -> list[_Group]:
     completions = generate(engine, items, cfg.rollout, run_seed=run_seed, step=step, refill_round=refill_round)
@@ -144,12 +160,15 @@ def _sample_round(
     for key, value in round_counters.items():
         counters[key] = counters.get(key, 0) + value
     lengths = torch.tensor([len(c.token_ids) for group in completions for c in group])
-    penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer,
-                               cfg.reward.overlong_penalty)
+    penalty = overlong_penalty(
+        lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty
+    )
     rewards = rewards + penalty
     g = cfg.rollout.group_size
-    return [_Group(refill_round, i, item, group, rewards[i * g : (i + 1) * g], penalty[i * g : (i + 1) * g])
-            for i, (item, group) in enumerate(zip(items, completions))]
+    return [
+        _Group(refill_round, i, item, group, rewards[i * g : (i + 1) * g], penalty[i * g : (i + 1) * g])
+        for i, (item, group) in enumerate(zip(items, completions))
+    ]
 
 
 def _refill_count(missing: int, drawn: int, informative: int, prompts_per_step: int) -> int:
@@ -160,14 +179,16 @@ def _refill_count(missing: int, drawn: int, informative: int, prompts_per_step: 
     return max(missing, min(prompts_per_step, math.ceil(missing * drawn / informative)))
 
 
-def collect(engine: RolloutEngine, pool, loader: "PromptLoader", cfg: "Config", *, pad_id: int, run_seed: int,
-            step: int) -> Experience:
+def collect(
+    engine: RolloutEngine, pool, loader: PromptLoader, cfg: Config, *, pad_id: int, run_seed: int, step: int
+) -> Experience:
     """One step's experience from ``loader.batch_size`` prompts (more with dynamic sampling, see the module doc).
     The loader advances by every prompt drawn; a caller retrying a failed collect restores its state first."""
     want, refill = loader.batch_size, cfg.algo.drop_uniform_groups
     counters: dict[str, int] = {}
-    groups = _sample_round(engine, pool, loader.next_batch(), cfg, run_seed=run_seed, step=step, refill_round=0,
-                           counters=counters)
+    groups = _sample_round(
+        engine, pool, loader.next_batch(), cfg, run_seed=run_seed, step=step, refill_round=0, counters=counters
+    )
     rounds = 0
     while refill and rounds < cfg.rollout.refill_max_rounds:
         informative = sum(not g.uniform for g in groups)
@@ -175,8 +196,9 @@ def collect(engine: RolloutEngine, pool, loader: "PromptLoader", cfg: "Config", 
             break
         rounds += 1
         items = loader.draw(_refill_count(want - informative, len(groups), informative, want))
-        groups += _sample_round(engine, pool, items, cfg, run_seed=run_seed, step=step, refill_round=rounds,
-                                counters=counters)
+        groups += _sample_round(
+            engine, pool, items, cfg, run_seed=run_seed, step=step, refill_round=rounds, counters=counters
+        )
     chosen = _choose_groups(groups, want, refill)
     rewards = torch.cat([g.rewards for g in chosen])
     advantages, keep = compute_advantages(rewards, cfg.rollout.group_size, cfg.algo)
@@ -189,11 +211,13 @@ def collect(engine: RolloutEngine, pool, loader: "PromptLoader", cfg: "Config", 
         batch.response_mask &= ~truncated[:, None]
     trained = sum(not g.uniform for g in chosen) if refill else len(chosen)
     metrics = _sampled_metrics(groups, cfg.reward.overlong_buffer > 0)
-    metrics.update({
-        "batch/uniform_groups_dropped": float(sum(g.uniform for g in groups)) if refill else 0.0,
-        "batch/refill_rounds": float(rounds),
-        "batch/groups_trained": float(trained),
-    })
+    metrics.update(
+        {
+            "batch/uniform_groups_dropped": float(sum(g.uniform for g in groups)) if refill else 0.0,
+            "batch/refill_rounds": float(rounds),
+            "batch/groups_trained": float(trained),
+        }
+    )
     return Experience(items, completions, rewards, batch, engine_logp, counters, metrics)
 
 

@@ -10,7 +10,8 @@ same function so every component agrees on which ids are padding.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -39,8 +40,10 @@ def resolve_use_te(setting: str) -> bool | None:
     if setting == "auto":
         return None
     if setting == "on" and not transformer_engine_available():
-        raise UnsupportedModelError("model.use_transformer_engine=on: transformer_engine is not importable here; "
-                                    "install it (the NVIDIA container has it) or set auto/off")
+        raise UnsupportedModelError(
+            "model.use_transformer_engine=on: transformer_engine is not importable here; "
+            "install it (the NVIDIA container has it) or set auto/off"
+        )
     return setting == "on"
 
 
@@ -83,8 +86,9 @@ def transformer_config_from_hf(
     if experts and experts % ep:
         raise ValueError(f"ep={ep} must divide the model's num_experts={experts}")
     if experts and family_kwargs["moe_ffn_hidden_size"] % (etp or tp):
-        raise ValueError(f"etp={etp or tp} must divide the model's moe_intermediate_size="
-                         f"{family_kwargs['moe_ffn_hidden_size']}")
+        raise ValueError(
+            f"etp={etp or tp} must divide the model's moe_intermediate_size={family_kwargs['moe_ffn_hidden_size']}"
+        )
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],
@@ -159,8 +163,9 @@ def layer_spec(use_te: bool | None = None, tcfg=None, vp_stage: int | None = Non
         use_te = transformer_engine_available()
     qk_layernorm = bool(tcfg is not None and tcfg.qk_layernorm)
     if tcfg is not None and tcfg.num_moe_experts:
-        block = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm",
-                                           vp_stage=vp_stage)
+        block = get_gpt_decoder_block_spec(
+            tcfg, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+        )
         for spec in block.layer_specs if not use_te else ():
             _use_packed_attention(spec)
         return block

@@ -8,7 +8,8 @@ one by the HF config's ``architectures`` field.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from megatron_rlvr.errors import UserError
 

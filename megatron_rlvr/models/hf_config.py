@@ -7,8 +7,9 @@ math; the checks they share are in ``family.py``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from megatron_rlvr.models import llama, qwen2, qwen3, qwen3_moe
 from megatron_rlvr.models.family import ModelFamily, UnsupportedModelError

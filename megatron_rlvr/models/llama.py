@@ -3,7 +3,8 @@ embeddings in 3.2-1B/3B."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from megatron_rlvr.models.family import UnsupportedModelError, validate_common
 
@@ -18,7 +19,9 @@ def validate(hf: Mapping[str, Any], where: str) -> None:
         if hf.get(key):
             raise UnsupportedModelError(f"HF config {where}: {key}=true is not supported (Llama has no biases)")
     if hf.get("pretraining_tp", 1) != 1:
-        raise UnsupportedModelError(f"HF config {where}: pretraining_tp={hf['pretraining_tp']} changes the math; need 1")
+        raise UnsupportedModelError(
+            f"HF config {where}: pretraining_tp={hf['pretraining_tp']} changes the math; need 1"
+        )
 
 
 def megatron_kwargs(hf: Mapping[str, Any]) -> dict[str, Any]:

@@ -30,8 +30,9 @@ class _LogitsAtIds(torch.autograd.Function):
         rows = torch.arange(flat.shape[0], device=logits.device)[:, None].expand(-1, ids.shape[-1])
         picked = flat[rows, safe.reshape(flat.shape[0], -1)].reshape(ids.shape)
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        values = torch.where(owned, picked.to(dtype) * inv_temperature, torch.zeros((), dtype=dtype,
-                                                                                    device=logits.device))
+        values = torch.where(
+            owned, picked.to(dtype) * inv_temperature, torch.zeros((), dtype=dtype, device=logits.device)
+        )
         if group is not None:
             dist.all_reduce(values, group=group)
         ctx.save_for_backward(safe, owned)
@@ -56,15 +57,21 @@ class _LogitsAtIds(torch.autograd.Function):
 
 
 def logits_at_ids(
-    logits: torch.Tensor, ids: torch.Tensor, *, vocab_start: int = 0, temperature: float = 1.0,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits alias, scaled logits at ``ids``): logits [..., V_local] hold global ids [vocab_start, vocab_start +
     V_local); ids [..., K] are global ids of the true vocabulary (every one owned by some rank of ``group``).
     The values are float32 (float64 for float64 logits) and differentiable w.r.t. the logits."""
     if tuple(ids.shape[:-1]) != tuple(logits.shape[:-1]):
-        raise ValueError(f"ids: expected shape {tuple(logits.shape[:-1])} + (K,) like the logits without the vocab "
-                         f"dim, got {tuple(ids.shape)}")
+        raise ValueError(
+            f"ids: expected shape {tuple(logits.shape[:-1])} + (K,) like the logits without the vocab "
+            f"dim, got {tuple(ids.shape)}"
+        )
     if ids.dtype.is_floating_point:
         raise ValueError(f"ids: expected an integer tensor, got {ids.dtype}")
     if not temperature > 0:

@@ -16,7 +16,8 @@ from typing import Any
 
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.plan.host_memory import host_json, host_plan, host_text
-from megatron_rlvr.plan.memory import GB, PHASE_PARTS, Layout, ModelDims, Plan, plan_layout, stage_params
+from megatron_rlvr.plan.memory import GB, PHASE_PARTS, Layout, Plan, plan_layout
+from megatron_rlvr.plan.model_dims import ModelDims, stage_params
 from megatron_rlvr.plan.suggest import RANKING_RULE, suggest
 
 EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3

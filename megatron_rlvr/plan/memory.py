@@ -25,10 +25,12 @@ Assumptions that were not measured here are named constants below. Sizes are in 
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+
+from megatron_rlvr.plan.model_dims import ModelDims, padded_vocab, stage_params, teacher_dims
 
 GB = 1e9
 FP32 = 4
@@ -39,81 +41,6 @@ RUNTIME_BYTES = int(2.0 * GB)
 ENGINE_WORKSPACE_BYTES = int(2.0 * GB)
 # Kept free on every GPU for the caching allocator's fragmentation and what the estimates above miss.
 HEADROOM_FRACTION = 0.05
-# megatron-core's DDP grad buffer starts every parameter at a multiple of 64 values with the distributed optimizer.
-PARAM_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The shapes of a Qwen2 / Llama model that decide its memory, from its HF config.json."""
-
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelDims":
-        from megatron_rlvr.models.family import head_dim, num_kv_heads
-        from megatron_rlvr.models.hf_config import family_of
-
-        return cls(
-            hidden=int(hf["hidden_size"]), ffn=int(hf["intermediate_size"]), layers=int(hf["num_hidden_layers"]),
-            heads=int(hf["num_attention_heads"]), kv_heads=num_kv_heads(hf), head_dim=head_dim(hf),
-            vocab=int(hf["vocab_size"]), tied=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(family_of(hf).QKV_BIAS),
-        )
-
-    @property
-    def q_width(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def layer_params(self, tp: int) -> int:
-        """One transformer layer's parameters on one TP rank: QKV (+ bias), output projection, SwiGLU fc1/fc2,
-        and the two RMSNorm weights, which every TP rank holds whole."""
-        qkv = self.q_width + 2 * self.kv_width
-        sharded = self.hidden * qkv + (qkv if self.qkv_bias else 0) + self.q_width * self.hidden
-        sharded += 3 * self.hidden * self.ffn
-        return sharded // tp + 2 * self.hidden
-
-    def hf_params(self) -> int:
-        """The checkpoint's parameter count (unpadded vocabulary): what an engine holds in total."""
-        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embeddings + self.layers * self.layer_params(1) + self.hidden
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token over all layers (the engine's KV cache, before its TP split)."""
-        return 2 * self.layers * self.kv_width * dtype_bytes
-
-
-def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
-    """megatron_rlvr.models.padded_vocab_size, restated without torch: rows padded to a multiple of divisible_by*tp."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
-
-
-def stage_params(dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int = 128) -> int:
-    """Parameters of one rank of pipeline stage ``stage``: its layers, the vocab-sharded embedding on the first
-    stage, the output layer on the last (a tied model's last stage keeps its own copy when pp > 1) and the final
-    norm. Equal to the count of megatron-core's build (tests/plan: the meta-device build at TP/PP 1 and 2)."""
-    vocab_rows = padded_vocab(dims.vocab, tp, divisible_by) // tp
-    count = dims.layers // pp * dims.layer_params(tp)
-    if stage == 0:
-        count += vocab_rows * dims.hidden
-    if stage == pp - 1:
-        count += dims.hidden  # final norm
-        if not dims.tied or pp > 1:
-            count += vocab_rows * dims.hidden
-    return count
 
 
 @dataclass(frozen=True)
@@ -145,7 +72,7 @@ class Layout:
     gpu: bool = True  # GPU: TE flash attention, a CUDA runtime, a vLLM engine; CPU: unfused attention, none of those
 
     @classmethod
-    def from_config(cls, cfg: Any, world_size: int, gpu: bool = True) -> "Layout":
+    def from_config(cls, cfg: Any, world_size: int, gpu: bool = True) -> Layout:
         """The layout of ``cfg`` on ``world_size`` ranks."""
         a, r = cfg.actor, cfg.rollout
         placement = r.placement
@@ -162,31 +89,30 @@ class Layout:
         if teacher:
             teacher_dims(teacher)  # a bad teacher directory fails here, naming the key
         return cls(
-            teacher=teacher, teacher_copy=cfg.algo.distill == "self" and not reference,
-            tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp, sequence_parallel=a.sequence_parallel, recompute=a.recompute,
-            micro_tokens=micro_tokens, max_seq_len=r.max_model_len,
+            teacher=teacher,
+            teacher_copy=cfg.algo.distill == "self" and not reference,
+            tp=a.tp,
+            pp=a.pp,
+            dp=dp,
+            vpp=a.vpp,
+            sequence_parallel=a.sequence_parallel,
+            recompute=a.recompute,
+            micro_tokens=micro_tokens,
+            max_seq_len=r.max_model_len,
             micro_batches=max(1, math.ceil(per_rank_tokens / micro_tokens)),
-            distributed_optimizer=a.use_distributed_optimizer, param_bytes=2 if a.bf16 else FP32,
-            reference=reference, top_n=max(cfg.algo.top_n, 3), divisible_by=cfg.model.make_vocab_size_divisible_by,
-            engine_tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
-            placement=placement, engine_ranks=engine_ranks, bucket_bytes=r.bucket_bytes, gpu=gpu,
+            distributed_optimizer=a.use_distributed_optimizer,
+            param_bytes=2 if a.bf16 else FP32,
+            reference=reference,
+            top_n=max(cfg.algo.top_n, 3),
+            divisible_by=cfg.model.make_vocab_size_divisible_by,
+            engine_tp=r.tp,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            sleep_level=r.sleep_level,
+            placement=placement,
+            engine_ranks=engine_ranks,
+            bucket_bytes=r.bucket_bytes,
+            gpu=gpu,
         )
-
-
-@functools.lru_cache(maxsize=8)
-def teacher_dims(hf_dir: str) -> ModelDims:
-    """The teacher's shapes from its config.json (or the copy in configs/models/)."""
-    from megatron_rlvr.config import ConfigError
-    from megatron_rlvr.plan.recipe_files import load_hf_config
-
-    hf = load_hf_config(hf_dir)
-    if hf is None:
-        raise ConfigError(f"algo.teacher_hf_dir={hf_dir!r}: no config.json there or in configs/models/; the plan "
-                          "needs the teacher's shapes")
-    try:
-        return ModelDims.from_hf(hf)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"algo.teacher_hf_dir={hf_dir!r}: config.json lacks a usable shape ({e})") from e
 
 
 def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
@@ -282,8 +208,12 @@ def engine_components(dims: ModelDims, lay: Layout, gpu_memory: int) -> dict[str
     budget = int(lay.gpu_memory_utilization * gpu_memory)
     weights = dims.hf_params() * lay.param_bytes // lay.engine_tp
     kv = budget - weights - ENGINE_WORKSPACE_BYTES
-    return {"engine_weights": weights, "kv_cache": kv, "engine_workspace": ENGINE_WORKSPACE_BYTES,
-            "engine_budget": budget}
+    return {
+        "engine_weights": weights,
+        "kv_cache": kv,
+        "engine_workspace": ENGINE_WORKSPACE_BYTES,
+        "engine_budget": budget,
+    }
 
 
 def kv_tokens(dims: ModelDims, lay: Layout, kv_cache: int) -> int:
@@ -351,14 +281,53 @@ class Plan:
 
 # the components each phase adds up (the engine's share differs while it sleeps)
 PHASE_PARTS: dict[str, tuple[str, ...]] = {
-    "rollout": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_weights", "kv_cache",
-                "engine_workspace", "runtime"),
-    "statistics": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
-                   "forward_working", "logits", "op_scratch", "runtime"),
-    "update": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
-               "activations", "backward_working", "logits", "op_scratch", "runtime"),
-    "sync": ("actor_weights", "actor_grads", "optimizer", "reference", "teacher", "engine_workspace",
-             "engine_weights", "sync_buckets", "runtime"),
+    "rollout": (
+        "actor_weights",
+        "actor_grads",
+        "optimizer",
+        "reference",
+        "teacher",
+        "engine_weights",
+        "kv_cache",
+        "engine_workspace",
+        "runtime",
+    ),
+    "statistics": (
+        "actor_weights",
+        "actor_grads",
+        "optimizer",
+        "reference",
+        "teacher",
+        "engine_workspace",
+        "forward_working",
+        "logits",
+        "op_scratch",
+        "runtime",
+    ),
+    "update": (
+        "actor_weights",
+        "actor_grads",
+        "optimizer",
+        "reference",
+        "teacher",
+        "engine_workspace",
+        "activations",
+        "backward_working",
+        "logits",
+        "op_scratch",
+        "runtime",
+    ),
+    "sync": (
+        "actor_weights",
+        "actor_grads",
+        "optimizer",
+        "reference",
+        "teacher",
+        "engine_workspace",
+        "engine_weights",
+        "sync_buckets",
+        "runtime",
+    ),
 }
 ENGINE_RANK_PARTS = ("engine_weights", "kv_cache", "engine_workspace", "runtime")
 
@@ -431,8 +400,14 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
     return plan
 
 
-def plan_config(cfg: Any, hf: Mapping[str, Any], nodes: int, gpu_memory_gb: float = 141.0,
-                gpus_per_node: int = 8, headroom_gb: float | None = None) -> Plan:
+def plan_config(
+    cfg: Any,
+    hf: Mapping[str, Any],
+    nodes: int,
+    gpu_memory_gb: float = 141.0,
+    gpus_per_node: int = 8,
+    headroom_gb: float | None = None,
+) -> Plan:
     """The plan of ``cfg`` on ``nodes`` nodes of ``gpus_per_node`` GPUs with ``gpu_memory_gb`` each."""
     lay = Layout.from_config(cfg, nodes * gpus_per_node, gpu=True)
     return plan_layout(ModelDims.from_hf(hf), lay, gpu_memory_gb, headroom_gb)

@@ -16,7 +16,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_rlvr.plan.memory import Layout, ModelDims, Plan, kv_tokens, plan_layout
+from megatron_rlvr.plan.memory import Layout, Plan, kv_tokens, plan_layout
+from megatron_rlvr.plan.model_dims import ModelDims
 
 RANKING_RULE = (
     "fewer GPUs per actor replica (TP x PP), then fewer pipeline stages, then more KV-cache sequence "

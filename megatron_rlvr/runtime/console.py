@@ -168,6 +168,7 @@ def torchrun(argv: list[str]) -> int:
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as e:
+
         def user_error(failure) -> bool:
             return isinstance(failure.message, str) and failure.message.startswith("error: ")
 

@@ -138,11 +138,12 @@ def world_size() -> int:
 class model_parallel:  # noqa: N801 - used as a context manager, reads like a statement
     """``with model_parallel(tp=2, pp=1): ...`` — parallel state for the block, torn down afterwards (tests, tools)."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1,
-                 etp: int | None = None) -> None:
+    def __init__(
+        self, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1, etp: int | None = None
+    ) -> None:
         self.tp, self.pp, self.vpp, self.seed, self.ep, self.etp = tp, pp, vpp, seed, ep, etp
 
-    def __enter__(self) -> "model_parallel":
+    def __enter__(self) -> model_parallel:
         initialize_model_parallel(self.tp, self.pp, self.vpp, self.seed, ep=self.ep, etp=self.etp)
         return self
 

@@ -83,8 +83,11 @@ def split_roles(engine_ranks: int, timeout_s: float = ROLE_TIMEOUT_S) -> Roles:
     local = grank - actors if is_engine else grank
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend=backend(), store=dist.PrefixStore(f"{tag}/{role}/", store), rank=local,
-        world_size=engine_ranks if is_engine else actors, timeout=timeout,
+        backend=backend(),
+        store=dist.PrefixStore(f"{tag}/{role}/", store),
+        rank=local,
+        world_size=engine_ranks if is_engine else actors,
+        timeout=timeout,
     )
     roles = Roles(role, grank, world, engine_ranks)
     if is_engine or grank == 0:
@@ -92,7 +95,8 @@ def split_roles(engine_ranks: int, timeout_s: float = ROLE_TIMEOUT_S) -> Roles:
         roles.cross_objects = _gloo_group(dist.PrefixStore(f"{tag}/cross-objects/", store), cross_rank, size, timeout)
         roles.cross = (
             _nccl_group(dist.PrefixStore(f"{tag}/cross/", store), cross_rank, size, timeout)
-            if torch.cuda.is_available() else roles.cross_objects
+            if torch.cuda.is_available()
+            else roles.cross_objects
         )
     return roles
 
@@ -106,8 +110,13 @@ def unsplit_roles() -> None:
     store, grank, world, timeout_s = _whole_world
     _whole_world = None
     dist.destroy_process_group()
-    dist.init_process_group(backend=backend(), store=dist.PrefixStore(f"megatron-rlvr/split-{_splits}/world/", store),
-                            rank=grank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=backend(),
+        store=dist.PrefixStore(f"megatron-rlvr/split-{_splits}/world/", store),
+        rank=grank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     dist.barrier()
 
 
@@ -146,8 +155,11 @@ def broadcast_object(group: Any, obj: Any = None, root: int = 0) -> Any:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         size[0] = len(data)
     group.broadcast(size, root).wait()
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank() == root else torch.empty(
-        int(size), dtype=torch.uint8)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if group.rank() == root
+        else torch.empty(int(size), dtype=torch.uint8)
+    )
     group.broadcast(buf, root).wait()
     return obj if group.rank() == root else pickle.loads(buf.numpy().tobytes())
 
@@ -165,7 +177,7 @@ def pin_cpu_cores() -> list[int]:
     share = len(cores) // local_world
     if share < 1 or local_rank >= local_world:
         return []
-    mine = cores[local_rank * share:(local_rank + 1) * share]
+    mine = cores[local_rank * share : (local_rank + 1) * share]
     os.sched_setaffinity(0, mine)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
     torch.set_num_threads(len(mine))

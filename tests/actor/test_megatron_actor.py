@@ -27,9 +27,9 @@ def _batch(vocab: int, seed: int = 0):
 
 
 def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: str = "casp", vpp: int | None = None):
+    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -37,7 +37,9 @@ def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: s
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=tp, pp=pp, vpp=vpp, micro_batch_size=micro_batch_size, lr=1e-3),
-            AlgoConfig(loss=loss, tau_q=0.5), temperature=0.9, total_steps=2,
+            AlgoConfig(loss=loss, tau_q=0.5),
+            temperature=0.9,
+            total_steps=2,
         )
         assert actor.reference is None  # no kl_coef: no reference model, no memory spent on one
         batch = _batch(actor.vocab_size)
@@ -49,16 +51,19 @@ def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: s
 
 def _reference_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int):
     """Policy and reference log-probs before and after one update with the KL term, and a second update's metrics."""
+    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
     with model_parallel(tp=tp, pp=pp, seed=11):
         actor = MegatronActor(
-            ModelConfig(hf_dir=hf_dir), ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=1e-3),
-            AlgoConfig(loss="grpo", kl_coef=0.1), temperature=0.9, total_steps=2,
+            ModelConfig(hf_dir=hf_dir),
+            ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=1e-3),
+            AlgoConfig(loss="grpo", kl_coef=0.1),
+            temperature=0.9,
+            total_steps=2,
         )
         assert all(not p.requires_grad for c in actor.reference for p in c.parameters())
         batch = _batch(actor.vocab_size)
@@ -123,23 +128,27 @@ def test_sequence_batch_carries_the_kl_coefficient():
 def _per_sequence_kl_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int):
     """Updates at lr = 0 (the weights stay) with a reference log-prob off the policy: the loss and gradient with a
     per-sequence coefficient against algo.kl_coef, and the metrics with a mixed one."""
+    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
     with model_parallel(tp=tp, pp=pp, seed=11):
         pba = AlgoConfig(loss="casp", tau_q=0.5, pba=True, pba_kl_coef=0.1)
         actor = MegatronActor(
-            ModelConfig(hf_dir=hf_dir), ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=0.0),
-            pba, temperature=0.9, total_steps=2,
+            ModelConfig(hf_dir=hf_dir),
+            ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=0.0),
+            pba,
+            temperature=0.9,
+            total_steps=2,
         )
         assert actor.reference is not None  # PBA's anchor needs the frozen base even with algo.kl_coef = 0
         batch = _batch(actor.vocab_size)
         batch.old_logp = actor.compute_old_logp(batch)
         batch.ref_logp = actor.compute_ref_logp(batch) + 0.3 * torch.randn(
-            batch.old_logp.shape, generator=torch.Generator().manual_seed(2))
+            batch.old_logp.shape, generator=torch.Generator().manual_seed(2)
+        )
 
         def update(cfg, kl_coef):
             actor.algo_cfg = cfg

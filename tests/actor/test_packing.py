@@ -19,8 +19,18 @@ pytestmark = pytest.mark.dist
 LENGTHS = [24, 1, 20, 2, 9, 1, 13, 5]  # one over the budget, the budget itself, length-1 sequences
 BUDGET = 20
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 0.0, 1.0, -0.7, 0.3]
-LOSSES = ("grpo", "casp", "entropy_bonus", "entropy_adv", "kl_cov", "clip_cov", "w_reinforce", "psr", "nsr",
-          "forking_tokens")
+LOSSES = (
+    "grpo",
+    "casp",
+    "entropy_bonus",
+    "entropy_adv",
+    "kl_cov",
+    "clip_cov",
+    "w_reinforce",
+    "psr",
+    "nsr",
+    "forking_tokens",
+)
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 RTOL = 1e-5
 SEQ_KL = [0.1, 0.0, 0.2, 0.0, 0.05, 0.1, 0.0, 0.3]
@@ -178,16 +188,19 @@ def _layout_numbers(hf_dir: str, tp: int, pp: int, configs: list[dict], count_co
 
 
 def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: list[dict]) -> dict[str, float]:
+    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
     with model_parallel(tp=tp, pp=pp, seed=11):
         actor = MegatronActor(
-            ModelConfig(hf_dir=hf_dir), ActorConfig(tp=tp, pp=pp, lr=0.0), AlgoConfig(kl_coef=0.1),
-            temperature=0.9, total_steps=2,
+            ModelConfig(hf_dir=hf_dir),
+            ActorConfig(tp=tp, pp=pp, lr=0.0),
+            AlgoConfig(kl_coef=0.1),
+            temperature=0.9,
+            total_steps=2,
         )
         batch = _batch(actor.vocab_size)
         valid = _valid(batch.response_mask.shape[1])
@@ -195,7 +208,11 @@ def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: 
         per_token = {}
         for pack in (False, True):
             actor.cfg.pack_sequences, actor.cfg.max_tokens_per_micro_batch = pack, BUDGET
-            per_token[pack] = (actor.compute_old_logp(batch), actor.compute_entropy(batch), actor.compute_ref_logp(batch))
+            per_token[pack] = (
+                actor.compute_old_logp(batch),
+                actor.compute_entropy(batch),
+                actor.compute_ref_logp(batch),
+            )
         for name, a, b in zip(("old_logp", "entropy", "ref_logp"), per_token[True], per_token[False]):
             out[f"stats/{name}"] = _rel(a[valid], b[valid])
             out[f"stats/{name}/shape"] = float(a.shape != b.shape)
@@ -234,11 +251,13 @@ def _configs() -> tuple[list[dict], list[dict]]:
         for i, (loss, agg) in enumerate(itertools.product(LOSSES, AGGS))
     ]
     # the engine's log-probs reach the loss (rollout correction), at token and at sequence level
-    every += [dict(loss="grpo", rollout_correction="tis", rollout_is_cap=1.5),
-              dict(loss="casp", tau_q=0.5, rollout_correction="mis", rollout_correction_level="sequence"),
-              # PBA's per-sequence KL coefficient; CaSP's adaptive candidates (the tiny model's top-3 hold ~1.5% of
-              # the probability, so a 1% share gives sets of every size)
-              dict(loss="casp", tau_q=0.5, seq_kl=True, candidates="adaptive", candidate_mass=0.01)]
+    every += [
+        dict(loss="grpo", rollout_correction="tis", rollout_is_cap=1.5),
+        dict(loss="casp", tau_q=0.5, rollout_correction="mis", rollout_correction_level="sequence"),
+        # PBA's per-sequence KL coefficient; CaSP's adaptive candidates (the tiny model's top-3 hold ~1.5% of
+        # the probability, so a 1% share gives sets of every size)
+        dict(loss="casp", tau_q=0.5, seq_kl=True, candidates="adaptive", candidate_mass=0.01),
+    ]
     few = [every[0], every[4], every[3 * LOSSES.index("kl_cov") + 2]]
     return every, few
 
@@ -266,8 +285,10 @@ def test_packed_path_equals_padded_path(request, tiny_qwen, tp, pp, dp):
     worst = {k: max(r[k] for r in results) for k in results[0]}
     assert len([k for k in worst if k.endswith("/grad")]) == len(every) + len(few) + 2
     compared = {k: v for k, v in worst.items() if not k.endswith(("/shape", "/loss_nonzero"))}
-    print(f"tp={tp} pp={pp} dp={dp}: {len(compared)} comparisons, max relative difference "
-          f"{max(compared.values()):.2e} ({max(compared, key=compared.get)})")
+    print(
+        f"tp={tp} pp={pp} dp={dp}: {len(compared)} comparisons, max relative difference "
+        f"{max(compared.values()):.2e} ({max(compared, key=compared.get)})"
+    )
     for key, value in worst.items():
         if key.endswith("/shape"):
             assert value == 0, key

@@ -31,14 +31,18 @@ def _batch(vocab: int, seed: int = 0):
 
 
 def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True):
+    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.models.config import ModelConfig
 
-    return MegatronActor(ModelConfig(hf_dir=hf_dir), ActorConfig(tp=tp, micro_batch_size=2, lr=1e-3,
-                                                                  pack_sequences=pack),
-                         AlgoConfig(**{"loss": "grpo", "distill_top_n": 4, **algo}), temperature=TEMPERATURE, total_steps=2)
+    return MegatronActor(
+        ModelConfig(hf_dir=hf_dir),
+        ActorConfig(tp=tp, micro_batch_size=2, lr=1e-3, pack_sequences=pack),
+        AlgoConfig(**{"loss": "grpo", "distill_top_n": 4, **algo}),
+        temperature=TEMPERATURE,
+        total_steps=2,
+    )
 
 
 def teacher_is_student(hf_dir: str, tp: int):
@@ -56,8 +60,11 @@ def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool
     """The teacher's fields of the batch after attach, and the metrics of one update with them."""
     from megatron_rlvr.runtime.distributed import model_parallel
 
-    algo = dict(distill="teacher", teacher_hf_dir=teacher_dir) if mode == "teacher" else dict(
-        distill="self", self_distill_template=TEMPLATE)
+    algo = (
+        dict(distill="teacher", teacher_hf_dir=teacher_dir)
+        if mode == "teacher"
+        else dict(distill="self", self_distill_template=TEMPLATE)
+    )
     with model_parallel(tp=tp, pp=1, seed=11):
         actor = _actor(hf_dir, tp, algo, pack)
         batch = _batch(actor.vocab_size)
@@ -108,8 +115,12 @@ def test_teacher_equal_to_student_gives_zero_signals_and_gradient(workers2, stud
             assert torch.equal(teacher_logp[mask], no_grad_logp[mask])
         torch.testing.assert_close(teacher_logp[mask], no_grad_logp[mask], rtol=0, atol=1e-5)
         assert metrics["loss/distill/top1_agreement"] == 1.0
-        signals = (metrics["loss/distill/reverse_kl"], metrics["loss/distill/forward_kl_topn"],
-                   metrics["actor/grad_norm"], metrics["actor/loss"])
+        signals = (
+            metrics["loss/distill/reverse_kl"],
+            metrics["loss/distill/forward_kl_topn"],
+            metrics["actor/grad_norm"],
+            metrics["actor/loss"],
+        )
         if tp == 1:
             assert signals == (0.0, 0.0, 0.0, 0.0)
         else:
@@ -148,8 +159,11 @@ def test_self_distillation_scores_the_response_under_the_privileged_prompt(worke
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(student)
-    prefixes = [tokenizer(TEMPLATE.format(answer=item.answer), add_special_tokens=False)["input_ids"]
-                for item in ITEMS for _ in range(2)]
+    prefixes = [
+        tokenizer(TEMPLATE.format(answer=item.answer), add_special_tokens=False)["input_ids"]
+        for item in ITEMS
+        for _ in range(2)
+    ]
     assert len(prefixes[0]) != len(prefixes[2])  # rows shift by different lengths
     results = workers2.run(teacher_scores, student, student, tp, "self", pack)
     _check_against_plain_forward(student, prefixes, results, single_dp_rank=tp == 2)
@@ -165,8 +179,8 @@ def test_privileged_rows_shift_the_response_and_realign_exactly():
     for i, prefix in enumerate(prefixes):
         k = len(prefix)
         assert privileged.tokens[i, :k].tolist() == prefix
-        assert torch.equal(privileged.tokens[i, k:k + 10], batch.tokens[i])
-        assert torch.equal(privileged.response_mask[i, k:k + 9], batch.response_mask[i])
+        assert torch.equal(privileged.tokens[i, k : k + 10], batch.tokens[i])
+        assert torch.equal(privileged.response_mask[i, k : k + 9], batch.response_mask[i])
         assert not privileged.response_mask[i, :k].any()
     # a value computed at privileged position p = t + k comes back at student position t
     positions = torch.arange(privileged.response_mask.shape[1], dtype=torch.float32).expand(4, -1)
@@ -179,8 +193,8 @@ def test_privileged_rows_shift_the_response_and_realign_exactly():
 def test_a_teacher_with_another_tokenizer_is_one_line_naming_the_key(student, tmp_path):
     import shutil
 
-    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
     from megatron_rlvr.teacher import check_same_tokenizer
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     check_same_tokenizer(student, student)  # the same tokenizer passes
     other = make_tiny_hf_model("qwen2", tmp_path / "other", seed=5, with_tokenizer=False)
@@ -204,7 +218,8 @@ def test_a_missing_reference_answer_under_self_is_one_line(answer):
     with pytest.raises(UserError) as e:
         reference_text(item)
     assert str(e.value).startswith("algo.distill=self: prompt 'row-7' has no reference answer") and "\n" not in str(
-        e.value)
+        e.value
+    )
 
 
 def test_reference_answers_of_strings_numbers_and_the_countdown_task():

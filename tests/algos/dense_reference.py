@@ -147,13 +147,16 @@ def reference_loss(
                     scale = 1.0 + cfg.lambda_top1
             elif cfg.loss == "w_reinforce" and A > 0:
                 scale = cfg.lambda_pos
-            elif cfg.loss == "psr" and not A > 0:
-                scale = 0.0
-            elif cfg.loss == "nsr" and not A < 0:
-                scale = 0.0
-            elif cfg.loss == "forking_tokens" and not high[b, t]:
-                scale = 0.0
-            elif cfg.loss == "clip_cov" and selected[b, t]:
+            elif (
+                cfg.loss == "psr"
+                and not A > 0
+                or cfg.loss == "nsr"
+                and not A < 0
+                or cfg.loss == "forking_tokens"
+                and not high[b, t]
+                or cfg.loss == "clip_cov"
+                and selected[b, t]
+            ):
                 scale = 0.0
             if correction is not None:
                 scale = scale * correction[b][t]

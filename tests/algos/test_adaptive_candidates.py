@@ -39,8 +39,9 @@ def _one_token_gradient(provider, probs, sampled, cfg):
     targets = torch.tensor([sampled])
     stats = PROVIDERS[provider](logits, targets, max(cfg.top_n, 3))
     mask = torch.ones(1, len(probs), dtype=torch.bool)
-    loss, metrics = policy_loss(stats, stats.logp.detach().clone(), torch.tensor([1.0], dtype=torch.float64), mask,
-                                cfg, target_ids=targets)
+    loss, metrics = policy_loss(
+        stats, stats.logp.detach().clone(), torch.tensor([1.0], dtype=torch.float64), mask, cfg, target_ids=targets
+    )
     loss.backward()
     return logits.grad[0], metrics
 
@@ -60,8 +61,9 @@ P = [0.4, 0.3, 0.15, 0.1, 0.05]  # ranks 1..5 are tokens 0..4; mass of ranks 1, 
     ],
 )
 def test_positive_token_trains_towards_the_smoothed_target_over_the_set(provider, mass, weights, target):
-    cfg = AlgoConfig(loss="casp", top_n=3, alpha=0.3, tau_q=0.0, candidates="adaptive", candidate_mass=mass,
-                     weights=weights)
+    cfg = AlgoConfig(
+        loss="casp", top_n=3, alpha=0.3, tau_q=0.0, candidates="adaptive", candidate_mass=mass, weights=weights
+    )
     grad, metrics = _one_token_gradient(provider, [P], [3], cfg)
     expected = torch.tensor(P, dtype=torch.float64) - torch.tensor(target, dtype=torch.float64)
     torch.testing.assert_close(grad[0], expected, rtol=0, atol=1e-12 if provider == "dense" else 2e-6)
@@ -85,8 +87,9 @@ def test_each_token_gets_its_own_set_and_the_metric_is_their_mean_size(provider)
 def _loss_and_grad(problem, cfg, stats_fn, dtype):
     logits = problem.logits.to(dtype).clone().requires_grad_(True)
     stats = stats_fn(logits, problem.targets, max(cfg.top_n, 3))
-    loss, metrics = policy_loss(stats, problem.old_logp.to(dtype), problem.advantages.to(dtype), problem.mask, cfg,
-                                target_ids=problem.targets)
+    loss, metrics = policy_loss(
+        stats, problem.old_logp.to(dtype), problem.advantages.to(dtype), problem.mask, cfg, target_ids=problem.targets
+    )
     (grad,) = torch.autograd.grad(loss, logits)
     return loss.detach(), grad, metrics
 
@@ -132,9 +135,16 @@ def test_a_tiny_mass_shrinks_to_rank_1_which_is_casp_with_top_n_1(stats, weights
         assert not torch.allclose(grad_w, grad_1)  # the set matters on this problem
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(weights="softmax"), dict(candidate_mass=0.8, top_n=3),
-                                     dict(loss_agg="seq_mean_token_mean", apply_to="positive")],
-                         ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "default")
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(weights="softmax"),
+        dict(candidate_mass=0.8, top_n=3),
+        dict(loss_agg="seq_mean_token_mean", apply_to="positive"),
+    ],
+    ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "default",
+)
 def test_adaptive_matches_the_dense_oracle(variant):
     cfg = AlgoConfig(**{**BASE, **ADAPTIVE, **variant})
     sizes = []
@@ -147,8 +157,12 @@ def test_adaptive_matches_the_dense_oracle(variant):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
         stats = dense_token_stats(problem.logits, problem.targets, cfg.top_n)
-        sizes += [candidate_set_size(stats.topn_logp[b, t], cfg) for b in range(problem.mask.shape[0])
-                  for t in range(problem.mask.shape[1]) if problem.mask[b, t]]
+        sizes += [
+            candidate_set_size(stats.topn_logp[b, t], cfg)
+            for b in range(problem.mask.shape[0])
+            for t in range(problem.mask.shape[1])
+            if problem.mask[b, t]
+        ]
     assert 1 in sizes and max(sizes) > 1, "the problems must exercise sets of different sizes"
 
 
@@ -163,8 +177,9 @@ def test_adaptive_candidates_compose_with_every_loss(loss_name):
     ref = reference_loss(logits, problem.targets, problem.old_logp, problem.advantages, problem.mask, cfg)
     torch.testing.assert_close(grad, torch.autograd.grad(ref, logits)[0], rtol=1e-10, atol=1e-12)
     if loss_name != "casp":
-        fixed_loss, fixed_grad, _ = _loss_and_grad(problem, dataclasses.replace(cfg, candidates="fixed"),
-                                                   dense_token_stats, torch.float64)
+        fixed_loss, fixed_grad, _ = _loss_and_grad(
+            problem, dataclasses.replace(cfg, candidates="fixed"), dense_token_stats, torch.float64
+        )
         assert torch.equal(loss, fixed_loss) and torch.equal(grad, fixed_grad)
         assert "casp_candidates" not in metrics and "casp_smoothed_tokens" not in metrics
     else:

@@ -25,8 +25,9 @@ def _gradient(provider, probs, sampled, advantage, cfg):
     stats = PROVIDERS[provider](logits, targets, 3)
     old_logp = stats.logp.detach().clone()  # rho = 1
     mask = torch.ones(1, len(probs), dtype=torch.bool)
-    loss, metrics = policy_loss(stats, old_logp, torch.tensor([advantage], dtype=torch.float64), mask, cfg,
-                                target_ids=targets)
+    loss, metrics = policy_loss(
+        stats, old_logp, torch.tensor([advantage], dtype=torch.float64), mask, cfg, target_ids=targets
+    )
     loss.backward()
     return logits.grad[0].to(torch.float64), metrics
 
@@ -46,7 +47,9 @@ def _tol(provider):
 )
 def test_positive_sample_trains_towards_the_smoothed_target(provider, sampled, target):
     grad, _ = _gradient(provider, [P], [sampled], 1.0, AlgoConfig(**CASP))
-    torch.testing.assert_close(grad[0], torch.tensor(P, dtype=torch.float64) - torch.tensor(target, dtype=torch.float64), **_tol(provider))
+    torch.testing.assert_close(
+        grad[0], torch.tensor(P, dtype=torch.float64) - torch.tensor(target, dtype=torch.float64), **_tol(provider)
+    )
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -54,7 +57,9 @@ def test_softmax_weights_follow_the_candidates_probabilities(provider):
     grad, _ = _gradient(provider, [P], [3], 1.0, AlgoConfig(**CASP, weights="softmax"))
     top = 0.4 + 0.3 + 0.15
     target = [0.3 * 0.4 / top, 0.3 * 0.3 / top, 0.3 * 0.15 / top, 0.7, 0.0]
-    torch.testing.assert_close(grad[0], torch.tensor(P, dtype=torch.float64) - torch.tensor(target, dtype=torch.float64), **_tol(provider))
+    torch.testing.assert_close(
+        grad[0], torch.tensor(P, dtype=torch.float64) - torch.tensor(target, dtype=torch.float64), **_tol(provider)
+    )
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

@@ -17,8 +17,20 @@ from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.ops.given_ids import logits_at_ids
 from tests.algos.dense_reference import random_problem, reference_loss
 
-BASE = dict(alpha=0.3, lambda_top1=0.5, tau_q=0.5, beta=0.1, kappa=2.0, cov_fraction=0.2, lambda_pos=0.1,
-            max_len_norm=16, distill="teacher", teacher_hf_dir="teacher", distill_coef=0.7, distill_top_n=3)
+BASE = dict(
+    alpha=0.3,
+    lambda_top1=0.5,
+    tau_q=0.5,
+    beta=0.1,
+    kappa=2.0,
+    cov_fraction=0.2,
+    lambda_pos=0.1,
+    max_len_norm=16,
+    distill="teacher",
+    teacher_hf_dir="teacher",
+    distill_coef=0.7,
+    distill_top_n=3,
+)
 
 
 def _cfg(**overrides) -> AlgoConfig:
@@ -27,11 +39,24 @@ def _cfg(**overrides) -> AlgoConfig:
 
 def _shard(logits: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     width = logits.shape[-1] // tp
-    return logits[..., rank * width:(rank + 1) * width]
+    return logits[..., rank * width : (rank + 1) * width]
 
 
-def op_loss(student, teacher_logits, targets, mask, advantages, cfg, *, old_logp=None, ref_logp=None,
-            rollout_logp=None, temperature=1.0, with_teacher=True, dtype=torch.float64):
+def op_loss(
+    student,
+    teacher_logits,
+    targets,
+    mask,
+    advantages,
+    cfg,
+    *,
+    old_logp=None,
+    ref_logp=None,
+    rollout_logp=None,
+    temperature=1.0,
+    with_teacher=True,
+    dtype=torch.float64,
+):
     """This rank's (loss, metrics, logits-shard gradient): the teacher scored by the op and ops.given_ids on its
     shard, the student's logits at the teacher's ids routed beside the op, then policy_loss and backward."""
     tp = dist.get_world_size() if dist.is_initialized() else 1
@@ -43,19 +68,41 @@ def op_loss(student, teacher_logits, targets, mask, advantages, cfg, *, old_logp
     teacher, student_at, logits = None, None, shard
     if with_teacher:
         t_shard = _shard(teacher_logits, rank, tp).to(dtype)
-        t_stats = vocab_parallel_token_stats(t_shard, targets, cfg.distill_top_n, group=group, vocab_start=start,
-                                             vocab_size=vocab, temperature=temperature)
+        t_stats = vocab_parallel_token_stats(
+            t_shard,
+            targets,
+            cfg.distill_top_n,
+            group=group,
+            vocab_start=start,
+            vocab_size=vocab,
+            temperature=temperature,
+        )
         _, t_at = logits_at_ids(t_shard, t_stats.topn_ids, vocab_start=start, temperature=temperature, group=group)
         teacher = TeacherScores(t_stats.logp, t_stats.topn_ids, t_at)
-        logits, student_at = logits_at_ids(shard, t_stats.topn_ids, vocab_start=start, temperature=temperature,
-                                           group=group)
-    stats = vocab_parallel_token_stats(logits, targets, max(cfg.top_n, 3), group=group, vocab_start=start,
-                                       vocab_size=vocab, temperature=temperature, inplace_backward=True)
+        logits, student_at = logits_at_ids(
+            shard, t_stats.topn_ids, vocab_start=start, temperature=temperature, group=group
+        )
+    stats = vocab_parallel_token_stats(
+        logits,
+        targets,
+        max(cfg.top_n, 3),
+        group=group,
+        vocab_start=start,
+        vocab_size=vocab,
+        temperature=temperature,
+        inplace_backward=True,
+    )
     loss, metrics = policy_loss(
-        stats, None if old_logp is None else old_logp.to(dtype), advantages.to(dtype), mask, cfg,
+        stats,
+        None if old_logp is None else old_logp.to(dtype),
+        advantages.to(dtype),
+        mask,
+        cfg,
         ref_logp=None if ref_logp is None else ref_logp.to(dtype),
-        rollout_logp=None if rollout_logp is None else rollout_logp.to(dtype), target_ids=targets,
-        teacher=teacher, student_at_teacher_ids=student_at,
+        rollout_logp=None if rollout_logp is None else rollout_logp.to(dtype),
+        target_ids=targets,
+        teacher=teacher,
+        student_at_teacher_ids=student_at,
     )
     loss.backward()
     return loss.detach(), metrics, shard.grad.detach()
@@ -65,10 +112,20 @@ def op_loss(student, teacher_logits, targets, mask, advantages, cfg, *, old_logp
 # By hand: 5 tokens, vocabulary of 4, float64
 
 
-STUDENT = [[2.0, 1.0, 0.0, -1.0], [0.5, 0.5, 1.5, 0.0], [-1.0, 0.0, 1.0, 2.0], [1.0, 3.0, 0.0, 0.0],
-           [0.0, 0.0, 0.0, 1.0]]
-TEACHER = [[1.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, -1.0], [0.0, 0.0, 3.0, 1.0], [2.0, 2.0, 0.0, -2.0],
-           [1.0, -1.0, 0.5, 0.0]]
+STUDENT = [
+    [2.0, 1.0, 0.0, -1.0],
+    [0.5, 0.5, 1.5, 0.0],
+    [-1.0, 0.0, 1.0, 2.0],
+    [1.0, 3.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 1.0],
+]
+TEACHER = [
+    [1.0, 2.0, 0.0, 0.0],
+    [0.0, 1.0, 2.0, -1.0],
+    [0.0, 0.0, 3.0, 1.0],
+    [2.0, 2.0, 0.0, -2.0],
+    [1.0, -1.0, 0.5, 0.0],
+]
 SAMPLED = [0, 2, 3, 1, 3]
 
 
@@ -108,13 +165,19 @@ def _hand_forward(n: int) -> tuple[float, list[list[float]]]:
 def test_hand_worked_five_tokens(signal):
     cfg = _cfg(loss="grpo", distill_only=True, distill_coef=1.0, distill_signal=signal, distill_top_n=2)
     student, teacher = torch.tensor([STUDENT], dtype=torch.float64), torch.tensor([TEACHER], dtype=torch.float64)
-    loss, metrics, grad = op_loss(student, teacher, torch.tensor([SAMPLED]), torch.ones(1, 5, dtype=torch.bool),
-                                  torch.tensor([1.0]), cfg)
+    loss, metrics, grad = op_loss(
+        student, teacher, torch.tensor([SAMPLED]), torch.ones(1, 5, dtype=torch.bool), torch.tensor([1.0]), cfg
+    )
     rev_value, rev_grad = _hand_reverse()
     fwd_value, fwd_grad = _hand_forward(2)
     value = (rev_value if signal != "topn_forward_kl" else 0.0) + (fwd_value if signal != "reverse_kl_sampled" else 0.0)
-    expected = [[(r if signal != "topn_forward_kl" else 0.0) + (f if signal != "reverse_kl_sampled" else 0.0)
-                 for r, f in zip(rr, fr)] for rr, fr in zip(rev_grad, fwd_grad)]
+    expected = [
+        [
+            (r if signal != "topn_forward_kl" else 0.0) + (f if signal != "reverse_kl_sampled" else 0.0)
+            for r, f in zip(rr, fr)
+        ]
+        for rr, fr in zip(rev_grad, fwd_grad)
+    ]
     assert float(loss) == pytest.approx(value, rel=1e-12, abs=1e-14)
     torch.testing.assert_close(grad[0], torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-14)
     # the metrics hold both signals whichever trains: the sampled reverse KL and the top-N forward KL
@@ -122,8 +185,13 @@ def test_hand_worked_five_tokens(signal):
     assert metrics["distill/forward_kl_topn"] == pytest.approx(fwd_value, rel=1e-12)
     teacher_logp = sum(_log_softmax(z)[y] for z, y in zip(TEACHER, SAMPLED)) / 5
     assert metrics["distill/teacher_logp"] == pytest.approx(teacher_logp, rel=1e-12)
-    agree = sum(max(range(4), key=lambda j: (s[j], -j)) == max(range(4), key=lambda j: (t[j], -j))
-                for s, t in zip(STUDENT, TEACHER)) / 5
+    agree = (
+        sum(
+            max(range(4), key=lambda j: (s[j], -j)) == max(range(4), key=lambda j: (t[j], -j))
+            for s, t in zip(STUDENT, TEACHER)
+        )
+        / 5
+    )
     assert metrics["distill/top1_agreement"] == agree
 
 
@@ -137,17 +205,42 @@ def test_teacher_equal_to_student_gives_exactly_zero(dtype, temperature):
     problem = random_problem(5)
     mask = problem.mask
     cfg = _cfg(loss="grpo", distill_only=True, distill_coef=1.0, distill_signal="both", distill_top_n=4)
-    loss, metrics, grad = op_loss(problem.logits, problem.logits, problem.targets, mask, problem.advantages, cfg,
-                                  temperature=temperature, dtype=dtype)
+    loss, metrics, grad = op_loss(
+        problem.logits,
+        problem.logits,
+        problem.targets,
+        mask,
+        problem.advantages,
+        cfg,
+        temperature=temperature,
+        dtype=dtype,
+    )
     assert float(loss) == 0.0 and metrics["distill/reverse_kl"] == 0.0 and metrics["distill/forward_kl_topn"] == 0.0
     assert int(torch.count_nonzero(grad)) == 0
     assert metrics["distill/top1_agreement"] == 1.0
     # with the RL term on, the distillation adds nothing at all: the loss and gradient of RL alone, bit for bit
     for name in ("grpo", "casp"):
-        with_teacher = op_loss(problem.logits, problem.logits, problem.targets, mask, problem.advantages,
-                               _cfg(loss=name, distill_coef=1.0), temperature=temperature, dtype=dtype)
-        alone = op_loss(problem.logits, None, problem.targets, mask, problem.advantages,
-                        _cfg(loss=name, distill="none"), temperature=temperature, dtype=dtype, with_teacher=False)
+        with_teacher = op_loss(
+            problem.logits,
+            problem.logits,
+            problem.targets,
+            mask,
+            problem.advantages,
+            _cfg(loss=name, distill_coef=1.0),
+            temperature=temperature,
+            dtype=dtype,
+        )
+        alone = op_loss(
+            problem.logits,
+            None,
+            problem.targets,
+            mask,
+            problem.advantages,
+            _cfg(loss=name, distill="none"),
+            temperature=temperature,
+            dtype=dtype,
+            with_teacher=False,
+        )
         assert torch.equal(with_teacher[0], alone[0]) and torch.equal(with_teacher[2], alone[2]), name
 
 
@@ -160,8 +253,13 @@ CASES = [dict(loss=name) for name in LOSS_NAMES] + [
     dict(loss="grpo", distill_signal="topn_forward_kl", loss_agg="seq_mean_token_sum_norm", kl_coef=0.2),
     dict(loss="casp", distill_only=True, distill_coef=1.3),
     dict(loss="casp", rollout_correction="tis", rollout_is_cap=1.5),
-    dict(loss="grpo", rollout_correction="icepop", rollout_correction_level="sequence", rollout_is_low=0.3,
-         rollout_is_high=3.0),
+    dict(
+        loss="grpo",
+        rollout_correction="icepop",
+        rollout_correction_level="sequence",
+        rollout_is_low=0.3,
+        rollout_is_high=3.0,
+    ),
 ]
 SEEDS = (21, 22)
 TEMPERATURE = 0.8
@@ -182,9 +280,16 @@ def sharded_distill_gradients(cases: list[dict], seeds: tuple[int, ...], dtype: 
         for seed in seeds:
             problem, teacher, rollout_logp = _inputs(seed)
             loss, _, grad = op_loss(
-                problem.logits, teacher, problem.targets, problem.mask, problem.advantages, cfg,
-                old_logp=problem.old_logp, ref_logp=problem.ref_logp if cfg.kl_coef > 0 else None,
-                rollout_logp=rollout_logp if cfg.rollout_correction != "none" else None, temperature=TEMPERATURE,
+                problem.logits,
+                teacher,
+                problem.targets,
+                problem.mask,
+                problem.advantages,
+                cfg,
+                old_logp=problem.old_logp,
+                ref_logp=problem.ref_logp if cfg.kl_coef > 0 else None,
+                rollout_logp=rollout_logp if cfg.rollout_correction != "none" else None,
+                temperature=TEMPERATURE,
                 dtype=dtype,
             )
             out.append((float(loss), grad.to(torch.float64)))
@@ -200,15 +305,21 @@ def dense_distill_loss(problem, teacher_logits, rollout_logp, cfg: AlgoConfig) -
     log_t = torch.log_softmax(teacher_logits / TEMPERATURE, -1)
     y = problem.targets[..., None]
     reverse = (log_t.gather(-1, y) - log_s.gather(-1, y))[..., 0].detach()
-    ids = torch.sort(log_t, dim=-1, descending=True, stable=True).indices[..., :cfg.distill_top_n]
+    ids = torch.sort(log_t, dim=-1, descending=True, stable=True).indices[..., : cfg.distill_top_n]
     log_q = torch.log_softmax((teacher_logits / TEMPERATURE).gather(-1, ids), -1)
     log_p = torch.log_softmax((logits / TEMPERATURE).gather(-1, ids), -1)
     kl = (log_q.exp() * (log_q - log_p)).sum(-1)
     signal = cfg.distill_signal
     advantages = torch.zeros_like(problem.advantages) if cfg.distill_only else problem.advantages
     rl = reference_loss(
-        logits, problem.targets, problem.old_logp, advantages, mask, cfg,
-        ref_logp=problem.ref_logp if cfg.kl_coef > 0 else None, temperature=TEMPERATURE,
+        logits,
+        problem.targets,
+        problem.old_logp,
+        advantages,
+        mask,
+        cfg,
+        ref_logp=problem.ref_logp if cfg.kl_coef > 0 else None,
+        temperature=TEMPERATURE,
         rollout_logp=rollout_logp if cfg.rollout_correction != "none" else None,
         token_advantages=cfg.distill_coef * reverse if signal != "topn_forward_kl" else None,
     )
@@ -234,8 +345,9 @@ def _check(per_rank: list[list], tol: dict) -> None:
             (ref_grad,) = torch.autograd.grad(ref_loss, logits)
             grad = torch.cat([rank_results[index][1] for rank_results in per_rank], dim=-1)
             for rank_results in per_rank:
-                assert rank_results[index][0] == pytest.approx(float(ref_loss.detach()), rel=tol["rtol"], abs=tol["atol"]), (
-                    case, seed)
+                assert rank_results[index][0] == pytest.approx(
+                    float(ref_loss.detach()), rel=tol["rtol"], abs=tol["atol"]
+                ), (case, seed)
             torch.testing.assert_close(grad, ref_grad, **tol, msg=lambda m: f"{case} seed {seed}: {m}")
             index += 1
 
@@ -272,13 +384,32 @@ def test_zero_coefficient_is_the_rl_loss_bit_for_bit(dtype):
         case = {k: v for k, v in case.items() if k not in ("distill_only", "distill_coef")}
         for seed in SEEDS:
             problem, teacher, rollout_logp = _inputs(seed)
-            kwargs = dict(old_logp=problem.old_logp, ref_logp=problem.ref_logp,
-                          rollout_logp=rollout_logp if case.get("rollout_correction") else None,
-                          temperature=TEMPERATURE, dtype=dtype)
-            mixed = op_loss(problem.logits, teacher, problem.targets, problem.mask, problem.advantages,
-                            _cfg(**case, distill_coef=0.0), **kwargs)
-            alone = op_loss(problem.logits, None, problem.targets, problem.mask, problem.advantages,
-                            _cfg(**case, distill="none"), with_teacher=False, **kwargs)
+            kwargs = dict(
+                old_logp=problem.old_logp,
+                ref_logp=problem.ref_logp,
+                rollout_logp=rollout_logp if case.get("rollout_correction") else None,
+                temperature=TEMPERATURE,
+                dtype=dtype,
+            )
+            mixed = op_loss(
+                problem.logits,
+                teacher,
+                problem.targets,
+                problem.mask,
+                problem.advantages,
+                _cfg(**case, distill_coef=0.0),
+                **kwargs,
+            )
+            alone = op_loss(
+                problem.logits,
+                None,
+                problem.targets,
+                problem.mask,
+                problem.advantages,
+                _cfg(**case, distill="none"),
+                with_teacher=False,
+                **kwargs,
+            )
             assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[2], alone[2]), (case, seed)
             assert mixed[1]["distill/reverse_kl"] != 0.0  # the teacher differs: only the coefficient makes it 0
 
@@ -287,16 +418,25 @@ def test_zero_coefficient_is_the_rl_loss_bit_for_bit(dtype):
 # Bad input
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(distill="teacher"), "algo.teacher_hf_dir: expected the teacher's HF model directory"),
-    (dict(distill="self", self_distill_template="no field"), "algo.self_distill_template: expected a template holding"),
-    (dict(distill="self", self_distill_template="{answer} {prompt}"), "algo.self_distill_template: expected a templ"),
-    (dict(distill_only=True), "algo.distill_only: expected false under algo.distill=none"),
-    (dict(distill="teacher", teacher_hf_dir="t", distill_coef=-1.0), "algo.distill_coef: expected a finite number"),
-    (dict(distill="rkl"), "algo.distill: got 'rkl'; allowed values: none, teacher, self"),
-    (dict(distill_signal="kl"), "algo.distill_signal: got 'kl'"),
-    (dict(distill_top_n=0), "algo.distill_top_n: expected >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(distill="teacher"), "algo.teacher_hf_dir: expected the teacher's HF model directory"),
+        (
+            dict(distill="self", self_distill_template="no field"),
+            "algo.self_distill_template: expected a template holding",
+        ),
+        (
+            dict(distill="self", self_distill_template="{answer} {prompt}"),
+            "algo.self_distill_template: expected a templ",
+        ),
+        (dict(distill_only=True), "algo.distill_only: expected false under algo.distill=none"),
+        (dict(distill="teacher", teacher_hf_dir="t", distill_coef=-1.0), "algo.distill_coef: expected a finite number"),
+        (dict(distill="rkl"), "algo.distill: got 'rkl'; allowed values: none, teacher, self"),
+        (dict(distill_signal="kl"), "algo.distill_signal: got 'kl'"),
+        (dict(distill_top_n=0), "algo.distill_top_n: expected >= 1"),
+    ],
+)
 def test_bad_config_is_one_line_naming_the_key(overrides, message):
     with pytest.raises(ValueError) as e:
         AlgoConfig(**overrides)
@@ -313,5 +453,11 @@ def test_missing_teacher_inputs_are_named():
     with pytest.raises(ValueError, match="student_at_teacher_ids: algo.distill_signal=both needs"):
         policy_loss(stats, None, problem.advantages, problem.mask, _cfg(), teacher=teacher)
     with pytest.raises(ValueError, match=r"teacher.logp: expected shape"):
-        policy_loss(stats, None, problem.advantages, problem.mask, _cfg(distill_signal="reverse_kl_sampled"),
-                    teacher=TeacherScores(t.logp[:, :1], t.topn_ids, t.topn_logp))
+        policy_loss(
+            stats,
+            None,
+            problem.advantages,
+            problem.mask,
+            _cfg(distill_signal="reverse_kl_sampled"),
+            teacher=TeacherScores(t.logp[:, :1], t.topn_ids, t.topn_logp),
+        )

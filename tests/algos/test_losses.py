@@ -18,8 +18,13 @@ def _grads(problem, cfg, *, with_ref=False, use_ids=True):
     logits = problem.logits.clone().requires_grad_(True)
     stats = dense_token_stats(logits, problem.targets, max(cfg.top_n, 3))
     loss, metrics = policy_loss(
-        stats, problem.old_logp, problem.advantages, problem.mask, cfg,
-        ref_logp=problem.ref_logp if with_ref else None, target_ids=problem.targets if use_ids else None,
+        stats,
+        problem.old_logp,
+        problem.advantages,
+        problem.mask,
+        cfg,
+        ref_logp=problem.ref_logp if with_ref else None,
+        target_ids=problem.targets if use_ids else None,
     )
     (grad,) = torch.autograd.grad(loss, logits)
     return loss.detach(), grad, metrics
@@ -28,7 +33,12 @@ def _grads(problem, cfg, *, with_ref=False, use_ids=True):
 def _reference_grads(problem, cfg, *, with_ref=False):
     logits = problem.logits.clone().requires_grad_(True)
     loss = reference_loss(
-        logits, problem.targets, problem.old_logp, problem.advantages, problem.mask, cfg,
+        logits,
+        problem.targets,
+        problem.old_logp,
+        problem.advantages,
+        problem.mask,
+        cfg,
         ref_logp=problem.ref_logp if with_ref else None,
     )
     (grad,) = torch.autograd.grad(loss, logits)
@@ -50,8 +60,15 @@ def test_gradient_matches_dense_reference(loss_name, loss_agg):
 
 @pytest.mark.parametrize(
     "variant",
-    [dict(weights="softmax"), dict(apply_to="positive"), dict(apply_to="negative"), dict(tau_q=0.0), dict(top_n=5),
-     dict(top_n=1), dict(kl_coef=0.2)],
+    [
+        dict(weights="softmax"),
+        dict(apply_to="positive"),
+        dict(apply_to="negative"),
+        dict(tau_q=0.0),
+        dict(top_n=5),
+        dict(top_n=1),
+        dict(kl_coef=0.2),
+    ],
     ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()),
 )
 def test_casp_variants_match_dense_reference(variant):
@@ -126,8 +143,14 @@ def test_micro_batches_sum_to_the_mini_batch(loss_name, loss_agg):
     for rows in (slice(0, split), slice(split, None)):
         stats = dense_token_stats(logits[rows], problem.targets[rows], 3)
         part, _ = policy_loss(
-            stats, problem.old_logp[rows], problem.advantages[rows], problem.mask[rows], cfg,
-            ref_logp=problem.ref_logp[rows], num_tokens=num_tokens, num_seqs=num_seqs,
+            stats,
+            problem.old_logp[rows],
+            problem.advantages[rows],
+            problem.mask[rows],
+            cfg,
+            ref_logp=problem.ref_logp[rows],
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
         )
         total = total + part
     (split_grad,) = torch.autograd.grad(total, logits)
@@ -138,8 +161,18 @@ def test_micro_batches_sum_to_the_mini_batch(loss_name, loss_agg):
 def test_metrics_are_floats_over_response_tokens():
     problem = random_problem(500)
     _, _, metrics = _grads(problem, AlgoConfig(loss="casp", **BASE), with_ref=True)
-    expected = {"loss", "pg_loss", "clip_frac", "entropy", "entropy_high_entropy", "high_entropy_frac",
-                "neg_rank1_frac", "kl_old", "kl_ref", "num_tokens"}
+    expected = {
+        "loss",
+        "pg_loss",
+        "clip_frac",
+        "entropy",
+        "entropy_high_entropy",
+        "high_entropy_frac",
+        "neg_rank1_frac",
+        "kl_old",
+        "kl_ref",
+        "num_tokens",
+    }
     expected |= {f"rank{k}_prob{s}" for k in (1, 2, 3) for s in ("", "_high_entropy")}
     assert set(metrics) == expected
     assert all(type(v) is float for v in metrics.values())

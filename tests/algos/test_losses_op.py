@@ -37,7 +37,9 @@ def _kl_inputs(case: dict, cfg: AlgoConfig, problem, dtype: torch.dtype) -> dict
     return dict(ref_logp=problem.ref_logp.to(dtype) if cfg.kl_coef > 0 else None)
 
 
-def sharded_op_gradients(cases: list[dict], seeds: tuple[int, ...], dtype: torch.dtype) -> list[tuple[float, torch.Tensor]]:
+def sharded_op_gradients(
+    cases: list[dict], seeds: tuple[int, ...], dtype: torch.dtype
+) -> list[tuple[float, torch.Tensor]]:
     """On each rank of the current group (or alone): this rank's vocab shard's loss value and logits gradient."""
     tp = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -49,13 +51,18 @@ def sharded_op_gradients(cases: list[dict], seeds: tuple[int, ...], dtype: torch
             problem = random_problem(seed, vocab_multiple=2)
             vocab = problem.logits.shape[-1]
             width = vocab // tp
-            shard = problem.logits[..., rank * width:(rank + 1) * width].to(dtype).clone().requires_grad_(True)
+            shard = problem.logits[..., rank * width : (rank + 1) * width].to(dtype).clone().requires_grad_(True)
             stats = vocab_parallel_token_stats(
                 shard, problem.targets, max(cfg.top_n, 3), group=group, vocab_start=rank * width, vocab_size=vocab
             )
             loss, _ = policy_loss(
-                stats, problem.old_logp.to(dtype), problem.advantages.to(dtype), problem.mask, cfg,
-                target_ids=problem.targets, **_kl_inputs(case, cfg, problem, dtype),
+                stats,
+                problem.old_logp.to(dtype),
+                problem.advantages.to(dtype),
+                problem.mask,
+                cfg,
+                target_ids=problem.targets,
+                **_kl_inputs(case, cfg, problem, dtype),
             )
             loss.backward()
             out.append((float(loss.detach()), shard.grad.detach().to(torch.float64)))
@@ -71,13 +78,21 @@ def _check_against_reference(per_rank: list[list[tuple[float, torch.Tensor]]], t
             logits = problem.logits.clone().requires_grad_(True)
             kl = _kl_inputs(case, cfg, problem, torch.float64)
             ref_loss = reference_loss(
-                logits, problem.targets, problem.old_logp, problem.advantages, problem.mask, cfg,
-                ref_logp=kl["ref_logp"], kl_coefs=kl.get("kl_coef"),
+                logits,
+                problem.targets,
+                problem.old_logp,
+                problem.advantages,
+                problem.mask,
+                cfg,
+                ref_logp=kl["ref_logp"],
+                kl_coefs=kl.get("kl_coef"),
             )
             (ref_grad,) = torch.autograd.grad(ref_loss, logits)
             grad = torch.cat([rank_results[index][1] for rank_results in per_rank], dim=-1)
             for rank_results in per_rank:  # every TP rank computes the same loss
-                assert rank_results[index][0] == pytest.approx(float(ref_loss.detach()), rel=tol["rtol"], abs=tol["atol"]), (case, seed)
+                assert rank_results[index][0] == pytest.approx(
+                    float(ref_loss.detach()), rel=tol["rtol"], abs=tol["atol"]
+                ), (case, seed)
             torch.testing.assert_close(grad, ref_grad, **tol, msg=lambda m: f"{case} seed {seed}: {m}")
             index += 1
 

@@ -69,8 +69,9 @@ def test_per_prompt_kl_term_by_hand():
     ref_logp = logp + 0.4 * torch.randn(4, 3, generator=g, dtype=torch.float64)
     leaf = logits.clone().requires_grad_(True)
     stats = dense_token_stats(leaf, targets, 3)
-    loss, metrics = policy_loss(stats, stats.logp.detach(), torch.zeros(4, dtype=torch.float64), mask, cfg,
-                                ref_logp=ref_logp, kl_coef=coef)
+    loss, metrics = policy_loss(
+        stats, stats.logp.detach(), torch.zeros(4, dtype=torch.float64), mask, cfg, ref_logp=ref_logp, kl_coef=coef
+    )
     loss.backward()
 
     tokens = int(mask.sum())
@@ -103,15 +104,24 @@ def test_per_sequence_kl_composes_with_every_loss(loss_name, loss_agg):
         def run(**kwargs):
             logits = problem.logits.clone().requires_grad_(True)
             stats = dense_token_stats(logits, problem.targets, 3)
-            loss, metrics = policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, cfg,
-                                        target_ids=problem.targets, **kwargs)
+            loss, metrics = policy_loss(
+                stats, problem.old_logp, problem.advantages, problem.mask, cfg, target_ids=problem.targets, **kwargs
+            )
             return loss.detach(), torch.autograd.grad(loss, logits)[0], metrics
 
         loss, grad, metrics = run(ref_logp=problem.ref_logp, kl_coef=coefs)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
         logits = problem.logits.clone().requires_grad_(True)
-        ref = reference_loss(logits, problem.targets, problem.old_logp, problem.advantages, problem.mask, cfg,
-                             ref_logp=problem.ref_logp, kl_coefs=coefs)
+        ref = reference_loss(
+            logits,
+            problem.targets,
+            problem.old_logp,
+            problem.advantages,
+            problem.mask,
+            cfg,
+            ref_logp=problem.ref_logp,
+            kl_coefs=coefs,
+        )
         torch.testing.assert_close(grad, torch.autograd.grad(ref, logits)[0], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
         assert metrics["kl_loss"] > 0
@@ -121,8 +131,9 @@ def test_per_sequence_kl_composes_with_every_loss(loss_name, loss_agg):
         no_kl = dataclasses.replace(cfg, kl_coef=0.0)
         base_logits = problem.logits.clone().requires_grad_(True)
         stats = dense_token_stats(base_logits, problem.targets, 3)
-        base, _ = policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, no_kl,
-                                         target_ids=problem.targets)
+        base, _ = policy_loss(
+            stats, problem.old_logp, problem.advantages, problem.mask, no_kl, target_ids=problem.targets
+        )
         base_grad = torch.autograd.grad(base, base_logits)[0]
         assert torch.equal(zero_loss, base.detach()) and torch.equal(zero_grad, base_grad)
         assert zero_metrics["kl_loss"] == 0.0

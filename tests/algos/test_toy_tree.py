@@ -35,7 +35,11 @@ def test_tree_layout_and_evaluation():
     assert result["modes"] == 4 and 0.6 < result["accuracy"] < 0.75
     one_leaf = torch.full((tree.num_nodes, tree.branching), -50.0, dtype=torch.float64)
     one_leaf[0, 1] = one_leaf[2, 0] = 50.0
-    assert evaluate(tree, one_leaf) == {"accuracy": pytest.approx(1.0), "modes": 1, "entropy": pytest.approx(0.0, abs=1e-6)}
+    assert evaluate(tree, one_leaf) == {
+        "accuracy": pytest.approx(1.0),
+        "modes": 1,
+        "entropy": pytest.approx(0.0, abs=1e-6),
+    }
 
 
 def test_sweep_rule_wants_all_modes_on_every_seed_then_accuracy():

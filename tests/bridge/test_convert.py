@@ -39,8 +39,20 @@ def test_hf_to_mcore_to_hf_is_bit_exact(models, tmp_path, arch):
     src = models[arch]
     assert convert(["hf-to-mcore", "--hf-dir", str(src), "--out", str(tmp_path / "mcore")]) == 0
     assert (tmp_path / "mcore" / "metadata.json").is_file() and (tmp_path / "mcore" / "hf" / "config.json").is_file()
-    assert convert(["mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"),
-                    "--max-shard-size", "200KB"]) == 0
+    assert (
+        convert(
+            [
+                "mcore-to-hf",
+                "--mcore-dir",
+                str(tmp_path / "mcore"),
+                "--out",
+                str(tmp_path / "hf"),
+                "--max-shard-size",
+                "200KB",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()  # several shards were written
     before, after = _state(src), _state(tmp_path / "hf")
     assert sorted(before) == sorted(after)  # tied: no lm_head in either
@@ -65,8 +77,19 @@ def test_converted_checkpoint_loads_in_transformers(models, tmp_path):
 def test_script_entry_point(models, tmp_path):
     out = tmp_path / "mcore"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "convert.py"), "hf-to-mcore", "--hf-dir", str(models["qwen2"]),
-         "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO,
+        [
+            sys.executable,
+            str(REPO / "tools" / "convert.py"),
+            "hf-to-mcore",
+            "--hf-dir",
+            str(models["qwen2"]),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "hf-to-mcore" in proc.stderr and (out / "metadata.json").is_file()
@@ -105,8 +128,13 @@ def test_wrong_shape_is_named(models, tmp_path, capsys):
     state = _state(src)
     state["model.layers.2.self_attn.k_proj.weight"] = torch.zeros(32, 128)
     save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
-    _fails(["hf-to-mcore", "--hf-dir", str(src), "--out", str(tmp_path / "out")], capsys,
-           "model.layers.2.self_attn.k_proj.weight", "[32, 128]", "[64, 128]")
+    _fails(
+        ["hf-to-mcore", "--hf-dir", str(src), "--out", str(tmp_path / "out")],
+        capsys,
+        "model.layers.2.self_attn.k_proj.weight",
+        "[32, 128]",
+        "[64, 128]",
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -115,8 +143,12 @@ def test_unsupported_architecture_is_named(models, tmp_path, capsys):
     config = json.loads((src / "config.json").read_text())
     config["architectures"] = ["MistralForCausalLM"]
     (src / "config.json").write_text(json.dumps(config))
-    _fails(["hf-to-mcore", "--hf-dir", str(src), "--out", str(tmp_path / "out")], capsys,
-           "MistralForCausalLM", "config.json")
+    _fails(
+        ["hf-to-mcore", "--hf-dir", str(src), "--out", str(tmp_path / "out")],
+        capsys,
+        "MistralForCausalLM",
+        "config.json",
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -150,6 +182,9 @@ def test_mcore_shape_mismatch_is_named(models, tmp_path, capsys):
     config = json.loads((tmp_path / "mcore" / "hf" / "config.json").read_text())
     config["intermediate_size"] = 512
     (tmp_path / "mcore" / "hf" / "config.json").write_text(json.dumps(config))
-    _fails(["mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf")], capsys,
-           "decoder.layers.mlp.linear_fc1.weight")
+    _fails(
+        ["mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf")],
+        capsys,
+        "decoder.layers.mlp.linear_fc1.weight",
+    )
     assert not (tmp_path / "hf").exists()

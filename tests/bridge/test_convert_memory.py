@@ -18,7 +18,10 @@ ALLOWANCE_MB = 256  # interpreter/allocator slack and small buffers; independent
 def test_conversion_memory_does_not_scale_with_the_model(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "bench_convert_memory.py"), "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=1200, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)

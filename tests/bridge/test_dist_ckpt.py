@@ -29,8 +29,8 @@ def _save_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int, megatron_default:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge.dist_ckpt import save_dist_checkpoint
+    from megatron_rlvr.runtime import distributed
 
     try:
         hf, chunks = build_chunks(hf_dir, tp, pp)
@@ -46,8 +46,8 @@ def _save_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int, megatron_default:
 
 
 def _load_worker(hf_dir: str, ckpt_dir: str, tp: int, pp: int, ids: torch.Tensor):
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge.dist_ckpt import load_dist_checkpoint
+    from megatron_rlvr.runtime import distributed
 
     try:
         hf, chunks = build_chunks(hf_dir, tp, pp, seed=99, load=False)  # random weights until the load

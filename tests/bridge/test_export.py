@@ -40,10 +40,18 @@ def _hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
         return {n: reader.read(n) for n in reader.names()}
 
 
-def _export_worker(hf_dir: str, tp: int, pp: int, bucket_bytes: int, vpp: int | None = None, shm: bool = True,
-                   receive_ranks: tuple[int, ...] | None = None, lend_ranks: tuple[int, ...] = ()):
-    from megatron_rlvr.runtime import distributed
+def _export_worker(
+    hf_dir: str,
+    tp: int,
+    pp: int,
+    bucket_bytes: int,
+    vpp: int | None = None,
+    shm: bool = True,
+    receive_ranks: tuple[int, ...] | None = None,
+    lend_ranks: tuple[int, ...] = (),
+):
     from megatron_rlvr.bridge import export, export_hf_weights
+    from megatron_rlvr.runtime import distributed
 
     shm_before, export.SHM_EXCHANGE = export.SHM_EXCHANGE, shm  # worker processes are shared by tests: restored
     try:
@@ -119,8 +127,14 @@ def _same(a, b) -> bool:
 
 def _parameter_of(name: str) -> str:
     """The Megatron parameter an HF name comes from (q/k/v, gate/up and a tied lm_head share one)."""
-    for part, whole in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"), ("gate_proj", "fc1"),
-                        ("up_proj", "fc1"), ("lm_head", "model.embed_tokens")):
+    for part, whole in (
+        ("q_proj", "qkv"),
+        ("k_proj", "qkv"),
+        ("v_proj", "qkv"),
+        ("gate_proj", "fc1"),
+        ("up_proj", "fc1"),
+        ("lm_head", "model.embed_tokens"),
+    ):
         name = name.replace(part, whole)
     return name
 
@@ -217,8 +231,8 @@ def test_gathered_export_is_exact_tp2_pp2(workers4, tiny_models, arch):
 def _local_shards_worker(hf_dir: str, tp: int, pp: int):
     from megatron.core import parallel_state as ps
 
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_local_shards
+    from megatron_rlvr.runtime import distributed
 
     try:
         hf, chunks = build_chunks(hf_dir, tp, pp)
@@ -265,8 +279,8 @@ def test_local_shards_reassemble_to_hf_tp2_pp2(workers4, tiny_models, arch):
 
 
 def _broken_worker(hf_dir: str, how: str):
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import BridgeError, export_hf_weights
+    from megatron_rlvr.runtime import distributed
 
     try:
         hf, chunks = build_chunks(hf_dir, 2, 1)

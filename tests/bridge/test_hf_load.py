@@ -22,8 +22,8 @@ def qwen2(tmp_path_factory):
 
 
 def _load_worker(build_dir: str, load_dir: str):
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import BridgeError, HFCheckpointError, load_hf_weights
+    from megatron_rlvr.runtime import distributed
 
     try:
         _, chunks = build_chunks(build_dir, 2, 1, load=False)
@@ -50,7 +50,9 @@ def _rewrite(src, dst, edit):
 
 
 def test_mis_shaped_tensor_is_named_and_nothing_loaded(workers2, qwen2, tmp_path):
-    bad = _rewrite(qwen2, tmp_path / "bad", lambda s: s.update({"model.layers.3.mlp.up_proj.weight": torch.zeros(5, 128)}))
+    bad = _rewrite(
+        qwen2, tmp_path / "bad", lambda s: s.update({"model.layers.3.mlp.up_proj.weight": torch.zeros(5, 128)})
+    )
     for message, untouched in workers2.run(_load_worker, str(qwen2), str(bad)):
         assert "model.layers.3.mlp.up_proj.weight" in message and "[5, 128]" in message
         assert untouched

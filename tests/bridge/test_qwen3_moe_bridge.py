@@ -22,8 +22,10 @@ def moe_dirs(tmp_path_factory):
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("qwen3_moe_bridge")
-    return {norm: str(make_tiny_hf_model("qwen3_moe", root / f"norm_{norm}", seed=41, norm_topk_prob=norm))
-            for norm in (True, False)}
+    return {
+        norm: str(make_tiny_hf_model("qwen3_moe", root / f"norm_{norm}", seed=41, norm_topk_prob=norm))
+        for norm in (True, False)
+    }
 
 
 def _hf_state(hf_dir) -> dict[str, torch.Tensor]:
@@ -47,8 +49,10 @@ def _pieces_worker(hf_dir: str, tp: int, pp: int, ep: int, etp: int | None, expo
         for e in entries:
             if e.param is not None:
                 rank, size = shard_rank_and_size(e.mapping)
-                pieces += [(n, t.detach().clone(), d, a, b)
-                           for n, t, d, a, b in shard_to_hf(e.mapping, e.param.detach(), dims, rank, size)]
+                pieces += [
+                    (n, t.detach().clone(), d, a, b)
+                    for n, t, d, a, b in shard_to_hf(e.mapping, e.param.detach(), dims, rank, size)
+                ]
         exported = None
         if export:
             exported = {n: t.clone() for b in export_hf_weights(chunks, hf, bucket_bytes=100_000) for n, t in b}
@@ -69,8 +73,9 @@ def _reassemble(results, expected: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("tp,pp,ep,etp", [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, 1),
-                                          (2, 1, 2, 1)])
+@pytest.mark.parametrize(
+    "tp,pp,ep,etp", [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, 1), (2, 1, 2, 1)]
+)
 def test_moe_hf_megatron_hf_is_bit_exact(workers2, moe_dirs, norm, tp, pp, ep, etp):
     expected = _hf_state(moe_dirs[norm])
     assert any(".mlp.experts.7.down_proj" in n for n in expected) and "model.layers.1.mlp.gate_proj.weight" in expected

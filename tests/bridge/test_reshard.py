@@ -23,8 +23,10 @@ BUCKET_BYTES = 100_000
 # (vLLM pads it to 64: at engine TP 4 the last rank holds no row of it).
 MODELS = {
     "gqa": ("qwen2", dict(seed=11, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)),
-    "tied": ("llama", dict(seed=12, num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_hidden_layers=2,
-                           vocab_size=40)),
+    "tied": (
+        "llama",
+        dict(seed=12, num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_hidden_layers=2, vocab_size=40),
+    ),
 }
 
 
@@ -88,8 +90,8 @@ def reassemble(name: str, shards: list[torch.Tensor], dims: ModelDims) -> torch.
 
 def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], bucket_bytes: int) -> dict:
     """Export at (tp, pp), cut every tensor for each engine TP on arrival (as an engine rank would) and compare."""
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import export_hf_weights
+    from megatron_rlvr.runtime import distributed
 
     try:
         hf, chunks = build_chunks(hf_dir, tp, pp)
@@ -108,8 +110,9 @@ def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], 
                         stats["shards"] += 1
                         stats["empty_vocab_shards"] += s.numel() == 0
                         if s.dtype != want.dtype or not torch.equal(s, want):
-                            problems.append(f"{name} e={e} rank {r}: shape {list(s.shape)} != {list(want.shape)} "
-                                            f"or values differ")
+                            problems.append(
+                                f"{name} e={e} rank {r}: shape {list(s.shape)} != {list(want.shape)} or values differ"
+                            )
                     stats["replicated_kv"] += rule_of(name) == "kv" and e > dims.groups
                     if not torch.equal(reassemble(name, shards, dims), t):
                         problems.append(f"{name} e={e}: the shards do not reassemble to the full tensor")
@@ -120,8 +123,9 @@ def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], 
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("model,tp,pp", [("gqa", 1, 1), ("gqa", 2, 1), ("gqa", 1, 2),
-                                         ("tied", 1, 2), ("tied", 2, 1), ("tied", 4, 1)])
+@pytest.mark.parametrize(
+    "model,tp,pp", [("gqa", 1, 1), ("gqa", 2, 1), ("gqa", 1, 2), ("tied", 1, 2), ("tied", 2, 1), ("tied", 4, 1)]
+)
 def test_engine_shards_of_the_export_equal_the_sliced_checkpoint(workers4, tiny_models, model, tp, pp):
     results = workers4.run(_reshard_worker, tiny_models[model], tp, pp, ENGINE_TPS, BUCKET_BYTES)
     dims = _dims(tiny_models[model])
@@ -174,8 +178,12 @@ def test_engine_shard_is_what_vllms_weight_loaders_keep(monkeypatch, tiny_models
         assert torch.equal(layers.qkv.bias, torch.cat(biases)), f"qkv bias tp={tp} rank {rank}"
         for i, part in enumerate(("gate", "up")):
             layers.gate_up.weight_loader(layers.gate_up.weight, ref[f"{p}mlp.{part}_proj.weight"], i)
-        want = torch.cat([engine_shard(f"{p}mlp.{g}_proj.weight", ref[f"{p}mlp.{g}_proj.weight"], dims, tp, rank)
-                          for g in ("gate", "up")])
+        want = torch.cat(
+            [
+                engine_shard(f"{p}mlp.{g}_proj.weight", ref[f"{p}mlp.{g}_proj.weight"], dims, tp, rank)
+                for g in ("gate", "up")
+            ]
+        )
         assert torch.equal(layers.gate_up.weight, want), f"gate_up tp={tp} rank {rank}"
         for layer, name in ((layers.o, f"{p}self_attn.o_proj.weight"), (layers.down, f"{p}mlp.down_proj.weight")):
             layer.weight_loader(layer.weight, ref[name])
@@ -189,8 +197,9 @@ def test_engine_shard_is_what_vllms_weight_loaders_keep(monkeypatch, tiny_models
 
 
 def test_a_tp_vllm_cannot_split_is_refused_naming_the_tensor_and_sizes():
-    dims = ModelDims(hidden=128, heads=8, groups=2, head_dim=16, ffn=256, vocab=1001, layers=2, tied=False,
-                     qkv_bias=True)
+    dims = ModelDims(
+        hidden=128, heads=8, groups=2, head_dim=16, ffn=256, vocab=1001, layers=2, tied=False, qkv_bias=True
+    )
     with pytest.raises(ReshardError, match=r"q_proj\.weight: engine tp=3 does not divide its 8 attention heads"):
         engine_shard("model.layers.1.self_attn.q_proj.weight", torch.zeros(128, 128), dims, 3, 0)
     with pytest.raises(ReshardError, match=r"k_proj\.bias: engine tp=3 is not a multiple of its 2 kv heads"):

@@ -37,18 +37,40 @@ def out_rows(path: Path) -> list[dict]:
 def make_math_tarball(root: Path) -> Path:
     """hendrycks MATH as released: MATH/{train,test}/<subject>/<n>.json."""
     math = root / "MATH"
-    write_json(math / "train" / "algebra" / "1.json", {"problem": "Solve $x+1=3$.", "level": "Level 3", "type": "Algebra",
-                                                        "solution": f"So $x = {BOX}{{2}}$."})
-    write_json(math / "train" / "algebra" / "2.json", {"problem": "What is $1+1$?", "level": "Level 1", "type": "Algebra",
-                                                        "solution": f"It is {BOX}{{2}}."})
-    write_json(math / "train" / "geometry" / "7.json", {"problem": "Find the area of a unit square.", "level": "Level 5",
-                                                         "type": "Geometry", "solution": f"Area {BOX}{{\\frac{{1}}{{1}}}} and then {BOX}{{1}}."})
-    write_json(math / "train" / "geometry" / "8.json", {"problem": "A problem whose solution lost its box.", "level": "Level 4",
-                                                         "type": "Geometry", "solution": "The answer is 4."})
-    write_json(math / "train" / "precalculus" / "3.json", {"problem": "Odd level.", "level": "Level ?", "type": "Precalculus",
-                                                            "solution": f"{BOX}{{0}}"})
-    write_json(math / "test" / "algebra" / "5.json", {"problem": "A test problem.", "level": "Level 3", "type": "Algebra",
-                                                       "solution": f"{BOX}{{9}}"})
+    write_json(
+        math / "train" / "algebra" / "1.json",
+        {"problem": "Solve $x+1=3$.", "level": "Level 3", "type": "Algebra", "solution": f"So $x = {BOX}{{2}}$."},
+    )
+    write_json(
+        math / "train" / "algebra" / "2.json",
+        {"problem": "What is $1+1$?", "level": "Level 1", "type": "Algebra", "solution": f"It is {BOX}{{2}}."},
+    )
+    write_json(
+        math / "train" / "geometry" / "7.json",
+        {
+            "problem": "Find the area of a unit square.",
+            "level": "Level 5",
+            "type": "Geometry",
+            "solution": f"Area {BOX}{{\\frac{{1}}{{1}}}} and then {BOX}{{1}}.",
+        },
+    )
+    write_json(
+        math / "train" / "geometry" / "8.json",
+        {
+            "problem": "A problem whose solution lost its box.",
+            "level": "Level 4",
+            "type": "Geometry",
+            "solution": "The answer is 4.",
+        },
+    )
+    write_json(
+        math / "train" / "precalculus" / "3.json",
+        {"problem": "Odd level.", "level": "Level ?", "type": "Precalculus", "solution": f"{BOX}{{0}}"},
+    )
+    write_json(
+        math / "test" / "algebra" / "5.json",
+        {"problem": "A test problem.", "level": "Level 3", "type": "Algebra", "solution": f"{BOX}{{9}}"},
+    )
     return math
 
 
@@ -73,12 +95,17 @@ def test_math_tarball_levels_3_to_5_with_the_last_boxed_answer(tmp_path, capsys)
 
 def test_math_hf_parquet_layout_and_strict_names_the_row(tmp_path):
     src = tmp_path / "hendrycks_math"
-    write_parquet(src / "algebra" / "train-00000-of-00001.parquet", [
-        {"problem": "P1", "level": "Level 3", "type": "Algebra", "solution": f"{BOX}{{3}}"},
-        {"problem": "P2", "level": "Level 4", "type": "Algebra", "solution": "no box"},
-    ])
-    write_parquet(src / "algebra" / "test-00000-of-00001.parquet", [
-        {"problem": "T1", "level": "Level 3", "type": "Algebra", "solution": f"{BOX}{{3}}"}])
+    write_parquet(
+        src / "algebra" / "train-00000-of-00001.parquet",
+        [
+            {"problem": "P1", "level": "Level 3", "type": "Algebra", "solution": f"{BOX}{{3}}"},
+            {"problem": "P2", "level": "Level 4", "type": "Algebra", "solution": "no box"},
+        ],
+    )
+    write_parquet(
+        src / "algebra" / "test-00000-of-00001.parquet",
+        [{"problem": "T1", "level": "Level 3", "type": "Algebra", "solution": f"{BOX}{{3}}"}],
+    )
     out = tmp_path / "out.jsonl"
     assert main(["prepare", "math", "--src", str(src), "--out", str(out), "--no-instruction"]) == 0
     assert [(r["problem"], r["answer"]) for r in out_rows(out)] == [("P1", "3")]
@@ -88,15 +115,35 @@ def test_math_hf_parquet_layout_and_strict_names_the_row(tmp_path):
 
 def test_gsm8k_with_math_level_1_added(tmp_path, capsys):
     gsm = tmp_path / "grade_school_math" / "data"
-    write_jsonl(gsm / "train.jsonl", [
-        {"question": "Tom has 3 apples and buys 1,000 more. How many?", "answer": "3 + 1000 = 1003\n#### 1,003"},
-        {"question": "A row without the final answer.", "answer": "It is 5."},
-    ])
+    write_jsonl(
+        gsm / "train.jsonl",
+        [
+            {"question": "Tom has 3 apples and buys 1,000 more. How many?", "answer": "3 + 1000 = 1003\n#### 1,003"},
+            {"question": "A row without the final answer.", "answer": "It is 5."},
+        ],
+    )
     write_jsonl(gsm / "test.jsonl", [{"question": "Test q", "answer": "#### 1"}])
     math = make_math_tarball(tmp_path)
     out = tmp_path / "gsm8k_math_l1.jsonl"
-    assert main(["prepare", "gsm8k", "--src", str(gsm.parent), "--add", "math", "--add-src", str(math), "--levels", "1",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                "gsm8k",
+                "--src",
+                str(gsm.parent),
+                "--add",
+                "math",
+                "--add-src",
+                str(math),
+                "--levels",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = out_rows(out)
     assert [(r["source"], r["answer"]) for r in rows] == [("gsm8k", "1003"), ("math", "2")]
     assert "skipped 1: no '#### <answer>' in 'answer'" in capsys.readouterr().out
@@ -108,44 +155,72 @@ def test_gsm8k_with_math_level_1_added(tmp_path, capsys):
         parse_levels("6")
 
 
-DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of the form "
-             "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_HEAD = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
 DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 
 def dapo_row(problem, answer, index):
-    return {"data_source": "math_dapo", "prompt": [{"content": DAPO_HEAD + problem + DAPO_TAIL, "role": "user"}],
-            "ability": "MATH", "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
-            "extra_info": {"index": index}}
+    return {
+        "data_source": "math_dapo",
+        "prompt": [{"content": DAPO_HEAD + problem + DAPO_TAIL, "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": index},
+    }
 
 
 def test_dapo_unwraps_the_prompt_and_keeps_repeated_problems_once(tmp_path, capsys):
     src = tmp_path / "DAPO-Math-17k"
-    write_parquet(src / "data" / "dapo-math-17k.parquet", [
-        dapo_row("How many primes are below 10?", "4", "a1"),
-        dapo_row("How many primes are below 10?", "4", "a1"),  # the release repeats each problem many times
-        dapo_row("What is 2+2?", "", "a2"),
-    ])
+    write_parquet(
+        src / "data" / "dapo-math-17k.parquet",
+        [
+            dapo_row("How many primes are below 10?", "4", "a1"),
+            dapo_row("How many primes are below 10?", "4", "a1"),  # the release repeats each problem many times
+            dapo_row("What is 2+2?", "", "a2"),
+        ],
+    )
     out = tmp_path / "dapo.jsonl"
     assert main(["prepare", "dapo-math-17k", "--src", str(src), "--out", str(out), "--no-instruction"]) == 0
-    assert out_rows(out) == [{"id": "dapo-math-17k-a1", "problem": "How many primes are below 10?", "answer": "4",
-                              "task": "math", "source": "dapo-math-17k"}]
+    assert out_rows(out) == [
+        {
+            "id": "dapo-math-17k-a1",
+            "problem": "How many primes are below 10?",
+            "answer": "4",
+            "task": "math",
+            "source": "dapo-math-17k",
+        }
+    ]
     printed = capsys.readouterr().out
     assert "1 repeated problems kept once" in printed and "skipped 1: no 'reward_model.ground_truth'" in printed
 
 
 def test_synlogic_easy_and_hard_train_files(tmp_path, capsys):
     src = tmp_path / "SynLogic"
-    row = lambda task, q, gt: {"data_source": task, "prompt": [{"role": "user", "content": q}], "ability": "logic",
-                               "reward_model": {"ground_truth": gt, "style": "rule"}, "extra_info": {"index": 0}}
+
+    def row(task, q, gt):
+        return {
+            "data_source": task,
+            "prompt": [{"role": "user", "content": q}],
+            "ability": "logic",
+            "reward_model": {"ground_truth": gt, "style": "rule"},
+            "extra_info": {"index": 0},
+        }
+
     write_parquet(src / "synlogic_easy" / "train.parquet", [row("arrow_maze", "Which way?", "left")])
     write_parquet(src / "synlogic_easy" / "validation.parquet", [row("arrow_maze", "Validation q", "up")])
-    write_parquet(src / "synlogic_hard" / "train.parquet", [row("dyck", "Close the brackets: ((", "))"),
-                                                            row("dyck", "No answer here", "")])
+    write_parquet(
+        src / "synlogic_hard" / "train.parquet",
+        [row("dyck", "Close the brackets: ((", "))"), row("dyck", "No answer here", "")],
+    )
     out = tmp_path / "synlogic.jsonl"
     assert main(["prepare", "synlogic", "--src", str(src), "--out", str(out)]) == 0
     assert [(r["problem"], r["answer"]["answer"], r["answer"]["data_source"], r["task"]) for r in out_rows(out)] == [
-        ("Which way?", "left", "arrow_maze", "logic"), ("Close the brackets: ((", "))", "dyck", "logic")]
+        ("Which way?", "left", "arrow_maze", "logic"),
+        ("Close the brackets: ((", "))", "dyck", "logic"),
+    ]
     assert "skipped 1: no answer" in capsys.readouterr().out
 
 
@@ -153,18 +228,35 @@ def test_deepcoder_stdin_and_functional_tests_become_verifier_references(tmp_pat
     from megatron_rlvr.rewards.code import check_code_reference
 
     src = tmp_path / "DeepCoder-Preview-Dataset"
-    write_parquet(src / "lcbv5" / "train-00000-of-00001.parquet", [
-        {"problem": "Read n and print n+1.", "starter_code": "", "metadata": "{}",
-         "tests": json.dumps([{"input": "1\n", "output": "2\n", "testtype": "stdin"}])},
-        {"problem": "Implement add.", "starter_code": "class Solution:\n    def add(self, a, b):\n",
-         "metadata": json.dumps({"func_name": "add"}),
-         "tests": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"}])},
-    ])
-    write_parquet(src / "primeintellect" / "train-00000-of-00001.parquet", [
-        {"problem": "Call-based.", "starter_code": "", "metadata": "{}",
-         "tests": json.dumps([{"type": "function_call", "fn_name": "f", "input": [1], "output": [2]}])},
-        {"problem": "No tests.", "starter_code": "", "metadata": "{}", "tests": "[]"},
-    ])
+    write_parquet(
+        src / "lcbv5" / "train-00000-of-00001.parquet",
+        [
+            {
+                "problem": "Read n and print n+1.",
+                "starter_code": "",
+                "metadata": "{}",
+                "tests": json.dumps([{"input": "1\n", "output": "2\n", "testtype": "stdin"}]),
+            },
+            {
+                "problem": "Implement add.",
+                "starter_code": "class Solution:\n    def add(self, a, b):\n",
+                "metadata": json.dumps({"func_name": "add"}),
+                "tests": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"}]),
+            },
+        ],
+    )
+    write_parquet(
+        src / "primeintellect" / "train-00000-of-00001.parquet",
+        [
+            {
+                "problem": "Call-based.",
+                "starter_code": "",
+                "metadata": "{}",
+                "tests": json.dumps([{"type": "function_call", "fn_name": "f", "input": [1], "output": [2]}]),
+            },
+            {"problem": "No tests.", "starter_code": "", "metadata": "{}", "tests": "[]"},
+        ],
+    )
     out = tmp_path / "code.jsonl"
     assert main(["prepare", "deepcoder", "--src", str(src), "--out", str(out)]) == 0
     rows = out_rows(out)
@@ -179,26 +271,80 @@ def test_deepcoder_stdin_and_functional_tests_become_verifier_references(tmp_pat
 def test_overlap_with_eval_benchmarks_is_reported_and_dropped(tmp_path, capsys):
     src = make_math_tarball(tmp_path)
     evals = tmp_path / "eval_data"
-    write_jsonl(evals / "math500.jsonl", [
-        {"unique_id": "test/algebra/9.json", "problem": "Solve  $x + 1 = 3$ .", "answer": "2"},  # spacing differs
-        {"unique_id": "test/geometry/1.json", "problem": "Something else entirely.", "answer": "0"}])
+    write_jsonl(
+        evals / "math500.jsonl",
+        [
+            {"unique_id": "test/algebra/9.json", "problem": "Solve  $x + 1 = 3$ .", "answer": "2"},  # spacing differs
+            {"unique_id": "test/geometry/1.json", "problem": "Something else entirely.", "answer": "0"},
+        ],
+    )
     write_jsonl(evals / "aime24.jsonl", [{"id": 1, "problem": "Find the area of a unit square.", "answer": "1"}])
     dapo = tmp_path / "dapo"
-    write_parquet(dapo / "data" / "dapo-math-17k.parquet", [
-        dapo_row("Let n be an integer with the stated property; find the smallest such n greater than ten.", "11", "x1"),
-        dapo_row("Unrelated problem about counting sheep in a field of grass.", "3", "x2")])
-    write_jsonl(evals / "amc23.jsonl", [{"id": 5, "question": "Let n be an integer with the stated property; find the "
-                                         "smallest such n greater than ten.", "answer": 11.0}])
+    write_parquet(
+        dapo / "data" / "dapo-math-17k.parquet",
+        [
+            dapo_row(
+                "Let n be an integer with the stated property; find the smallest such n greater than ten.", "11", "x1"
+            ),
+            dapo_row("Unrelated problem about counting sheep in a field of grass.", "3", "x2"),
+        ],
+    )
+    write_jsonl(
+        evals / "amc23.jsonl",
+        [
+            {
+                "id": 5,
+                "question": "Let n be an integer with the stated property; find the smallest such n greater than ten.",
+                "answer": 11.0,
+            }
+        ],
+    )
     out = tmp_path / "math.jsonl"
-    assert main(["prepare", "math", "--src", str(src), "--levels", "3-5", "--out", str(out), "--check-against", str(evals)]) == 0
+    assert (
+        main(
+            ["prepare", "math", "--src", str(src), "--levels", "3-5", "--out", str(out), "--check-against", str(evals)]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    assert "overlap with math500, aime24, amc23 under" in printed and "2 training problems" in printed and "kept" in printed
+    assert (
+        "overlap with math500, aime24, amc23 under" in printed
+        and "2 training problems" in printed
+        and "kept" in printed
+    )
     assert len(out_rows(out)) == 2
     with pytest.raises(DataError, match="no usable rows .*2 dropped as found in the eval benchmarks"):
-        main(["prepare", "math", "--src", str(src), "--levels", "3-5", "--out", str(out), "--check-against", str(evals),
-              "--drop-overlap"])
-    assert main(["prepare", "dapo-math-17k", "--src", str(dapo), "--out", str(out), "--check-against", str(evals),
-                 "--drop-overlap"]) == 0
+        main(
+            [
+                "prepare",
+                "math",
+                "--src",
+                str(src),
+                "--levels",
+                "3-5",
+                "--out",
+                str(out),
+                "--check-against",
+                str(evals),
+                "--drop-overlap",
+            ]
+        )
+    assert (
+        main(
+            [
+                "prepare",
+                "dapo-math-17k",
+                "--src",
+                str(dapo),
+                "--out",
+                str(out),
+                "--check-against",
+                str(evals),
+                "--drop-overlap",
+            ]
+        )
+        == 0
+    )
     assert [r["answer"] for r in out_rows(out)] == ["3"]
     assert "1 training problems {'amc23': 1} dropped" in capsys.readouterr().out
 
@@ -216,8 +362,18 @@ def test_bad_sources_are_one_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
         main(["prepare", "gsm8k", "--src", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o.jsonl")])
     with pytest.raises(DataError, match="--check-against .*: no benchmark file there"):
-        main(["prepare", "gsm8k", "--src", str(tmp_path / "only_test" / "test.jsonl"), "--out", str(tmp_path / "o.jsonl"),
-              "--check-against", str(tmp_path / "empty")])
+        main(
+            [
+                "prepare",
+                "gsm8k",
+                "--src",
+                str(tmp_path / "only_test" / "test.jsonl"),
+                "--out",
+                str(tmp_path / "o.jsonl"),
+                "--check-against",
+                str(tmp_path / "empty"),
+            ]
+        )
 
 
 def test_countdown_split_is_what_the_eval_reads_and_the_demo_evaluates(tmp_path, capsys):
@@ -226,7 +382,9 @@ def test_countdown_split_is_what_the_eval_reads_and_the_demo_evaluates(tmp_path,
     from megatron_rlvr.tasks.countdown import split_of
 
     data = tmp_path / "data"
-    with pytest.raises(BenchmarkMissing, match=rf"make it with `megatron-rlvr data prepare countdown --out {data}/countdown.jsonl`$"):
+    with pytest.raises(
+        BenchmarkMissing, match=rf"make it with `megatron-rlvr data prepare countdown --out {data}/countdown.jsonl`$"
+    ):
         load_benchmark("countdown", data)
     assert main(["prepare", "countdown", "--out", str(data / "countdown.jsonl"), "--count", "16"]) == 0
     assert "wrote 16 eval problems (seed 1234)" in capsys.readouterr().out

@@ -73,11 +73,11 @@ def doc_files(repo: Path = REPO) -> list[Path]:
 
 def _parse_directive(body: str, block: Block) -> None:
     if body.startswith("skip:"):
-        block.skip = body[len("skip:"):].strip()
+        block.skip = body[len("skip:") :].strip()
         if not block.skip:
             raise DocTestError(f"{block.where}: doc-test skip needs a reason: <!-- doc-test: skip: REASON -->")
     elif body.startswith("long:"):
-        block.long = body[len("long:"):].strip()
+        block.long = body[len("long:") :].strip()
         if not block.long:
             raise DocTestError(f"{block.where}: doc-test long needs a reason: <!-- doc-test: long: REASON -->")
     elif body.startswith("timeout "):
@@ -92,7 +92,9 @@ def _parse_directive(body: str, block: Block) -> None:
             raise DocTestError(f"{block.where}: doc-test {body!r}: expected s{delim}OLD{delim}NEW{delim} [why]")
         block.subs.append((parts[0], parts[1]))
     else:
-        raise DocTestError(f"{block.where}: doc-test {body!r}: expected 'skip: REASON', 'long: REASON', 's|OLD|NEW|' or 'timeout N'")
+        raise DocTestError(
+            f"{block.where}: doc-test {body!r}: expected 'skip: REASON', 'long: REASON', 's|OLD|NEW|' or 'timeout N'"
+        )
 
 
 def parse_blocks(path: Path, repo: Path = REPO) -> list[Block]:
@@ -111,7 +113,7 @@ def parse_blocks(path: Path, repo: Path = REPO) -> list[Block]:
             end += 1
         if end == len(lines):
             raise DocTestError(f"{rel}:{i + 1}: the fence is never closed")
-        body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1:end]]
+        body = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : end]]
         block = Block(rel, i + 2, info, "\n".join(body) + "\n")
         j = i - 1
         directives = []

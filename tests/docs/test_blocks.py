@@ -42,14 +42,17 @@ def test_directives_attach_to_the_block_below_them(tmp_path):
     assert unmarked.kind == "" and text.kind == "other"
 
 
-@pytest.mark.parametrize("directive, message", [
-    ("s|--n 9|--n 8|", r"'--n 9' is not in the block"),
-    ("skip:", "skip needs a reason"),
-    ("long:", "long needs a reason"),
-    ("timeout soon", "expected 'timeout SECONDS'"),
-    ("s|a|b", r"expected s\|OLD\|NEW\| \[why\]"),
-    ("run faster", "expected 'skip: REASON'"),
-])
+@pytest.mark.parametrize(
+    "directive, message",
+    [
+        ("s|--n 9|--n 8|", r"'--n 9' is not in the block"),
+        ("skip:", "skip needs a reason"),
+        ("long:", "long needs a reason"),
+        ("timeout soon", "expected 'timeout SECONDS'"),
+        ("s|a|b", r"expected s\|OLD\|NEW\| \[why\]"),
+        ("run faster", "expected 'skip: REASON'"),
+    ],
+)
 def test_a_bad_or_stale_directive_is_one_clear_error(tmp_path, directive, message):
     (tmp_path / "page.md").write_text(f"<!-- doc-test: {directive} -->\n```bash cpu\necho --n 1024\n```\n")
     with pytest.raises(DocTestError, match=message):

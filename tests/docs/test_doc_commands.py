@@ -68,8 +68,12 @@ def test_every_command_block_says_where_it_runs_and_its_overrides_apply():
 
 def _tracked_files() -> list[str]:
     """The files a clone of this working tree would have: tracked ones, and new ones git does not ignore."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                         capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout
     return [p for p in out.decode().split("\0") if p]
 
 
@@ -92,9 +96,17 @@ def scratch(tmp_path_factory) -> Path:
     if not (venv / "bin" / "python").exists():
         pytest.fail(f"{REPO / '.venv'}: no virtual environment; run the quick start (tools/setup_env.sh) first")
     (root / ".venv").symlink_to(venv)
-    found = subprocess.run([str(root / ".venv/bin/python"), "-c", "import megatron_rlvr; print(megatron_rlvr.__file__)"],
-                           cwd=root, env=_env(root), capture_output=True, text=True, check=True).stdout.strip()
-    assert Path(found).resolve().is_relative_to(root.resolve()), f"the scratch copy imports {found}, not its own package"
+    found = subprocess.run(
+        [str(root / ".venv/bin/python"), "-c", "import megatron_rlvr; print(megatron_rlvr.__file__)"],
+        cwd=root,
+        env=_env(root),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(found).resolve().is_relative_to(root.resolve()), (
+        f"the scratch copy imports {found}, not its own package"
+    )
     return root
 
 
@@ -112,8 +124,15 @@ def _run(script: str, root: Path, timeout: float, activated: bool = False) -> tu
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     # a session of its own: on a timeout the whole block (torchrun, its ranks, engines) is killed, not only bash
-    proc = subprocess.Popen(["bash", "-c", "set -eo pipefail\n" + script], cwd=root, env=_env(root, activated),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-c", "set -eo pipefail\n" + script],
+        cwd=root,
+        env=_env(root, activated),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
         status = proc.returncode
@@ -131,7 +150,7 @@ def _check(block: Block, what: str, status: int, output: str) -> None:
     if status == 0 and error is None:
         return
     tail = "\n".join(output.rstrip().split("\n")[-TAIL_LINES:])
-    reason = f"exit {status}" if status else f"an error line: {output[error.start():].splitlines()[0].strip()}"
+    reason = f"exit {status}" if status else f"an error line: {output[error.start() :].splitlines()[0].strip()}"
     pytest.fail(f"{block.where}: {what} failed ({reason})\n--- last lines ---\n{tail}", pytrace=False)
 
 

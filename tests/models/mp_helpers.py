@@ -8,15 +8,23 @@ import torch
 import torch.distributed as dist
 
 
-def build_chunks(hf_dir: str, tp: int, pp: int, seed: int = 1234, load: bool = True, vpp: int | None = None,
-                 ep: int = 1, etp: int | None = None):
+def build_chunks(
+    hf_dir: str,
+    tp: int,
+    pp: int,
+    seed: int = 1234,
+    load: bool = True,
+    vpp: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+):
     """initialize_model_parallel(tp, pp, vpp, ep, etp) and this rank's model chunks (HF weights loaded when
     ``load``)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rlvr.runtime import distributed
     from megatron_rlvr.bridge import load_hf_weights
     from megatron_rlvr.models import build_gpt_model, load_hf_config, transformer_config_from_hf
+    from megatron_rlvr.runtime import distributed
 
     distributed.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep, etp=etp)
     hf = load_hf_config(hf_dir)

@@ -33,8 +33,16 @@ def test_loads_from_dir_file_and_dict(tmp_path):
 def test_legacy_rope_fields_are_read():
     legacy = {"rope_theta": 1e6, "rope_scaling": None}
     assert rope_settings(legacy) == {"rope_type": "default", "rope_theta": 1e6}
-    llama31 = {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    llama31 = {
+        "rope_theta": 5e5,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     assert rope_settings(llama31)["factor"] == 8.0 and rope_settings(llama31)["rope_theta"] == 5e5
 
 
@@ -42,12 +50,25 @@ def test_legacy_rope_fields_are_read():
     "arch,overrides,needle",
     [
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}, "sliding-window"),
-        ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
-         "rope_type='yarn'"),
+        (
+            "qwen2",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
+            "rope_type='yarn'",
+        ),
         ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
-         "low_freq_factor"),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 2.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "low_freq_factor",
+        ),
         ("llama", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
@@ -88,8 +109,13 @@ def test_transformer_config_fields():
     assert (q.num_query_groups, q.kv_channels, q.ffn_hidden_size, q.layernorm_epsilon) == (2, 32, 256, 1e-6)
     assert q.tensor_model_parallel_size == 2 and q.recompute_granularity == "selective"
     assert q.activation_func is torch.nn.functional.silu
-    l = transformer_config_from_hf(load_hf_config(_hf("llama")), pp=2, params_dtype=torch.bfloat16)
-    assert (l.add_qkv_bias, l.layernorm_epsilon, l.bf16, l.pipeline_model_parallel_size) == (False, 1e-5, True, 2)
+    llama = transformer_config_from_hf(load_hf_config(_hf("llama")), pp=2, params_dtype=torch.bfloat16)
+    assert (llama.add_qkv_bias, llama.layernorm_epsilon, llama.bf16, llama.pipeline_model_parallel_size) == (
+        False,
+        1e-5,
+        True,
+        2,
+    )
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         transformer_config_from_hf(load_hf_config(_hf("llama")), tp=4)
     with pytest.raises(ValueError, match="num_hidden_layers=4"):

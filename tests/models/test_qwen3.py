@@ -35,8 +35,17 @@ def test_qwen3_config_reads_qk_norm_and_head_dim():
     [
         ({"use_sliding_window": True, "sliding_window": 64}, "sliding"),
         ({"attention_bias": True}, "attention_bias"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                               "original_max_position_embeddings": 1024}}, "rope_type"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 1e6,
+                    "original_max_position_embeddings": 1024,
+                }
+            },
+            "rope_type",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],
 )

@@ -25,8 +25,9 @@ def _config(**overrides) -> dict:
 
 @pytest.mark.parametrize("norm", [True, False])
 def test_moe_config_becomes_megatrons_moe_settings(norm):
-    tcfg = transformer_config_from_hf(load_hf_config(_config(norm_topk_prob=norm, num_hidden_layers=6,
-                                                             decoder_sparse_step=2, mlp_only_layers=[3])))
+    tcfg = transformer_config_from_hf(
+        load_hf_config(_config(norm_topk_prob=norm, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
+    )
     assert tcfg.num_moe_experts == 8 and tcfg.moe_router_topk == 2 and tcfg.moe_ffn_hidden_size == 64
     # layer i is MoE when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
     assert tcfg.moe_layer_freq == [0, 1, 0, 0, 0, 1]
@@ -75,8 +76,10 @@ def moe_dirs(tmp_path_factory):
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("qwen3_moe")
-    return {norm: str(make_tiny_hf_model("qwen3_moe", root / f"norm_{norm}", seed=31, norm_topk_prob=norm))
-            for norm in (True, False)}
+    return {
+        norm: str(make_tiny_hf_model("qwen3_moe", root / f"norm_{norm}", seed=31, norm_topk_prob=norm))
+        for norm in (True, False)
+    }
 
 
 def _logits_worker(hf_dir: str, tp: int, pp: int, ep: int, etp: int | None, input_ids: torch.Tensor):
@@ -93,8 +96,9 @@ def _logits_worker(hf_dir: str, tp: int, pp: int, ep: int, etp: int | None, inpu
 
 @pytest.mark.dist
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("tp,pp,ep,etp", [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, 1),
-                                          (2, 1, 2, 1)])
+@pytest.mark.parametrize(
+    "tp,pp,ep,etp", [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, 1), (2, 1, 2, 1)]
+)
 def test_moe_log_probs_match_transformers(workers2, moe_dirs, norm, tp, pp, ep, etp):
     hf_dir = moe_dirs[norm]
     vocab = load_hf_config(hf_dir)["vocab_size"]
@@ -103,8 +107,10 @@ def test_moe_log_probs_match_transformers(workers2, moe_dirs, norm, tp, pp, ep, 
     outs = [r for r in workers2.run(_logits_worker, hf_dir, tp, pp, ep, etp, ids) if r is not None]
     assert outs, "no rank returned logits"
     rel = max(max_log_prob_rel_diff(o, reference, LENGTHS, vocab) for o in outs)
-    print(f"qwen3_moe norm_topk_prob={norm} TP={tp} PP={pp} EP={ep} ETP={etp or tp}: max relative log-prob "
-          f"difference vs transformers = {rel:.2e}")
+    print(
+        f"qwen3_moe norm_topk_prob={norm} TP={tp} PP={pp} EP={ep} ETP={etp or tp}: max relative log-prob "
+        f"difference vs transformers = {rel:.2e}"
+    )
     assert rel <= REL_TOL
 
 

@@ -38,7 +38,9 @@ def _actor_numbers(hf_dir: str, ep: int, kl_coef: float):
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(ep=ep, etp=1, micro_batch_size=2, lr=1e-3, pack_sequences=True),
-            AlgoConfig(loss="casp", tau_q=0.5, kl_coef=kl_coef), temperature=0.9, total_steps=2,
+            AlgoConfig(loss="casp", tau_q=0.5, kl_coef=kl_coef),
+            temperature=0.9,
+            total_steps=2,
         )
         batch = _batch(actor.vocab_size)
         batch.old_logp = actor.compute_old_logp(batch)
@@ -62,8 +64,10 @@ def test_update_at_ep2_equals_ep1(workers2, moe_dir, kl_coef):
     (old2, new2, m2), _ = workers2.run(_actor_numbers, moe_dir, 2, kl_coef)
     mask = _batch(10).response_mask
     rel = lambda a, b: ((a - b).abs() / b.abs().clamp_min(1e-12))[mask].max().item()  # noqa: E731
-    print(f"kl_coef={kl_coef} EP=2 vs EP=1: old_logp rel {rel(old2, old1):.2e}, loss {m2['actor/loss']:.8g} vs {m1['actor/loss']:.8g}, "
-          f"grad_norm {m2['actor/grad_norm']:.8g} vs {m1['actor/grad_norm']:.8g}, new logp rel {rel(new2, new1):.2e}")
+    print(
+        f"kl_coef={kl_coef} EP=2 vs EP=1: old_logp rel {rel(old2, old1):.2e}, loss {m2['actor/loss']:.8g} vs {m1['actor/loss']:.8g}, "
+        f"grad_norm {m2['actor/grad_norm']:.8g} vs {m1['actor/grad_norm']:.8g}, new logp rel {rel(new2, new1):.2e}"
+    )
     assert rel(old2, old1) <= REL
     assert m2["actor/loss"] == pytest.approx(m1["actor/loss"], rel=REL)
     assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=REL)

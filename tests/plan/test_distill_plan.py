@@ -9,7 +9,8 @@ import json
 import pytest
 
 from megatron_rlvr.plan import command
-from megatron_rlvr.plan.memory import GB, ModelDims, stage_params
+from megatron_rlvr.plan.memory import GB
+from megatron_rlvr.plan.model_dims import ModelDims, stage_params
 from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, load_hf_config
 
 RECIPE = "qwen2.5-7b_synlogic_casp"  # actor TP=2, bf16
@@ -19,8 +20,9 @@ RECIPE = "qwen2.5-7b_synlogic_casp"  # actor TP=2, bf16
 def teacher_14b(tmp_path_factory) -> str:
     """Qwen2.5-14B's shape (hidden 5120, 48 layers, ffn 13824, 40 heads, 8 KV heads): 1.94x the 7B's parameters."""
     hf = load_hf_config(str(MODEL_CONFIGS_DIR / "Qwen2.5-7B"))
-    hf.update(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-              num_key_value_heads=8)
+    hf.update(
+        hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8
+    )
     out = tmp_path_factory.mktemp("teacher14b")
     (out / "config.json").write_text(json.dumps(hf))
     return str(out)
@@ -57,8 +59,13 @@ def test_self_distillation_holds_one_copy_of_the_student_shared_with_the_referen
 def test_a_teacher_that_does_not_fit_is_a_problem_naming_the_key(capsys, teacher_14b):
     _, student_alone = _plan(capsys, "actor.tp=1", "actor.sequence_parallel=false")
     assert student_alone["fits"]  # the student alone fits at TP = 1: the teacher is what breaks it
-    code, plan = _plan(capsys, "actor.tp=1", "actor.sequence_parallel=false", "algo.distill=teacher",
-                       f"algo.teacher_hf_dir={teacher_14b}")
+    code, plan = _plan(
+        capsys,
+        "actor.tp=1",
+        "actor.sequence_parallel=false",
+        "algo.distill=teacher",
+        f"algo.teacher_hf_dir={teacher_14b}",
+    )
     assert code == 3 and not plan["fits"]
     (problem,) = plan["problems"]
     assert problem.startswith(f"algo.teacher_hf_dir={teacher_14b!r}: the teacher's weights, 29.5 GB per GPU")

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_rlvr.plan.command import load_plan_inputs, main, make_plan
 from megatron_rlvr.plan.host_memory import GB, host_header_line, host_plan, staged_bytes
-from megatron_rlvr.plan.memory import ModelDims
+from megatron_rlvr.plan.model_dims import ModelDims
 from megatron_rlvr.plan.recipe_files import find_recipe, recipe_names
 
 H200_TRAIN = [

@@ -44,7 +44,7 @@ def _meta_stage_counts(models: list[str], tp: int, pp: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_stage_params_equal_the_meta_device_build(workers2, tp, pp):
-    from megatron_rlvr.plan.memory import ModelDims, stage_params
+    from megatron_rlvr.plan.model_dims import ModelDims, stage_params
     from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, load_hf_config
 
     for counts in workers2.run(_meta_stage_counts, META_MODELS, tp, pp, timeout_s=600):

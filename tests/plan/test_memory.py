@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rlvr.plan import command
-from megatron_rlvr.plan.memory import GB, Layout, ModelDims, plan_layout, stage_params
+from megatron_rlvr.plan.memory import GB, Layout, plan_layout
+from megatron_rlvr.plan.model_dims import ModelDims, stage_params
 from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, load_hf_config
 from megatron_rlvr.plan.suggest import _rank, suggest
 from tests.configs.test_recipes import KNOWN_SIZES, analytic_parameter_count

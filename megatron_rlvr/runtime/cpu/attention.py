@@ -12,13 +12,10 @@ knows about it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
-
 
 BLOCK_TOKENS = 256
 
@@ -32,10 +29,10 @@ class PackedDotProductAttention(DotProductAttention):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        attention_mask: Optional[Tensor],
+        attention_mask: Tensor | None,
         attn_mask_type=None,
-        attention_bias: Optional[Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
@@ -57,8 +54,12 @@ class PackedDotProductAttention(DotProductAttention):
             mask = (seg[:, None] != seg[None, :]) | torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)
             # [n, heads, d] -> [n, b=1, heads, d]: megatron's sbhd layout, one block of whole sequences per call
             out = super().forward(
-                query[start:end].unsqueeze(1), key[start:end].unsqueeze(1), value[start:end].unsqueeze(1),
-                mask[None, None], attn_mask_type, attention_bias,
+                query[start:end].unsqueeze(1),
+                key[start:end].unsqueeze(1),
+                value[start:end].unsqueeze(1),
+                mask[None, None],
+                attn_mask_type,
+                attention_bias,
             )
             outputs.append(out.squeeze(1))
         return torch.cat(outputs, dim=0)

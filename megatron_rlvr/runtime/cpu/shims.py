@@ -81,13 +81,13 @@ class _CpuCudaModule(types.ModuleType):
         def synchronize(self) -> None:
             pass
 
-        def record_event(self, *_args: Any) -> "_CpuCudaModule._NullStream":
+        def record_event(self, *_args: Any) -> _CpuCudaModule._NullStream:
             return self  # an event that is already complete: its synchronize() returns at once
 
     Stream = _NullStream
 
     @staticmethod
-    def current_stream(*_args: Any, **_kwargs: Any) -> "_CpuCudaModule._NullStream":
+    def current_stream(*_args: Any, **_kwargs: Any) -> _CpuCudaModule._NullStream:
         return _CpuCudaModule._NullStream()
 
     @staticmethod
