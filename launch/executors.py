@@ -402,6 +402,10 @@ def run_task(
         executor.packager = with_shipped_files(executor.packager, ship)
         paths = {n: f"{CONTAINER_RUN_DIR}/configs/{n}" for n in ship}
     args = [paths[a[len(_PLACEHOLDER):]] if a.startswith(_PLACEHOLDER) else a for a in cli_args]
+    if launcher == "torchrun" and any(a.startswith("-") for a in args):
+        # torchrun's parser sees the task's options too and refuses an abbreviation of its own (eval's `--n`:
+        # "ambiguous option: --n could match --nnodes, ..."); after `--` they are the task's alone
+        args = ["--", *args]
     task = run.Script(path=module, m=True, entrypoint="python", args=args)
     detach = opts.detach and opts.executor != "local"
     with run.Experiment(opts.job_name or name, executor=executor, log_level="WARN") as exp:
