@@ -307,6 +307,8 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "t
     """`nodes` exclusive H200 nodes, one torchrun per node starting 8 ranks, inside a pyxis container
     (without a launcher: srun starts `procs_per_node` plain processes per node). A `preemptible` job (training)
     asks for `opts.signal` before the time limit; other jobs would die of it, so they ask for none."""
+    from launch.slurm_local import stop_requeue_lines
+
     if opts.tunnel == "ssh":
         tunnel = run.SSHTunnel(host=opts.ssh_host, user=opts.ssh_user, job_dir=opts.remote_job_dir,
                                identity=opts.ssh_identity)
@@ -330,6 +332,8 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "t
         container_mounts=list(opts.mounts),
         signal=opts.signal if warn else None,
         env_vars={**H200_ENV, **(signal_env(opts.signal) if warn else {}), **opts.env},
+        # the job directory is mounted at CONTAINER_RUN_DIR: the ranks' stop marker lands where the batch shell looks
+        setup_lines=stop_requeue_lines(CONTAINER_RUN_DIR) if warn else None,
         tunnel=tunnel,
         packager=packager,
         launcher=launcher,

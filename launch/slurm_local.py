@@ -11,7 +11,7 @@ Same nemo-run template as `slurm_h200`: sbatch -> srun one task per node -> torc
 - ranks get OMP_NUM_THREADS=1 (nodes on one machine share its cores).
 
 `stop_requeue_lines` is shared with the H200 executor: the batch-shell lines that make a training job stopped by its
-warning signal requeue itself (see there).
+warning signal requeue itself (see there; the real cluster's tests run them).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ LOCAL_ENV = {
     # several "nodes" share this machine's cores: one thread per rank, as the tests and the demo use
     "OMP_NUM_THREADS": "1",
 }
-# Where a stopping training run leaves its marker (rank 0, megatron_rlvr/preemption.py); on NEMORUN_HOME, which every
-# node and the batch shell see.
+# Where a stopping training run leaves its marker (rank 0, megatron_rlvr/preemption.py): in the job directory, which
+# every node and the batch shell see.
 STOP_MARKER_ENV = "MEGATRON_RLVR_STOP_MARKER"
 
 
@@ -39,25 +39,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_requeue_lines(stop_dir: str) -> str:
+def stop_requeue_lines(ranks_job_dir: str | None = None) -> str:
     """Batch-shell lines (nemo-run's `setup_lines`, before the srun) for a training job with a warning signal.
 
     What the real cluster showed: a run that stopped cleanly on `--signal=USR1@N` ends with torchrun's exit status 1
     (it re-raises the signal it forwarded), so the job ended FAILED and was requeued only while nemo-run's retries
-    lasted, each stop spending one. Now rank 0 writes a marker when the ranks agree to stop; on exit the batch
-    shell requeues the job itself when the marker is there (unless nemo-run's own retry just did) and exits 0, so the
-    job reads REQUEUED, then COMPLETED when the rerun has resumed and finished. `scancel --signal=USR1 --full` also
-    signals this shell, whose default action for USR1 would end the job under the ranks' checkpoint: it is trapped.
+    lasted, each stop spending one. Now rank 0 writes a marker into the job directory when the ranks agree to stop;
+    on exit the batch shell requeues the job itself when the marker is there (unless nemo-run's own retry just did)
+    and exits 0, so the job reads REQUEUED, then COMPLETED when the rerun has resumed and finished.
+    `scancel --signal=USR1 --full` also signals this shell, whose default action for USR1 would end the job under
+    the ranks' checkpoint: it is trapped. The job directory is the one of the batch output file (nemo-run writes it
+    there); `ranks_job_dir` is where the ranks see it (a container's mount, `/nemo_run`), None: the same path.
     """
+    marker = "stop_${SLURM_JOB_ID}_${SLURM_RESTART_COUNT:-0}"
+    ranks_dir = ranks_job_dir or "$megatron_rlvr_job_dir"
     return "\n".join([
         "# megatron-rlvr: a run stopped by its warning signal requeues the job; the rerun resumes from its checkpoint",
-        f'mkdir -p "{stop_dir}"',
-        f'export {STOP_MARKER_ENV}="{stop_dir}/${{SLURM_JOB_ID}}_${{SLURM_RESTART_COUNT:-0}}"',
+        'megatron_rlvr_job_dir=$(dirname "$(scontrol show job -o "$SLURM_JOB_ID" | tr " " "\\n" | sed -n "s/^StdOut=//p")")',
+        f'megatron_rlvr_stop="$megatron_rlvr_job_dir/{marker}"',
+        f'export {STOP_MARKER_ENV}="{ranks_dir}/{marker}"',
         'trap \'echo "[launch] batch shell: got SIGUSR1; the ranks finish their step and checkpoint"\' USR1',
         "megatron_rlvr_requeue_on_stop() {",
         "  local status=$?",
-        f'  if [ -f "${STOP_MARKER_ENV}" ]; then',
-        f'    echo "[launch] the run stopped on $(cat "${STOP_MARKER_ENV}") after its checkpoint: requeue"',
+        '  if [ -f "$megatron_rlvr_stop" ]; then',
+        '    echo "[launch] the run stopped on $(cat "$megatron_rlvr_stop") after its checkpoint: requeue"',
         '    if ! { [ "$status" -ne 0 ] && [ "$TORCHX_MAX_RETRIES" -gt "${SLURM_RESTART_COUNT:-0}" ]; }; then',
         '      scontrol requeue "$SLURM_JOB_ID"',
         "    fi",
@@ -95,7 +100,7 @@ def slurm_local_executor(opts: Any, run: Any, repo_root: Path, launcher: str | N
         torchrun_nproc_per_node=opts.procs_per_node if launcher == "torchrun" else None,
         signal=opts.signal if warn else None,
         env_vars={**LOCAL_ENV, **(signal_env or {}), **opts.env},
-        setup_lines=stop_requeue_lines(str(home / "stops")) if warn else None,
+        setup_lines=stop_requeue_lines() if warn else None,
         retries=opts.retries,
         # LocalTunnel copies nothing: the job directory must be where nemo-run keeps its experiments
         tunnel=run.LocalTunnel(job_dir=str(home / "experiments")),

@@ -40,7 +40,7 @@ from tests.launch.slurm_jobs import (
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 TWO_NODES = ["--recipe", "demo_cpu", "--nodes", "2", "--time", "00:15:00"]
-JOB_TIMEOUT_S = 300
+JOB_TIMEOUT_S = 900  # the machine is shared: a loaded one is slow, a hung job still ends
 RESUMED = "[checkpoint] resuming from"
 
 
@@ -66,7 +66,7 @@ def train_args(home: Path, *extra: str) -> list[str]:
     return [*TWO_NODES, *extra, *TRAIN_OVERRIDES, f"trainer.output_dir={home}/out"]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(1200)
 def test_two_node_training_succeeds(reference):
     out, home = reference["result"], reference["home"]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -88,7 +88,7 @@ def _preempt_and_resume(home: Path, reference: dict, extra_env: list[str]) -> No
     launch = start_launch("train.py", train_args(home, "--signal", "USR1@120", *extra_env), home)
     try:
         job = wait_for_job(home)
-        wait_until(lambda: logged_steps(home / "out") >= 1, 240, "the first logged step", launch, home)
+        wait_until(lambda: logged_steps(home / "out") >= 1, 600, "the first logged step", launch, home)
         slurm("scancel", "--signal=USR1", "--full", str(job))
         t_signal = time.monotonic()
         launch.wait(timeout=JOB_TIMEOUT_S)
@@ -109,12 +109,12 @@ def _preempt_and_resume(home: Path, reference: dict, extra_env: list[str]) -> No
     assert_nothing_left(home)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 def test_signal_checkpoint_requeue_resume(home, reference):
     _preempt_and_resume(home, reference, [])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 def test_a_checkpoint_longer_than_30_s_is_not_killed(home, reference):
     hook = REPO / "tests" / "launch" / "slow_checkpoint"
     _preempt_and_resume(home, reference, ["--env", f"PYTHONPATH={REPO}:{hook}",
@@ -122,17 +122,17 @@ def test_a_checkpoint_longer_than_30_s_is_not_killed(home, reference):
     assert "the checkpoint takes 35 s more" in task_logs(home)[0]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
     """kill -9 of the rank on node 2 after step 3: nemo-run's retry requeues the job and the rerun resumes from the
     step-2 checkpoint; a second kill, with the retries spent, ends the job FAILED; nothing of it is left."""
     launch = start_launch("train.py", train_args(home, "--retries", "1"), home)
     try:
         job = wait_for_job(home)
-        wait_until(lambda: logged_steps(home / "out") >= 3, 240, "step 3", launch, home)
+        wait_until(lambda: logged_steps(home / "out") >= 3, 600, "step 3", launch, home)
         os.kill(rank_pid(home, "n2"), signal.SIGKILL)
         t_kill = time.monotonic()
-        wait_until(lambda: RESUMED in task_logs(home).get(1, ""), 240, "the retry's resume", launch, home)
+        wait_until(lambda: RESUMED in task_logs(home).get(1, ""), 600, "the retry's resume", launch, home)
         resumed_log = task_logs(home)[1]
         os.kill(rank_pid(home, "n2"), signal.SIGKILL)
         t_kill2 = time.monotonic()
@@ -149,7 +149,7 @@ def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
     assert_nothing_left(home)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(1200)
 def test_separate_placement_across_nodes(home):
     """The actor (rank 0) on one node, the engine rank on the other, one-step-off, 3 steps."""
     t0 = time.monotonic()
@@ -170,7 +170,7 @@ def _stored(out: Path) -> int:
     return sum(len(p.read_bytes().splitlines()) for p in out.glob("*/samples/shard-*.jsonl"))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 def test_eval_cancelled_and_resubmitted_equals_an_uninterrupted_one(home):
     from megatron_rlvr.demo import task
 
@@ -189,9 +189,9 @@ def test_eval_cancelled_and_resubmitted_equals_an_uninterrupted_one(home):
     launch = start_launch("eval.py", _eval_args(home, data, home / "cut"), cut_home)
     try:
         job = wait_for_job(cut_home)
-        wait_until(lambda: _stored(home / "cut") >= 64, 240, "the first stored chunk", launch, cut_home)
+        wait_until(lambda: _stored(home / "cut") >= 64, 600, "the first stored chunk", launch, cut_home)
         slurm("scancel", str(job))
-        launch.wait(timeout=120)
+        launch.wait(timeout=300)
     finally:
         stop_launch(launch)
     partial = _stored(home / "cut")
