@@ -39,7 +39,7 @@ from tests.launch.slurm_jobs import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-TWO_NODES = ["--recipe", "demo_cpu", "--nodes", "2", "--time", "00:15:00"]
+TWO_NODES = ["--recipe", "demo_cpu", "--nodes", "2", "--time", "00:30:00"]
 JOB_TIMEOUT_S = 900  # the machine is shared: a loaded one is slow, a hung job still ends
 RESUMED = "[checkpoint] resuming from"
 
@@ -85,7 +85,9 @@ def test_two_node_training_succeeds(reference):
 def _preempt_and_resume(home: Path, reference: dict, extra_env: list[str]) -> None:
     """Submit, signal the job mid-run as `scancel --signal=USR1 --full` (batch shell, torchrun and ranks), and wait
     for nemo-run's verdict: the job must requeue itself and its rerun resume to the uninterrupted metrics."""
-    launch = start_launch("train.py", train_args(home, "--signal", "USR1@120", *extra_env), home)
+    # the lead time is torchrun's grace before SIGKILL (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): on this loaded shared machine
+    # one step took over 120 s once (and the ranks were killed, as they would be on a cluster)
+    launch = start_launch("train.py", train_args(home, "--signal", "USR1@600", *extra_env), home)
     try:
         job = wait_for_job(home)
         wait_until(lambda: logged_steps(home / "out") >= 1, 600, "the first logged step", launch, home)
