@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,13 +39,15 @@ def cannot_make_a_cluster() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
+def slurm_cluster():
     """SLURM_CONF of the running cluster (also exported to os.environ for the session)."""
     reason = cannot_make_a_cluster()
     if reason:
         pytest.skip(reason)
-    # a short path of our own: the munge socket's path must stay under the 108 bytes of a unix socket address
-    state = Path(tmp_path_factory.mktemp("slurm", numbered=True))
+    # a directory of our own, not under pytest's basetemp: pytest deletes all but the newest 3 of those when any
+    # other session starts, and the cluster's state (pid files, config) went with it once; short, too, for the munge
+    # socket's path (108 bytes at most)
+    state = Path(tempfile.mkdtemp(prefix="mrlvr-slurm-", dir="/tmp"))
     env = {**os.environ, "MEGATRON_RLVR_SLURM_DIR": str(state)}
     start = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], env=env, capture_output=True, text=True,
                            timeout=START_TIMEOUT_S)
@@ -59,6 +62,8 @@ def slurm_cluster(tmp_path_factory):
         stop = subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], env=env, capture_output=True, text=True,
                               timeout=120)
         print(stop.stdout, stop.stderr)
+        if stop.returncode == 0:
+            shutil.rmtree(state, ignore_errors=True)
         if "old" in locals():
             if old is None:
                 os.environ.pop("SLURM_CONF", None)

@@ -155,18 +155,23 @@ def job_processes(home: Path) -> list[str]:
     return found
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def rank_pid(home: Path, node: str) -> int:
-    """A training rank on `node`: a child of that node's torchrun (its env has RANK; torchrun's has not)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        cmd = _cmdline(pid)
-        if str(home) in cmd and "megatron_rlvr.cli" in cmd and "torchrun" not in cmd:
-            env = _environ(pid)
-            if env.get("SLURMD_NODENAME") == node and "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
-                return pid
-    raise AssertionError(f"no rank of the job under {home} on {node}")
+    """The training rank on `node`: the child of that node's torchrun (not a process the rank forked, which has the
+    same command line)."""
+    pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+    agents = {pid for pid in pids if str(home) in (cmd := _cmdline(pid)) and "torchrun" in cmd
+              and _environ(pid).get("SLURMD_NODENAME") == node}
+    ranks = [pid for pid in pids if _parent(pid) in agents and "megatron_rlvr.cli" in _cmdline(pid)]
+    if len(ranks) != 1:
+        raise AssertionError(f"expected one rank of the job under {home} on {node}, found {ranks} (torchrun {agents})")
+    return ranks[0]
 
 
 def assert_nothing_left(home: Path, timeout: float = 30) -> None:

@@ -126,17 +126,21 @@ def test_a_checkpoint_longer_than_30_s_is_not_killed(home, reference):
 
 @pytest.mark.timeout(1800)
 def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
-    """kill -9 of the rank on node 2 after step 3: nemo-run's retry requeues the job and the rerun resumes from the
+    """kill -9 of the rank on node 2 in step 3: nemo-run's retry requeues the job and the rerun resumes from the
     step-2 checkpoint; a second kill, with the retries spent, ends the job FAILED; nothing of it is left."""
-    launch = start_launch("train.py", train_args(home, "--retries", "1"), home)
+    launch = start_launch("train.py", [*TWO_NODES, "--retries", "1", *TRAIN_OVERRIDES, "trainer.steps=8",
+                                       f"trainer.output_dir={home}/out"], home)
+    latest = home / "out" / "checkpoints" / "latest"
     try:
         job = wait_for_job(home)
-        wait_until(lambda: logged_steps(home / "out") >= 3, 600, "step 3", launch, home)
+        # after the step-2 checkpoint is complete (its pointer written), while step 3 runs
+        wait_until(lambda: latest.is_file() and latest.read_text().strip() == "step-000002", 600,
+                   "the step-2 checkpoint", launch, home)
         os.kill(rank_pid(home, "n2"), signal.SIGKILL)
         t_kill = time.monotonic()
         wait_until(lambda: RESUMED in task_logs(home).get(1, ""), 600, "the retry's resume", launch, home)
         resumed_log = task_logs(home)[1]
-        os.kill(rank_pid(home, "n2"), signal.SIGKILL)
+        os.kill(rank_pid(home, "n2"), signal.SIGKILL)  # the rerun, early in its first step
         t_kill2 = time.monotonic()
         launch.wait(timeout=JOB_TIMEOUT_S)
         ended = time.monotonic() - t_kill2
