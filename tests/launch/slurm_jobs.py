@@ -78,8 +78,9 @@ def wait_for_job(home: Path, timeout: float = 120) -> int:
 
 def job_runs(job: int) -> list[tuple[str, str]]:
     """(state, exit code) of every run of `job`, the requeued ones first (`sacct -D`: duplicates)."""
-    lines = slurm("sacct", "-D", "-X", "-n", "-P", "-o", "State,ExitCode", "-j", str(job)).split()
-    return [tuple(line.split("|")) for line in lines]  # type: ignore[misc]
+    lines = slurm("sacct", "-D", "-X", "-n", "-P", "-o", "State,ExitCode", "-j", str(job)).splitlines()
+    runs = [line.split("|") for line in lines if line.strip()]
+    return [(state.split()[0], code) for state, code in runs]  # "CANCELLED by 0": the state alone
 
 
 def task_logs(home: Path) -> dict[int, str]:
