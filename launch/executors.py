@@ -1,4 +1,5 @@
-"""Where a job runs: the local (torchrun) and Slurm H200 executors, and the one runner every launch script calls.
+"""Where a job runs: the local (torchrun), Slurm H200 and local-Slurm CPU (`launch/slurm_local.py`) executors, and
+the one runner every launch script calls.
 
 `launch/train.py`, `eval.py` and `convert.py` differ only in the `megatron-rlvr` subcommand they start; this module
 turns their command-line options (with environment-variable defaults, so a cluster profile can live in a shell rc)
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-EXECUTORS = ("local", "slurm_h200")
+EXECUTORS = ("local", "slurm_h200", "slurm_local")
+SLURM_EXECUTORS = ("slurm_h200", "slurm_local")
 H200_GPUS_PER_NODE = 8
 # The task's package: torchrun starts `python -m megatron_rlvr.cli <subcommand> ...` on every rank.
 CLI_MODULE = "megatron_rlvr.cli"
@@ -86,12 +88,15 @@ class LaunchOptions:
     ssh_user: str | None = None
     ssh_identity: str | None = None
     remote_job_dir: str | None = None
+    retries: int = 0  # Slurm: nemo-run requeues a failed job this many times (the rerun resumes from its checkpoint)
 
     @property
     def procs_per_node(self) -> int:
         if self.nproc_per_node is not None:
             return self.nproc_per_node
-        return H200_GPUS_PER_NODE if self.executor == "slurm_h200" else 2
+        if self.executor == "slurm_h200":
+            return H200_GPUS_PER_NODE
+        return 1 if self.executor == "slurm_local" else 2  # slurm_local: one rank per node, so gloo crosses nodes
 
     @property
     def world_size(self) -> int:
@@ -113,6 +118,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--name", default="", help="experiment name (default: derived from the recipe)")
     g.add_argument("--dryrun", action="store_true", help="print the job script (sbatch for Slurm) and exit")
     g.add_argument("--detach", action="store_true", help="Slurm: return after submission instead of waiting")
+    g.add_argument("--retries", type=int, default=0,
+                   help="Slurm: requeue a failed job this many times; training resumes from its last checkpoint")
     g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeat)")
     g.add_argument("--nemorun-home", default=env("NEMORUN_HOME"),
                    help="nemo-run's experiment store; on a cluster put it on the shared filesystem [$NEMORUN_HOME]")
@@ -165,6 +172,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         ssh_user=args.ssh_user,
         ssh_identity=args.ssh_identity,
         remote_job_dir=args.remote_job_dir,
+        retries=args.retries,
     )
     check_options(opts)
     return opts
@@ -187,9 +195,15 @@ def check_options(opts: LaunchOptions) -> None:
         raise LaunchError(f"--nodes: must be >= 1, got {opts.nodes}")
     if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node: must be >= 1, got {opts.nproc_per_node}")
+    if opts.retries < 0:
+        raise LaunchError(f"--retries: must be >= 0, got {opts.retries}")
     if opts.executor == "local":
         if opts.nodes != 1:
             raise LaunchError(f"--nodes {opts.nodes}: the local executor runs on this machine only; use 1")
+        return
+    if opts.executor == "slurm_local":  # CPU nodes sharing this machine's filesystem: no account, no container
+        if opts.signal is not None:
+            opts.signal = check_signal(opts.signal, opts.time)
         return
     if opts.procs_per_node > H200_GPUS_PER_NODE:
         raise LaunchError(f"--nproc-per-node {opts.procs_per_node}: an H200 node has {H200_GPUS_PER_NODE} GPUs")
@@ -293,6 +307,8 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "t
     """`nodes` exclusive H200 nodes, one torchrun per node starting 8 ranks, inside a pyxis container
     (without a launcher: srun starts `procs_per_node` plain processes per node). A `preemptible` job (training)
     asks for `opts.signal` before the time limit; other jobs would die of it, so they ask for none."""
+    from launch.slurm_local import stop_requeue_lines
+
     if opts.tunnel == "ssh":
         tunnel = run.SSHTunnel(host=opts.ssh_host, user=opts.ssh_user, job_dir=opts.remote_job_dir,
                                identity=opts.ssh_identity)
@@ -316,9 +332,12 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "t
         container_mounts=list(opts.mounts),
         signal=opts.signal if warn else None,
         env_vars={**H200_ENV, **(signal_env(opts.signal) if warn else {}), **opts.env},
+        # the job directory is mounted at CONTAINER_RUN_DIR: the ranks' stop marker lands where the batch shell looks
+        setup_lines=stop_requeue_lines(CONTAINER_RUN_DIR) if warn else None,
         tunnel=tunnel,
         packager=packager,
         launcher=launcher,
+        retries=opts.retries,
         job_name_prefix="megatron-rlvr-",
     )
 
@@ -326,6 +345,12 @@ def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "t
 def make_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun", preemptible: bool = False) -> Any:
     if opts.executor == "local":
         return local_executor(opts, run, launcher)
+    if opts.executor == "slurm_local":
+        from launch.slurm_local import slurm_local_executor
+
+        warn = preemptible and opts.signal is not None
+        return slurm_local_executor(opts, run, REPO_ROOT, launcher, preemptible,
+                                    signal_env(opts.signal) if warn else None)
     return slurm_h200_executor(opts, run, launcher, preemptible)
 
 
@@ -373,7 +398,7 @@ def run_task(
     ship = dict(ship or {})
     # only `megatron-rlvr train` stops cleanly on the warning signal (megatron_rlvr/runtime/preemption.py)
     executor = make_executor(opts, run, launcher, preemptible=module == CLI_MODULE and cli_args[:1] == ["train"])
-    if opts.executor == "local":
+    if opts.executor in ("local", "slurm_local"):  # slurm_local: the nodes share this machine's NEMORUN_HOME
         paths = _ship_locally(ship, name) if ship else {}
     else:
         from launch.shipping import with_shipped_files
@@ -381,6 +406,10 @@ def run_task(
         executor.packager = with_shipped_files(executor.packager, ship)
         paths = {n: f"{CONTAINER_RUN_DIR}/configs/{n}" for n in ship}
     args = [paths[a[len(_PLACEHOLDER):]] if a.startswith(_PLACEHOLDER) else a for a in cli_args]
+    if launcher == "torchrun" and any(a.startswith("-") for a in args):
+        # torchrun's parser sees the task's options too and refuses an abbreviation of its own (eval's `--n`:
+        # "ambiguous option: --n could match --nnodes, ..."); after `--` they are the task's alone
+        args = ["--", *args]
     task = run.Script(path=module, m=True, entrypoint="python", args=args)
     detach = opts.detach and opts.executor != "local"
     with run.Experiment(opts.job_name or name, executor=executor, log_level="WARN") as exp:
@@ -397,7 +426,7 @@ def run_task(
 def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE, launcher: str | None = "torchrun") -> str:
     """The job script a dry run produced: nemo-run's sbatch file for Slurm, the torchrun line locally."""
     job = exp.jobs[0]
-    if opts.executor == "slurm_h200":
+    if opts.executor in SLURM_EXECUTORS:
         path = Path(job.executor.experiment_dir) / f"{job.executor.job_name}_sbatch.sh"
         if not path.is_file():
             raise LaunchError(f"dry run: nemo-run wrote no sbatch script at {path}")

@@ -157,7 +157,8 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
             cfg = load_config(find_recipe(args.recipe), args.overrides)
             if args.nproc_per_node is None:
                 args.nproc_per_node = cfg.rollout.tp if args.executor == "slurm_h200" else 1
-            if args.nodes != 1:
+            # slurm_local: one engine replica per node (rollout.tp=1), the replicas split the problems
+            if args.nodes != 1 and args.executor != "slurm_local":
                 raise LaunchError(f"--nodes {args.nodes}: megatron-rlvr eval runs one vLLM engine; use --nodes 1")
         opts = options_from_args(args)
         path, cfg = load_and_validate(args.recipe, args.overrides, world_size=opts.world_size)

@@ -1,4 +1,5 @@
-"""Packagers that carry extra files (the resolved run config) into a Slurm job's directory.
+"""Packagers that carry extra files (the resolved run config) into a Slurm job's directory, and the local-Slurm one
+that links the job's code to this working tree.
 
 nemo-run calls the packager when it writes a job's files (code archive, sbatch script), after the experiment
 directory exists; the files land in `<job dir>/configs/`, which every rank sees as `/nemo_run/configs/`. Imported
@@ -39,6 +40,21 @@ class ShippingPackager(run.Packager):
 
     def package(self, path: Path, job_dir: str, name: str) -> str:
         _write(job_dir, self.files)
+        return ""
+
+
+@dataclass(kw_only=True)
+class RepoLinkPackager(run.Packager):
+    """The job's `code/` (srun's `--chdir`) is a link to `repo`: nodes sharing this filesystem run the working tree
+    as it is, its built extension included (an archive of HEAD would have neither it nor uncommitted changes)."""
+
+    repo: str = ""
+
+    def package(self, path: Path, job_dir: str, name: str) -> str:
+        link = Path(job_dir) / "code"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(self.repo, target_is_directory=True)
         return ""
 
 

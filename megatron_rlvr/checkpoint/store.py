@@ -197,8 +197,8 @@ def resolve(root: str | Path, resume: str | None) -> Path | None:
         report = verify(path)
         if report.ok:
             _warn_if_unverified(report)
-            if failed:
-                _say(f"[checkpoint] resuming from {path}, the newest checkpoint that checks out")
+            # said always: a requeued cluster job's log must show where its rerun picked up
+            _say(f"[checkpoint] resuming from {path}" + (", the newest checkpoint that checks out" if failed else ""))
             return path
         failed.append(report)
         then = "; falling back to the previous checkpoint" if i + 1 < len(candidates) else ""

@@ -43,6 +43,18 @@ def describe(signum: int) -> str:
     return f"{sig.name} ({_WHY[sig]})" if sig in _WHY else sig.name
 
 
+STOP_MARKER_ENV = "MEGATRON_RLVR_STOP_MARKER"
+
+
+def _leave_stop_marker(signum: int) -> None:
+    """Rank 0 writes the signal's name to $MEGATRON_RLVR_STOP_MARKER, when set: a Slurm job script (launch/) reads
+    it to requeue the job, since torchrun's exit status (1 after forwarding a signal) cannot tell a clean stop."""
+    path = os.environ.get(STOP_MARKER_ENV)
+    if path and (not dist.is_initialized() or dist.get_rank() == 0):
+        with open(path, "w") as f:
+            f.write(signal.Signals(signum).name + "\n")
+
+
 class Preemption:
     """This process's record of stop requests; `requested` is where the ranks agree on one."""
 
@@ -157,8 +169,9 @@ class Preemption:
             flag = torch.tensor([local], dtype=torch.int64)  # CPU: gloo's half of distributed.backend() carries it
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             local = int(flag)
-        if local:
+        if local and not self.agreed:
             self.agreed = local
+            _leave_stop_marker(local)
         return bool(local)
 
     @property

@@ -141,7 +141,8 @@ def test_k1024_eval_dryrun_runs_one_engine_with_the_recipes_flags(tmp_path):
     script = sbatch_file(out.stdout).read_text()
     assert "#SBATCH --nodes=1" in script and "--nnodes 1 --nproc-per-node 4" in script  # the engine's TP=4 ranks
     srun = next(l for l in script.splitlines() if l.startswith("srun ") and "torchrun" in l)
-    command = srun[srun.index("-m megatron_rlvr.cli eval "):]
+    # `--`: torchrun's own parser would refuse eval's `--n` as an ambiguous abbreviation of its options
+    command = srun[srun.index("-m megatron_rlvr.cli -- eval "):]
     for flags in ("--model /results/casp_hf", "--benchmarks aime24 aime25 amc23", "--n 1024",
                   "--out /results/eval/eval_k1024_qwen2.5-math-7b", "--temperature 0.6", "--top-p 0.95",
                   "--max-new-tokens 3072", "--max-model-len 4096", "--tp 4"):

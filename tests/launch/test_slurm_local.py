@@ -1,0 +1,211 @@
+"""The launch path on a real Slurm cluster (two slurmd nodes on this machine, tools/slurm_cluster.sh): nemo-run ->
+sbatch -> srun one task per node -> torchrun per node with c10d rendezvous -> the trainer, with gloo across the nodes.
+
+Every scenario runs the demo recipe tiny (4 steps of 4 prompts) and checks what a cluster user would see: nemo-run's
+final state, Slurm's record of each run (`sacct -D`), the metrics against an uninterrupted run, and that no process of
+the job is left on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch.slurm_jobs import (
+    REPO,
+    TRAIN_OVERRIDES,
+    assert_metrics_equal,
+    assert_nothing_left,
+    cancel_jobs,
+    job_ids,
+    job_runs,
+    launch_log,
+    logged_steps,
+    metrics,
+    rank_pid,
+    run_launch,
+    slurm,
+    start_launch,
+    stop_launch,
+    task_logs,
+    wait_for_job,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+TWO_NODES = ["--recipe", "demo_cpu", "--nodes", "2", "--time", "00:30:00"]
+JOB_TIMEOUT_S = 900  # the machine is shared: a loaded one is slow, a hung job still ends
+RESUMED = "[checkpoint] resuming from"
+
+
+@pytest.fixture
+def home(tmp_path, slurm_cluster):
+    """This test's NEMORUN_HOME; at teardown its jobs are cancelled and none of their processes may be left."""
+    yield tmp_path
+    cancel_jobs(tmp_path)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, slurm_cluster):
+    """The uninterrupted two-node run every resumed run is compared with (its own launch is the first test)."""
+    home = tmp_path_factory.mktemp("reference")
+    t0 = time.monotonic()
+    out = run_launch("train.py", [*TWO_NODES, *TRAIN_OVERRIDES, f"trainer.output_dir={home}/out"], home,
+                     timeout=JOB_TIMEOUT_S)
+    return {"home": home, "result": out, "seconds": time.monotonic() - t0, "metrics": metrics(home / "out")}
+
+
+def train_args(home: Path, *extra: str) -> list[str]:
+    return [*TWO_NODES, *extra, *TRAIN_OVERRIDES, f"trainer.output_dir={home}/out"]
+
+
+@pytest.mark.timeout(1200)
+def test_two_node_training_succeeds(reference):
+    out, home = reference["result"], reference["home"]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(f"two-node training, 4 steps: {reference['seconds']:.0f} s from launch to SUCCEEDED")
+    (job,) = job_ids(home)
+    assert job_runs(job) == [("COMPLETED", "0:0")]
+    # the training step ran on both nodes, one torchrun each
+    steps = slurm("sacct", "-n", "-P", "-o", "JobID,NodeList", "-j", str(job)).split()
+    assert f"{job}.1|n[1-2]" in steps, steps
+    assert [m["step"] for m in reference["metrics"]] == [1, 2, 3, 4]
+    # the logs are where nemo-run keeps the experiment: the batch script's and the srun tasks'
+    assert "done: 4 steps" in task_logs(home)[0]
+    assert_nothing_left(home)
+
+
+def _preempt_and_resume(home: Path, reference: dict, extra_env: list[str]) -> None:
+    """Submit, signal the job mid-run as `scancel --signal=USR1 --full` (batch shell, torchrun and ranks), and wait
+    for nemo-run's verdict: the job must requeue itself and its rerun resume to the uninterrupted metrics."""
+    # the lead time is torchrun's grace before SIGKILL (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): on this loaded shared machine
+    # one step took over 120 s once (and the ranks were killed, as they would be on a cluster)
+    launch = start_launch("train.py", train_args(home, "--signal", "USR1@600", *extra_env), home)
+    try:
+        job = wait_for_job(home)
+        wait_until(lambda: logged_steps(home / "out") >= 1, 600, "the first logged step", launch, home)
+        slurm("scancel", "--signal=USR1", "--full", str(job))
+        t_signal = time.monotonic()
+        launch.wait(timeout=JOB_TIMEOUT_S)
+    finally:
+        stop_launch(launch)
+    assert launch.returncode == 0, launch_log(home)[-4000:]
+    assert job_runs(job) == [("REQUEUED", "0:0"), ("COMPLETED", "0:0")], job_runs(job)
+    logs = task_logs(home)
+    first, rerun = logs[0], logs[1]
+    stopped = [line for line in first.splitlines() if "stopped after step" in line]
+    assert stopped, first[-3000:]
+    step = int(stopped[0].split("stopped after step ")[1].split()[0])
+    assert step < 4 and "SIGKILL" not in first
+    assert f"{RESUMED} {home}/out/checkpoints/step-{step:06d}" in rerun, rerun[-3000:]  # the stop's checkpoint
+    assert_metrics_equal(reference["metrics"], metrics(home / "out"))
+    print(f"stopped after step {step}; requeued and resumed to the end {time.monotonic() - t_signal:.0f} s after "
+          "the signal")
+    assert_nothing_left(home)
+
+
+@pytest.mark.timeout(1800)
+def test_signal_checkpoint_requeue_resume(home, reference):
+    _preempt_and_resume(home, reference, [])
+
+
+@pytest.mark.timeout(1800)
+def test_a_checkpoint_longer_than_30_s_is_not_killed(home, reference):
+    hook = REPO / "tests" / "launch" / "slow_checkpoint"
+    _preempt_and_resume(home, reference, ["--env", f"PYTHONPATH={REPO}:{hook}",
+                                          "--env", "MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S=35"])
+    assert "the checkpoint takes 35 s more" in task_logs(home)[0]
+
+
+@pytest.mark.timeout(1800)
+def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
+    """kill -9 of the rank on node 2 in step 3: nemo-run's retry requeues the job and the rerun resumes from the
+    step-2 checkpoint; a second kill, with the retries spent, ends the job FAILED; nothing of it is left."""
+    launch = start_launch("train.py", [*TWO_NODES, "--retries", "1", *TRAIN_OVERRIDES, "trainer.steps=8",
+                                       f"trainer.output_dir={home}/out"], home)
+    latest = home / "out" / "checkpoints" / "latest"
+    try:
+        job = wait_for_job(home)
+        # after the step-2 checkpoint is complete (its pointer written), while step 3 runs
+        wait_until(lambda: latest.is_file() and latest.read_text().strip() == "step-000002", 600,
+                   "the step-2 checkpoint", launch, home)
+        os.kill(rank_pid(home, "n2"), signal.SIGKILL)
+        t_kill = time.monotonic()
+        wait_until(lambda: RESUMED in task_logs(home).get(1, ""), 600, "the retry's resume", launch, home)
+        resumed_log = task_logs(home)[1]
+        os.kill(rank_pid(home, "n2"), signal.SIGKILL)  # the rerun, early in its first step
+        t_kill2 = time.monotonic()
+        launch.wait(timeout=JOB_TIMEOUT_S)
+        ended = time.monotonic() - t_kill2
+    finally:
+        stop_launch(launch)
+    assert launch.returncode == 1 and "FAILED" in launch_log(home), launch_log(home)[-3000:]
+    runs = job_runs(job)
+    assert runs[0][0] == "REQUEUED" and runs[-1][0] == "FAILED", runs
+    assert f"{RESUMED} {home}/out/checkpoints/step-000002" in resumed_log, resumed_log[-3000:]
+    print(f"kill -9 -> requeued -> resumed at step 2 ({time.monotonic() - t_kill:.0f} s); second kill -> FAILED "
+          f"after {ended:.0f} s")
+    assert_nothing_left(home)
+
+
+@pytest.mark.timeout(1200)
+def test_separate_placement_across_nodes(home):
+    """The actor (rank 0) on one node, the engine rank on the other, one-step-off, 3 steps."""
+    t0 = time.monotonic()
+    out = run_launch("train.py", [*TWO_NODES, "rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=1",
+                                  "trainer.off_policy_steps=1", *TRAIN_OVERRIDES, "trainer.steps=3",
+                                  f"trainer.output_dir={home}/out"], home, timeout=JOB_TIMEOUT_S)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert [m["step"] for m in metrics(home / "out")] == [1, 2, 3]
+    print(f"separate placement, 3 steps one-step-off: {time.monotonic() - t0:.0f} s")
+
+
+def _eval_args(home: Path, data: Path, out: Path) -> list[str]:
+    return ["--recipe", "eval_cpu", "--nodes", "2", "--time", "00:15:00", "eval.n_samples=256", "eval.chunk=64",
+            f"eval.data_dir={data}", f"eval.output_dir={out}"]
+
+
+def _stored(out: Path) -> int:
+    return sum(len(p.read_bytes().splitlines()) for p in out.glob("*/samples/shard-*.jsonl"))
+
+
+@pytest.mark.timeout(1800)
+def test_eval_cancelled_and_resubmitted_equals_an_uninterrupted_one(home):
+    from megatron_rlvr.tasks import countdown as task
+
+    data = home / "data"
+    data.mkdir()
+    with open(data / "countdown.jsonl", "w") as f:
+        for p in task.generate(0, 4, "eval"):
+            f.write(json.dumps({"id": p.id, "numbers": list(p.numbers), "target": p.target}) + "\n")
+    t0 = time.monotonic()
+    whole = run_launch("eval.py", _eval_args(home, data, home / "whole"), home / "whole_home", timeout=JOB_TIMEOUT_S)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    t_whole = time.monotonic() - t0
+
+    cut_home = home / "cut_home"
+    cut_home.mkdir()
+    launch = start_launch("eval.py", _eval_args(home, data, home / "cut"), cut_home)
+    try:
+        job = wait_for_job(cut_home)
+        wait_until(lambda: _stored(home / "cut") >= 64, 600, "the first stored chunk", launch, cut_home)
+        slurm("scancel", str(job))
+        launch.wait(timeout=300)
+    finally:
+        stop_launch(launch)
+    partial = _stored(home / "cut")
+    assert launch.returncode == 1 and job_runs(job)[-1][0] == "CANCELLED", job_runs(job)
+    assert 64 <= partial < 4 * 256, partial
+    assert_nothing_left(cut_home)
+    again = run_launch("eval.py", _eval_args(home, data, home / "cut"), home / "again_home", timeout=JOB_TIMEOUT_S)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (home / "cut" / "table.csv").read_text() == (home / "whole" / "table.csv").read_text()
+    print(f"eval K=256 x 4 problems on two nodes: {t_whole:.0f} s uninterrupted; cancelled after {partial} samples, "
+          f"resubmitted: {time.monotonic() - t0 - t_whole:.0f} s for both")
