@@ -16,8 +16,9 @@ from launch.executors import LaunchError, add_launch_arguments, options_from_arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="launch/convert.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="launch/convert.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_launch_arguments(parser)
     parser.add_argument("convert_args", nargs=argparse.REMAINDER, help="-- then the `megatron-rlvr convert` arguments")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Launch large-K evaluation (pass@k, up to K = 1024 samples per problem) of a recipe through nemo-run.
 
-    python launch/eval.py --recipe eval_k1024_qwen2.5-math-7b --executor slurm_h200 --nodes 2 model.load=/results/...
+python launch/eval.py --recipe eval_k1024_qwen2.5-math-7b --executor slurm_h200 --nodes 2 model.load=/results/...
 """
 
 import sys

@@ -18,9 +18,10 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 EXECUTORS = ("local", "slurm_h200", "slurm_local")
 SLURM_EXECUTORS = ("slurm_h200", "slurm_local")
@@ -113,37 +114,68 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("where it runs")
     g.add_argument("--executor", choices=EXECUTORS, default=env("MEGATRON_RLVR_EXECUTOR", "local"))
     g.add_argument("--nodes", type=int, default=1, help="nodes (Slurm); the local executor runs on this machine")
-    g.add_argument("--nproc-per-node", type=int, default=None,
-                   help="processes per node (default: 8 = one per H200 on Slurm, 2 locally)")
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes per node (default: 8 = one per H200 on Slurm, 2 locally)",
+    )
     g.add_argument("--name", default="", help="experiment name (default: derived from the recipe)")
     g.add_argument("--dryrun", action="store_true", help="print the job script (sbatch for Slurm) and exit")
     g.add_argument("--detach", action="store_true", help="Slurm: return after submission instead of waiting")
-    g.add_argument("--retries", type=int, default=0,
-                   help="Slurm: requeue a failed job this many times; training resumes from its last checkpoint")
+    g.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="Slurm: requeue a failed job this many times; training resumes from its last checkpoint",
+    )
     g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeat)")
-    g.add_argument("--nemorun-home", default=env("NEMORUN_HOME"),
-                   help="nemo-run's experiment store; on a cluster put it on the shared filesystem [$NEMORUN_HOME]")
+    g.add_argument(
+        "--nemorun-home",
+        default=env("NEMORUN_HOME"),
+        help="nemo-run's experiment store; on a cluster put it on the shared filesystem [$NEMORUN_HOME]",
+    )
     s = parser.add_argument_group("Slurm (H200 nodes, pyxis containers)")
     s.add_argument("--account", default=env("SBATCH_ACCOUNT"), help="[$SBATCH_ACCOUNT]")
     s.add_argument("--partition", default=env("SBATCH_PARTITION"), help="[$SBATCH_PARTITION]")
     s.add_argument("--time", default=env("SBATCH_TIMELIMIT", "04:00:00"), help="[$SBATCH_TIMELIMIT]")
-    s.add_argument("--signal", default=env("MEGATRON_RLVR_SIGNAL", DEFAULT_SIGNAL), metavar="SIG@SECONDS",
-                   help="training jobs: Slurm sends SIG (USR1 or TERM) to every process of the job this many seconds "
-                        "before --time runs out; the run finishes its step, checkpoints and exits, and rerunning "
-                        "the same launch command resumes. 'none': no warning [$MEGATRON_RLVR_SIGNAL, "
-                        f"default {DEFAULT_SIGNAL}]")
+    s.add_argument(
+        "--signal",
+        default=env("MEGATRON_RLVR_SIGNAL", DEFAULT_SIGNAL),
+        metavar="SIG@SECONDS",
+        help="training jobs: Slurm sends SIG (USR1 or TERM) to every process of the job this many seconds "
+        "before --time runs out; the run finishes its step, checkpoints and exits, and rerunning "
+        "the same launch command resumes. 'none': no warning [$MEGATRON_RLVR_SIGNAL, "
+        f"default {DEFAULT_SIGNAL}]",
+    )
     s.add_argument("--container-image", default=env("MEGATRON_RLVR_CONTAINER"), help="[$MEGATRON_RLVR_CONTAINER]")
-    s.add_argument("--mount", action="append", default=None, metavar="SRC:DST",
-                   help="container mount (repeat) [$MEGATRON_RLVR_MOUNTS, comma-separated]")
-    s.add_argument("--code", choices=("git", "image"), default=env("MEGATRON_RLVR_CODE", "git"),
-                   help="git: ship this repo's committed HEAD with the job; image: use the container's install")
-    s.add_argument("--tunnel", choices=("local", "ssh"), default=env("MEGATRON_RLVR_TUNNEL", "local"),
-                   help="local: submit from this (login) node; ssh: submit through SSH")
+    s.add_argument(
+        "--mount",
+        action="append",
+        default=None,
+        metavar="SRC:DST",
+        help="container mount (repeat) [$MEGATRON_RLVR_MOUNTS, comma-separated]",
+    )
+    s.add_argument(
+        "--code",
+        choices=("git", "image"),
+        default=env("MEGATRON_RLVR_CODE", "git"),
+        help="git: ship this repo's committed HEAD with the job; image: use the container's install",
+    )
+    s.add_argument(
+        "--tunnel",
+        choices=("local", "ssh"),
+        default=env("MEGATRON_RLVR_TUNNEL", "local"),
+        help="local: submit from this (login) node; ssh: submit through SSH",
+    )
     s.add_argument("--ssh-host", default=env("MEGATRON_RLVR_SSH_HOST"), help="[$MEGATRON_RLVR_SSH_HOST]")
     s.add_argument("--ssh-user", default=env("MEGATRON_RLVR_SSH_USER", env("USER")), help="[$MEGATRON_RLVR_SSH_USER]")
     s.add_argument("--ssh-identity", default=env("MEGATRON_RLVR_SSH_IDENTITY"), help="private key file")
-    s.add_argument("--remote-job-dir", default=env("MEGATRON_RLVR_REMOTE_JOB_DIR"),
-                   help="ssh tunnel: job directory on the cluster's shared filesystem")
+    s.add_argument(
+        "--remote-job-dir",
+        default=env("MEGATRON_RLVR_REMOTE_JOB_DIR"),
+        help="ssh tunnel: job directory on the cluster's shared filesystem",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
@@ -209,8 +241,10 @@ def check_options(opts: LaunchOptions) -> None:
         raise LaunchError(f"--nproc-per-node {opts.procs_per_node}: an H200 node has {H200_GPUS_PER_NODE} GPUs")
     if opts.dryrun:
         # a dry run only shows the script: missing site settings become visible placeholders
-        for key, flag, placeholder in (("account", "--account", "YOUR_ACCOUNT"),
-                                       ("container_image", "--container-image", "YOUR_CONTAINER_IMAGE")):
+        for key, flag, placeholder in (
+            ("account", "--account", "YOUR_ACCOUNT"),
+            ("container_image", "--container-image", "YOUR_CONTAINER_IMAGE"),
+        ):
             if not getattr(opts, key):
                 setattr(opts, key, placeholder)
                 print(f"[launch] dry run: {flag} not given, shown as {placeholder}", file=sys.stderr)
@@ -227,8 +261,15 @@ def check_options(opts: LaunchOptions) -> None:
         if ":" not in mount:
             raise LaunchError(f"--mount {mount!r}: expected SRC:DST (or SRC:DST:ro)")
     if opts.tunnel == "ssh":
-        missing = [flag for flag, value in (("--ssh-host", opts.ssh_host), ("--ssh-user", opts.ssh_user),
-                                            ("--remote-job-dir", opts.remote_job_dir)) if not value]
+        missing = [
+            flag
+            for flag, value in (
+                ("--ssh-host", opts.ssh_host),
+                ("--ssh-user", opts.ssh_user),
+                ("--remote-job-dir", opts.remote_job_dir),
+            )
+            if not value
+        ]
         if missing:
             raise LaunchError(f"{', '.join(missing)}: needed with --tunnel ssh")
 
@@ -256,18 +297,23 @@ def check_signal(value: str, time_limit: str) -> str:
     if value.upper().startswith(("B:", "R:")):
         raise LaunchError(
             f"--signal {value!r}: give SIG@SECONDS without 'B:' or 'R:': with 'B:' Slurm signals only the batch "
-            "shell, which waits on srun and would not pass it on (the job would end without its checkpoint)")
+            "shell, which waits on srun and would not pass it on (the job would end without its checkpoint)"
+        )
     match = _SIGNAL_RE.fullmatch(value.upper())
     if not match or match.group(1) not in _STOP_SIGNALS:
-        raise LaunchError(f"--signal {value!r}: expected SIG@SECONDS with SIG one of {', '.join(_STOP_SIGNALS)} "
-                          f"(what training handles), e.g. {DEFAULT_SIGNAL}; or 'none'")
+        raise LaunchError(
+            f"--signal {value!r}: expected SIG@SECONDS with SIG one of {', '.join(_STOP_SIGNALS)} "
+            f"(what training handles), e.g. {DEFAULT_SIGNAL}; or 'none'"
+        )
     name, seconds = match.group(1), int(match.group(2))
     limit = time_limit_seconds(time_limit)
     if not 0 < seconds <= 65535:  # sbatch's range
         raise LaunchError(f"--signal {value!r}: the lead time must be 1..65535 seconds")
     if limit is not None and seconds >= limit:
-        raise LaunchError(f"--signal {value!r}: {seconds} s before the end of a {time_limit} job is at or before "
-                          "its start; give fewer seconds or a longer --time")
+        raise LaunchError(
+            f"--signal {value!r}: {seconds} s before the end of a {time_limit} job is at or before "
+            "its start; give fewer seconds or a longer --time"
+        )
     return f"{name}@{seconds}"
 
 
@@ -302,16 +348,18 @@ def local_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchr
     return run.LocalExecutor(ntasks_per_node=opts.procs_per_node, launcher=launcher, env_vars=env)
 
 
-def slurm_h200_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun",
-                        preemptible: bool = False) -> Any:
+def slurm_h200_executor(
+    opts: LaunchOptions, run: Any, launcher: str | None = "torchrun", preemptible: bool = False
+) -> Any:
     """`nodes` exclusive H200 nodes, one torchrun per node starting 8 ranks, inside a pyxis container
     (without a launcher: srun starts `procs_per_node` plain processes per node). A `preemptible` job (training)
     asks for `opts.signal` before the time limit; other jobs would die of it, so they ask for none."""
     from launch.slurm_local import stop_requeue_lines
 
     if opts.tunnel == "ssh":
-        tunnel = run.SSHTunnel(host=opts.ssh_host, user=opts.ssh_user, job_dir=opts.remote_job_dir,
-                               identity=opts.ssh_identity)
+        tunnel = run.SSHTunnel(
+            host=opts.ssh_host, user=opts.ssh_user, job_dir=opts.remote_job_dir, identity=opts.ssh_identity
+        )
     else:
         # job_dir "" = under NEMORUN_HOME, which must then be on the filesystem the compute nodes share
         tunnel = run.LocalTunnel(job_dir="")
@@ -349,8 +397,9 @@ def make_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchru
         from launch.slurm_local import slurm_local_executor
 
         warn = preemptible and opts.signal is not None
-        return slurm_local_executor(opts, run, REPO_ROOT, launcher, preemptible,
-                                    signal_env(opts.signal) if warn else None)
+        return slurm_local_executor(
+            opts, run, REPO_ROOT, launcher, preemptible, signal_env(opts.signal) if warn else None
+        )
     return slurm_h200_executor(opts, run, launcher, preemptible)
 
 
@@ -405,7 +454,7 @@ def run_task(
 
         executor.packager = with_shipped_files(executor.packager, ship)
         paths = {n: f"{CONTAINER_RUN_DIR}/configs/{n}" for n in ship}
-    args = [paths[a[len(_PLACEHOLDER):]] if a.startswith(_PLACEHOLDER) else a for a in cli_args]
+    args = [paths[a[len(_PLACEHOLDER) :]] if a.startswith(_PLACEHOLDER) else a for a in cli_args]
     if launcher == "torchrun" and any(a.startswith("-") for a in args):
         # torchrun's parser sees the task's options too and refuses an abbreviation of its own (eval's `--n`:
         # "ambiguous option: --n could match --nnodes, ..."); after `--` they are the task's alone
@@ -434,8 +483,10 @@ def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE, launc
     args = shlex.join(job.task.args)
     if launcher is None:
         return f"# local executor: one process\npython -m {module} {args}"
-    return (f"# local executor: {opts.procs_per_node} processes\n"
-            f"torchrun --nnodes 1 --nproc-per-node {opts.procs_per_node} -m {module} {args}")
+    return (
+        f"# local executor: {opts.procs_per_node} processes\n"
+        f"torchrun --nnodes 1 --nproc-per-node {opts.procs_per_node} -m {module} {args}"
+    )
 
 
 _SUCCESS = "SUCCEEDED"

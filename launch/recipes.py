@@ -32,8 +32,9 @@ def model_shape(cfg: Config) -> dict[str, int] | None:
     return {k: hf[k] for k in SHAPE_KEYS if isinstance(hf.get(k), int)}
 
 
-def load_and_validate(recipe: str, overrides: list[str], world_size: int | None,
-                      require_model: bool = False) -> tuple[Path, Config]:
+def load_and_validate(
+    recipe: str, overrides: list[str], world_size: int | None, require_model: bool = False
+) -> tuple[Path, Config]:
     """Load recipe + overrides and run `Config.validate` against the world size and the model's shape.
 
     `require_model`: fail when no config.json is found for `model.hf_dir` (the recipe tests use it, so every
@@ -70,9 +71,10 @@ def unmounted_paths(cfg: Config, mounts: list[str]) -> list[str]:
     for key in PATH_KEYS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if isinstance(value, str) and value.startswith("/"):
-            if not any(value == t or value.startswith(t + "/") for t in targets):
-                missing.append(f"{key}={value}")
+        if not (isinstance(value, str) and value.startswith("/")):
+            continue
+        if not any(value == t or value.startswith(t + "/") for t in targets):
+            missing.append(f"{key}={value}")
     return missing
 
 
@@ -85,12 +87,39 @@ def eval_cli_args(cfg: Config) -> list[str]:
     e = cfg.eval
     if not e.benchmarks:
         raise ConfigError("eval.benchmarks: empty; name at least one benchmark, e.g. eval.benchmarks=[math500]")
-    args = ["eval", "--model", cfg.model.hf_dir, "--benchmarks", *e.benchmarks, "--data-dir", e.data_dir,
-            "--n", str(e.n_samples), "--chunk", str(e.chunk), "--out", e.output_dir,
-            "--temperature", str(e.temperature), "--top-p", str(e.top_p), "--dtype", e.dtype,
-            "--max-new-tokens", str(e.max_new_tokens),
-            "--seed", str(e.seed), "--limit", str(e.limit), "--max-model-len", str(cfg.rollout.max_model_len),
-            "--tp", str(cfg.rollout.tp), "--workers", str(cfg.reward.workers)]
+    args = [
+        "eval",
+        "--model",
+        cfg.model.hf_dir,
+        "--benchmarks",
+        *e.benchmarks,
+        "--data-dir",
+        e.data_dir,
+        "--n",
+        str(e.n_samples),
+        "--chunk",
+        str(e.chunk),
+        "--out",
+        e.output_dir,
+        "--temperature",
+        str(e.temperature),
+        "--top-p",
+        str(e.top_p),
+        "--dtype",
+        e.dtype,
+        "--max-new-tokens",
+        str(e.max_new_tokens),
+        "--seed",
+        str(e.seed),
+        "--limit",
+        str(e.limit),
+        "--max-model-len",
+        str(cfg.rollout.max_model_len),
+        "--tp",
+        str(cfg.rollout.tp),
+        "--workers",
+        str(cfg.reward.workers),
+    ]
     if e.stop:
         args += ["--stop", *e.stop]
     if e.chat_template:
@@ -110,8 +139,9 @@ def check_plan(recipe: str, overrides: list[str], cfg: Config, nodes: int, gpus_
 
     hf = load_hf_config(cfg.model.hf_dir)
     if hf is None:
-        print(f"[plan] warning: no config.json for model.hf_dir={cfg.model.hf_dir}: memory not planned",
-              file=sys.stderr)
+        print(
+            f"[plan] warning: no config.json for model.hf_dir={cfg.model.hf_dir}: memory not planned", file=sys.stderr
+        )
         return 0
     plan = make_plan(cfg, hf, nodes, gpus_per_node, H200_MEMORY_GB)
     where = f"{plan.worst.name}, {plan.worst.peak_phase}"
@@ -125,8 +155,11 @@ def check_plan(recipe: str, overrides: list[str], cfg: Config, nodes: int, gpus_
     if force:
         print(f"[plan] warning: {line}: does not fit ({why}); queued anyway (--force)", file=sys.stderr)
         return 0
-    print(f"error: the memory plan does not fit: {line} ({why}); see `{detail}` and its --suggest, or give --force "
-          f"to queue anyway", file=sys.stderr)
+    print(
+        f"error: the memory plan does not fit: {line} ({why}); see `{detail}` and its --suggest, or give --force "
+        f"to queue anyway",
+        file=sys.stderr,
+    )
     return EXIT_DOES_NOT_FIT
 
 
@@ -144,13 +177,17 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
     from launch.executors import LaunchError, add_launch_arguments, file_placeholder, options_from_args, run_task
 
     parser = argparse.ArgumentParser(prog=f"launch/{subcommand}.py", description=description)
-    parser.add_argument("--recipe", required=True,
-                        help=f"name in configs/ or a YAML path; known: {', '.join(recipe_names())}")
+    parser.add_argument(
+        "--recipe", required=True, help=f"name in configs/ or a YAML path; known: {', '.join(recipe_names())}"
+    )
     add_launch_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. algo.alpha=0.05")
     if subcommand == "train":
-        parser.add_argument("--force", action="store_true",
-                            help="queue the job even when the memory plan says it does not fit on its GPUs")
+        parser.add_argument(
+            "--force",
+            action="store_true",
+            help="queue the job even when the memory plan says it does not fit on its GPUs",
+        )
     args = parser.parse_args(argv)
     try:
         if subcommand == "eval":
@@ -163,8 +200,10 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
         opts = options_from_args(args)
         path, cfg = load_and_validate(args.recipe, args.overrides, world_size=opts.world_size)
         if subcommand == "eval" and opts.executor == "slurm_h200" and opts.world_size != cfg.rollout.tp:
-            raise LaunchError(f"--nproc-per-node {opts.procs_per_node}: the eval engine's ranks are its "
-                              f"rollout.tp={cfg.rollout.tp} GPUs; give --nproc-per-node {cfg.rollout.tp}")
+            raise LaunchError(
+                f"--nproc-per-node {opts.procs_per_node}: the eval engine's ranks are its "
+                f"rollout.tp={cfg.rollout.tp} GPUs; give --nproc-per-node {cfg.rollout.tp}"
+            )
         cli_args = eval_cli_args(cfg) if subcommand == "eval" else [subcommand, file_placeholder("run_config.yaml")]
     except (LaunchError, ValueError) as e:  # ConfigError, and range errors from section __post_init__
         print(f"error: {e}", file=sys.stderr)

@@ -53,28 +53,36 @@ def stop_requeue_lines(ranks_job_dir: str | None = None) -> str:
     """
     marker = "stop_${SLURM_JOB_ID}_${SLURM_RESTART_COUNT:-0}"
     ranks_dir = ranks_job_dir or "$megatron_rlvr_job_dir"
-    return "\n".join([
-        "# megatron-rlvr: a run stopped by its warning signal requeues the job; the rerun resumes from its checkpoint",
-        'megatron_rlvr_job_dir=$(dirname "$(scontrol show job -o "$SLURM_JOB_ID" | tr " " "\\n" | sed -n "s/^StdOut=//p")")',
-        f'megatron_rlvr_stop="$megatron_rlvr_job_dir/{marker}"',
-        f'export {STOP_MARKER_ENV}="{ranks_dir}/{marker}"',
-        'trap \'echo "[launch] batch shell: got SIGUSR1; the ranks finish their step and checkpoint"\' USR1',
-        "megatron_rlvr_requeue_on_stop() {",
-        "  local status=$?",
-        '  if [ -f "$megatron_rlvr_stop" ]; then',
-        '    echo "[launch] the run stopped on $(cat "$megatron_rlvr_stop") after its checkpoint: requeue"',
-        '    if ! { [ "$status" -ne 0 ] && [ "$TORCHX_MAX_RETRIES" -gt "${SLURM_RESTART_COUNT:-0}" ]; }; then',
-        '      scontrol requeue "$SLURM_JOB_ID"',
-        "    fi",
-        "    exit 0",
-        "  fi",
-        "}",
-        "trap megatron_rlvr_requeue_on_stop EXIT",
-    ])
+    return "\n".join(
+        [
+            "# megatron-rlvr: a run stopped by its warning signal requeues the job; the rerun resumes from its checkpoint",
+            'megatron_rlvr_job_dir=$(dirname "$(scontrol show job -o "$SLURM_JOB_ID" | tr " " "\\n" | sed -n "s/^StdOut=//p")")',
+            f'megatron_rlvr_stop="$megatron_rlvr_job_dir/{marker}"',
+            f'export {STOP_MARKER_ENV}="{ranks_dir}/{marker}"',
+            "trap 'echo \"[launch] batch shell: got SIGUSR1; the ranks finish their step and checkpoint\"' USR1",
+            "megatron_rlvr_requeue_on_stop() {",
+            "  local status=$?",
+            '  if [ -f "$megatron_rlvr_stop" ]; then',
+            '    echo "[launch] the run stopped on $(cat "$megatron_rlvr_stop") after its checkpoint: requeue"',
+            '    if ! { [ "$status" -ne 0 ] && [ "$TORCHX_MAX_RETRIES" -gt "${SLURM_RESTART_COUNT:-0}" ]; }; then',
+            '      scontrol requeue "$SLURM_JOB_ID"',
+            "    fi",
+            "    exit 0",
+            "  fi",
+            "}",
+            "trap megatron_rlvr_requeue_on_stop EXIT",
+        ]
+    )
 
 
-def slurm_local_executor(opts: Any, run: Any, repo_root: Path, launcher: str | None = "torchrun",
-                         preemptible: bool = False, signal_env: dict[str, str] | None = None) -> Any:
+def slurm_local_executor(
+    opts: Any,
+    run: Any,
+    repo_root: Path,
+    launcher: str | None = "torchrun",
+    preemptible: bool = False,
+    signal_env: dict[str, str] | None = None,
+) -> Any:
     """`opts.nodes` nodes of the local cluster, one torchrun per node starting `opts.procs_per_node` ranks (gloo)."""
     from nemo_run.config import get_nemorun_home
 

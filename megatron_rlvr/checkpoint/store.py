@@ -64,7 +64,9 @@ def _sharded_state_dict(actor, is_loading: bool = False) -> dict[str, Any]:
         model_sd: dict[str, Any] = {"model": chunks[0].sharded_state_dict()}
     else:
         model_sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    model_sd["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)
+    model_sd["optimizer"] = actor.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT
+    )
     return model_sd
 
 
@@ -102,7 +104,12 @@ def _agree_ok(ok: bool) -> bool:
 
 
 def save(
-    root: str | Path, step: int, actor, trainer_state: dict[str, Any], keep_last: int = 2, hf_dir: str | None = None,
+    root: str | Path,
+    step: int,
+    actor,
+    trainer_state: dict[str, Any],
+    keep_last: int = 2,
+    hf_dir: str | None = None,
     objects: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` (a collective over all ranks). Returns its directory. With ``hf_dir``, the HF
@@ -206,14 +213,18 @@ def resolve(root: str | Path, resume: str | None) -> Path | None:
     if not failed:
         return None
     raise CheckpointError(
-        f"no usable checkpoint in {root} (checkpoint.resume=latest): " + " | ".join(r.summary() for r in failed)
-        + ". Restore one, or start afresh with checkpoint.resume=null (or --resume none) and another output_dir")
+        f"no usable checkpoint in {root} (checkpoint.resume=latest): "
+        + " | ".join(r.summary() for r in failed)
+        + ". Restore one, or start afresh with checkpoint.resume=null (or --resume none) and another output_dir"
+    )
 
 
 def _warn_if_unverified(report: Report) -> None:
     if not report.verified:
-        _say(f"[checkpoint] warning: {report.path} has no {MANIFEST} (written before checkpoints recorded "
-             "checksums): resuming from it unverified")
+        _say(
+            f"[checkpoint] warning: {report.path} has no {MANIFEST} (written before checkpoints recorded "
+            "checksums): resuming from it unverified"
+        )
 
 
 def load(path: str | Path, actor) -> dict[str, Any]:
@@ -230,8 +241,10 @@ def load(path: str | Path, actor) -> dict[str, Any]:
     try:
         loaded = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), str(path))
     except (EOFError, OSError, RuntimeError, ValueError) as e:  # e.g. damage a checkpoint without manifest hid
-        raise CheckpointError(f"checkpoint {path}: could not be loaded ({type(e).__name__}: {e}); "
-                              f"`megatron-rlvr ckpt verify {path}` checks its files") from e
+        raise CheckpointError(
+            f"checkpoint {path}: could not be loaded ({type(e).__name__}: {e}); "
+            f"`megatron-rlvr ckpt verify {path}` checks its files"
+        ) from e
     chunks = actor.model_chunks
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])

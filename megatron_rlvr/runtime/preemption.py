@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ class Preemption:
     @contextlib.contextmanager
     def installed(
         cls, signals: Sequence[int] = SIGNALS, same_request_s: float = SAME_REQUEST_S
-    ) -> Iterator["Preemption"]:
+    ) -> Iterator[Preemption]:
         """Handle ``signals`` inside the block; the previous handlers come back after it. Outside the main thread
         (where Python cannot handle signals) nothing is installed and `requested` stays False."""
         handler = cls(signals, same_request_s)
@@ -143,8 +143,10 @@ class Preemption:
         with self._lock:
             if not self.signum:
                 self.signum, self._first_at = signum, now
-                self._say(f"got {describe(signum)}: finishing the current step, then a checkpoint and exit 0 "
-                          "(a second signal exits at once)")
+                self._say(
+                    f"got {describe(signum)}: finishing the current step, then a checkpoint and exit 0 "
+                    "(a second signal exits at once)"
+                )
                 return
             if not may_exit or now - self._first_at < self.same_request_s:
                 return  # the same request delivered twice (by Slurm and by torchrun)

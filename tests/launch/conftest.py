@@ -49,8 +49,9 @@ def slurm_cluster():
     # socket's path (108 bytes at most)
     state = Path(tempfile.mkdtemp(prefix="mrlvr-slurm-", dir="/tmp"))
     env = {**os.environ, "MEGATRON_RLVR_SLURM_DIR": str(state)}
-    start = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], env=env, capture_output=True, text=True,
-                           timeout=START_TIMEOUT_S)
+    start = subprocess.run(
+        ["bash", str(CLUSTER_SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S
+    )
     conf = state / "etc" / "slurm.conf"
     try:
         assert start.returncode == 0, f"tools/slurm_cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
@@ -59,8 +60,9 @@ def slurm_cluster():
         os.environ["SLURM_CONF"] = str(conf)
         yield conf
     finally:
-        stop = subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], env=env, capture_output=True, text=True,
-                              timeout=120)
+        stop = subprocess.run(
+            ["bash", str(CLUSTER_SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120
+        )
         print(stop.stdout, stop.stderr)
         if stop.returncode == 0:
             shutil.rmtree(state, ignore_errors=True)

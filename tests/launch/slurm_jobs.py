@@ -21,8 +21,14 @@ PY = sys.executable
 
 # The demo recipe, tiny: 4 steps of 4 prompts (x 8 answers), a checkpoint every 2 steps.
 TRAIN_STEPS = 4
-TRAIN_OVERRIDES = [f"trainer.steps={TRAIN_STEPS}", "checkpoint.save_every=2", "trainer.prompts_per_step=4",
-                   "trainer.eval_every=0", "trainer.tensorboard=false", "trainer.save_hf=false"]
+TRAIN_OVERRIDES = [
+    f"trainer.steps={TRAIN_STEPS}",
+    "checkpoint.save_every=2",
+    "trainer.prompts_per_step=4",
+    "trainer.eval_every=0",
+    "trainer.tensorboard=false",
+    "trainer.save_hf=false",
+]
 METRIC_KEYS = ("reward/mean", "actor/loss", "actor/grad_norm", "loss/entropy", "loss/rank1_prob")
 
 
@@ -37,14 +43,16 @@ def launch_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str
 
 
 def run_launch(script: str, args: list[str], home: Path, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_command(script, args), capture_output=True, text=True, env=launch_env(home),
-                          timeout=timeout, cwd=home)
+    return subprocess.run(
+        launch_command(script, args), capture_output=True, text=True, env=launch_env(home), timeout=timeout, cwd=home
+    )
 
 
 def start_launch(script: str, args: list[str], home: Path) -> subprocess.Popen:
     log = open(home / "launch.log", "w")
-    return subprocess.Popen(launch_command(script, args), stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env=launch_env(home), cwd=home)
+    return subprocess.Popen(
+        launch_command(script, args), stdout=log, stderr=subprocess.STDOUT, text=True, env=launch_env(home), cwd=home
+    )
 
 
 def launch_log(home: Path) -> str:
@@ -61,8 +69,11 @@ def slurm(*args: str, check: bool = True) -> str:
 
 def job_ids(home: Path) -> list[int]:
     """The Slurm jobs submitted under `home` (from the batch output files nemo-run names by job id)."""
-    ids = {int(m.group(1)) for p in home.glob("experiments/*/*/*/sbatch_*.out")
-           if (m := re.search(r"_(\d+)\.out$", p.name))}
+    ids = {
+        int(m.group(1))
+        for p in home.glob("experiments/*/*/*/sbatch_*.out")
+        if (m := re.search(r"_(\d+)\.out$", p.name))
+    }
     return sorted(ids)
 
 
@@ -109,8 +120,10 @@ def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | No
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the launch ended (status {proc.returncode}) before {what}:\n"
-                                 f"{launch_log(home)[-4000:] if home else ''}")
+            raise AssertionError(
+                f"the launch ended (status {proc.returncode}) before {what}:\n"
+                f"{launch_log(home)[-4000:] if home else ''}"
+            )
         time.sleep(0.3)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
@@ -167,8 +180,11 @@ def rank_pid(home: Path, node: str) -> int:
     """The training rank on `node`: the child of that node's torchrun (not a process the rank forked, which has the
     same command line)."""
     pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
-    agents = {pid for pid in pids if str(home) in (cmd := _cmdline(pid)) and "torchrun" in cmd
-              and _environ(pid).get("SLURMD_NODENAME") == node}
+    agents = {
+        pid
+        for pid in pids
+        if str(home) in (cmd := _cmdline(pid)) and "torchrun" in cmd and _environ(pid).get("SLURMD_NODENAME") == node
+    }
     ranks = [pid for pid in pids if _parent(pid) in agents and "megatron_rlvr.cli" in _cmdline(pid)]
     if len(ranks) != 1:
         raise AssertionError(f"expected one rank of the job under {home} on {node}, found {ranks} (torchrun {agents})")

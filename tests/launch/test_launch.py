@@ -20,16 +20,36 @@ from launch.recipes import REPO_ROOT, recipe_job_main
 
 PY = sys.executable
 IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
-SLURM = ["--executor", "slurm_h200", "--account", "rl_acct", "--partition", "batch", "--container-image", IMAGE,
-         "--mount", "/lustre/models:/models", "--mount", "/lustre/results:/results", "--time", "02:00:00"]
+SLURM = [
+    "--executor",
+    "slurm_h200",
+    "--account",
+    "rl_acct",
+    "--partition",
+    "batch",
+    "--container-image",
+    IMAGE,
+    "--mount",
+    "/lustre/models:/models",
+    "--mount",
+    "/lustre/results:/results",
+    "--time",
+    "02:00:00",
+]
 
 
 def launch(script: str, args: list[str], home: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "MEGATRON_RLVR_"))}
     env["NEMORUN_HOME"] = str(home)
     home.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([PY, str(REPO_ROOT / "launch" / script), *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=home)  # not the repo: the launcher must find it itself
+    return subprocess.run(
+        [PY, str(REPO_ROOT / "launch" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=home,
+    )  # not the repo: the launcher must find it itself
 
 
 def sbatch_file(stdout: str) -> Path:
@@ -39,19 +59,39 @@ def sbatch_file(stdout: str) -> Path:
 
 
 def test_slurm_dryrun_writes_the_sbatch_script(tmp_path):
-    out = launch("train.py", ["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "--dryrun",
-                              "algo.alpha=0.01", "trainer.steps=7"], tmp_path)
+    out = launch(
+        "train.py",
+        [
+            "--recipe",
+            "qwen2.5-32b_math-l3to5_casp",
+            *SLURM,
+            "--nodes",
+            "4",
+            "--dryrun",
+            "algo.alpha=0.01",
+            "trainer.steps=7",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "warning: model.hf_dir" not in out.stderr and "warning: data.path=/data/" in out.stderr
     assert re.search(r"\[plan\] peak [\d.]+ GB per GPU \(actor, rollout\) of 141 GB: fits", out.stderr), out.stderr
     path = sbatch_file(out.stdout)
     script = path.read_text()
     assert script in out.stdout, "the dry run prints the script it wrote"
-    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --account=rl_acct", "#SBATCH --partition=batch", "#SBATCH --time=02:00:00",
-                 "#SBATCH --exclusive", "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_NVLS_ENABLE=0"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --account=rl_acct",
+        "#SBATCH --partition=batch",
+        "#SBATCH --time=02:00:00",
+        "#SBATCH --exclusive",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "export NCCL_NVLS_ENABLE=0",
+    ):
         assert line in script.splitlines(), line
-    srun = next(l for l in script.splitlines() if l.startswith("srun ") and "torchrun" in l)
+    srun = next(line for line in script.splitlines() if line.startswith("srun ") and "torchrun" in line)
     assert f"--container-image {IMAGE}" in srun
     assert re.search(r"--container-mounts /lustre/models:/models,/lustre/results:/results,\S+:/nemo_run", srun)
     assert "torchrun" in srun and "--nnodes 4 --nproc-per-node 8" in srun
@@ -66,10 +106,21 @@ def test_slurm_dryrun_writes_the_sbatch_script(tmp_path):
 def test_slurm_options_come_from_the_environment_too(tmp_path):
     env_args = ["--recipe", "qwen2.5-math-7b_math-l3to5_casp", "--executor", "slurm_h200", "--dryrun"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "MEGATRON_RLVR_"))}
-    env.update(NEMORUN_HOME=str(tmp_path), SBATCH_ACCOUNT="env_acct", SBATCH_PARTITION="h200",
-               MEGATRON_RLVR_CONTAINER="registry/rlvr:1", MEGATRON_RLVR_MOUNTS="/fs/models:/models")
-    out = subprocess.run([PY, str(REPO_ROOT / "launch" / "train.py"), *env_args], capture_output=True, text=True,
-                         env=env, timeout=300, cwd=tmp_path)
+    env.update(
+        NEMORUN_HOME=str(tmp_path),
+        SBATCH_ACCOUNT="env_acct",
+        SBATCH_PARTITION="h200",
+        MEGATRON_RLVR_CONTAINER="registry/rlvr:1",
+        MEGATRON_RLVR_MOUNTS="/fs/models:/models",
+    )
+    out = subprocess.run(
+        [PY, str(REPO_ROOT / "launch" / "train.py"), *env_args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     script = sbatch_file(out.stdout).read_text()
     assert "#SBATCH --account=env_acct" in script and "#SBATCH --partition=h200" in script
@@ -82,12 +133,36 @@ def test_slurm_options_come_from_the_environment_too(tmp_path):
     [
         (["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "algo.alpha=lots"], "algo.alpha"),
         (["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "algo.no_such_knob=1"], "no_such_knob"),
-        (["--recipe", "qwen2.5-math-7b_math-l3to5_casp", *SLURM, "--nodes", "1", "--nproc-per-node", "6", "actor.tp=4"],
-         "world size 6"),
-        (["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--container-image", IMAGE,
-          "--nodes", "4"], "--account"),
-        (["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--account", "a", "--nodes", "4"],
-         "--container-image"),
+        (
+            [
+                "--recipe",
+                "qwen2.5-math-7b_math-l3to5_casp",
+                *SLURM,
+                "--nodes",
+                "1",
+                "--nproc-per-node",
+                "6",
+                "actor.tp=4",
+            ],
+            "world size 6",
+        ),
+        (
+            [
+                "--recipe",
+                "qwen2.5-32b_math-l3to5_casp",
+                "--executor",
+                "slurm_h200",
+                "--container-image",
+                IMAGE,
+                "--nodes",
+                "4",
+            ],
+            "--account",
+        ),
+        (
+            ["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--account", "a", "--nodes", "4"],
+            "--container-image",
+        ),
         (["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "rollout.top_p=2"], "rollout.top_p"),
         (["--recipe", "nope"], "known recipes"),
     ],
@@ -105,8 +180,15 @@ def test_bad_input_exits_nonzero_before_anything_is_submitted(tmp_path, monkeypa
 
 def test_a_layout_the_plan_says_cannot_fit_is_refused_before_anything_is_submitted(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path))
-    args = ["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "actor.tp=1",
-            "actor.sequence_parallel=false"]
+    args = [
+        "--recipe",
+        "qwen2.5-32b_math-l3to5_casp",
+        *SLURM,
+        "--nodes",
+        "4",
+        "actor.tp=1",
+        "actor.sequence_parallel=false",
+    ]
     assert recipe_job_main("train", args, "") == 3
     err = capsys.readouterr().err
     assert "error: the memory plan does not fit" in err and "actor_grads" in err and "--force" in err
@@ -114,38 +196,75 @@ def test_a_layout_the_plan_says_cannot_fit_is_refused_before_anything_is_submitt
 
 
 def test_force_queues_a_layout_that_does_not_fit(tmp_path):
-    out = launch("train.py", ["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "--dryrun", "--force",
-                              "actor.tp=1", "actor.sequence_parallel=false"], tmp_path)
+    out = launch(
+        "train.py",
+        [
+            "--recipe",
+            "qwen2.5-32b_math-l3to5_casp",
+            *SLURM,
+            "--nodes",
+            "4",
+            "--dryrun",
+            "--force",
+            "actor.tp=1",
+            "actor.sequence_parallel=false",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "does not fit" in out.stderr and "queued anyway (--force)" in out.stderr
     assert "#SBATCH --nodes=4" in sbatch_file(out.stdout).read_text()
 
 
 def test_convert_dryrun_starts_the_convert_subcommand(tmp_path):
-    out = launch("convert.py", [*SLURM, "--dryrun", "--", "hf-to-mcore", "--hf-dir", "/models/Qwen2.5-32B",
-                                "--out", "/models/Qwen2.5-32B-mcore"], tmp_path)
+    out = launch(
+        "convert.py",
+        [
+            *SLURM,
+            "--dryrun",
+            "--",
+            "hf-to-mcore",
+            "--hf-dir",
+            "/models/Qwen2.5-32B",
+            "--out",
+            "/models/Qwen2.5-32B-mcore",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     script = sbatch_file(out.stdout).read_text()
     assert "#SBATCH --nodes=1" in script and "#SBATCH --ntasks-per-node=1" in script
-    srun = next(l for l in script.splitlines() if l.startswith("srun ") and "megatron_rlvr.cli" in l)
+    srun = next(line for line in script.splitlines() if line.startswith("srun ") and "megatron_rlvr.cli" in line)
     assert "torchrun" not in srun, "the converter is one plain process"
-    expected = ("python -m megatron_rlvr.cli convert hf-to-mcore --hf-dir /models/Qwen2.5-32B "
-                "--out /models/Qwen2.5-32B-mcore")
+    expected = (
+        "python -m megatron_rlvr.cli convert hf-to-mcore --hf-dir /models/Qwen2.5-32B --out /models/Qwen2.5-32B-mcore"
+    )
     assert srun.endswith(expected), srun
 
 
 def test_k1024_eval_dryrun_runs_one_engine_with_the_recipes_flags(tmp_path):
-    out = launch("eval.py", ["--recipe", "eval_k1024_qwen2.5-math-7b", *SLURM, "--dryrun",
-                             "model.hf_dir=/results/casp_hf"], tmp_path)
+    out = launch(
+        "eval.py",
+        ["--recipe", "eval_k1024_qwen2.5-math-7b", *SLURM, "--dryrun", "model.hf_dir=/results/casp_hf"],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     script = sbatch_file(out.stdout).read_text()
     assert "#SBATCH --nodes=1" in script and "--nnodes 1 --nproc-per-node 4" in script  # the engine's TP=4 ranks
-    srun = next(l for l in script.splitlines() if l.startswith("srun ") and "torchrun" in l)
+    srun = next(line for line in script.splitlines() if line.startswith("srun ") and "torchrun" in line)
     # `--`: torchrun's own parser would refuse eval's `--n` as an ambiguous abbreviation of its options
-    command = srun[srun.index("-m megatron_rlvr.cli -- eval "):]
-    for flags in ("--model /results/casp_hf", "--benchmarks aime24 aime25 amc23", "--n 1024",
-                  "--out /results/eval/eval_k1024_qwen2.5-math-7b", "--temperature 0.6", "--top-p 0.95",
-                  "--max-new-tokens 3072", "--max-model-len 4096", "--tp 4"):
+    command = srun[srun.index("-m megatron_rlvr.cli -- eval ") :]
+    for flags in (
+        "--model /results/casp_hf",
+        "--benchmarks aime24 aime25 amc23",
+        "--n 1024",
+        "--out /results/eval/eval_k1024_qwen2.5-math-7b",
+        "--temperature 0.6",
+        "--top-p 0.95",
+        "--max-new-tokens 3072",
+        "--max-model-len 4096",
+        "--tp 4",
+    ):
         assert f" {flags} " in f"{command} ", flags
 
 
@@ -177,8 +296,14 @@ sys.exit(run_task("rank_task", [sys.argv[2], sys.argv[3]], LaunchOptions(executo
 def run_rank_task(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, Path]:
     result = tmp_path / f"result_{mode}.txt"
     env = dict(os.environ, NEMORUN_HOME=str(tmp_path / "nemorun"), OMP_NUM_THREADS="1")
-    out = subprocess.run([PY, "-c", _RUN_RANK_TASK, str(REPO_ROOT), str(result), mode], capture_output=True,
-                         text=True, env=env, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [PY, "-c", _RUN_RANK_TASK, str(REPO_ROOT), str(result), mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )
     return out, result
 
 
@@ -204,8 +329,12 @@ def test_local_executor_converts_a_tiny_checkpoint_through_the_real_cli(tmp_path
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     hf_dir = make_tiny_hf_model("qwen2", tmp_path / "tiny_hf")
-    out = launch("convert.py", ["--", "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "mcore")],
-                 tmp_path / "home", timeout=600)
+    out = launch(
+        "convert.py",
+        ["--", "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "mcore")],
+        tmp_path / "home",
+        timeout=600,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert f"convert: wrote {tmp_path / 'mcore'}" in out.stdout
     assert (tmp_path / "mcore" / "metadata.json").is_file()
@@ -224,14 +353,28 @@ def _demo_ready() -> str | None:
 @pytest.mark.engine
 @pytest.mark.skipif(_demo_ready() is not None, reason=_demo_ready() or "")
 def test_cpu_demo_recipe_trains_through_nemo_run(tmp_path):
-    out = launch("train.py", ["--recipe", "demo_cpu", "trainer.steps=2", f"trainer.output_dir={tmp_path}/run",
-                              "trainer.eval_every=0", "checkpoint.save_every=0"], tmp_path, timeout=1800)
+    out = launch(
+        "train.py",
+        [
+            "--recipe",
+            "demo_cpu",
+            "trainer.steps=2",
+            f"trainer.output_dir={tmp_path}/run",
+            "trainer.eval_every=0",
+            "checkpoint.save_every=0",
+        ],
+        tmp_path,
+        timeout=1800,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
 
 
 def test_the_bare_readme_dryrun_prints_an_sbatch_script_with_placeholders(tmp_path):
-    out = launch("train.py", ["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--nodes", "4",
-                              "--dryrun"], tmp_path)
+    out = launch(
+        "train.py",
+        ["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--nodes", "4", "--dryrun"],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "#SBATCH --account=YOUR_ACCOUNT" in out.stdout and "--container-image YOUR_CONTAINER_IMAGE" in out.stdout
     assert "--nnodes 4 --nproc-per-node 8" in out.stdout

@@ -57,8 +57,9 @@ def reference(tmp_path_factory, slurm_cluster):
     """The uninterrupted two-node run every resumed run is compared with (its own launch is the first test)."""
     home = tmp_path_factory.mktemp("reference")
     t0 = time.monotonic()
-    out = run_launch("train.py", [*TWO_NODES, *TRAIN_OVERRIDES, f"trainer.output_dir={home}/out"], home,
-                     timeout=JOB_TIMEOUT_S)
+    out = run_launch(
+        "train.py", [*TWO_NODES, *TRAIN_OVERRIDES, f"trainer.output_dir={home}/out"], home, timeout=JOB_TIMEOUT_S
+    )
     return {"home": home, "result": out, "seconds": time.monotonic() - t0, "metrics": metrics(home / "out")}
 
 
@@ -106,8 +107,10 @@ def _preempt_and_resume(home: Path, reference: dict, extra_env: list[str]) -> No
     assert step < 4 and "SIGKILL" not in first
     assert f"{RESUMED} {home}/out/checkpoints/step-{step:06d}" in rerun, rerun[-3000:]  # the stop's checkpoint
     assert_metrics_equal(reference["metrics"], metrics(home / "out"))
-    print(f"stopped after step {step}; requeued and resumed to the end {time.monotonic() - t_signal:.0f} s after "
-          "the signal")
+    print(
+        f"stopped after step {step}; requeued and resumed to the end {time.monotonic() - t_signal:.0f} s after "
+        "the signal"
+    )
     assert_nothing_left(home)
 
 
@@ -119,8 +122,9 @@ def test_signal_checkpoint_requeue_resume(home, reference):
 @pytest.mark.timeout(1800)
 def test_a_checkpoint_longer_than_30_s_is_not_killed(home, reference):
     hook = REPO / "tests" / "launch" / "slow_checkpoint"
-    _preempt_and_resume(home, reference, ["--env", f"PYTHONPATH={REPO}:{hook}",
-                                          "--env", "MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S=35"])
+    _preempt_and_resume(
+        home, reference, ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", "MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S=35"]
+    )
     assert "the checkpoint takes 35 s more" in task_logs(home)[0]
 
 
@@ -128,14 +132,22 @@ def test_a_checkpoint_longer_than_30_s_is_not_killed(home, reference):
 def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
     """kill -9 of the rank on node 2 in step 3: nemo-run's retry requeues the job and the rerun resumes from the
     step-2 checkpoint; a second kill, with the retries spent, ends the job FAILED; nothing of it is left."""
-    launch = start_launch("train.py", [*TWO_NODES, "--retries", "1", *TRAIN_OVERRIDES, "trainer.steps=8",
-                                       f"trainer.output_dir={home}/out"], home)
+    launch = start_launch(
+        "train.py",
+        [*TWO_NODES, "--retries", "1", *TRAIN_OVERRIDES, "trainer.steps=8", f"trainer.output_dir={home}/out"],
+        home,
+    )
     latest = home / "out" / "checkpoints" / "latest"
     try:
         job = wait_for_job(home)
         # after the step-2 checkpoint is complete (its pointer written), while step 3 runs
-        wait_until(lambda: latest.is_file() and latest.read_text().strip() == "step-000002", 600,
-                   "the step-2 checkpoint", launch, home)
+        wait_until(
+            lambda: latest.is_file() and latest.read_text().strip() == "step-000002",
+            600,
+            "the step-2 checkpoint",
+            launch,
+            home,
+        )
         os.kill(rank_pid(home, "n2"), signal.SIGKILL)
         t_kill = time.monotonic()
         wait_until(lambda: RESUMED in task_logs(home).get(1, ""), 600, "the retry's resume", launch, home)
@@ -150,8 +162,10 @@ def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
     runs = job_runs(job)
     assert runs[0][0] == "REQUEUED" and runs[-1][0] == "FAILED", runs
     assert f"{RESUMED} {home}/out/checkpoints/step-000002" in resumed_log, resumed_log[-3000:]
-    print(f"kill -9 -> requeued -> resumed at step 2 ({time.monotonic() - t_kill:.0f} s); second kill -> FAILED "
-          f"after {ended:.0f} s")
+    print(
+        f"kill -9 -> requeued -> resumed at step 2 ({time.monotonic() - t_kill:.0f} s); second kill -> FAILED "
+        f"after {ended:.0f} s"
+    )
     assert_nothing_left(home)
 
 
@@ -159,17 +173,39 @@ def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
 def test_separate_placement_across_nodes(home):
     """The actor (rank 0) on one node, the engine rank on the other, one-step-off, 3 steps."""
     t0 = time.monotonic()
-    out = run_launch("train.py", [*TWO_NODES, "rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=1",
-                                  "trainer.off_policy_steps=1", *TRAIN_OVERRIDES, "trainer.steps=3",
-                                  f"trainer.output_dir={home}/out"], home, timeout=JOB_TIMEOUT_S)
+    out = run_launch(
+        "train.py",
+        [
+            *TWO_NODES,
+            "rollout.placement=separate",
+            "rollout.engine_ranks=1",
+            "actor.tp=1",
+            "trainer.off_policy_steps=1",
+            *TRAIN_OVERRIDES,
+            "trainer.steps=3",
+            f"trainer.output_dir={home}/out",
+        ],
+        home,
+        timeout=JOB_TIMEOUT_S,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert [m["step"] for m in metrics(home / "out")] == [1, 2, 3]
     print(f"separate placement, 3 steps one-step-off: {time.monotonic() - t0:.0f} s")
 
 
 def _eval_args(home: Path, data: Path, out: Path) -> list[str]:
-    return ["--recipe", "eval_cpu", "--nodes", "2", "--time", "00:15:00", "eval.n_samples=256", "eval.chunk=64",
-            f"eval.data_dir={data}", f"eval.output_dir={out}"]
+    return [
+        "--recipe",
+        "eval_cpu",
+        "--nodes",
+        "2",
+        "--time",
+        "00:15:00",
+        "eval.n_samples=256",
+        "eval.chunk=64",
+        f"eval.data_dir={data}",
+        f"eval.output_dir={out}",
+    ]
 
 
 def _stored(out: Path) -> int:
@@ -207,5 +243,7 @@ def test_eval_cancelled_and_resubmitted_equals_an_uninterrupted_one(home):
     again = run_launch("eval.py", _eval_args(home, data, home / "cut"), home / "again_home", timeout=JOB_TIMEOUT_S)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert (home / "cut" / "table.csv").read_text() == (home / "whole" / "table.csv").read_text()
-    print(f"eval K=256 x 4 problems on two nodes: {t_whole:.0f} s uninterrupted; cancelled after {partial} samples, "
-          f"resubmitted: {time.monotonic() - t0 - t_whole:.0f} s for both")
+    print(
+        f"eval K=256 x 4 problems on two nodes: {t_whole:.0f} s uninterrupted; cancelled after {partial} samples, "
+        f"resubmitted: {time.monotonic() - t0 - t_whole:.0f} s for both"
+    )

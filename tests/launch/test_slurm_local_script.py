@@ -17,14 +17,37 @@ from tests.launch.test_launch import launch, sbatch_file
 
 
 def test_two_node_training_script(tmp_path):
-    out = launch("train.py", ["--recipe", "demo_cpu", "--executor", "slurm_local", "--nodes", "2", "--dryrun",
-                              "--signal", "USR1@120", "--time", "00:30:00", "--retries", "2"], tmp_path)
+    out = launch(
+        "train.py",
+        [
+            "--recipe",
+            "demo_cpu",
+            "--executor",
+            "slurm_local",
+            "--nodes",
+            "2",
+            "--dryrun",
+            "--signal",
+            "USR1@120",
+            "--time",
+            "00:30:00",
+            "--retries",
+            "2",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = sbatch_file(out.stdout).read_text().splitlines()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --signal=USR1@120",
-                 "export TORCHX_MAX_RETRIES=2", "export OMP_NUM_THREADS=1",
-                 "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                 "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120", "trap megatron_rlvr_requeue_on_stop EXIT"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --signal=USR1@120",
+        "export TORCHX_MAX_RETRIES=2",
+        "export OMP_NUM_THREADS=1",
+        "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120",
+        "trap megatron_rlvr_requeue_on_stop EXIT",
+    ):
         assert line in lines, line
     assert not any(line.startswith("#SBATCH --account") and line != "#SBATCH --account=''" for line in lines)
     srun = next(line for line in lines if line.startswith("srun ") and "torchrun" in line)
@@ -46,14 +69,17 @@ def test_eval_task_line_passes_torchruns_parser(tmp_path):
     """torchrun parses the task's options too: eval's `--n` was refused as an abbreviation of its own options."""
     from torch.distributed.run import get_args_parser
 
-    out = launch("eval.py", ["--recipe", "eval_cpu", "--executor", "slurm_local", "--nodes", "2", "--dryrun",
-                             "eval.n_samples=256"], tmp_path)
+    out = launch(
+        "eval.py",
+        ["--recipe", "eval_cpu", "--executor", "slurm_local", "--nodes", "2", "--dryrun", "eval.n_samples=256"],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     script = sbatch_file(out.stdout).read_text()
     assert "--signal" not in script and STOP_MARKER_ENV not in script  # eval stops on no warning
     srun = next(line for line in script.split("\nsrun ")[1:] if "torchrun" in line)
     words = shlex.split(srun.replace("$head_node_ip", "127.0.0.1").replace("$SLURM_NODEID", "0"))
-    args = get_args_parser().parse_args(words[words.index("torchrun") + 1:])
+    args = get_args_parser().parse_args(words[words.index("torchrun") + 1 :])
     assert args.training_script == "megatron_rlvr.cli" and args.training_script_args[:1] == ["eval"]
     assert args.training_script_args[args.training_script_args.index("--n") + 1] == "256"
 
@@ -66,31 +92,44 @@ def _batch_shell(tmp_path, marker: bool, status: int, retries: int, restart: int
     job_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text(  # `show job -o`: one line of Key=Value; `requeue`: recorded
         f'#!/bin/sh\nif [ "$1" = show ]; then echo "JobId=$3 JobName=x StdOut={job_dir}/sbatch_x_$3.out Partition=local"\n'
-        f'else echo "$@" >> {tmp_path}/scontrol.calls; fi\n')
+        f'else echo "$@" >> {tmp_path}/scontrol.calls; fi\n'
+    )
     (bin_dir / "scontrol").chmod(0o755)
-    script = "\n".join([stop_requeue_lines(),
-                        f'[ {int(marker)} -eq 1 ] && echo SIGUSR1 > "${STOP_MARKER_ENV}"',
-                        # nemo-run's own retry, as its template has it
-                        f"if [ {status} -ne 0 ] && [ \"$TORCHX_MAX_RETRIES\" -gt \"${{SLURM_RESTART_COUNT:-0}}\" ]; "
-                        "then scontrol requeue \"$SLURM_JOB_ID\"; fi",
-                        f"exit {status}"])
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
-           "SLURM_RESTART_COUNT": str(restart), "TORCHX_MAX_RETRIES": str(retries)}
+    script = "\n".join(
+        [
+            stop_requeue_lines(),
+            f'[ {int(marker)} -eq 1 ] && echo SIGUSR1 > "${STOP_MARKER_ENV}"',
+            # nemo-run's own retry, as its template has it
+            f'if [ {status} -ne 0 ] && [ "$TORCHX_MAX_RETRIES" -gt "${{SLURM_RESTART_COUNT:-0}}" ]; '
+            'then scontrol requeue "$SLURM_JOB_ID"; fi',
+            f"exit {status}",
+        ]
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "42",
+        "SLURM_RESTART_COUNT": str(restart),
+        "TORCHX_MAX_RETRIES": str(retries),
+    }
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     calls = tmp_path / "scontrol.calls"
     assert not marker or (job_dir / f"stop_42_{restart}").read_text() == "SIGUSR1\n"  # where the shell looked
     return done.returncode, calls.read_text() if calls.exists() else ""
 
 
-@pytest.mark.parametrize("marker, status, retries, restart, exit_status, requeues", [
-    (True, 1, 0, 0, 0, 1),   # stopped on the signal, torchrun exited 1, no retries: requeued by us, exit 0
-    (True, 1, 3, 5, 0, 1),   # the same with the retries spent by earlier stops: still requeued
-    (True, 1, 2, 0, 0, 1),   # nemo-run's retry requeued it already: not twice
-    (True, 0, 0, 0, 0, 1),   # the ranks and torchrun exited 0 after the stop
-    (False, 1, 0, 0, 1, 0),  # a failure without retries: FAILED, no requeue
-    (False, 1, 1, 0, 1, 1),  # a failure with a retry left: nemo-run's requeue only
-    (False, 0, 0, 0, 0, 0),  # done
-])
+@pytest.mark.parametrize(
+    "marker, status, retries, restart, exit_status, requeues",
+    [
+        (True, 1, 0, 0, 0, 1),  # stopped on the signal, torchrun exited 1, no retries: requeued by us, exit 0
+        (True, 1, 3, 5, 0, 1),  # the same with the retries spent by earlier stops: still requeued
+        (True, 1, 2, 0, 0, 1),  # nemo-run's retry requeued it already: not twice
+        (True, 0, 0, 0, 0, 1),  # the ranks and torchrun exited 0 after the stop
+        (False, 1, 0, 0, 1, 0),  # a failure without retries: FAILED, no requeue
+        (False, 1, 1, 0, 1, 1),  # a failure with a retry left: nemo-run's requeue only
+        (False, 0, 0, 0, 0, 0),  # done
+    ],
+)
 def test_a_stopped_run_requeues_its_job_once(tmp_path, marker, status, retries, restart, exit_status, requeues):
     code, calls = _batch_shell(tmp_path, marker, status, retries, restart)
     assert code == exit_status
@@ -100,8 +139,9 @@ def test_a_stopped_run_requeues_its_job_once(tmp_path, marker, status, retries, 
 def test_the_batch_shell_survives_usr1(tmp_path):
     """`scancel --signal=USR1 --full` signals the batch shell too: it must live on to requeue the job."""
     script = stop_requeue_lines() + "\nkill -USR1 $$\nsleep 0.2\necho alive\n"
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "SLURM_JOB_ID": "7"})
+    done = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=30, env={**os.environ, "SLURM_JOB_ID": "7"}
+    )
     assert done.returncode == 0 and "alive" in done.stdout and "got SIGUSR1" in done.stdout
 
 

@@ -41,19 +41,36 @@ def test_the_signal_is_an_option_and_none_turns_it_off(tmp_path):
 
 
 def test_convert_jobs_ask_for_no_signal(tmp_path):
-    out = launch("convert.py", [*SLURM, "--dryrun", "--", "hf-to-mcore", "--hf-dir", "/models/Qwen2.5-32B",
-                                "--out", "/results/q32_tp8", "--tp", "8"], tmp_path)
+    out = launch(
+        "convert.py",
+        [
+            *SLURM,
+            "--dryrun",
+            "--",
+            "hf-to-mcore",
+            "--hf-dir",
+            "/models/Qwen2.5-32B",
+            "--out",
+            "/results/q32_tp8",
+            "--tp",
+            "8",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     script = sbatch_file(out.stdout).read_text()
     assert "--signal" not in script and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in script
 
 
-@pytest.mark.parametrize("value, message", [
-    ("B:USR1@300", "without 'B:'"),
-    ("KILL@300", "USR1, TERM"),
-    ("USR1", "expected SIG@SECONDS"),
-    ("USR1@7200", "at or before its start"),  # the job has --time 02:00:00
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("B:USR1@300", "without 'B:'"),
+        ("KILL@300", "USR1, TERM"),
+        ("USR1", "expected SIG@SECONDS"),
+        ("USR1@7200", "at or before its start"),  # the job has --time 02:00:00
+    ],
+)
 def test_a_signal_that_cannot_work_is_refused_before_submission(tmp_path, monkeypatch, capsys, value, message):
     for key in [k for k in os.environ if k.startswith(("SBATCH_", "MEGATRON_RLVR_"))]:
         monkeypatch.delenv(key)
@@ -65,10 +82,18 @@ def test_a_signal_that_cannot_work_is_refused_before_submission(tmp_path, monkey
 
 def test_time_limits_and_signal_values():
     assert [time_limit_seconds(t) for t in ("30", "30:15", "04:00:00", "1-12", "1-12:30", "2-00:00:05")] == [
-        1800, 1815, 14400, 129600, 131400, 172805]
+        1800,
+        1815,
+        14400,
+        129600,
+        131400,
+        172805,
+    ]
     assert time_limit_seconds("UNLIMITED") is None
     with pytest.raises(LaunchError, match="--time '4h'"):
         time_limit_seconds("4h")
     assert check_signal("sigusr1@120", "01:00:00") == "USR1@120"
-    assert signal_env("USR1@120") == {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                                      "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
+    assert signal_env("USR1@120") == {
+        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120",
+    }

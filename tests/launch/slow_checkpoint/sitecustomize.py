@@ -15,8 +15,11 @@ _MODULE = "megatron_rlvr.checkpoint"
 
 def _slowed(save):
     def save_slowly(*args, **kwargs):
-        print(f"[test] rank {os.environ.get('RANK')}: the checkpoint takes {_DELAY:.0f} s more", file=sys.stderr,
-              flush=True)
+        print(
+            f"[test] rank {os.environ.get('RANK')}: the checkpoint takes {_DELAY:.0f} s more",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(_DELAY)
         return save(*args, **kwargs)
 
