@@ -170,7 +170,7 @@ def test_self_distillation_scores_the_response_under_the_privileged_prompt(worke
 
 
 def test_privileged_rows_shift_the_response_and_realign_exactly():
-    from megatron_rlvr.teacher import privileged_batch, realign
+    from megatron_rlvr.actor.teacher import privileged_batch, realign
 
     batch = _batch(50)
     prefixes = [[7], [7], [8, 9, 10], [8, 9, 10]]
@@ -193,7 +193,7 @@ def test_privileged_rows_shift_the_response_and_realign_exactly():
 def test_a_teacher_with_another_tokenizer_is_one_line_naming_the_key(student, tmp_path):
     import shutil
 
-    from megatron_rlvr.teacher import check_same_tokenizer
+    from megatron_rlvr.actor.teacher import check_same_tokenizer
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     check_same_tokenizer(student, student)  # the same tokenizer passes
@@ -212,7 +212,7 @@ def test_a_teacher_with_another_tokenizer_is_one_line_naming_the_key(student, tm
 
 @pytest.mark.parametrize("answer", [None, "", "  ", {"numbers": [1, 2]}, []])
 def test_a_missing_reference_answer_under_self_is_one_line(answer):
-    from megatron_rlvr.teacher import reference_text
+    from megatron_rlvr.actor.teacher import reference_text
 
     item = PromptItem("row-7", "2+2=", (1,), answer, "math")
     with pytest.raises(UserError) as e:
@@ -224,7 +224,7 @@ def test_a_missing_reference_answer_under_self_is_one_line(answer):
 
 def test_reference_answers_of_strings_numbers_and_the_countdown_task():
     from megatron_rlvr.tasks.countdown import check_solution
-    from megatron_rlvr.teacher import reference_text
+    from megatron_rlvr.actor.teacher import reference_text
 
     assert reference_text(PromptItem("a", "", (1,), "42", "math")) == "42"
     assert reference_text(PromptItem("b", "", (1,), 7, "math")) == "7"
@@ -237,7 +237,7 @@ def test_reference_answers_of_strings_numbers_and_the_countdown_task():
 def test_a_teacher_whose_heads_do_not_divide_the_actor_tp_is_one_line(other_model):
     from types import SimpleNamespace
 
-    from megatron_rlvr.teacher import _teacher_chunks
+    from megatron_rlvr.actor.teacher import _teacher_chunks
 
     actor = SimpleNamespace(cfg=SimpleNamespace(tp=3, pp=1, vpp=None), vocab_size=1)
     with pytest.raises(UserError) as e:
