@@ -223,8 +223,8 @@ def test_a_missing_reference_answer_under_self_is_one_line(answer):
 
 
 def test_reference_answers_of_strings_numbers_and_the_countdown_task():
-    from megatron_rlvr.tasks.countdown import check_solution
     from megatron_rlvr.actor.teacher import reference_text
+    from megatron_rlvr.tasks.countdown import check_solution
 
     assert reference_text(PromptItem("a", "", (1,), "42", "math")) == "42"
     assert reference_text(PromptItem("b", "", (1,), 7, "math")) == "7"
