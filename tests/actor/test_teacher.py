@@ -114,10 +114,10 @@ def test_teacher_equal_to_student_gives_zero_signals_and_gradient(workers2, stud
         if tp == 1:
             assert torch.equal(teacher_logp[mask], no_grad_logp[mask])
         torch.testing.assert_close(teacher_logp[mask], no_grad_logp[mask], rtol=0, atol=1e-5)
-        assert metrics["loss/distill/top1_agreement"] == 1.0
+        assert metrics["distill/top1_agreement"] == 1.0
         signals = (
-            metrics["loss/distill/reverse_kl"],
-            metrics["loss/distill/forward_kl_topn"],
+            metrics["distill/reverse_kl"],
+            metrics["distill/forward_kl_topn"],
             metrics["actor/grad_norm"],
             metrics["actor/loss"],
         )
@@ -143,7 +143,7 @@ def _check_against_plain_forward(hf_dir: str, prefixes, results, single_dp_rank:
         assert checked == int(batch.response_mask.sum())
         if single_dp_rank:  # (with DP > 1 the logged mean is the mean of the ranks' token means, like every metric)
             mean = float(logp[batch.response_mask].double().mean())
-            assert metrics["loss/distill/teacher_logp"] == pytest.approx(mean, abs=1e-5)
+            assert metrics["distill/teacher_logp"] == pytest.approx(mean, abs=1e-5)
 
 
 @pytest.mark.dist
