@@ -45,15 +45,6 @@ class FakeEngine(ScriptedEngineBase):
             out.append(completions)
         return out
 
-    def update_weights(self, weights, lent: bool = False) -> None:
-        raise NotImplementedError("the fake engine has no weights")
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
 
 def encode(text: str) -> list[int]:
     return [ord(ch) % 97 for ch in text]
