@@ -27,6 +27,8 @@ class SequenceBatch:
     teacher_logp: torch.Tensor | None = None  # [B, S - 1]
     teacher_ids: torch.Tensor | None = None  # [B, S - 1, N]
     teacher_logits: torch.Tensor | None = None  # [B, S - 1, N]
+    # MoE routing replay (actor.router_replay): the top-k experts of every token at every MoE layer
+    routed_experts: torch.Tensor | None = None  # [B, S, MoE layers, top_k] integer expert ids
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -46,6 +48,7 @@ class SequenceBatch:
                     self.teacher_logp,
                     self.teacher_ids,
                     self.teacher_logits,
+                    self.routed_experts,
                 )
             )
         )

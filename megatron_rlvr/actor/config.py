@@ -21,6 +21,12 @@ class ActorConfig:
     # already set, the objective should be the policy loss alone, and a balancing term would pull the routing (and
     # so the log-probs the importance ratios compare) away from the rollout's.
     moe_aux_loss_coeff: float = 0.0
+    # Routing replay for MoE models (docs/moe.md): "train" records each MoE layer's top-k experts per token in the
+    # step's first pass and replays them in every later pass; "rollout" replays the engine's own routing, carried
+    # with the tokens (SequenceBatch.routed_experts).
+    router_replay: Literal["none", "train", "rollout"] = "none"
+    # Context-parallel size (docs/context-parallel.md): every packed sequence is cut over cp ranks.
+    cp: int = 1
     sequence_parallel: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     micro_batch_size: int = 1  # sequences per micro-batch when max_tokens_per_micro_batch is 0

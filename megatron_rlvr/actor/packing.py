@@ -117,10 +117,21 @@ class PackedLayout:
     cols: torch.Tensor
     src: torch.Tensor
     real_tokens: int  # T without the tail padding
+    # where every stream position's token comes from in the right-padded [b, S] block; -1 at padding positions
+    token_rows: torch.Tensor  # [T]
+    token_cols: torch.Tensor  # [T]
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """A per-token field of the padded block [b, S, ...] -> the stream's order [T, ...], zeros at padding: how
+        anything that travels with the tokens (e.g. MoE routing for replay) follows them into the stream."""
+        real = self.token_rows >= 0
+        out = values.new_zeros((self.num_tokens,) + tuple(values.shape[2:]))
+        out[real] = values[self.token_rows[real], self.token_cols[real]]
+        return out
 
 
 def pack(tokens: torch.Tensor, lengths: Sequence[int], multiple: int = 1, total: int | None = None) -> PackedLayout:
@@ -161,6 +172,8 @@ def pack(tokens: torch.Tensor, lengths: Sequence[int], multiple: int = 1, total:
         cols=position[src],
         src=src,
         real_tokens=real,
+        token_rows=torch.cat([rows, torch.full((pad,), -1, dtype=torch.long)]),
+        token_cols=torch.cat([position[:real], torch.full((pad,), -1, dtype=torch.long)]),
     )
 
 

@@ -30,13 +30,17 @@ class Completion:
     """One sampled response: generated token ids (prompt excluded), their log-probs under the engine, and text.
 
     ``prefix_len``: the first ``prefix_len`` entries of ``token_ids`` (and of ``logprobs``) were written by a weaker
-    model (rollout/prefixes.py): context for the policy, never trained; the rest is the engine's own continuation."""
+    model (rollout/prefixes.py): context for the policy, never trained; the rest is the engine's own continuation.
+
+    ``routed_experts``: MoE engines that capture their routing: [prompt + response tokens, MoE layers, top_k] expert
+    ids, the experts each token of the sequence went to (what ``actor.router_replay: rollout`` replays)."""
 
     token_ids: list[int]
     logprobs: list[float]
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     prefix_len: int = 0
+    routed_experts: torch.Tensor | None = None
 
 
 class EngineDiedError(RuntimeError):

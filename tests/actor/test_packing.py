@@ -297,3 +297,13 @@ def test_packed_path_equals_padded_path(request, tiny_qwen, tp, pp, dp):
             assert max(r[key] for r in results) == 1.0, key
         else:
             assert value <= RTOL, f"{key}: relative difference {value:.2e} (tp={tp} pp={pp} dp={dp})"
+
+
+def test_gather_puts_a_per_token_field_into_stream_order_with_zeros_at_padding():
+    tokens = torch.arange(12).reshape(3, 4) + 1
+    layout = pack(tokens, [2, 4, 1], multiple=4)
+    field = torch.stack([tokens * 10, tokens * 10 + 1], dim=-1)  # [b, S, 2]
+    out = layout.gather(field)
+    assert out.shape == (layout.num_tokens, 2)
+    assert torch.equal(out[: layout.real_tokens, 0], layout.tokens[0, : layout.real_tokens] * 10)
+    assert torch.equal(out[layout.real_tokens :], torch.zeros(layout.num_tokens - layout.real_tokens, 2).long())
