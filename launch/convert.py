@@ -12,7 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` is a folder of the repo, not installed
 
-from launch.executors import LaunchError, add_launch_arguments, options_from_args, run_task  # noqa: E402
+from launch.executors import run_task  # noqa: E402
+from launch.options import LaunchError, add_launch_arguments, options_from_args  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -174,7 +174,8 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
     import argparse
     import sys
 
-    from launch.executors import LaunchError, add_launch_arguments, file_placeholder, options_from_args, run_task
+    from launch.executors import file_placeholder, run_task
+    from launch.options import LaunchError, add_launch_arguments, options_from_args
 
     parser = argparse.ArgumentParser(prog=f"launch/{subcommand}.py", description=description)
     parser.add_argument(

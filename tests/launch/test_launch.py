@@ -287,7 +287,8 @@ def test_eval_refuses_more_than_one_node(capsys):
 _RUN_RANK_TASK = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from launch.executors import LaunchOptions, run_task
+from launch.executors import run_task
+from launch.options import LaunchOptions
 sys.exit(run_task("rank_task", [sys.argv[2], sys.argv[3]], LaunchOptions(executor="local", nproc_per_node=2),
                   module="tests.launch.rank_task"))
 """

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from launch.executors import LaunchError, check_signal, signal_env, time_limit_seconds
+from launch.options import LaunchError, check_signal, signal_env, time_limit_seconds
 from launch.recipes import recipe_job_main
 from tests.launch.test_launch import SLURM, launch, sbatch_file
 
