@@ -263,13 +263,14 @@ def suggestions_text(rows, has_token_budget: bool, top: int) -> str:
         return "no layout fits on these nodes"
     lines = [
         f"{len(rows)} layouts fit; best first by: {RANKING_RULE}",
-        f"{'TP':>3} {'PP':>3} {'DP':>3} {'micro tok':>10} {'eng TP':>7} {'util':>5} {'peak GB':>8} {'KV GB':>6}"
+        f"{'TP':>3} {'PP':>3} {'CP':>3} {'EP':>3} {'DP':>3} {'micro tok':>10} {'eng TP':>7} {'util':>5} {'peak GB':>8}"
+        f" {'KV GB':>6}"
         f" {'seq slots':>9}  overrides",
     ]
     for s in rows[:top]:
         lay, c = s.layout, s.plan.ranks[0].components
         lines.append(
-            f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.micro_tokens:>10} {lay.engine_tp:>7} "
+            f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.ep:>3} {lay.dp:>3} {lay.micro_tokens:>10} {lay.engine_tp:>7} "
             f"{lay.gpu_memory_utilization:>5.2f} {s.plan.peak / GB:>8.1f} {c['kv_cache'] / GB:>6.1f} "
             f"{s.sequence_slots:>9}  " + " ".join(s.overrides(has_token_budget))
         )
