@@ -5,7 +5,9 @@ reference, the HF export at the end.
 At EP=1 (DP=2, every expert on both ranks): the loop's weight sync (bridge/export.py) gathers over TP and PP only
 and refuses experts laid out over EP > 1 on every rank before sending anything (docs/moe.md, "Not done"), so EP=2
 cannot run through the loop until the expert-parallel export lands; the actor's EP=2 update itself equals EP=1
-(tests/models/test_qwen3_moe_actor.py)."""
+(tests/models/test_qwen3_moe_actor.py). The sync streams (``rollout.sync_staging=streaming``): "full" staging cuts
+the stream with bridge/reshard.py, which has no engine partitioning rule for Qwen3's q_norm / k_norm or the
+experts yet (docs/moe.md)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def test_two_training_steps_of_a_moe_model_end_to_end(workers2, tiny_moe, tmp_pa
         1,
         1,
         2,
-        [f"actor.ep={EP}", "actor.etp=1", "algo.kl_coef=0.05"],
+        [f"actor.ep={EP}", "actor.etp=1", "algo.kl_coef=0.05", "rollout.sync_staging=streaming"],
         timeout_s=900,
     )
     histories = [history for history, _ in runs]
@@ -50,3 +52,7 @@ def test_two_training_steps_of_a_moe_model_end_to_end(workers2, tiny_moe, tmp_pa
     assert untimed[0] == untimed[1]  # every rank reports the same step metrics
     # the second step's rollout ran on the weights the first update synced (they moved: the KL term is live)
     assert histories[0][1]["loss/kl_ref"] != 0
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
