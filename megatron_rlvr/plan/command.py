@@ -72,6 +72,11 @@ def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_
             f"actor.cp={a.cp}: actor.tp * actor.pp * actor.cp = {a.tp * a.pp * a.cp} must divide the actor's "
             f"{actor_world} ranks"
         )
+    if hf.get("num_experts") or hf.get("num_local_experts"):
+        if a.tp > 1 and not a.sequence_parallel:  # megatron-core's MoE layer asserts it in training
+            raise ConfigError(
+                f"actor.sequence_parallel: must be true for a mixture-of-experts model at actor.tp={a.tp}"
+            )
     return cfg, hf, nodes
 
 

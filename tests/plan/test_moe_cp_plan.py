@@ -143,6 +143,7 @@ def _recipe_with_model(tmp_path: Path, hf_changes: dict, overrides: str = "") ->
         ({"topk_method": "noaux_tc"}, [], "topk_method='noaux_tc' is not supported"),
         ({"shared_expert_intermediate_size": 768}, [], "shared_expert_intermediate_size=768 is not supported"),
         ({"n_shared_experts": 1}, [], "n_shared_experts=1 is not supported"),
+        ({}, ["actor.tp=2"], "actor.sequence_parallel: must be true for a mixture-of-experts model at actor.tp=2"),
     ],
 )
 def test_plan_refuses_a_bad_moe_layout_or_model_in_one_line_naming_the_field(
