@@ -224,9 +224,7 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
         actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=2)
         out = {
             "weights": _bytes(p for c in actor.model_chunks for p in c.parameters()),
-            "grads": sum(
-                _bytes([b.grad_data]) for m in actor.model for b in [*m.buffers, *m.expert_parallel_buffers]
-            ),
+            "grads": sum(_bytes([b.grad_data]) for m in actor.model for b in [*m.buffers, *m.expert_parallel_buffers]),
             "reference": _bytes(p for c in actor.reference or [] for p in c.parameters()),
         }
         if update:

@@ -72,11 +72,9 @@ def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_
             f"actor.cp={a.cp}: actor.tp * actor.pp * actor.cp = {a.tp * a.pp * a.cp} must divide the actor's "
             f"{actor_world} ranks"
         )
-    if hf.get("num_experts") or hf.get("num_local_experts"):
-        if a.tp > 1 and not a.sequence_parallel:  # megatron-core's MoE layer asserts it in training
-            raise ConfigError(
-                f"actor.sequence_parallel: must be true for a mixture-of-experts model at actor.tp={a.tp}"
-            )
+    moe = bool(hf.get("num_experts") or hf.get("num_local_experts"))
+    if moe and a.tp > 1 and not a.sequence_parallel:  # megatron-core's MoE layer asserts it in training
+        raise ConfigError(f"actor.sequence_parallel: must be true for a mixture-of-experts model at actor.tp={a.tp}")
     return cfg, hf, nodes
 
 
@@ -182,6 +180,12 @@ def describe_layout(lay: Layout) -> str:
     return ", ".join(parts) + "; " + engine
 
 
+def moe_summary(dims: ModelDims) -> str:
+    return (
+        f"; {dims.active_params() / 1e9:.2f}e9 active per token ({dims.experts} experts, top-{dims.experts_per_token})"
+    )
+
+
 def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: ModelDims) -> str:
     lay = plan.layout
     phases = list(PHASE_PARTS)
@@ -193,7 +197,7 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
             f"stage {s}: {stage_params(dims, lay.tp, lay.pp, s, lay.divisible_by, lay.ep, lay.etp) / 1e9:.3f}e9"
             for s in range(lay.pp)
         )
-        + (f"; {dims.active_params() / 1e9:.2f}e9 active per token ({dims.experts} experts, top-{dims.experts_per_token})" if dims.is_moe else ""),
+        + (moe_summary(dims) if dims.is_moe else ""),
         "",
     ]
     for rank in plan.ranks:

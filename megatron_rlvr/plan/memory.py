@@ -382,7 +382,9 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
     # the largest weight gradient before DDP's hook adds it into the fp32 main grad: a vocab shard (embedding or
     # output layer; megatron runs without gradient-accumulation fusion here)
     vocab_shard = padded_vocab(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * dims.hidden
-    largest_weight = max(vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp, dims.hidden * 2 * dims.expert_ffn // lay.etp)
+    largest_weight = max(
+        vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp, dims.hidden * 2 * dims.expert_ffn // lay.etp
+    )
     # one layer at a time: its saved tensors, and what it gathers while it runs (CP's K/V, the MoE dispatcher's rows)
     one_layer = largest_layer_bytes(dims, lay, recompute="none")
     c["dispatcher"] = dispatcher_bytes(dims, lay)

@@ -24,12 +24,23 @@ balanced, so the mean is the estimate (named: ROUTING_IMBALANCE).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from megatron_rlvr.plan.model_dims import ModelDims
 
-if TYPE_CHECKING:
-    from megatron_rlvr.plan.memory import Layout
+
+class Layout(Protocol):
+    """What these terms read of plan/memory.py's Layout (declared here: memory.py imports this module)."""
+
+    tp: int
+    dp: int
+    cp: int
+    ep: int
+    etp: int
+    sequence_parallel: bool
+    micro_tokens: int
+    param_bytes: int
+
 
 FP32 = 4
 # Rows one rank's experts receive over the balanced mean: 1.0 counts the mean (an estimate, not measured on a GPU).
