@@ -23,6 +23,8 @@ from megatron_rlvr.plan.recipe_files import (  # noqa: F401 - the launchers' and
 )
 
 SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size", "hidden_size")
+# a MoE model's expert layout is validated too (docs/moe.md)
+SHAPE_KEYS += ("num_experts", "num_local_experts", "moe_intermediate_size")
 
 
 def model_shape(cfg: Config) -> dict[str, int] | None:

@@ -1,7 +1,7 @@
 """The plan's arithmetic against measured bytes: real MegatronActors at small layouts on CPU (gloo workers).
 
-For each layout (TP, PP, with or without the distributed optimizer and the frozen reference) every rank builds the
-actor on a random Qwen2, runs the statistics pass and two updates, and reports the bytes of its parameters, of DDP's
+For each layout (TP, PP, with or without the distributed optimizer and the frozen reference; with ``--moe`` a random
+Qwen3-MoE and the expert-parallel size too) every rank builds the actor on a random Qwen2, runs the statistics pass and two updates, and reports the bytes of its parameters, of DDP's
 grad buffer, of the optimizer state (Adam moments + main params that are not the model's own tensors), of the
 reference, and the peak anonymous resident memory during an update (the second: the optimizer state exists) above
 what the process held before the actor was built, with glibc told to return every freed tensor at once. Each is
@@ -9,6 +9,7 @@ printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline
 
     OMP_NUM_THREADS=1 python tools/measure_memory.py                # the small model, 4 layouts, 2 ranks each
     python tools/measure_memory.py --layouts 1,1,dist,ref 2,1,local --world 2 --markdown
+    OMP_NUM_THREADS=1 python tools/measure_memory.py --moe --markdown   # the small Qwen3-MoE at EP=1 and EP=2
 
     python tools/measure_memory.py --host "configs/demo_cpu.yaml trainer.steps=2"   # host memory of a whole run
 
@@ -42,6 +43,25 @@ SMALL_QWEN = dict(
     head_dim=64,
 )
 DEFAULT_LAYOUTS = ("1,1,dist", "1,1,local,ref", "2,1,dist,ref", "1,2,dist")
+# A random Qwen3-MoE of the same scale: 8 experts, top-2, every layer MoE but one (mlp_only_layers), the experts
+# about half the parameters, so EP=2 visibly halves them.
+SMALL_MOE = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=512,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+# TP > 1 with experts needs sequence parallelism in training, which the CPU spec's norm refuses (docs/moe.md)
+MOE_LAYOUTS = ("1,1,dist", "1,1,dist,ep2", "1,1,local,ref,ep2", "1,2,dist")
 
 
 @dataclass(frozen=True)
@@ -55,21 +75,23 @@ class Case:
     micro_batch_size: int = 2
     seq_len: int = 512
     sequences: int = 4  # one mini-batch
+    ep: int = 1  # expert-parallel size (a MoE model)
 
     @classmethod
     def parse(cls, text: str, **kw) -> Case:
         parts = text.split(",")
         flags = set(parts[2:])
-        unknown = flags - {"dist", "local", "ref"}
+        eps = [int(f[2:]) for f in flags if f.startswith("ep") and f[2:].isdigit()]
+        unknown = flags - {"dist", "local", "ref"} - {f"ep{e}" for e in eps}
         if len(parts) < 2 or unknown:
-            raise SystemExit(f"--layouts {text!r}: expected TP,PP[,dist|local][,ref]")
-        return cls(int(parts[0]), int(parts[1]), "local" not in flags, "ref" in flags, **kw)
+            raise SystemExit(f"--layouts {text!r}: expected TP,PP[,dist|local][,ref][,epN]")
+        return cls(int(parts[0]), int(parts[1]), "local" not in flags, "ref" in flags, ep=max(eps or [1]), **kw)
 
     @property
     def label(self) -> str:
         return (
-            f"TP={self.tp} PP={self.pp} {'dist-opt' if self.distributed_optimizer else 'local-opt'}"
-            f"{' +ref' if self.reference else ''}"
+            f"TP={self.tp} PP={self.pp}{f' EP={self.ep}' if self.ep > 1 else ''} "
+            f"{'dist-opt' if self.distributed_optimizer else 'local-opt'}{' +ref' if self.reference else ''}"
         )
 
 
@@ -87,6 +109,7 @@ def config_of(case: Case, hf_dir: str, world: int):
             tp=case.tp,
             pp=case.pp,
             micro_batch_size=case.micro_batch_size,
+            ep=case.ep,
             lr=1e-4,
             use_distributed_optimizer=case.distributed_optimizer,
         ),
@@ -197,11 +220,11 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
     cfg = config_of(case, hf_dir, world_size())
     _trim()
     base = _rss_anon()
-    with model_parallel(tp=case.tp, pp=case.pp, seed=7):
+    with model_parallel(tp=case.tp, pp=case.pp, seed=7, ep=case.ep, etp=1):
         actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=2)
         out = {
             "weights": _bytes(p for c in actor.model_chunks for p in c.parameters()),
-            "grads": sum(_bytes([b.grad_data]) for m in actor.model for b in m.buffers),
+            "grads": sum(_bytes([b.grad_data]) for m in actor.model for b in [*m.buffers, *m.expert_parallel_buffers]),
             "reference": _bytes(p for c in actor.reference or [] for p in c.parameters()),
         }
         if update:
@@ -374,21 +397,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--moe", action="store_true", help="the small Qwen3-MoE (default layouts: EP=1 and EP=2)")
     args = p.parse_args(argv)
     if args.host:
         return host_main(args)
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
-    cases = [Case.parse(t, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size) for t in args.layouts]
+    layouts = list(MOE_LAYOUTS) if args.moe and args.layouts == list(DEFAULT_LAYOUTS) else args.layouts
+    cases = [Case.parse(t, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size) for t in layouts]
+    arch, shape = ("qwen3_moe", SMALL_MOE) if args.moe else ("qwen2", SMALL_QWEN)
     # The workers (spawned: they inherit this environment) get every allocation of 64 KiB or more from mmap, so a
     # freed tensor leaves the resident set at once: RSS then follows the live bytes, as torch.cuda's
     # max_memory_allocated does on GPU; without it, heap fragmentation put the peak up to 31% above the prediction.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = str(make_tiny_hf_model("qwen2", Path(tmp) / "small_qwen", with_tokenizer=False, **SMALL_QWEN))
+        hf_dir = str(make_tiny_hf_model(arch, Path(tmp) / "small_model", with_tokenizer=False, **shape))
         rows = run(cases, hf_dir, args.world)
     print(
-        f"model: random Qwen2 {SMALL_QWEN}; {args.world} gloo ranks; micro-batch {args.micro_batch_size} x "
+        f"model: random {arch} {shape}; {args.world} gloo ranks; micro-batch {args.micro_batch_size} x "
         f"{args.seq_len} tokens; fp32 on CPU; MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}"
     )
     print(table(rows, args.markdown))

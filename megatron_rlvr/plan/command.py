@@ -33,6 +33,8 @@ LABELS = {
     "forward_working": "no-grad pass working set",
     "logits": "logits shard (fused op)",
     "op_scratch": "fused op records",
+    "dispatcher": "MoE dispatcher buffers",
+    "cp_kv": "CP-gathered K/V (1 layer)",
     "engine_weights": "engine weights",
     "kv_cache": "engine KV cache",
     "engine_workspace": "engine workspace",
@@ -59,9 +61,43 @@ def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_
             f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there or in configs/models/; the plan "
             f"needs the model's shapes"
         )
-    shape = {k: hf[k] for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers") if k in hf}
-    cfg.validate(world_size=nodes * gpus_per_node, model_shape=shape)
+    validate_model(cfg, hf)
+    shape = {k: hf[k] for k in MODEL_SHAPE_KEYS if k in hf}
+    world = nodes * gpus_per_node
+    cfg.validate(world_size=world, model_shape=shape)
+    actor_world = world - (cfg.rollout.engine_ranks if cfg.rollout.placement == "separate" else 0)
+    a = cfg.actor
+    if actor_world % (a.tp * a.pp * a.cp):
+        raise ConfigError(
+            f"actor.cp={a.cp}: actor.tp * actor.pp * actor.cp = {a.tp * a.pp * a.cp} must divide the actor's "
+            f"{actor_world} ranks"
+        )
+    moe = bool(hf.get("num_experts") or hf.get("num_local_experts"))
+    if moe and a.tp > 1 and not a.sequence_parallel:  # megatron-core's MoE layer asserts it in training
+        raise ConfigError(f"actor.sequence_parallel: must be true for a mixture-of-experts model at actor.tp={a.tp}")
     return cfg, hf, nodes
+
+
+# what Config.validate checks against the model: heads and layers for TP/PP, the experts for EP/ETP (docs/moe.md)
+MODEL_SHAPE_KEYS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+)
+
+
+def validate_model(cfg: Any, hf: dict) -> None:
+    """The family's own checks of the config.json (the trainer's, before it builds the model): an architecture
+    the project does not read, or an MoE field it would not build (another router, shared experts), is refused
+    here too, naming the field."""
+    from megatron_rlvr.models.hf_config import family_of
+    from megatron_rlvr.plan.recipe_files import hf_config_path
+
+    where = f"{hf_config_path(cfg.model.hf_dir)} (model.hf_dir={cfg.model.hf_dir!r})"
+    family_of(hf, where).validate(hf, where)
 
 
 def make_plan(
@@ -117,12 +153,16 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
 
 def describe_layout(lay: Layout) -> str:
     parts = [
-        f"actor TP={lay.tp} PP={lay.pp}" + (f" VPP={lay.vpp}" if lay.vpp else "") + f" DP={lay.dp}",
+        f"actor TP={lay.tp} PP={lay.pp}"
+        + (f" VPP={lay.vpp}" if lay.vpp else "")
+        + (f" CP={lay.cp}" if lay.cp > 1 else "")
+        + (f" EP={lay.ep} ETP={lay.etp}" if lay.ep > 1 or lay.etp > 1 else "")
+        + f" DP={lay.dp}",
         "sequence parallel" if lay.sequence_parallel else "no sequence parallel",
         f"{lay.recompute} recompute",
         "distributed optimizer" if lay.distributed_optimizer else "local optimizer",
         "bf16" if lay.param_bytes == 2 else "fp32",
-        f"{lay.micro_tokens} tokens per micro-batch",
+        f"{lay.micro_tokens} tokens per micro-batch" + (" per CP rank" if lay.cp > 1 else ""),
     ]
     if lay.reference:
         parts.append("frozen reference")
@@ -140,6 +180,12 @@ def describe_layout(lay: Layout) -> str:
     return ", ".join(parts) + "; " + engine
 
 
+def moe_summary(dims: ModelDims) -> str:
+    return (
+        f"; {dims.active_params() / 1e9:.2f}e9 active per token ({dims.experts} experts, top-{dims.experts_per_token})"
+    )
+
+
 def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: ModelDims) -> str:
     lay = plan.layout
     phases = list(PHASE_PARTS)
@@ -148,8 +194,10 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
         f"layout: {describe_layout(lay)}",
         f"model: {dims.hf_params() / 1e9:.2f}e9 parameters; per actor rank "
         + ", ".join(
-            f"stage {s}: {stage_params(dims, lay.tp, lay.pp, s, lay.divisible_by) / 1e9:.3f}e9" for s in range(lay.pp)
-        ),
+            f"stage {s}: {stage_params(dims, lay.tp, lay.pp, s, lay.divisible_by, lay.ep, lay.etp) / 1e9:.3f}e9"
+            for s in range(lay.pp)
+        )
+        + (moe_summary(dims) if dims.is_moe else ""),
         "",
     ]
     for rank in plan.ranks:
@@ -197,13 +245,19 @@ def header_lines(plan: Plan) -> list[str]:
     def gb(key: str) -> str:
         return f"{c[key] / GB:.1f}"
 
+    parallel = f"actor TP={lay.tp} PP={lay.pp}" + (f" CP={lay.cp}" if lay.cp > 1 else "")
+    parallel += f" EP={lay.ep}" if lay.ep > 1 else ""
     actor = (
-        f"actor TP={lay.tp} PP={lay.pp} DP={lay.dp}: weights {gb('actor_weights')} GB, main grads "
+        f"{parallel} DP={lay.dp}: weights {gb('actor_weights')} GB, main grads "
         f"{gb('actor_grads')}, optimizer {gb('optimizer')}, activations {gb('activations')}, "
         f"logits {gb('logits')}"
     )
     if lay.reference:
         actor += f", reference {gb('reference')}"
+    if c.get("dispatcher"):
+        actor += f", dispatcher {gb('dispatcher')}"
+    if c.get("cp_kv"):
+        actor += f", CP K/V {gb('cp_kv')}"
     engine = (
         f"engine TP={lay.engine_tp} at gpu_memory_utilization {lay.gpu_memory_utilization}: weights "
         f"{gb('engine_weights')} GB, KV cache {gb('kv_cache')}, workspace {gb('engine_workspace')} (kept asleep)"
@@ -218,13 +272,14 @@ def suggestions_text(rows, has_token_budget: bool, top: int) -> str:
         return "no layout fits on these nodes"
     lines = [
         f"{len(rows)} layouts fit; best first by: {RANKING_RULE}",
-        f"{'TP':>3} {'PP':>3} {'DP':>3} {'micro tok':>10} {'eng TP':>7} {'util':>5} {'peak GB':>8} {'KV GB':>6}"
+        f"{'TP':>3} {'PP':>3} {'CP':>3} {'EP':>3} {'DP':>3} {'micro tok':>10} {'eng TP':>7} {'util':>5} {'peak GB':>8}"
+        f" {'KV GB':>6}"
         f" {'seq slots':>9}  overrides",
     ]
     for s in rows[:top]:
         lay, c = s.layout, s.plan.ranks[0].components
         lines.append(
-            f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.micro_tokens:>10} {lay.engine_tp:>7} "
+            f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.ep:>3} {lay.dp:>3} {lay.micro_tokens:>10} {lay.engine_tp:>7} "
             f"{lay.gpu_memory_utilization:>5.2f} {s.plan.peak / GB:>8.1f} {c['kv_cache'] / GB:>6.1f} "
             f"{s.sequence_slots:>9}  " + " ".join(s.overrides(has_token_budget))
         )

@@ -3,19 +3,22 @@
 Nothing here imports torch or megatron: the plan runs on a login node before a job is queued. Every byte count
 follows from what the code of this project allocates (megatron_rlvr/actor/megatron_actor.py, rollout/vllm_engine.py):
 
-- actor weights: this rank's parameters (the exact count megatron-core builds, ``stage_params``) x the parameter dtype
-  (bf16 2 B on GPU, fp32 4 B on CPU);
+- actor weights: this rank's parameters (the exact count megatron-core builds, ``stage_split``: dense parameters cut
+  over TP x PP, a MoE model's experts over EP x ETP) x the parameter dtype (bf16 2 B on GPU, fp32 4 B on CPU);
 - main grads: DDP's grad buffer, fp32 (``grad_reduce_in_fp32=True``), one value per local parameter, not sharded;
 - optimizer: Adam's two fp32 moments plus fp32 main params when the model params are not fp32 (megatron keeps fp32
-  params themselves as the main params), sharded over DP with the distributed optimizer;
+  params themselves as the main params), sharded with the distributed optimizer: dense parameters over DP x CP,
+  experts over the expert-data-parallel ranks; none of the three divides by cp;
 - the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``): a second copy of the
   weights, no grads, no optimizer;
 - the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
   actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
   like the statistics pass); ``self`` holds a copy of the student unless the reference is that copy already;
-- activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware),
-  times the micro-batches the 1F1B schedule keeps in flight on a pipeline stage; the fused op's logits shard
-  (kept for its in-place backward) and its per-token records;
+- activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware;
+  an MoE layer's router and experts, plan/parallel_terms.py), times the micro-batches the 1F1B schedule keeps in
+  flight on a pipeline stage; the fused op's logits shard (kept for its in-place backward) and its per-token
+  records. With context parallelism every per-token term is per CP rank (1/cp of each sequence); one attention
+  layer's gathered K/V is whole-sequence; an MoE layer's dispatcher buffers are a one-layer working set;
 - the colocated vLLM engine: ``gpu_memory_utilization`` x GPU memory while it generates (weights + KV cache + its
   workspace); asleep it keeps only the workspace (sleep mode frees weights and KV cache on the GPU; level 1 moves
   the weights to host memory, level 2 drops them).
@@ -30,7 +33,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rlvr.plan.model_dims import ModelDims, padded_vocab, stage_params, teacher_dims
+from megatron_rlvr.plan.model_dims import ModelDims, padded_vocab, stage_params, stage_split, teacher_dims
+from megatron_rlvr.plan.parallel_terms import (
+    cp_kv_bytes,
+    dispatcher_bytes,
+    expert_shard_ranks,
+    moe_mlp_saved_bytes,
+)
 
 GB = 1e9
 FP32 = 4
@@ -51,9 +60,12 @@ class Layout:
     pp: int
     dp: int
     vpp: int | None = None
+    cp: int = 1  # context-parallel size: each CP rank holds 1/cp of every sequence
+    ep: int = 1  # expert-parallel size (MoE models)
+    etp: int = 1  # expert tensor-parallel size
     sequence_parallel: bool = False
     recompute: str = "none"
-    micro_tokens: int = 2048  # tokens of one packed micro-batch (or micro_batch_size x sequence length)
+    micro_tokens: int = 2048  # tokens of one packed micro-batch on one CP rank (or micro_batch_size x length / cp)
     max_seq_len: int = 2048  # the longest single sequence (attention is confined to a sequence)
     micro_batches: int = 1  # micro-batches per mini-batch on one DP rank (bounds the pipeline's in-flight count)
     distributed_optimizer: bool = True
@@ -78,12 +90,14 @@ class Layout:
         placement = r.placement
         engine_ranks = r.engine_ranks if placement == "separate" else 0
         actor_world = world_size - engine_ranks
-        dp = max(1, actor_world // (a.tp * a.pp))
-        budget = a.max_tokens_per_micro_batch
+        cp = a.cp
+        dp = max(1, actor_world // (a.tp * a.pp * cp))
+        budget = a.max_tokens_per_micro_batch  # tokens per CP rank
         # a sequence is never split across micro-batches: a budget below the longest sequence still holds one
-        micro_tokens = max(budget, r.max_model_len) if budget else a.micro_batch_size * r.max_model_len
+        seq_share = math.ceil(r.max_model_len / cp)  # the longest sequence's tokens on one CP rank
+        micro_tokens = max(budget, seq_share) if budget else a.micro_batch_size * seq_share
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
-        per_rank_tokens = math.ceil(sequences / dp) * r.max_model_len
+        per_rank_tokens = math.ceil(sequences / dp) * seq_share
         reference = cfg.algo.kl_coef > 0 or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
         teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""
         if teacher:
@@ -95,6 +109,9 @@ class Layout:
             pp=a.pp,
             dp=dp,
             vpp=a.vpp,
+            cp=cp,
+            ep=a.ep,
+            etp=a.etp,
             sequence_parallel=a.sequence_parallel,
             recompute=a.recompute,
             micro_tokens=micro_tokens,
@@ -118,9 +135,10 @@ class Layout:
 def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
     """The distillation teacher's weights on one rank of ``stage`` (0 without one)."""
     if lay.teacher:
-        return stage_params(teacher_dims(lay.teacher), lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
+        teacher = teacher_dims(lay.teacher)
+        return stage_params(teacher, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp) * lay.param_bytes
     if lay.teacher_copy:
-        return stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by) * lay.param_bytes
+        return stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp) * lay.param_bytes
     return 0
 
 
@@ -130,9 +148,13 @@ def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
 
 def actor_static(dims: ModelDims, lay: Layout, stage: int) -> dict[str, int]:
     """Weights, main grads, optimizer state and reference of one rank of ``stage``: held through every phase."""
-    n = stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by)
+    dense, expert = stage_split(dims, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp)
+    n = dense + expert
     per_value = 2 * FP32 + (FP32 if lay.param_bytes != FP32 else 0)  # Adam m, v (+ fp32 main params)
-    shard = math.ceil(n / lay.dp) if lay.distributed_optimizer else n
+    if lay.distributed_optimizer:  # dense state over DP x CP, expert state over the expert-data-parallel ranks
+        shard = math.ceil(dense / (lay.dp * lay.cp)) + math.ceil(expert / expert_shard_ranks(lay))
+    else:
+        shard = n
     return {
         "actor_weights": n * lay.param_bytes,
         "actor_grads": n * FP32,
@@ -142,27 +164,38 @@ def actor_static(dims: ModelDims, lay: Layout, stage: int) -> dict[str, int]:
     }
 
 
-def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> int:
-    """What one transformer layer keeps for its backward, for one micro-batch of ``lay.micro_tokens`` tokens.
+def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None, moe: bool = False) -> int:
+    """What one transformer layer keeps for its backward, for one micro-batch of ``lay.micro_tokens`` tokens (per
+    CP rank).
 
     Per token, in the compute dtype: the inputs of both norms and of the two linears they feed (sharded over TP
     with sequence parallelism), q, k, v after RoPE and the attention output (TP-sharded), and SwiGLU's fc1 output,
-    silu(gate) and their product (TP-sharded). Unfused attention (CPU) also keeps the softmax output per sequence,
-    [heads/tp, s, s] in fp32 (plus its cast when the compute dtype is not fp32), unless selective recompute drops it.
-    Full recompute keeps only the layer's input.
+    silu(gate) and their product (TP-sharded); an MoE layer (``moe``) keeps its router's and experts' tensors
+    instead of the dense MLP's (plan/parallel_terms.py). Unfused attention (CPU) also keeps the softmax output,
+    [heads/tp, local queries, keys of the whole sequence] in fp32 (plus its cast when the compute dtype is not
+    fp32), unless selective recompute drops it. Full recompute keeps only the layer's input.
     """
     recompute = lay.recompute if recompute is None else recompute
     t, e = lay.micro_tokens, lay.param_bytes
     h_part = dims.hidden // (lay.tp if lay.sequence_parallel else 1)
     if recompute == "full":
         return t * h_part * e
-    per_token = 4 * h_part + (2 * dims.q_width + 2 * dims.kv_width + 4 * dims.ffn) // lay.tp
+    mlp = 0 if moe else 4 * dims.ffn
+    per_token = 4 * h_part + (2 * dims.q_width + 2 * dims.kv_width + mlp) // lay.tp
     stored = t * per_token * e + 2 * t * FP32  # + the norms' fp32 inverse RMS
+    if moe:
+        stored += moe_mlp_saved_bytes(dims, lay)
     if recompute == "none" and not lay.gpu:
-        s = min(lay.max_seq_len, t)
-        score_values = dims.heads // lay.tp * s * t  # sequences of length s fill the micro-batch: (t / s) * s^2
+        s = min(lay.max_seq_len, t * lay.cp)  # keys: the whole sequence, gathered over CP
+        score_values = dims.heads // lay.tp * s * t  # local queries t, each against its sequence's s keys
         stored += score_values * (FP32 + (e if e != FP32 else 0))
     return stored
+
+
+def largest_layer_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> int:
+    """One layer's saved tensors, of the larger kind (dense or MoE) the model has."""
+    kinds = {dims.is_moe_layer(i) for i in range(dims.layers)}
+    return max(layer_activation_bytes(dims, lay, recompute, moe=kind) for kind in kinds)
 
 
 def in_flight(lay: Layout, stage: int) -> float:
@@ -188,8 +221,12 @@ def op_scratch_bytes(lay: Layout) -> int:
 def activations(dims: ModelDims, lay: Layout, stage: int) -> int:
     """Stored activations of a stage during the update: its layers x the micro-batches in flight, plus on the last
     stage the final norm's input and output (the output layer's input)."""
-    layers = dims.layers // lay.pp
-    total = in_flight(lay, stage) * layers * layer_activation_bytes(dims, lay)
+    moe_layers = dims.moe_layers_of(lay.pp, stage)
+    dense_layers = dims.layers // lay.pp - moe_layers
+    per_micro = dense_layers * layer_activation_bytes(dims, lay) + moe_layers * layer_activation_bytes(
+        dims, lay, moe=True
+    )
+    total = in_flight(lay, stage) * per_micro
     if stage == lay.pp - 1:
         h_part = dims.hidden // (lay.tp if lay.sequence_parallel else 1)
         total += 2 * lay.micro_tokens * h_part * lay.param_bytes
@@ -300,6 +337,8 @@ PHASE_PARTS: dict[str, tuple[str, ...]] = {
         "teacher",
         "engine_workspace",
         "forward_working",
+        "dispatcher",
+        "cp_kv",
         "logits",
         "op_scratch",
         "runtime",
@@ -313,6 +352,8 @@ PHASE_PARTS: dict[str, tuple[str, ...]] = {
         "engine_workspace",
         "activations",
         "backward_working",
+        "dispatcher",
+        "cp_kv",
         "logits",
         "op_scratch",
         "runtime",
@@ -341,11 +382,17 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
     # the largest weight gradient before DDP's hook adds it into the fp32 main grad: a vocab shard (embedding or
     # output layer; megatron runs without gradient-accumulation fusion here)
     vocab_shard = padded_vocab(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * dims.hidden
-    largest_weight = max(vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp)
-    c["backward_working"] = layer_activation_bytes(dims, lay, recompute="none") + largest_weight * lay.param_bytes
-    c["forward_working"] = layer_activation_bytes(dims, lay, recompute="none")  # no-grad pass: one layer at a time
+    largest_weight = max(
+        vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp, dims.hidden * 2 * dims.expert_ffn // lay.etp
+    )
+    # one layer at a time: its saved tensors, and what it gathers while it runs (CP's K/V, the MoE dispatcher's rows)
+    one_layer = largest_layer_bytes(dims, lay, recompute="none")
+    c["dispatcher"] = dispatcher_bytes(dims, lay)
+    c["cp_kv"] = cp_kv_bytes(dims, lay)
+    c["backward_working"] = one_layer + largest_weight * lay.param_bytes
+    c["forward_working"] = one_layer  # no-grad pass: one layer at a time
     if lay.teacher:  # the teacher's pass is one too, of its own layer width
-        teacher_layer = layer_activation_bytes(teacher_dims(lay.teacher), lay, recompute="none")
+        teacher_layer = largest_layer_bytes(teacher_dims(lay.teacher), lay, recompute="none")
         c["forward_working"] = max(c["forward_working"], teacher_layer)
     c["logits"] = logits_bytes(dims, lay) if last else 0
     c["op_scratch"] = op_scratch_bytes(lay) if last else 0

@@ -1,5 +1,10 @@
 """The model's shapes as the plan reads them (`ModelDims`, from an HF config.json) and the exact parameter count of
-one pipeline stage at a tensor-parallel size, as megatron-core builds it (padded vocabulary included)."""
+one pipeline stage at a tensor-parallel size, as megatron-core builds it (padded vocabulary included).
+
+Mixture-of-experts models (Qwen3-MoE, docs/moe.md) split a rank's parameters in two: the dense ones (attention,
+norms, the router, dense MLP layers, embeddings), cut over TP and replicated over DP x CP, and the experts of its
+MoE layers, ``num_experts / ep`` of them on an EP rank, each cut over ETP and replicated over the expert-data-parallel
+ranks ((dp x tp x cp) / (ep x etp)). `stage_split` gives both."""
 
 from __future__ import annotations
 
@@ -16,10 +21,10 @@ PARAM_ALIGN = 64
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The shapes of a Qwen2 / Llama model that decide its memory, from its HF config.json."""
+    """The shapes of a Qwen2 / Llama / Qwen3 / Qwen3-MoE model that decide its memory, from its HF config.json."""
 
     hidden: int
-    ffn: int
+    ffn: int  # the dense MLP's intermediate size (the layers a MoE model keeps dense)
     layers: int
     heads: int
     kv_heads: int
@@ -27,12 +32,26 @@ class ModelDims:
     vocab: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: a per-head RMSNorm on q and on k, head_dim values each, every TP rank whole
+    experts: int = 0  # routed experts of one MoE layer (0: a dense model)
+    experts_per_token: int = 0  # top-k
+    expert_ffn: int = 0  # one expert's SwiGLU intermediate size (moe_intermediate_size)
+    moe_pattern: tuple[int, ...] = ()  # per layer: 1 MoE, 0 dense (empty: every layer dense)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelDims:
         from megatron_rlvr.models.family import head_dim, num_kv_heads
         from megatron_rlvr.models.hf_config import family_of
 
+        family = family_of(hf)
+        moe = {}
+        if hasattr(family, "moe_layer_pattern"):  # qwen3_moe
+            moe = dict(
+                experts=family.num_experts(hf),
+                experts_per_token=int(hf["num_experts_per_tok"]),
+                expert_ffn=int(hf["moe_intermediate_size"]),
+                moe_pattern=tuple(family.moe_layer_pattern(hf)),
+            )
         return cls(
             hidden=int(hf["hidden_size"]),
             ffn=int(hf["intermediate_size"]),
@@ -42,7 +61,9 @@ class ModelDims:
             head_dim=head_dim(hf),
             vocab=int(hf["vocab_size"]),
             tied=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(family_of(hf).QKV_BIAS),
+            qkv_bias=bool(family.QKV_BIAS),
+            qk_norm=bool(getattr(family, "QK_NORM", False)),
+            **moe,
         )
 
     @property
@@ -53,18 +74,54 @@ class ModelDims:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def layer_params(self, tp: int) -> int:
-        """One transformer layer's parameters on one TP rank: QKV (+ bias), output projection, SwiGLU fc1/fc2,
-        and the two RMSNorm weights, which every TP rank holds whole."""
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0 and any(self.moe_pattern)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return bool(self.moe_pattern) and bool(self.moe_pattern[index])
+
+    def moe_layers_of(self, pp: int, stage: int) -> int:
+        """MoE layers of pipeline stage ``stage`` (megatron gives each stage a contiguous block of layers)."""
+        per = self.layers // pp
+        return sum(self.is_moe_layer(i) for i in range(stage * per, (stage + 1) * per))
+
+    def attention_params(self, tp: int) -> int:
+        """One layer's attention and its two RMSNorms on one TP rank: QKV (+ bias) and the output projection cut
+        over TP; the norms (and Qwen3's q/k norms) whole on every rank."""
         qkv = self.q_width + 2 * self.kv_width
         sharded = self.hidden * qkv + (qkv if self.qkv_bias else 0) + self.q_width * self.hidden
-        sharded += 3 * self.hidden * self.ffn
-        return sharded // tp + 2 * self.hidden
+        return sharded // tp + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+
+    def layer_params(self, tp: int) -> int:
+        """One dense transformer layer's parameters on one TP rank: attention, norms and SwiGLU fc1/fc2 (cut over
+        TP)."""
+        return self.attention_params(tp) + 3 * self.hidden * self.ffn // tp
+
+    def router_params(self) -> int:
+        """One MoE layer's router, [experts, hidden], replicated over TP (a dense parameter)."""
+        return self.experts * self.hidden
+
+    def expert_params(self, etp: int) -> int:
+        """One expert's SwiGLU fc1/fc2 (no biases) on one ETP rank."""
+        return 3 * self.hidden * self.expert_ffn // etp
+
+    def moe_layer_dense_params(self, tp: int) -> int:
+        return self.attention_params(tp) + self.router_params()
 
     def hf_params(self) -> int:
         """The checkpoint's parameter count (unpadded vocabulary): what an engine holds in total."""
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embeddings + self.layers * self.layer_params(1) + self.hidden
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.layers))
+        dense_layers = self.layers - moe_layers
+        moe = moe_layers * (self.moe_layer_dense_params(1) + self.experts * self.expert_params(1))
+        return embeddings + dense_layers * self.layer_params(1) + moe + self.hidden
+
+    def active_params(self) -> int:
+        """Parameters one token passes through (the top-k experts of each MoE layer; all of a dense model)."""
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.layers))
+        idle = moe_layers * (self.experts - self.experts_per_token) * self.expert_params(1)
+        return self.hf_params() - idle
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token over all layers (the engine's KV cache, before its TP split)."""
@@ -77,19 +134,33 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def stage_params(dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int = 128) -> int:
-    """Parameters of one rank of pipeline stage ``stage``: its layers, the vocab-sharded embedding on the first
-    stage, the output layer on the last (a tied model's last stage keeps its own copy when pp > 1) and the final
-    norm. Equal to the count of megatron-core's build (tests/plan: the meta-device build at TP/PP 1 and 2)."""
+def stage_split(
+    dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int = 128, ep: int = 1, etp: int = 1
+) -> tuple[int, int]:
+    """(dense, expert) parameters of one rank of pipeline stage ``stage``. Dense: its layers' attention and norms,
+    the dense layers' MLPs and the MoE layers' routers, the vocab-sharded embedding on the first stage, the output
+    layer on the last (a tied model's last stage keeps its own copy when pp > 1) and the final norm. Expert: the
+    ``experts / ep`` local experts of each of its MoE layers, cut over ETP."""
     vocab_rows = padded_vocab(dims.vocab, tp, divisible_by) // tp
-    count = dims.layers // pp * dims.layer_params(tp)
+    moe_layers = dims.moe_layers_of(pp, stage)
+    dense_layers = dims.layers // pp - moe_layers
+    dense = dense_layers * dims.layer_params(tp) + moe_layers * dims.moe_layer_dense_params(tp)
     if stage == 0:
-        count += vocab_rows * dims.hidden
+        dense += vocab_rows * dims.hidden
     if stage == pp - 1:
-        count += dims.hidden  # final norm
+        dense += dims.hidden  # final norm
         if not dims.tied or pp > 1:
-            count += vocab_rows * dims.hidden
-    return count
+            dense += vocab_rows * dims.hidden
+    expert = moe_layers * (dims.experts // ep) * dims.expert_params(etp) if moe_layers else 0
+    return dense, expert
+
+
+def stage_params(
+    dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int = 128, ep: int = 1, etp: int = 1
+) -> int:
+    """Parameters of one rank of pipeline stage ``stage`` (dense + expert, `stage_split`). Equal to the count of
+    megatron-core's build (tests/plan: the meta-device build at TP/PP 1 and 2, and a MoE at EP 2)."""
+    return sum(stage_split(dims, tp, pp, stage, divisible_by, ep, etp))
 
 
 @functools.lru_cache(maxsize=8)
