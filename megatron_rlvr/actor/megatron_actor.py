@@ -293,9 +293,7 @@ class MegatronActor:
 
         first = micro_batches[0]
         # the whole stream's length: the schedule divides it by cp (and by tp under sequence parallelism) itself
-        seq_length, micro_batch_size = (
-            (first.packed.stream_total, 1) if first.packed else first.seqs.tokens.shape[::-1]
-        )
+        seq_length, micro_batch_size = (first.packed.stream_total, 1) if first.packed else first.seqs.tokens.shape[::-1]
         data = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
         return get_forward_backward_func()(
             forward_step_func=forward_step,

@@ -1,5 +1,6 @@
 """Context parallelism (docs/context-parallel.md): the load-balanced split of packed streams, and the actor at CP = 2
-against CP = 1 on the same processes, at (CP, TP) = (2, 1) vs (1, 1) on 2 processes and (2, 2) vs (1, 2) on 4: the
+against CP = 1, at (CP, TP) = (2, 1) on 2 processes vs (1, 1) on one, and (2, 2) on 4 vs (1, 2) on 2 (the same DP
+size on both sides; sequence parallelism does not run on CPU: megatron's local spec refuses it): the
 statistics passes (policy, entropy, reference), every loss x aggregation, rollout correction at token and sequence
 level, PBA's per-sequence KL coefficient and the KL term give the same loss, metrics and full gradients (fp32,
 relative 1e-5), on a batch with lengths 1, lengths not divisible by 4 and one sequence longer than the rest combined;
@@ -137,7 +138,11 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict]):
             actor = MegatronActor(
                 ModelConfig(hf_dir=hf_dir),
                 ActorConfig(
-                    tp=tp, cp=cp, lr=0.0, max_tokens_per_micro_batch=BUDGET, use_distributed_optimizer=False
+                    tp=tp,
+                    cp=cp,
+                    lr=0.0,
+                    max_tokens_per_micro_batch=BUDGET,
+                    use_distributed_optimizer=False,
                 ),
                 AlgoConfig(kl_coef=0.1),
                 temperature=0.9,
@@ -173,12 +178,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _check(cp2_ranks, cp1_ranks, configs: list[dict]) -> float:
-    """Every rank of the CP = 2 layout against rank 0 of the CP = 1 one (the same DP size: DP averages of the
-    monitoring means are means of per-rank means, so they compare at equal DP only)."""
+    """Every rank of the CP = 2 layout against the CP = 1 rank of its TP rank (megatron's order puts TP innermost:
+    global rank % tp), at the same DP size (DP averages of the monitoring means are means of per-rank means)."""
     worst = 0.0
     valid = _valid(max(LENGTHS) - 1)
-    cp1_stats, cp1_runs = cp1_ranks[0]
-    for cp2_stats, cp2_runs in cp2_ranks:
+    for rank, (cp2_stats, cp2_runs) in enumerate(cp2_ranks):
+        cp1_stats, cp1_runs = cp1_ranks[rank % len(cp1_ranks)]
         for a, b in zip(cp2_stats, cp1_stats):
             worst = max(worst, _rel(a[valid], b[valid]))
             assert _rel(a[valid], b[valid]) <= RTOL
