@@ -155,7 +155,7 @@ class Config:
             raise ConfigError(f"actor.moe_aux_loss_coeff: must be >= 0, got {a.moe_aux_loss_coeff}")
         if world_size is not None and world_size % (a.tp * a.pp) == 0 and (world_size // a.pp) % (a.ep * a.etp):
             raise ConfigError(
-                f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * cp * tp = {world_size // a.pp} "
+                f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * tp = {world_size // a.pp} "
                 f"(world size {world_size} / actor.pp {a.pp})"
             )
         if model_shape:
