@@ -1,6 +1,7 @@
 """Context parallelism (docs/context-parallel.md): the load-balanced split of packed streams, and the actor at CP = 2
-against CP = 1, at (CP, TP) = (2, 1) on 2 processes vs (1, 1) on one, and (2, 2) on 4 vs (1, 2) on 2 (the same DP
-size on both sides; sequence parallelism does not run on CPU: megatron's local spec refuses it): the
+against CP = 1, at (CP, TP) = (2, 1) on 2 processes vs (1, 1) on one, and (2, 2) on 4 vs (1, 2) on 2, and on 4
+processes also CP x PP = 2 and CP x DP = 2 (the same DP size on both sides; sequence parallelism does not run on
+CPU: megatron's local spec refuses it): the
 statistics passes (policy, entropy, reference), every loss x aggregation, rollout correction at token and sequence
 level, PBA's per-sequence KL coefficient and the KL term give the same loss, metrics and full gradients (fp32,
 relative 1e-5), on a batch with lengths 1, lengths not divisible by 4 and one sequence longer than the rest combined;
@@ -123,8 +124,8 @@ def _configs(full: bool) -> list[dict]:
     return [every[0], every[4], every[3 * LOSSES.index("kl_cov") + 2], *every[-4:]]
 
 
-def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict]):
-    """This rank's statistics, and per case the update's metrics and full gradients, at (TP, CP)."""
+def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int = 1):
+    """This rank's statistics, and per case the update's metrics and full gradients, at (TP, CP, PP)."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
@@ -134,11 +135,12 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict]):
 
     block_tokens, cpu_attention.BLOCK_TOKENS = cpu_attention.BLOCK_TOKENS, 8  # long and grouped paths both
     try:
-        with model_parallel(tp=tp, cp=cp, seed=11):
+        with model_parallel(tp=tp, pp=pp, cp=cp, seed=11):
             actor = MegatronActor(
                 ModelConfig(hf_dir=hf_dir),
                 ActorConfig(
                     tp=tp,
+                    pp=pp,
                     cp=cp,
                     lr=0.0,
                     max_tokens_per_micro_batch=BUDGET,
@@ -177,13 +179,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def _check(cp2_ranks, cp1_ranks, configs: list[dict]) -> float:
-    """Every rank of the CP = 2 layout against the CP = 1 rank of its TP rank (megatron's order puts TP innermost:
-    global rank % tp), at the same DP size (DP averages of the monitoring means are means of per-rank means)."""
+def _counterpart(rank: int, tp: int, dp: int, cp: int = 2) -> int:
+    """The CP = 1 rank holding the same weights and data as ``rank`` of the CP = 2 layout (megatron's rank order
+    tp-cp-ep-dp-pp: TP innermost, then CP, DP, PP)."""
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def _check(cp2_ranks, cp1_ranks, configs: list[dict], tp: int = 1, dp: int = 1) -> float:
+    """Every rank of the CP = 2 layout against its CP = 1 counterpart, at the same DP size (DP averages of the
+    monitoring means are means of per-rank means; this batch splits over DP alike at both layouts)."""
     worst = 0.0
     valid = _valid(max(LENGTHS) - 1)
     for rank, (cp2_stats, cp2_runs) in enumerate(cp2_ranks):
-        cp1_stats, cp1_runs = cp1_ranks[rank % len(cp1_ranks)]
+        cp1_stats, cp1_runs = cp1_ranks[_counterpart(rank, tp, dp)]
         for a, b in zip(cp2_stats, cp1_stats):
             worst = max(worst, _rel(a[valid], b[valid]))
             assert _rel(a[valid], b[valid]) <= RTOL
@@ -232,9 +241,11 @@ def test_cp2_equals_cp1_on_two_processes(workers1, workers2, tiny_qwen):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_cp2_tp2_equals_tp2_on_four_processes(workers2, workers4, tiny_qwen):
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_cp2_equals_cp1_on_four_processes(workers2, workers4, tiny_qwen, tp, pp, dp):
+    """CP = 2 x TP = 2 (the Show list's), and CP with PP (variable lengths) and with DP (gradients over DP x CP)."""
     configs = _configs(full=False)
-    cp2 = workers4.run(_layout_numbers, tiny_qwen, 2, 2, configs, timeout_s=900)
-    cp1 = workers2.run(_layout_numbers, tiny_qwen, 2, 1, configs, timeout_s=900)
-    worst = _check(cp2, cp1, configs)
-    print(f"cp=2 x tp=2 vs tp=2: {len(configs)} cases, max relative difference {worst:.2e}")
+    cp2 = workers4.run(_layout_numbers, tiny_qwen, tp, 2, configs, pp, timeout_s=900)
+    cp1 = workers2.run(_layout_numbers, tiny_qwen, tp, 1, configs, pp, timeout_s=900)
+    worst = _check(cp2, cp1, configs, tp, dp)
+    print(f"cp=2 x (tp, pp, dp)=({tp}, {pp}, {dp}) vs cp=1: {len(configs)} cases, max relative difference {worst:.2e}")
