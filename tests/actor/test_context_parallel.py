@@ -1,6 +1,6 @@
 """Context parallelism (docs/context-parallel.md): the load-balanced split of packed streams, and the actor at CP = 2
 against CP = 1, at (CP, TP) = (2, 1) on 2 processes vs (1, 1) on one, and (2, 2) on 4 vs (1, 2) on 2, and on 4
-processes also CP x PP = 2 and CP x DP = 2 (the same DP size on both sides; sequence parallelism does not run on
+processes also CP x PP = 2 (with and without virtual pipeline stages) and CP x DP = 2 (the same DP size on both sides; sequence parallelism does not run on
 CPU: megatron's local spec refuses it): the
 statistics passes (policy, entropy, reference), every loss x aggregation, rollout correction at token and sequence
 level, PBA's per-sequence KL coefficient and the KL term give the same loss, metrics and full gradients (fp32,
@@ -124,8 +124,8 @@ def _configs(full: bool) -> list[dict]:
     return [every[0], every[4], every[3 * LOSSES.index("kl_cov") + 2], *every[-4:]]
 
 
-def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int = 1):
-    """This rank's statistics, and per case the update's metrics and full gradients, at (TP, CP, PP)."""
+def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int = 1, vpp: int | None = None):
+    """This rank's statistics, and per case the update's metrics and full gradients, at (TP, CP, PP, VPP)."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
@@ -135,12 +135,13 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
 
     block_tokens, cpu_attention.BLOCK_TOKENS = cpu_attention.BLOCK_TOKENS, 8  # long and grouped paths both
     try:
-        with model_parallel(tp=tp, pp=pp, cp=cp, seed=11):
+        with model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=11):
             actor = MegatronActor(
                 ModelConfig(hf_dir=hf_dir),
                 ActorConfig(
                     tp=tp,
                     pp=pp,
+                    vpp=vpp,
                     cp=cp,
                     lr=0.0,
                     max_tokens_per_micro_batch=BUDGET,
@@ -160,7 +161,8 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
             # the same micro-batches at both layouts (3 sequences each), so that per-micro-batch monitoring subsets
             # (the high-entropy tokens) compare too; then token budgets, which plan per CP rank (other bins)
             for budget, kwargs in [(0, c) for c in configs] + [(BUDGET, c) for c in configs[:2]]:
-                actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = budget, 3
+                # (4 under the interleaved schedule: 2 micro-batches, a multiple of pp)
+                actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = budget, 4 if vpp else 3
                 kwargs = dict(kwargs)
                 seq_kl = kwargs.pop("seq_kl", False)
                 actor.algo_cfg = AlgoConfig(**kwargs)
@@ -241,11 +243,14 @@ def test_cp2_equals_cp1_on_two_processes(workers1, workers2, tiny_qwen):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
-def test_cp2_equals_cp1_on_four_processes(workers2, workers4, tiny_qwen, tp, pp, dp):
-    """CP = 2 x TP = 2 (the Show list's), and CP with PP (variable lengths) and with DP (gradients over DP x CP)."""
+@pytest.mark.parametrize("tp,pp,dp,vpp", [(2, 1, 1, None), (1, 2, 1, None), (1, 2, 1, 2), (1, 1, 2, None)])
+def test_cp2_equals_cp1_on_four_processes(workers2, workers4, tiny_qwen, tp, pp, dp, vpp):
+    """CP = 2 x TP = 2 (the Show list's), and CP with PP (variable lengths), with the interleaved schedule (one
+    stream shape, the whole stream's) and with DP (gradients over DP x CP)."""
     configs = _configs(full=False)
-    cp2 = workers4.run(_layout_numbers, tiny_qwen, tp, 2, configs, pp, timeout_s=900)
-    cp1 = workers2.run(_layout_numbers, tiny_qwen, tp, 1, configs, pp, timeout_s=900)
+    cp2 = workers4.run(_layout_numbers, tiny_qwen, tp, 2, configs, pp, vpp, timeout_s=900)
+    cp1 = workers2.run(_layout_numbers, tiny_qwen, tp, 1, configs, pp, vpp, timeout_s=900)
     worst = _check(cp2, cp1, configs, tp, dp)
-    print(f"cp=2 x (tp, pp, dp)=({tp}, {pp}, {dp}) vs cp=1: {len(configs)} cases, max relative difference {worst:.2e}")
+    print(
+        f"cp=2 x (tp, pp, dp, vpp)=({tp}, {pp}, {dp}, {vpp}) vs cp=1: {len(configs)} cases, max relative difference {worst:.2e}"
+    )
