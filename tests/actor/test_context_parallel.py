@@ -73,7 +73,7 @@ def test_cp_attention_calls_cover_each_query_once_against_its_causal_keys():
 
     cu = [0, 64, 68, 76, 80]  # one long sequence (chunks of 16), then short ones grouped
     for rank in range(2):
-        calls = _calls(cu, 2, rank, block_tokens=8)
+        calls = _calls(tuple(cu), 2, rank, block_tokens=8)
         covered = sorted(i for q0, n, *_ in calls for i in range(q0, q0 + n))
         assert covered == list(range(40))
         first, second = calls[0], calls[1]

@@ -14,6 +14,7 @@ sequence thus costs chunk x (r + 1) chunks of scores, not chunk x sequence. Shor
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ class _AllGatherSumGrad(torch.autograd.Function):
         return grad.chunk(ctx.size)[ctx.rank].clone(), None
 
 
-def local_positions(cu: list[int], cp: int, rank: int) -> list[tuple[int, int, int]]:
+def local_positions(cu: tuple[int, ...], cp: int, rank: int) -> list[tuple[int, int, int]]:
     """(local start, whole-stream start, length) of each query chunk this rank holds, in its stream's order."""
     pieces, local = [], 0
     for start, end in zip(cu[:-1], cu[1:]):
@@ -52,7 +53,8 @@ def local_positions(cu: list[int], cp: int, rank: int) -> list[tuple[int, int, i
     return pieces
 
 
-def _whole_stream_order(cu: list[int], cp: int) -> Tensor:
+@lru_cache(maxsize=8)  # every layer of a micro-batch's forward and backward reads the same layout
+def _whole_stream_order(cu: tuple[int, ...], cp: int) -> Tensor:
     """index such that whole[index] = gathered (every rank's stream, rank after rank), as a permutation."""
     return torch.cat(
         [torch.arange(s, s + n) for r in range(cp) for _, s, n in local_positions(cu, cp, r) if n]
@@ -65,7 +67,7 @@ def context_parallel_attention(
 ) -> Tensor:
     """query [T_local, heads, d], key / value [T_local, groups, d] of this CP rank -> [T_local, heads * d]."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    cu = cu_seqlens.tolist()
+    cu = tuple(cu_seqlens.tolist())
     if any((e - s) % (2 * cp) for s, e in zip(cu[:-1], cu[1:])):
         raise ValueError(f"context-parallel attention: every segment must be a multiple of 2 * cp = {2 * cp}")
     if cu[-1] != cp * query.shape[0]:
@@ -86,7 +88,8 @@ def context_parallel_attention(
     return torch.cat(outputs, dim=0)
 
 
-def _calls(cu: list[int], cp: int, rank: int, block_tokens: int):
+@lru_cache(maxsize=8)
+def _calls(cu: tuple[int, ...], cp: int, rank: int, block_tokens: int):
     """One dense call per block: (local query start, query count, key start, key end, query (segment, position)
     [n, 2], key (segment, position) [m, 2]). A sequence longer than ``block_tokens`` makes two calls (one per chunk,
     keys up to the chunk's end); shorter consecutive ones share a call over the block's whole keys."""
@@ -125,4 +128,4 @@ def _calls(cu: list[int], cp: int, rank: int, block_tokens: int):
             flush()
         group.append(seg)
     flush()
-    return calls
+    return tuple(calls)
