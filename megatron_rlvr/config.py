@@ -80,7 +80,7 @@ class Config:
     def validate(self, world_size: int | None = None, model_shape: Mapping[str, int] | None = None) -> Config:
         """Cross-section checks. ``model_shape`` holds the HF config's head/vocab sizes when known."""
         a = self.actor
-        for key in ("tp", "pp", "micro_batch_size"):
+        for key in ("tp", "pp", "cp", "micro_batch_size"):
             if getattr(a, key) < 1:
                 raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
         # separate placement: _validate_placement checks the actor's share of the world
@@ -90,6 +90,12 @@ class Config:
                 f"(tp * pp * dp == world size); allowed tp*pp: "
                 f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
             )
+        if world_size is not None and self.rollout.placement != "separate" and world_size % (a.tp * a.pp * a.cp):
+            raise ConfigError(
+                f"actor.tp * actor.pp * actor.cp = {a.tp} * {a.pp} * {a.cp} must divide the world size {world_size}"
+            )
+        if a.cp > 1 and not a.pack_sequences:  # the CP split is of packed streams (docs/context-parallel.md)
+            raise ConfigError("actor.cp > 1 needs actor.pack_sequences=true: context parallelism splits packed streams")
         if a.max_tokens_per_micro_batch < 0:
             raise ConfigError(
                 f"actor.max_tokens_per_micro_batch: must be >= 0 (0 = micro_batch_size sequences), got "
@@ -190,9 +196,9 @@ class Config:
                 "the other ranks are the actor"
             )
         actors = world_size - r.engine_ranks
-        if actors % (a.tp * a.pp) != 0:
+        if actors % (a.tp * a.pp * a.cp) != 0:
             raise ConfigError(
-                f"actor.tp * actor.pp = {a.tp * a.pp} must divide the actor's ranks: world size {world_size} - "
+                f"actor.tp * actor.pp * actor.cp = {a.tp * a.pp * a.cp} must divide the actor's ranks: world size {world_size} - "
                 f"rollout.engine_ranks {r.engine_ranks} = {actors}"
             )
 

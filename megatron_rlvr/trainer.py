@@ -100,7 +100,7 @@ def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]
 
     t = cfg.trainer
     distributed.initialize_model_parallel(
-        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed, ep=cfg.actor.ep, etp=cfg.actor.etp
+        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=t.seed, ep=cfg.actor.ep, etp=cfg.actor.etp, cp=cfg.actor.cp
     )
     rank0 = distributed.rank() == 0
     out = Path(t.output_dir)

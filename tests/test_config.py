@@ -70,6 +70,28 @@ def test_bad_parallel_sizes_name_the_constraint():
         load_config(None, ["actor.pp=2", "actor.vpp=2", "actor.pack_sequences=false"]).validate(world_size=2)
 
 
+def test_bad_context_parallel_layouts_name_the_keys():
+    bad = [
+        (["actor.cp=2"], 3, r"^actor\.tp \* actor\.pp \* actor\.cp = 1 \* 1 \* 2 must divide the world size 3$"),
+        (["actor.cp=2", "actor.tp=2"], 2, r"actor\.tp \* actor\.pp \* actor\.cp = 2 \* 1 \* 2 must divide"),
+        (["actor.cp=2", "actor.pack_sequences=false"], 2, r"^actor\.cp > 1 needs actor\.pack_sequences=true"),
+        (["actor.cp=0"], 1, r"^actor\.cp: must be >= 1, got 0$"),
+        # megatron-core forms expert groups over world / pp = dp * cp * tp ranks
+        (["actor.cp=2", "actor.ep=8"], 4, r"actor\.ep \* actor\.etp = 8 \* 1 must divide dp \* tp = 4"),
+        (
+            ["actor.cp=2", "rollout.placement=separate", "rollout.engine_ranks=1"],
+            4,
+            r"actor\.tp \* actor\.pp \* actor\.cp = 2 must divide the actor's ranks: world size 4",
+        ),
+    ]
+    for overrides, world, message in bad:
+        with pytest.raises(ConfigError, match=message) as e:
+            load_config(None, overrides).validate(world_size=world)
+        assert "\n" not in str(e.value)
+    load_config(None, ["actor.cp=2", "actor.ep=4"]).validate(world_size=4)  # ep over dp * cp: allowed
+    load_config(None, ["actor.cp=2", "actor.tp=2"]).validate(world_size=8)
+
+
 def test_prompt_plus_answer_must_fit_the_engine_context():
     with pytest.raises(
         ConfigError,

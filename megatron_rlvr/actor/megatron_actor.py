@@ -13,6 +13,9 @@ micro-batch count on every DP rank. With ``pack_sequences`` (the default) a micr
 (``PackedSeqParams``: TE's attention on GPU, runtime/cpu/attention.py without TE), the fused op sees only the stream's tokens,
 and its per-token outputs are put back into the right-padded [b, S - 1] view the losses read; so no loss knows
 whether a batch was packed, and packing changes no number beyond float rounding.
+With ``actor.cp > 1`` (docs/context-parallel.md) each CP rank runs its share of every sequence (packing.py's split),
+the op's per-token outputs are gathered over CP (actor/context_parallel.py), and every CP rank computes the identical
+whole micro-batch loss; its gradient share is summed over DP x CP by megatron's DDP.
 
 With ``algo.kl_coef > 0`` (or PBA with ``algo.pba_kl_coef > 0``) the actor also holds a frozen reference policy (the
 same chunks, loaded from the same initial weights, never trained) whose log-probs feed the loss's k3 KL term; without
@@ -33,7 +36,17 @@ import torch.distributed as dist
 
 from megatron_rlvr.actor.batch import SequenceBatch
 from megatron_rlvr.actor.config import ActorConfig
-from megatron_rlvr.actor.packing import PackedLayout, Plan, pack, plan_micro_batches, sequence_lengths, unpack
+from megatron_rlvr.actor.context_parallel import packed_seq_params, padding_fraction, stream_to_view
+from megatron_rlvr.actor.gathering import across_data_parallel, from_last_stage, to_every_rank
+from megatron_rlvr.actor.packing import (
+    PackedLayout,
+    Plan,
+    cp_padded_length,
+    pack,
+    plan_micro_batches,
+    sequence_lengths,
+    stream_tokens,
+)
 from megatron_rlvr.actor.teacher import build_teacher, student_logits_at
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
@@ -74,6 +87,9 @@ class MegatronActor:
         from megatron_rlvr.models import load_hf_config, padded_vocab_size, transformer_config_from_hf
 
         self.cfg, self.algo_cfg, self.temperature = actor_cfg, algo_cfg, temperature
+        self.last_cp_padding = 0.0  # the last planned mini-batch's CP padding share (actor/cp_padding)
+        if actor_cfg.cp > 1 and not actor_cfg.pack_sequences:
+            raise ValueError("actor.cp > 1 needs actor.pack_sequences=true (the CP split is of packed streams)")
         self.hf = load_hf_config(model_cfg.hf_dir)
         dtype = torch.bfloat16 if actor_cfg.bf16 else torch.float32
         self.tcfg = transformer_config_from_hf(
@@ -87,6 +103,7 @@ class MegatronActor:
             ep=actor_cfg.ep,
             etp=actor_cfg.etp,
             moe_aux_loss_coeff=actor_cfg.moe_aux_loss_coeff,
+            cp=actor_cfg.cp,
             # micro-batches differ in length (packed streams, token budgets): stages exchange each one's shape. Not
             # under the interleaved schedule: megatron-core's shape exchange posts its sends to the previous and the
             # next stage in one order and its receives in that order too, so at PP=2 (both are one rank) the
@@ -196,8 +213,11 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
 
         lengths = sequence_lengths(batch.response_mask)
+        cp = self.cfg.cp
+        # budgets and the DP balance count the tokens each CP rank holds: 1 / cp of each (padded) sequence
+        per_rank = [cp_padded_length(n, cp) // cp for n in lengths]
         plan = plan_micro_batches(
-            lengths,
+            per_rank,
             ps.get_data_parallel_world_size(),
             micro_batch_size=self.cfg.micro_batch_size,
             max_tokens=self.cfg.max_tokens_per_micro_batch,
@@ -208,14 +228,16 @@ class MegatronActor:
         mine = plan[ps.get_data_parallel_rank()]
         total = None  # the stream's own length, rounded up to the multiple
         if self.cfg.vpp:  # one shape for every micro-batch (see variable_seq_lengths); the same on every PP stage
-            total = max(-(-sum(lengths[i] for i in rows) // multiple) * multiple for rows in mine)
+            total = max(stream_tokens([lengths[i] for i in rows], multiple, cp) for rows in mine)
+        cp_rank = ps.get_context_parallel_rank() if cp > 1 else 0
         micro = []
         for rows in mine:
             seqs = batch.select(torch.tensor(rows))
             packed = None
             if self.cfg.pack_sequences:
-                packed = pack(seqs.tokens, [lengths[i] for i in rows], multiple, total)
+                packed = pack(seqs.tokens, [lengths[i] for i in rows], multiple, total, cp=cp, cp_rank=cp_rank)
             micro.append(_MicroBatch(seqs, packed))
+        self.last_cp_padding = padding_fraction(lengths, cp)
         return plan, micro
 
     def _token_stats(self, logits: torch.Tensor, mb: _MicroBatch, inplace_backward: bool = False) -> TokenStats:
@@ -243,22 +265,13 @@ class MegatronActor:
         if mb.packed is None:
             return TokenStats(*(t[:, :-1] for t in stats))
         shape = tuple(mb.seqs.response_mask.shape)
-        return TokenStats(*(unpack(t[0], mb.packed, shape) for t in stats))
+        return TokenStats(*(stream_to_view(t[0], mb.packed, shape) for t in stats))
 
     def _forward(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
         device = distributed.device()
         if mb.packed is not None:
-            from megatron.core.packed_seq_params import PackedSeqParams
-
             p = mb.packed
-            cu = p.cu_seqlens.to(device)
-            params = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                max_seqlen_q=p.max_seqlen,
-                max_seqlen_kv=p.max_seqlen,
-            )
+            params = packed_seq_params(p, device)
             return model(p.tokens.to(device), p.position_ids.to(device), attention_mask=None, packed_seq_params=params)
         tokens = mb.seqs.tokens.to(device)
         b, s = tokens.shape
@@ -279,7 +292,8 @@ class MegatronActor:
             return self._forward(model, mb), partial(loss_fn, mb)
 
         first = micro_batches[0]
-        seq_length, micro_batch_size = (first.packed.num_tokens, 1) if first.packed else first.seqs.tokens.shape[::-1]
+        # the whole stream's length: the schedule divides it by cp (and by tp under sequence parallelism) itself
+        seq_length, micro_batch_size = (first.packed.stream_total, 1) if first.packed else first.seqs.tokens.shape[::-1]
         data = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -292,28 +306,8 @@ class MegatronActor:
         )
 
     def _to_every_rank(self, rows: list[torch.Tensor], plan: Plan, size: int, width: int) -> torch.Tensor:
-        """Per-sequence rows [n, width] of this rank's micro-batches, in plan order (on the last pipeline stage;
-        empty elsewhere) -> the whole mini-batch [size, width] in its own order, on every rank, on the CPU."""
-        from megatron.core import parallel_state as ps
-
-        device = distributed.device()
-        local = sum(len(m) for m in plan[ps.get_data_parallel_rank()])
-        if rows:
-            values = torch.cat(rows).to(device=device, dtype=torch.float32)
-        else:  # not the last pipeline stage: filled by the broadcast below
-            values = torch.empty(local, width, dtype=torch.float32, device=device)
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            group = ps.get_pipeline_model_parallel_group()
-            last = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
-            dist.broadcast(values, src=last, group=group)
-        if ps.get_data_parallel_world_size() > 1:  # every rank holds as many sequences (balanced_split)
-            parts = [torch.empty_like(values) for _ in range(ps.get_data_parallel_world_size())]
-            dist.all_gather(parts, values, group=ps.get_data_parallel_group())
-            values = torch.cat(parts)
-        order = torch.tensor([i for share in plan for m in share for i in m])
-        out = torch.empty(size, width, dtype=torch.float32)
-        out[order] = values.cpu()
-        return out
+        """Per-sequence rows of this rank's micro-batches -> the whole mini-batch on every rank (gathering.py)."""
+        return to_every_rank(rows, plan, size, width)
 
     # -----------------------------------------------------------------------------------------------------------
     def compute_old_logp(self, batch: SequenceBatch) -> torch.Tensor:
@@ -431,14 +425,16 @@ class MegatronActor:
                 "actor/nonfinite": float(not ok),
                 "actor/lr": self.optimizer.param_groups[0]["lr"],
             }
+            if self.cfg.cp > 1:  # the share of stream tokens that CP's per-sequence padding adds (the mini-batch)
+                step_metrics["actor/cp_padding"] = self.last_cp_padding
             if outputs:
                 step_metrics["actor/loss"] = sum(float(o.pop("loss")) for o in outputs)
                 step_metrics |= combine_micro_batches([{k: float(v) for k, v in o.items()} for o in outputs])
             for key, value in step_metrics.items():
                 totals.setdefault(key, []).append(value)
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}
-        metrics = finish_subset_means(_across_data_parallel(metrics, summed=summed_over_data_parallel()))
-        return _from_last_stage(metrics)
+        metrics = finish_subset_means(across_data_parallel(metrics, summed=summed_over_data_parallel()))
+        return from_last_stage(metrics)
 
     def _all_finite(self, outputs: list[dict]) -> bool:
         bad = any(not math.isfinite(float(o["loss"])) for o in outputs)
@@ -466,28 +462,3 @@ class MegatronActor:
 def needs_reference(cfg: AlgoConfig) -> bool:
     """Whether the loss has a KL-to-reference term: a global coefficient, or PBA's anchor on risky prompts."""
     return cfg.kl_coef > 0 or (cfg.pba and cfg.pba_kl_coef > 0)
-
-
-def _across_data_parallel(metrics: dict[str, float], summed: tuple[str, ...]) -> dict[str, float]:
-    """Each DP rank saw a slice of the mini-batch: sum the globally normalized loss, average the rest."""
-    from megatron.core import parallel_state as ps
-
-    dp = ps.get_data_parallel_world_size()
-    if dp == 1 or not metrics:
-        return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(values, group=ps.get_data_parallel_group())
-    return {k: float(v) if k in summed else float(v) / dp for k, v in zip(keys, values)}
-
-
-def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
-    """Loss metrics exist on the last pipeline stage; give every rank the same dict."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return metrics
-    box = [metrics if ps.is_pipeline_last_stage() else None]
-    src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size() - 1)
-    dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
-    return box[0]

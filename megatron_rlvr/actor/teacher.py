@@ -2,7 +2,7 @@
 
 ``build_teacher(actor, model_cfg, algo_cfg)`` returns a ``Teacher`` (or None under ``algo.distill: none``):
 - ``teacher``: the model of ``algo.teacher_hf_dir`` (any size, the same tokenizer as the student: checked), built at
-  the actor's TP/PP/VPP like the reference, no optimizer, no grad, eval mode;
+  the actor's TP/PP/VPP/CP like the reference, no optimizer, no grad, eval mode;
 - ``self``: the frozen initial policy (the reference's chunks when the actor has a reference, else a copy built the
   same way) reading a privileged context: ``algo.self_distill_template`` with the item's reference answer, put
   before the whole sequence (prompt + response).
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from megatron_rlvr.actor.packing import unpack
+from megatron_rlvr.actor.context_parallel import stream_to_view
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.errors import UserError
@@ -205,7 +205,7 @@ class Teacher:
                 fields = tuple(f[:, :-1] for f in fields)
             else:
                 shape = tuple(mb.seqs.response_mask.shape)
-                fields = tuple(unpack(f[0], mb.packed, shape) for f in fields)
+                fields = tuple(stream_to_view(f[0], mb.packed, shape) for f in fields)
             rows = fields[0].shape[0]
             return torch.zeros(()), {"teacher": torch.cat([f.reshape(rows, -1).float() for f in fields], dim=1)}
 
@@ -229,10 +229,7 @@ def student_logits_at(
     if mb.packed is None:  # position S - 1 has no statistic: any id there (0) is dropped below
         ids = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1)
     else:
-        p = mb.packed
-        stream = torch.zeros((p.num_tokens, ids.shape[-1]), dtype=ids.dtype, device=ids.device)
-        stream[p.src.to(ids.device)] = ids[p.rows.to(ids.device), p.cols.to(ids.device)]
-        ids = stream[None]
+        ids = mb.packed.to_stream(ids)[None]  # this (CP) rank's stream positions
     alias, at = logits_at_ids(
         logits,
         ids,
@@ -242,7 +239,7 @@ def student_logits_at(
     )
     if mb.packed is None:
         return alias, at[:, :-1]
-    return alias, unpack(at[0], mb.packed, tuple(mb.seqs.response_mask.shape))
+    return alias, stream_to_view(at[0], mb.packed, tuple(mb.seqs.response_mask.shape))
 
 
 def _teacher_chunks(actor: ActorPasses, teacher_dir: str, divisible: int) -> tuple[list[torch.nn.Module], int]:
@@ -276,6 +273,7 @@ def _teacher_chunks(actor: ActorPasses, teacher_dir: str, divisible: int) -> tup
         sequence_parallel=a.sequence_parallel,
         recompute=a.recompute,
         variable_seq_lengths=actor.tcfg.variable_seq_lengths,
+        cp=a.cp,
     )
     chunks = []
     for vp in range(a.vpp or 1):

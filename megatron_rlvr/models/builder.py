@@ -58,6 +58,8 @@ def transformer_config_from_hf(
     ep: int = 1,
     etp: int | None = None,
     moe_aux_loss_coeff: float = 0.0,
+    cp: int = 1,
+    cp_comm_type: str = "p2p",
     **megatron_overrides: Any,
 ):
     """The megatron-core ``TransformerConfig`` reproducing ``hf``'s math, with the given parallel layout.
@@ -65,6 +67,9 @@ def transformer_config_from_hf(
     ``recompute``: ``"none"``, ``"selective"`` (core attention) or ``"full"`` (every layer, uniform).
     ``ep`` / ``etp``: expert parallel and expert tensor parallel sizes (``etp`` None: megatron's default, = tp).
     ``moe_aux_loss_coeff`` > 0 adds megatron's router load-balancing loss (an MoE model's own math has none).
+    ``cp``: context-parallel size (docs/context-parallel.md); on GPU the TE spec's attention runs TE's CP attention
+    with ``cp_comm_type`` ("p2p", "all_gather", "a2a" or "a2a+p2p"), on CPU the local spec's packed attention does
+    its own (runtime/cpu/cp_attention.py).
     ``megatron_overrides`` are passed to ``TransformerConfig`` last (e.g. ``variable_seq_lengths=True``).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -110,6 +115,7 @@ def transformer_config_from_hf(
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -126,6 +132,8 @@ def transformer_config_from_hf(
         use_cpu_initialization=not on_gpu,
     )
     kwargs.update(family_kwargs)
+    if cp > 1:
+        kwargs.update(cp_comm_type=cp_comm_type)
     if experts and moe_aux_loss_coeff:
         kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff)
     if recompute == "selective":

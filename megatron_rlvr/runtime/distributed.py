@@ -58,26 +58,34 @@ def free_port() -> int:
 
 
 def initialize_model_parallel(
-    tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1, etp: int | None = None
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    seed: int = 1234,
+    ep: int = 1,
+    etp: int | None = None,
+    cp: int = 1,
 ) -> None:
-    """Set megatron-core's parallel state (TP x PP x DP over the current world) and seed every RNG.
+    """Set megatron-core's parallel state (TP x CP x PP x DP over the current world) and seed every RNG.
 
-    The data-parallel size is world_size / (tp * pp). Experts (MoE layers) are laid out separately over the same
-    ranks: ``ep`` expert-parallel ranks times ``etp`` expert-tensor-parallel ranks (None: etp = tp) must divide
-    dp * tp. Safe to call again with another layout after `destroy_model_parallel()`.
+    The data-parallel size is world_size / (tp * cp * pp); ``cp`` context-parallel ranks split every sequence
+    (docs/context-parallel.md), and gradients reduce over DP x CP. Experts (MoE layers) are laid out separately over
+    the same ranks: ``ep`` expert-parallel ranks times ``etp`` expert-tensor-parallel ranks (None: etp = tp) must
+    divide dp * cp * tp. Safe to call again with another layout after `destroy_model_parallel()`.
     """
     init_process_group()
     apply_cpu_shims()
     from megatron.core import parallel_state
 
     world = dist.get_world_size()
-    if world % (tp * pp) != 0:
-        raise ValueError(f"tp * pp = {tp} * {pp} must divide the world size {world}")
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(f"tp * pp * cp = {tp} * {pp} * {cp} must divide the world size {world}")
     if (world // pp) % (ep * (etp or tp)) != 0:
-        raise ValueError(f"ep * etp = {ep} * {etp or tp} must divide dp * tp = {world // pp}")
+        raise ValueError(f"ep * etp = {ep} * {etp or tp} must divide dp * cp * tp = {world // pp}")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
@@ -139,12 +147,19 @@ class model_parallel:  # noqa: N801 - used as a context manager, reads like a st
     """``with model_parallel(tp=2, pp=1): ...`` — parallel state for the block, torn down afterwards (tests, tools)."""
 
     def __init__(
-        self, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1, etp: int | None = None
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int | None = None,
+        seed: int = 1234,
+        ep: int = 1,
+        etp: int | None = None,
+        cp: int = 1,
     ) -> None:
-        self.tp, self.pp, self.vpp, self.seed, self.ep, self.etp = tp, pp, vpp, seed, ep, etp
+        self.tp, self.pp, self.vpp, self.seed, self.ep, self.etp, self.cp = tp, pp, vpp, seed, ep, etp, cp
 
     def __enter__(self) -> model_parallel:
-        initialize_model_parallel(self.tp, self.pp, self.vpp, self.seed, ep=self.ep, etp=self.etp)
+        initialize_model_parallel(self.tp, self.pp, self.vpp, self.seed, ep=self.ep, etp=self.etp, cp=self.cp)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,7 +1,7 @@
 """The distillation teacher on the actor ranks (teacher.py): a teacher equal to the student gives exactly zero
 signals and a zero gradient through the whole update; a teacher's scores, and self-distillation's scores on the
 (privileged prompt + response) streams, equal a plain HF forward at the response positions, packed or not, at TP 1
-and 2; the teacher's tokenizer and the reference answer are checked with one-line errors."""
+and 2 and at CP 2 (context parallelism); the teacher's tokenizer and the reference answer are checked with one-line errors."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _batch(vocab: int, seed: int = 0):
     return SequenceBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
 
 
-def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True):
+def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True, cp: int = 1):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
@@ -38,7 +38,7 @@ def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True):
 
     return MegatronActor(
         ModelConfig(hf_dir=hf_dir),
-        ActorConfig(tp=tp, micro_batch_size=2, lr=1e-3, pack_sequences=pack),
+        ActorConfig(tp=tp, cp=cp, micro_batch_size=2, lr=1e-3, pack_sequences=pack),
         AlgoConfig(**{"loss": "grpo", "distill_top_n": 4, **algo}),
         temperature=TEMPERATURE,
         total_steps=2,
@@ -56,8 +56,8 @@ def teacher_is_student(hf_dir: str, tp: int):
         return actor.update(batch, mini_batches=1), batch.teacher_logp, no_grad_logp
 
 
-def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool):
-    """The teacher's fields of the batch after attach, and the metrics of one update with them."""
+def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool, cp: int = 1):
+    """The teacher's fields of the batch after attach, and the metrics of one update with them (at TP x CP)."""
     from megatron_rlvr.runtime.distributed import model_parallel
 
     algo = (
@@ -65,8 +65,8 @@ def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool
         if mode == "teacher"
         else dict(distill="self", self_distill_template=TEMPLATE)
     )
-    with model_parallel(tp=tp, pp=1, seed=11):
-        actor = _actor(hf_dir, tp, algo, pack)
+    with model_parallel(tp=tp, pp=1, seed=11, cp=cp):
+        actor = _actor(hf_dir, tp, algo, pack, cp)
         batch = _batch(actor.vocab_size)
         actor.teacher.attach(actor, batch, ITEMS)
         metrics = actor.update(batch, mini_batches=1)
@@ -147,15 +147,15 @@ def _check_against_plain_forward(hf_dir: str, prefixes, results, single_dp_rank:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("tp, pack", [(1, True), (2, True), (2, False)])
-def test_teacher_scores_equal_a_plain_forward_of_the_teacher(workers2, student, other_model, tp, pack):
-    results = workers2.run(teacher_scores, student, other_model, tp, "teacher", pack)
-    _check_against_plain_forward(other_model, [[]] * 4, results, single_dp_rank=tp == 2)
+@pytest.mark.parametrize("tp, pack, cp", [(1, True, 1), (2, True, 1), (2, False, 1), (1, True, 2)])
+def test_teacher_scores_equal_a_plain_forward_of_the_teacher(workers2, student, other_model, tp, pack, cp):
+    results = workers2.run(teacher_scores, student, other_model, tp, "teacher", pack, cp)
+    _check_against_plain_forward(other_model, [[]] * 4, results, single_dp_rank=tp * cp == 2)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("tp, pack", [(1, True), (2, True), (1, False)])
-def test_self_distillation_scores_the_response_under_the_privileged_prompt(workers2, student, tp, pack):
+@pytest.mark.parametrize("tp, pack, cp", [(1, True, 1), (2, True, 1), (1, False, 1), (1, True, 2)])
+def test_self_distillation_scores_the_response_under_the_privileged_prompt(workers2, student, tp, pack, cp):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(student)
@@ -165,8 +165,8 @@ def test_self_distillation_scores_the_response_under_the_privileged_prompt(worke
         for _ in range(2)
     ]
     assert len(prefixes[0]) != len(prefixes[2])  # rows shift by different lengths
-    results = workers2.run(teacher_scores, student, student, tp, "self", pack)
-    _check_against_plain_forward(student, prefixes, results, single_dp_rank=tp == 2)
+    results = workers2.run(teacher_scores, student, student, tp, "self", pack, cp)
+    _check_against_plain_forward(student, prefixes, results, single_dp_rank=tp * cp == 2)
 
 
 def test_privileged_rows_shift_the_response_and_realign_exactly():

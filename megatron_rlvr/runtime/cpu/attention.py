@@ -8,9 +8,15 @@ sequence), so attention never crosses a sequence boundary. Short sequences share
 (one call, not one per rollout); a longer sequence is a block alone and costs its own length squared, not the
 stream's. The layer-spec builder (models/builder.py) picks it in place of ``DotProductAttention``; no model file
 knows about it.
+
+Under context parallelism (``context_parallel_size > 1``, which megatron's local attention refuses at construction)
+a packed stream is this CP rank's share, and the work goes to ``cp_attention.context_parallel_attention`` (K/V
+all-gathered over the CP group, local queries against the causal part of their sequence).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -23,6 +29,16 @@ BLOCK_TOKENS = 256
 class PackedDotProductAttention(DotProductAttention):
     """megatron's local DotProductAttention, plus the ``thd`` layout: query [T, heads, d], key/value
     [T, groups, d], causal within each ``cu_seqlens_q`` segment; returns [T, heads * d] like TE's."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        cp_size = config.context_parallel_size
+        if cp_size > 1:  # megatron's __init__ asserts cp == 1 (its dense math is ours per call, CP or not)
+            config = copy.copy(config)
+            config.context_parallel_size = 1
+        super().__init__(config, *args, **kwargs)
+        self.cp_size = cp_size
+        pg_collection = kwargs.get("pg_collection")
+        self.cp_group = getattr(pg_collection, "cp", None)
 
     def forward(
         self,
@@ -41,6 +57,8 @@ class PackedDotProductAttention(DotProductAttention):
         cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
         if cu_kv is not None and not torch.equal(cu_q, cu_kv):
             raise ValueError("PackedDotProductAttention: self-attention needs cu_seqlens_kv == cu_seqlens_q")
+        if self.cp_size > 1:
+            return self._context_parallel(query, key, value, cu_q, attn_mask_type)
         bounds = cu_q.tolist()
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the stream holds {query.shape[0]} tokens")
@@ -63,6 +81,20 @@ class PackedDotProductAttention(DotProductAttention):
             )
             outputs.append(out.squeeze(1))
         return torch.cat(outputs, dim=0)
+
+    def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor, attn_mask_type) -> Tensor:
+        from megatron.core import parallel_state
+
+        from megatron_rlvr.runtime.cpu.cp_attention import context_parallel_attention
+
+        def dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+            out = super(PackedDotProductAttention, self).forward(
+                q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask[None, None], attn_mask_type, None
+            )
+            return out.squeeze(1)
+
+        group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        return context_parallel_attention(query, key, value, cu, group, dense, BLOCK_TOKENS)
 
 
 def _blocks(bounds: list[int]) -> list[tuple[int, int, list[int]]]:
