@@ -230,7 +230,7 @@ def test_rollout_mode_routes_onto_the_engines_experts(workers2, moe_dir, pp, ep,
     assert torch.equal(old_logp, other[0])
     assert torch.equal(routing[real].long(), engine_routed[real])
     rel = ((old_logp - forced_logp).abs() / forced_logp.abs().clamp_min(1e-12))[mask].max().item()
-    expected_mismatch = 1 - float(_same_sets(own_under_replay[real], engine_routed[real]).float().mean())
+    expected_mismatch = 1 - float(_same_sets(own_under_replay[real], engine_routed[real]).double().mean())
     with_replay, without = metrics["moe/logp_mismatch_replay"], metrics["moe/logp_mismatch_no_replay"]
     print(
         f"pp={pp} ep={ep}: actor with replay vs transformers forced onto the engine's routing: max rel {rel:.2e}; "
