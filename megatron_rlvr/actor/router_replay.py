@@ -137,14 +137,15 @@ class RouterReplayer:
     def enabled(self) -> bool:
         return self.mode != "none"
 
-    def install(self, chunks: Sequence[torch.nn.Module] | None, policy: bool) -> None:
-        """Hook every router of ``chunks`` (a model's chunks on this rank)."""
-        if not self.enabled or not chunks:
+    def install(self, policy: Sequence[torch.nn.Module], reference: Sequence[torch.nn.Module] | None) -> None:
+        """Hook every router of this rank's chunks of the policy and of the frozen reference (None: none)."""
+        if not self.enabled:
             return
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        for chunk in chunks:
+        chunks = [(chunk, True) for chunk in policy] + [(chunk, False) for chunk in reference or []]
+        for chunk, is_policy in chunks:
             hooks = []
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
@@ -152,15 +153,15 @@ class RouterReplayer:
                         RouterReplay.global_router_replay_instances.remove(module.router_replay)
                     module.router_replay = _LayerReplay(self.layers.index(module.layer_number - 1))
                     hooks.append(module.router_replay)
-            self._chunks[id(chunk)] = _Chunk(hooks, policy)
+            self._chunks[id(chunk)] = _Chunk(hooks, is_policy)
 
     # ------------------------------------------------------------------------------------------------------------
     @contextmanager
-    def pass_over(self, batch: SequenceBatch, plan: Sequence[Sequence[Sequence[int]]], kind: str):
+    def pass_over(self, batch: SequenceBatch, plan: Sequence[Sequence[Sequence[int]]], kind: str, actor: Any = None):
         """One actor pass over ``batch`` as planned (``plan[dp rank]``: this rank's micro-batches' rows); ``kind``
         is ``statistics`` (compute_old_logp), ``update`` or ``other`` (reference, entropy). ``train``: the statistics
         pass records, every pass after it replays; ``rollout``: every pass replays the engine's ids, which the
-        statistics pass and the update must have."""
+        statistics pass and the update must have. An update given its ``actor`` then runs ``compare_logp``."""
         if not self.enabled:
             yield
             return
@@ -193,6 +194,13 @@ class RouterReplayer:
                 batch.routed_experts = routed
             if self.capture:
                 self.captured.append(routed)
+        if actor is not None:
+            self.compare_logp(actor)
+
+    def forward(self, model: torch.nn.Module, mb: Any, forward: Any) -> torch.Tensor:
+        """``forward(model, mb)``, the model call of one micro-batch, inside `micro_batch`."""
+        with self.micro_batch(model, mb):
+            return forward(model, mb)
 
     @contextmanager
     def micro_batch(self, model: torch.nn.Module, mb: Any) -> Iterator[None]:
@@ -230,7 +238,7 @@ class RouterReplayer:
                 self._noted[i] = (mb, logp.detach().float().clone())
 
     def compare_logp(self, actor: Any) -> None:
-        """After an update's schedule, before its optimizer step: the noted micro-batches again, no grad, routing
+        """After an update's schedule (``pass_over(..., actor=)``), before its optimizer step: the noted micro-batches again, no grad, routing
         freely; both log-probs against the target (the engine's under ``rollout``, the statistics pass's under
         ``train``). Runs on every rank (a pipeline schedule) when the update replayed."""
         noted, self._noted = self._noted, []
