@@ -112,6 +112,7 @@ class RouterReplayer:
         # the update's first micro-batches and (last pipeline stage) their replayed log-probs, for compare_logp
         self._noted: list[tuple[Any, torch.Tensor | None]] = []
         self._sums = torch.zeros(5, dtype=torch.float64)  # differing pairs, pairs, |dlogp| replay, no replay, tokens
+        self._routing: torch.Tensor | None = None  # the first two, on the routers' device
         if mode == "none":
             return
         if not tcfg.num_moe_experts:
@@ -272,7 +273,10 @@ class RouterReplayer:
         if not self.enabled:
             return {}
         sums = self._sums.clone()
+        if self._routing is not None:
+            sums[:2] += self._routing.cpu()
         self._sums.zero_()
+        self._routing = None
         if dist.is_initialized():
             from megatron_rlvr.runtime import distributed
 
@@ -322,15 +326,18 @@ class RouterReplayer:
         return self._to_local(real, packed)
 
     def _count_mismatch(self, chunk: _Chunk, seqs: SequenceBatch, packed: PackedLayout | None) -> None:
-        real = self._real(seqs, packed)
+        """Counted where the router ran (no host sync per layer: the counts stay on its device until `metrics`)."""
+        real = None
         for hook in chunk.hooks:
             if hook.own is None:
                 continue
-            own, chosen = hook.own.cpu(), hook.chosen.cpu()
-            counted = real & (hook.target.cpu()[:, 0] >= 0)
+            own, chosen = hook.own, hook.chosen
+            if real is None:
+                real = self._real(seqs, packed).to(own.device)
+            counted = real & (hook.target.to(own.device)[:, 0] >= 0)
             differs = (own.sort(dim=-1).values != chosen.sort(dim=-1).values).any(dim=-1)
-            self._sums[0] += float((differs & counted).sum())
-            self._sums[1] += float(counted.sum())
+            counts = torch.stack([(differs & counted).sum(), counted.sum()]).double()
+            self._routing = counts if self._routing is None else self._routing + counts
 
     def _keep(self, chunk: _Chunk, store: torch.Tensor, rows: list[int], seqs: SequenceBatch, packed) -> None:
         """Put the micro-batch's routing (this chunk's layers, this rank's tokens) into ``store`` at its rows."""

@@ -72,7 +72,9 @@ def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_siz
     return actor
 
 
-def _train_worker(hf_dir: str, pp: int, ep: int, pack: bool, perturb: float, micro_batch_size: int = 1):
+def _train_worker(
+    hf_dir: str, pp: int, ep: int, pack: bool, perturb: float, micro_batch_size: int = 1, mini_batches: int = 1
+):
     from megatron_rlvr.runtime.distributed import model_parallel
 
     with model_parallel(tp=1, pp=pp, seed=11, ep=ep, etp=1):
@@ -82,8 +84,32 @@ def _train_worker(hf_dir: str, pp: int, ep: int, pack: bool, perturb: float, mic
         recorded = batch.routed_experts.clone()
         if perturb:
             _perturb_routers(actor.model_chunks, perturb)
-        metrics = actor.update(batch, mini_batches=1)
-        return recorded, actor.replay.captured[-1], metrics
+        metrics = actor.update(batch, mini_batches=mini_batches)
+        return recorded, torch.cat(actor.replay.captured[-mini_batches:]), metrics
+
+
+def _reference_worker(hf_dir: str, noise: float):
+    """The policy's routers perturbed before the statistics pass: the frozen reference (the initial weights)
+    replays the routing the policy recorded."""
+    from megatron_rlvr.actor.config import ActorConfig
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
+    from megatron_rlvr.algos.config import AlgoConfig
+    from megatron_rlvr.models.config import ModelConfig
+    from megatron_rlvr.runtime.distributed import model_parallel
+
+    with model_parallel(tp=1, pp=1, seed=11, ep=2, etp=1):
+        actor = MegatronActor(
+            ModelConfig(hf_dir=hf_dir),
+            ActorConfig(ep=2, micro_batch_size=2, lr=1e-3, router_replay="train"),
+            AlgoConfig(loss="casp", tau_q=0.5, kl_coef=0.1),
+            temperature=TEMPERATURE,
+            total_steps=2,
+        )
+        _perturb_routers(actor.model_chunks, noise)
+        batch = _batch(actor.vocab_size)
+        batch.old_logp = actor.compute_old_logp(batch)
+        batch.ref_logp = actor.compute_ref_logp(batch)
+        return batch.routed_experts, batch.ref_logp
 
 
 def _rollout_worker(hf_dir: str, pp: int, ep: int, routed: torch.Tensor, engine_logp: torch.Tensor, mbs: int):
@@ -165,10 +191,14 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "pp, ep, pack", [(1, 2, True), (2, 1, True), (1, 1, False)], ids=["ep2-dp2-packed", "pp2-packed", "dp2-padded"]
+    "pp, ep, pack, mini",
+    [(1, 2, True, 1), (2, 1, True, 1), (1, 1, False, 1), (1, 2, True, 3)],
+    ids=["ep2-dp2-packed", "pp2-packed", "dp2-padded", "ep2-dp2-packed-3-mini-batches"],
 )
-def test_train_mode_update_routes_exactly_as_the_statistics_pass_recorded(workers2, moe_dir, pp, ep, pack):
-    results = workers2.run(_train_worker, moe_dir, pp, ep, pack, 0.0)
+def test_train_mode_update_routes_exactly_as_the_statistics_pass_recorded(workers2, moe_dir, pp, ep, pack, mini):
+    """With 3 mini-batches the later ones run after optimizer steps: their routers may choose otherwise (counted in
+    moe/routing_mismatch), they still route as recorded."""
+    results = workers2.run(_train_worker, moe_dir, pp, ep, pack, 0.0, 1, mini)
     (recorded, update_routing, metrics), other = results
     real = _real()
     assert recorded.shape == (len(LENGTHS), max(LENGTHS), 3, 2)
@@ -178,8 +208,9 @@ def test_train_mode_update_routes_exactly_as_the_statistics_pass_recorded(worker
     hf_routed, _ = _hf_routing_and_logp(_hf_model(moe_dir)[0], _batch(1001).tokens)
     assert bool(_same_sets(recorded[real].long(), hf_routed[real]).all())
     assert torch.equal(update_routing[real], recorded[real])
-    print(f"pp={pp} ep={ep} pack={pack}: {metrics}")
-    assert metrics["moe/routing_mismatch"] == 0.0
+    print(f"pp={pp} ep={ep} pack={pack} mini-batches={mini}: {metrics}")
+    if mini == 1:
+        assert metrics["moe/routing_mismatch"] == 0.0
 
 
 def _mean_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -243,3 +274,20 @@ def test_rollout_mode_routes_onto_the_engines_experts(workers2, moe_dir, pp, ep,
     assert with_replay == pytest.approx(_mean_abs(forced_logp, engine_logp, mask), rel=1e-4)
     assert without == pytest.approx(_mean_abs(free_logp, engine_logp, mask), rel=1e-4)
     assert 0 < with_replay < without
+
+
+def test_train_mode_reference_replays_the_policys_recorded_routing(workers2, moe_dir):
+    """The reference's log-probs are transformers' forward of the initial weights forced onto the routing the
+    (perturbed) policy recorded, not its own forward."""
+    (recorded, ref_logp), _ = workers2.run(_reference_worker, moe_dir, NOISE)
+    batch, real = _batch(1001), _real()
+    moved_routed, _ = _hf_routing_and_logp(_hf_model(moe_dir, router_noise=NOISE)[0], batch.tokens)
+    assert bool(_same_sets(recorded[real].long(), moved_routed[real]).all())
+    own = _hf_model(moe_dir)[0]
+    _, forced_logp = _hf_routing_and_logp(own, batch.tokens, forced=recorded.long().clamp_min(0))
+    _, free_logp = _hf_routing_and_logp(own, batch.tokens)
+    mask = batch.response_mask
+    rel = ((ref_logp - forced_logp).abs() / forced_logp.abs().clamp_min(1e-12))[mask].max().item()
+    print(f"reference replaying the policy's routing vs transformers forced onto it: max rel {rel:.2e}")
+    assert rel <= REL
+    assert (ref_logp - free_logp).abs()[mask].max() > 1e-3  # its own routing would give other log-probs
