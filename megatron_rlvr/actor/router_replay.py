@@ -208,9 +208,11 @@ class RouterReplayer:
         """Around one model call on micro-batch ``mb``: its rows ``mb.seqs``, run as the stream ``mb.packed`` or
         (None) as the padded block."""
         seqs, packed = mb.seqs, mb.packed
-        chunk = self._chunks.get(id(getattr(model, "module", model)))
+        while hasattr(model, "module"):  # DDP (and any other wrapper) around the chunk the hooks were put on
+            model = model.module
+        chunk = self._chunks.get(id(model))
         p = self._pass
-        if chunk is None or p is None or not chunk.hooks:
+        if chunk is None or p is None:  # (a chunk without MoE layers still takes part: it notes the micro-batch)
             yield
             return
         if p.action == "replay":

@@ -190,6 +190,25 @@ def moe_dir(tmp_path_factory):
     return str(make_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("replay") / "moe", seed=51))
 
 
+@pytest.fixture(scope="module")
+def moe_dir_dense_first(tmp_path_factory):
+    """Layers 0 and 1 dense: at PP=2 the first stage holds no MoE layer."""
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
+
+    out = tmp_path_factory.mktemp("replay_dense_first") / "moe"
+    return str(make_tiny_hf_model("qwen3_moe", out, seed=51, mlp_only_layers=[0, 1]))
+
+
+def test_train_mode_at_pp2_with_a_stage_without_moe_layers(workers2, moe_dir_dense_first):
+    (recorded, update_routing, metrics), _ = workers2.run(_train_worker, moe_dir_dense_first, 2, 1, True, 0.0)
+    real = _real()
+    assert recorded.shape == (len(LENGTHS), max(LENGTHS), 2, 2)
+    hf_routed, _ = _hf_routing_and_logp(_hf_model(moe_dir_dense_first)[0], _batch(1001).tokens)
+    assert bool(_same_sets(recorded[real].long(), hf_routed[real]).all())
+    assert torch.equal(update_routing[real], recorded[real])
+    assert metrics["moe/routing_mismatch"] == 0.0 and metrics["moe/logp_mismatch_replay"] == 0.0
+
+
 @pytest.mark.parametrize(
     "pp, ep, pack, mini",
     [(1, 2, True, 1), (2, 1, True, 1), (1, 1, False, 1), (1, 2, True, 3)],
