@@ -55,7 +55,7 @@ def _perturb_routers(chunks, scale: float) -> None:
                     module.weight.add_(scale * torch.randn(module.weight.shape, generator=g))
 
 
-def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_size: int):
+def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_size: int, **actor_overrides):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
@@ -63,7 +63,15 @@ def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_siz
 
     actor = MegatronActor(
         ModelConfig(hf_dir=hf_dir),
-        ActorConfig(pp=pp, ep=ep, micro_batch_size=micro_batch_size, lr=1e-3, pack_sequences=pack, router_replay=mode),
+        ActorConfig(
+            pp=pp,
+            ep=ep,
+            micro_batch_size=micro_batch_size,
+            lr=1e-3,
+            pack_sequences=pack,
+            router_replay=mode,
+            **actor_overrides,
+        ),
         AlgoConfig(loss="casp", tau_q=0.5),
         temperature=TEMPERATURE,
         total_steps=2,
@@ -73,12 +81,19 @@ def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_siz
 
 
 def _train_worker(
-    hf_dir: str, pp: int, ep: int, pack: bool, perturb: float, micro_batch_size: int = 1, mini_batches: int = 1
+    hf_dir: str,
+    pp: int,
+    ep: int,
+    pack: bool,
+    perturb: float,
+    micro_batch_size: int = 1,
+    mini_batches: int = 1,
+    **actor_overrides,
 ):
     from megatron_rlvr.runtime.distributed import model_parallel
 
-    with model_parallel(tp=1, pp=pp, seed=11, ep=ep, etp=1):
-        actor = _actor(hf_dir, "train", pp, ep, pack, micro_batch_size)
+    with model_parallel(tp=1, pp=pp, vpp=actor_overrides.get("vpp"), seed=11, ep=ep, etp=1):
+        actor = _actor(hf_dir, "train", pp, ep, pack, micro_batch_size, **actor_overrides)
         batch = _batch(actor.vocab_size)
         batch.old_logp = actor.compute_old_logp(batch)
         recorded = batch.routed_experts.clone()
@@ -188,6 +203,23 @@ def moe_dir(tmp_path_factory):
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     return str(make_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("replay") / "moe", seed=51))
+
+
+@pytest.mark.parametrize(
+    "pp, ep, overrides",
+    [(2, 1, {"vpp": 2}), (1, 2, {"recompute": "full"})],
+    ids=["pp2-vpp2-interleaved", "ep2-recompute-full"],
+)
+def test_train_mode_replays_under_the_interleaved_schedule_and_full_recompute(workers2, moe_dir, pp, ep, overrides):
+    """VPP: each rank holds two chunks, each with its own MoE layers; full recompute: the backward's recomputed
+    forward routes as the forward did."""
+    (recorded, update_routing, metrics), _ = workers2.run(_train_worker, moe_dir, pp, ep, True, 0.0, 1, 1, **overrides)
+    real = _real()
+    hf_routed, _ = _hf_routing_and_logp(_hf_model(moe_dir)[0], _batch(1001).tokens)
+    assert bool(_same_sets(recorded[real].long(), hf_routed[real]).all())
+    assert torch.equal(update_routing[real], recorded[real])
+    print(f"{overrides}: {metrics}")
+    assert metrics["moe/routing_mismatch"] == 0.0 and metrics["moe/logp_mismatch_replay"] == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +342,16 @@ def test_train_mode_reference_replays_the_policys_recorded_routing(workers2, moe
     print(f"reference replaying the policy's routing vs transformers forced onto it: max rel {rel:.2e}")
     assert rel <= REL
     assert (ref_logp - free_logp).abs()[mask].max() > 1e-3  # its own routing would give other log-probs
+
+
+def test_full_recompute_replays_in_the_backward_too(workers2, moe_dir):
+    """Routers perturbed between the passes, so the own routing differs from the recorded one: the gradient with
+    full recompute (the backward re-runs each layer's forward) equals the one without."""
+    (_, _, plain), _ = workers2.run(_train_worker, moe_dir, 1, 2, True, NOISE, 3)
+    (_, routing, recomputed), _ = workers2.run(_train_worker, moe_dir, 1, 2, True, NOISE, 3, 1, recompute="full")
+    print(
+        f"grad_norm without / with full recompute: {plain['actor/grad_norm']:.8g} / {recomputed['actor/grad_norm']:.8g}"
+    )
+    assert recomputed["moe/routing_mismatch"] > 0.05
+    assert recomputed["actor/grad_norm"] == pytest.approx(plain["actor/grad_norm"], rel=REL)
+    assert recomputed["actor/loss"] == pytest.approx(plain["actor/loss"], rel=REL)
