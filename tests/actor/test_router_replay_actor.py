@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = pytest.mark.dist
 
 REL = 1e-5
 LENGTHS = [12, 7, 10, 5, 9, 11]
