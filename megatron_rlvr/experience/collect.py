@@ -10,6 +10,8 @@ whose tokens are masked out, so no layout or micro-batch split changes with the 
 Routing replay (``actor.router_replay: rollout``, docs/routing-replay.md): each completion's
 ``Completion.routed_experts`` (the engine's experts of every prompt and response token) goes into
 ``SequenceBatch.routed_experts`` at the tokens' positions, -1 on padding; an engine that returned none is an error.
+The ids move: the completions drop theirs once the batch holds them (the largest per-token payload of a step, sent
+once over the wire under separate placement).
 
 Determinism (exact resume): round r of step s samples with seeds that are a function of (run seed, s, r, rollout
 rank), and the prompts come from the loader's stream in order, so a run that resumes at step s draws and samples
@@ -297,7 +299,8 @@ def to_batch(
 def routed_experts_of(completions: list[Completion], spans: list[tuple[int, int]], length: int) -> torch.Tensor:
     """Each completion's [prompt + response tokens, MoE layers, top_k] expert ids -> [B, length, L, k] int16,
     right-padded with -1 like the tokens (-1: no routing known; the actor's router chooses there). An engine may
-    leave out the last token (never fed back to the model): its row is -1 too."""
+    leave out the last token (never fed back to the model): its row is -1 too. The completions give theirs up
+    (None afterwards); on an error nothing has changed."""
     rows = []
     for i, (c, (p, r)) in enumerate(zip(completions, spans)):
         ids = c.routed_experts
@@ -319,4 +322,6 @@ def routed_experts_of(completions: list[Completion], spans: list[tuple[int, int]
     out = torch.full((len(rows), length, *rows[0].shape[1:]), -1, dtype=torch.int16)
     for i, ids in enumerate(rows):
         out[i, : ids.shape[0]] = ids.to(torch.int16)
+    for c in completions:  # moved, not copied: the batch holds them now
+        c.routed_experts = None
     return out

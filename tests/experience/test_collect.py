@@ -289,6 +289,7 @@ def test_rollout_replay_carries_the_engines_routed_experts_like_the_tokens(short
         j = torch.arange(kept)[:, None, None]
         assert torch.equal(routed[i, :kept].long(), ((j + torch.arange(3)[:, None] + torch.arange(2)) % 8))
         assert bool((routed[i, kept:] == -1).all())  # padding (and a token the engine left out): not routed
+    assert all(c.routed_experts is None for group in exp.completions for c in group)  # moved into the batch
     # micro-batches select rows: the routing travels with them
     assert torch.equal(exp.batch.select(torch.tensor([2, 0])).routed_experts, routed[[2, 0]])
 
