@@ -7,6 +7,12 @@ has ``trainer.prompts_per_step`` informative groups (extra ones beyond that are 
 trains what it has. The batch keeps its shape (prompts_per_step groups): a short step is padded with dropped groups
 whose tokens are masked out, so no layout or micro-batch split changes with the luck of the draw.
 
+Routing replay (``actor.router_replay: rollout``, docs/routing-replay.md): each completion's
+``Completion.routed_experts`` (the engine's experts of every prompt and response token) goes into
+``SequenceBatch.routed_experts`` at the tokens' positions, -1 on padding; an engine that returned none is an error.
+The ids move: the completions drop theirs once the batch holds them (the largest per-token payload of a step, sent
+once over the wire under separate placement).
+
 Determinism (exact resume): round r of step s samples with seeds that are a function of (run seed, s, r, rollout
 rank), and the prompts come from the loader's stream in order, so a run that resumes at step s draws and samples
 exactly what an uninterrupted run would have.
@@ -24,11 +30,17 @@ import torch.distributed as dist
 from megatron_rlvr.actor.batch import SequenceBatch
 from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.data import PromptItem
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.rollout import Completion, EngineDiedError, RolloutConfig, RolloutEngine, Sampling
 
 if TYPE_CHECKING:
     from megatron_rlvr.config import Config
     from megatron_rlvr.data import PromptLoader
+
+
+class RoutingMissingError(UserError, ValueError):
+    """actor.router_replay=rollout, but a completion came back without its routing, or with routing of another
+    shape than its tokens."""
 
 
 @dataclass
@@ -203,7 +215,7 @@ def collect(
     rewards = torch.cat([g.rewards for g in chosen])
     advantages, keep = compute_advantages(rewards, cfg.rollout.group_size, cfg.algo)
     items, completions = [g.item for g in chosen], [g.completions for g in chosen]
-    batch, engine_logp = to_batch(items, completions, advantages, pad_id)
+    batch, engine_logp = to_batch(items, completions, advantages, pad_id, cfg.actor.router_replay == "rollout")
     # dropped groups padding a short step keep their place (fixed batch shape) but contribute no tokens
     batch.response_mask &= keep[:, None]
     if cfg.algo.mask_truncated:  # DAPO overlong filtering: a response cut at the budget trains no tokens
@@ -251,12 +263,17 @@ def _sampled_metrics(groups: list[_Group], penalized: bool) -> dict[str, float]:
 
 
 def to_batch(
-    items: list[PromptItem], completions: list[list[Completion]], advantages: torch.Tensor, pad_id: int
+    items: list[PromptItem],
+    completions: list[list[Completion]],
+    advantages: torch.Tensor,
+    pad_id: int,
+    routed_experts: bool = False,
 ) -> tuple[SequenceBatch, torch.Tensor]:
     """Right-padded prompt + response sequences, one length for the whole step (pipeline stages exchange
     fixed-shape activations). The engine's per-token log-probs, placed at the same positions, are the batch's
     ``rollout_logp`` (what the rollout correction reads) and come back beside it (the mismatch metric). The first
-    ``Completion.prefix_len`` response tokens (a weaker model's prefix) are context only: masked out."""
+    ``Completion.prefix_len`` response tokens (a weaker model's prefix) are context only: masked out.
+    ``routed_experts``: the engine's routing of every sequence, placed like its tokens (`routed_experts_of`)."""
     seqs, spans, engine, prefixes = [], [], [], []
     for item, group in zip(items, completions):
         for c in group:
@@ -273,4 +290,38 @@ def to_batch(
         mask[i, p - 1 + k : p - 1 + r] = True  # position t predicts token t + 1
         if lp:
             engine_logp[i, p - 1 : p - 1 + len(lp)] = torch.tensor(lp[:r])
-    return SequenceBatch(tokens, mask, advantages.float(), rollout_logp=engine_logp), engine_logp
+    batch = SequenceBatch(tokens, mask, advantages.float(), rollout_logp=engine_logp)
+    if routed_experts:
+        batch.routed_experts = routed_experts_of([c for group in completions for c in group], spans, length)
+    return batch, engine_logp
+
+
+def routed_experts_of(completions: list[Completion], spans: list[tuple[int, int]], length: int) -> torch.Tensor:
+    """Each completion's [prompt + response tokens, MoE layers, top_k] expert ids -> [B, length, L, k] int16,
+    right-padded with -1 like the tokens (-1: no routing known; the actor's router chooses there). An engine may
+    leave out the last token (never fed back to the model): its row is -1 too. The completions give theirs up
+    (None afterwards); on an error nothing has changed."""
+    rows = []
+    for i, (c, (p, r)) in enumerate(zip(completions, spans)):
+        ids = c.routed_experts
+        if ids is None:
+            raise RoutingMissingError(
+                "actor.router_replay=rollout: the rollout engine returned no routed_experts for completion "
+                f"{i} (an engine that captures its MoE routing is needed, or actor.router_replay=none|train)"
+            )
+        ids = torch.as_tensor(ids)
+        if ids.dim() != 3 or ids.shape[0] not in (p + r, p + r - 1) or (rows and ids.shape[1:] != rows[0].shape[1:]):
+            want = (
+                f"[{p + r}, MoE layers, top_k]" if not rows else f"[{p + r}, {', '.join(map(str, rows[0].shape[1:]))}]"
+            )
+            raise RoutingMissingError(
+                f"Completion.routed_experts of completion {i}: expected {want} (prompt + response tokens), "
+                f"got {list(ids.shape)}"
+            )
+        rows.append(ids)
+    out = torch.full((len(rows), length, *rows[0].shape[1:]), -1, dtype=torch.int16)
+    for i, ids in enumerate(rows):
+        out[i, : ids.shape[0]] = ids.to(torch.int16)
+    for c in completions:  # moved, not copied: the batch holds them now
+        c.routed_experts = None
+    return out

@@ -1,6 +1,7 @@
 """Experience collection on one process with a scripted engine and verifier: dynamic sampling refills the batch from
 the prompt stream (and stops after rollout.refill_max_rounds), the stream stays resumable, the soft overlong penalty
-by hand, algo.mask_truncated, and the engine's log-probs reaching the batch."""
+by hand, algo.mask_truncated, the engine's log-probs reaching the batch, and (actor.router_replay=rollout) the
+engine's routed experts reaching it at the tokens' positions."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_rlvr.actor.config import ActorConfig
 from megatron_rlvr.algos import AlgoConfig
 from megatron_rlvr.config import load_config
 from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.errors import ConfigError
-from megatron_rlvr.experience.collect import collect, overlong_penalty
+from megatron_rlvr.experience.collect import RoutingMissingError, collect, overlong_penalty
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout import Completion, RolloutConfig
 from megatron_rlvr.testing.engines import ScriptedEngineBase
@@ -69,8 +71,10 @@ def _cfg(
     mask_truncated: bool = False,
     buffer: int = 0,
     penalty: float = 1.0,
+    router_replay: str = "none",
 ):
     return SimpleNamespace(
+        actor=ActorConfig(router_replay=router_replay),
         rollout=RolloutConfig(group_size=G, max_new_tokens=max_new_tokens, refill_max_rounds=rounds),
         algo=AlgoConfig(drop_uniform_groups=drop, mask_truncated=mask_truncated),
         reward=RewardConfig(overlong_buffer=buffer, overlong_penalty=penalty),
@@ -248,3 +252,76 @@ def test_an_engine_served_elsewhere_takes_each_ranks_request_whatever_rollout_tp
     engine = Remote()
     out = generate(engine, items, cfg, run_seed=11, step=0)  # one rank, rollout.tp=2: no colocated TP group
     assert [len(group) for group in out] == [G] * 3 and engine.calls[0][0] == 3
+
+
+class RoutingEngine(ScriptedEngine):
+    """Routes token j of a sequence at MoE layer l (of 3) to experts ((j + l) % 8, (j + l + 1) % 8), a pattern the
+    test reads back. ``flaw``: "missing" returns no routing, "short" leaves out the last token (as an engine that
+    never feeds it back does), "wrong" returns 2 MoE layers instead of 3."""
+
+    def __init__(self, flaw: str = "") -> None:
+        super().__init__()
+        self.flaw = flaw
+
+    def generate(self, prompt_token_ids, n, sampling):
+        out = super().generate(prompt_token_ids, n, sampling)
+        for prompt, group in zip(prompt_token_ids, out):
+            for c in group:
+                tokens = len(prompt) + len(c.token_ids) - (self.flaw == "short")
+                j = torch.arange(tokens)[:, None, None]
+                layer = torch.arange(3)[None, :, None]
+                slot = torch.arange(2)[None, None, :]
+                c.routed_experts = None if self.flaw == "missing" else (j + layer + slot) % 8
+                if self.flaw == "wrong":
+                    c.routed_experts = c.routed_experts[:, :2]
+        return out
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_rollout_replay_carries_the_engines_routed_experts_like_the_tokens(short):
+    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    exp = _collect(loader, _cfg(drop=False, router_replay="rollout"), engine=RoutingEngine("short" if short else ""))
+    routed = exp.batch.routed_experts
+    assert routed.shape == (*exp.batch.tokens.shape, 3, 2) and routed.dtype == torch.int16
+    lengths = [2 + len(c.token_ids) for group in exp.completions for c in group]
+    for i, n in enumerate(lengths):
+        kept = n - short
+        j = torch.arange(kept)[:, None, None]
+        assert torch.equal(routed[i, :kept].long(), ((j + torch.arange(3)[:, None] + torch.arange(2)) % 8))
+        assert bool((routed[i, kept:] == -1).all())  # padding (and a token the engine left out): not routed
+    assert all(c.routed_experts is None for group in exp.completions for c in group)  # moved into the batch
+    # micro-batches select rows: the routing travels with them
+    assert torch.equal(exp.batch.select(torch.tensor([2, 0])).routed_experts, routed[[2, 0]])
+
+
+def test_without_rollout_replay_the_batch_carries_no_routing():
+    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    assert (
+        _collect(loader, _cfg(drop=False, router_replay="train"), engine=RoutingEngine()).batch.routed_experts is None
+    )
+
+
+@pytest.mark.parametrize(
+    "flaw, message",
+    [
+        ("missing", "actor.router_replay=rollout: the rollout engine returned no routed_experts for completion 0"),
+        (
+            "wrong",
+            "Completion.routed_experts of completion 1: expected [5, 3, 2] (prompt + response tokens), got [5, 2, 2]",
+        ),
+    ],
+)
+def test_rollout_replay_without_good_routing_is_one_line_naming_it(flaw, message):
+    class FirstGood(RoutingEngine):
+        def generate(self, prompt_token_ids, n, sampling):
+            out = super().generate(prompt_token_ids, n, sampling)
+            if self.flaw == "wrong":  # the first completion is fine: the second's shape is checked against it
+                out[0][0].routed_experts = (
+                    RoutingEngine().generate(prompt_token_ids[:1], 1, sampling)[0][0].routed_experts
+                )
+            return out
+
+    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    with pytest.raises(RoutingMissingError) as info:
+        _collect(loader, _cfg(drop=False, router_replay="rollout"), engine=FirstGood(flaw))
+    assert message in str(info.value) and "\n" not in str(info.value)
