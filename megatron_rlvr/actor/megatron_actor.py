@@ -47,6 +47,7 @@ from megatron_rlvr.actor.packing import (
     sequence_lengths,
     stream_tokens,
 )
+from megatron_rlvr.actor.router_replay import RouterReplayer
 from megatron_rlvr.actor.teacher import build_teacher, student_logits_at
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
@@ -113,6 +114,7 @@ class MegatronActor:
         )
         # the schedules call it after the last backward: DP grad reduce(-scatter) and tied-embedding sync over PP
         self.tcfg.finalize_model_grads_func = finalize_model_grads
+        self.replay = RouterReplayer(actor_cfg.router_replay, self.tcfg)  # before any router is built
         chunks = self._build_chunks(model_cfg)
         # The KL term's frozen reference: bare chunks (no DDP, no optimizer, no grad) in eval mode. Checkpoints do
         # not hold it: a resumed run rebuilds it from the same initial weights, which is the reference it had.
@@ -122,6 +124,7 @@ class MegatronActor:
             for c in self.reference:
                 c.requires_grad_(False)
                 c.eval()
+        self.replay.install(chunks, self.reference)  # actor.router_replay hooks on both models' routers
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=actor_cfg.use_distributed_optimizer,
@@ -289,7 +292,7 @@ class MegatronActor:
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
-            return self._forward(model, mb), partial(loss_fn, mb)
+            return self.replay.forward(model, mb, self._forward), partial(loss_fn, mb)  # replay follows mb's tokens
 
         first = micro_batches[0]
         # the whole stream's length: the schedule divides it by cp (and by tp under sequence parallelism) itself
@@ -347,7 +350,8 @@ class MegatronActor:
         def collect(mb: _MicroBatch, logits: torch.Tensor):
             return torch.zeros(()), {field: getattr(self._token_stats(logits, mb), field).float()}
 
-        outputs = self._run_schedule(micro, collect, forward_only=True, model=model)
+        with self.replay.pass_over(batch, plan, "statistics" if field == "logp" and model is self.model else "other"):
+            outputs = self._run_schedule(micro, collect, forward_only=True, model=model)
         return self._to_every_rank([o[field] for o in outputs], plan, len(batch), batch.response_mask.shape[1])
 
     def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
@@ -385,6 +389,7 @@ class MegatronActor:
                     logits, student_at = student_logits_at(self, logits, mb, seqs.teacher_ids)
                 # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
                 stats = self._token_stats(logits, mb, inplace_backward=True)
+                self.replay.note_logp(mb, stats.logp)
                 old_logp = seqs.old_logp
                 if own_old:
                     old_logp = stats.logp.detach()
@@ -411,7 +416,8 @@ class MegatronActor:
             for m in self.model:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs = self._run_schedule(micro, loss_fn, forward_only=False, model=self.model)
+            with self.replay.pass_over(mini, plan, "update", actor=self):  # then: the log-probs without replay
+                outputs = self._run_schedule(micro, loss_fn, forward_only=False, model=self.model)
             if own_old:
                 batch.old_logp = self._to_every_rank(logp_rows, plan, len(mini), mini.response_mask.shape[1])
             if self._all_finite(outputs):
@@ -434,7 +440,7 @@ class MegatronActor:
                 totals.setdefault(key, []).append(value)
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}
         metrics = finish_subset_means(across_data_parallel(metrics, summed=summed_over_data_parallel()))
-        return from_last_stage(metrics)
+        return from_last_stage(metrics) | self.replay.metrics()
 
     def _all_finite(self, outputs: list[dict]) -> bool:
         bad = any(not math.isfinite(float(o["loss"])) for o in outputs)
