@@ -21,7 +21,7 @@ class ActorConfig:
     # already set, the objective should be the policy loss alone, and a balancing term would pull the routing (and
     # so the log-probs the importance ratios compare) away from the rollout's.
     moe_aux_loss_coeff: float = 0.0
-    # Routing replay for MoE models (docs/moe.md): "train" records each MoE layer's top-k experts per token in the
+    # Routing replay for MoE models (docs/routing-replay.md): "train" records each MoE layer's top-k experts per token in the
     # step's first pass and replays them in every later pass; "rollout" replays the engine's own routing, carried
     # with the tokens (SequenceBatch.routed_experts).
     router_replay: Literal["none", "train", "rollout"] = "none"

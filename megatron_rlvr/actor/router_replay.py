@@ -119,8 +119,6 @@ class RouterReplayer:
             raise RouterReplayError(
                 f"actor.router_replay={mode} needs a mixture-of-experts model; this one is dense (no experts)"
             )
-        if tcfg.context_parallel_size > 1:
-            raise RouterReplayError(f"actor.router_replay={mode} with actor.cp > 1 is not supported yet")
         if tcfg.recompute_granularity == "full" and tcfg.pipeline_model_parallel_size > 1:
             # the pipeline's backward recomputes a micro-batch after later ones ran forward; the hooks hold one
             raise RouterReplayError(

@@ -116,10 +116,6 @@ def test_rollout_replay_needs_the_engines_ids_in_the_statistics_pass_and_the_upd
 
 
 def test_layouts_replay_does_not_follow_are_refused_naming_the_keys():
-    tcfg = _tcfg()
-    tcfg.context_parallel_size = 2
-    with pytest.raises(RouterReplayError, match=r"^actor.router_replay=train with actor.cp > 1 is not supported yet$"):
-        RouterReplayer("train", tcfg)
     with pytest.raises(
         RouterReplayError, match=r"^actor.router_replay=rollout with actor.recompute=full needs actor.pp"
     ):

@@ -92,7 +92,8 @@ def _train_worker(
 ):
     from megatron_rlvr.runtime.distributed import model_parallel
 
-    with model_parallel(tp=1, pp=pp, vpp=actor_overrides.get("vpp"), seed=11, ep=ep, etp=1):
+    cp = actor_overrides.get("cp", 1)
+    with model_parallel(tp=1, pp=pp, vpp=actor_overrides.get("vpp"), seed=11, ep=ep, etp=1, cp=cp):
         actor = _actor(hf_dir, "train", pp, ep, pack, micro_batch_size, **actor_overrides)
         batch = _batch(actor.vocab_size)
         batch.old_logp = actor.compute_old_logp(batch)
@@ -242,14 +243,15 @@ def test_train_mode_at_pp2_with_a_stage_without_moe_layers(workers2, moe_dir_den
 
 
 @pytest.mark.parametrize(
-    "pp, ep, pack, mini",
-    [(1, 2, True, 1), (2, 1, True, 1), (1, 1, False, 1), (1, 2, True, 3)],
-    ids=["ep2-dp2-packed", "pp2-packed", "dp2-padded", "ep2-dp2-packed-3-mini-batches"],
+    "pp, ep, pack, mini, cp",
+    [(1, 2, True, 1, 1), (2, 1, True, 1, 1), (1, 1, False, 1, 1), (1, 2, True, 3, 1), (1, 1, True, 1, 2)],
+    ids=["ep2-dp2-packed", "pp2-packed", "dp2-padded", "ep2-dp2-packed-3-mini-batches", "cp2-packed"],
 )
-def test_train_mode_update_routes_exactly_as_the_statistics_pass_recorded(workers2, moe_dir, pp, ep, pack, mini):
+def test_train_mode_update_routes_exactly_as_the_statistics_pass_recorded(workers2, moe_dir, pp, ep, pack, mini, cp):
     """With 3 mini-batches the later ones run after optimizer steps: their routers may choose otherwise (counted in
-    moe/routing_mismatch), they still route as recorded."""
-    results = workers2.run(_train_worker, moe_dir, pp, ep, pack, 0.0, 1, mini)
+    moe/routing_mismatch), they still route as recorded. At CP=2 each rank routes its own chunks of every sequence:
+    the ids follow the tokens into each rank's share of the stream and the record merges both shares."""
+    results = workers2.run(_train_worker, moe_dir, pp, ep, pack, 0.0, 1, mini, cp=cp)
     (recorded, update_routing, metrics), other = results
     real = _real()
     assert recorded.shape == (len(LENGTHS), max(LENGTHS), 3, 2)
