@@ -103,6 +103,8 @@ class VLLMEngine:
         """Release the engine; any later call raises EngineDiedError. Idempotent."""
         llm, self._llm = self._llm, None
         self._death = self._death or "the engine was closed"
+        if getattr(self, "_direct", None) is not None:
+            self._direct.release_lent()
         if llm is None:
             return
         try:
@@ -135,6 +137,8 @@ class VLLMEngine:
 
     def _die(self, what: str, error: BaseException) -> EngineDiedError:
         self._death = f"{what} failed: {type(error).__name__}: {error}"
+        if getattr(self, "_direct", None) is not None:
+            self._direct.release_lent()  # a dead engine computes with nothing: the export may write its slots
         return EngineDiedError(
             f"vLLM engine for {self.model_dir} died: {self._death}; rebuild it with "
             "megatron_rlvr.rollout.make_engine and sync the actor's weights into it"

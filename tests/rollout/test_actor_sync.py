@@ -48,3 +48,20 @@ def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, a
     print(f"{arch} tp={tp} pp={pp}: max |engine - actor| per sync {diffs}; the change moved log-probs {moved:.3g}")
     assert moved > 100 * TOL  # the second sync had something to carry
     assert all(d <= TOL for d in diffs), diffs
+
+
+def test_an_engine_that_adopts_lent_tensors_keeps_the_full_staging_guarantee(workers2, tiny_dirs):
+    """The CPU engine computes on the export's lent slot instead of copying it (docs/weight-sync.md): a bad stream and
+    later exports must still leave it bit for bit as it was, and the export must never write the slot it holds."""
+    from tests.rollout.sync_workers import adopted_syncs_keep_the_guarantee
+
+    results = workers2.run(adopted_syncs_keep_the_guarantee, tiny_dirs["qwen2"], SEQS, 64 << 10, timeout_s=600)
+    r0 = results[0]
+    print({k: v for k, v in r0.items() if k not in ("engine", "actor")})
+    assert r0["first"] == "ok" and r0["holding_after_first"] in ([0], [1])
+    assert r0["bad"].startswith("refused") and "shape" in r0["bad"]
+    assert r0["bit_identical_after_bad"] and r0["bit_identical_after_export"] and r0["alive"]
+    assert not any(r["lent_with_both_held"] for r in results)
+    assert r0["good"] == "ok" and r0["holding_after_good"] == [1 - r0["holding_after_first"][0]]
+    actor = next(r["actor"] for r in results if r["actor"] is not None)
+    assert max((e - a).abs().max().item() for e, a in zip(r0["engine"], actor)) <= TOL
