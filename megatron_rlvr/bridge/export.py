@@ -35,6 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.bridge.expert_export import (
+    ExpertItem,
+    ExpertLayout,
+    expert_layout,
+    expert_tensors,
+    stand_in_name,
+    with_expert_items,
+)
 from megatron_rlvr.bridge.layout import shard_to_hf
 from megatron_rlvr.bridge.lent_slots import LENDING_SEGMENTS, held_slots
 from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
@@ -78,6 +86,7 @@ class _Plan:
     pp_rank: int
     pp_ranks: list[int]  # global ranks of this rank's pipeline group, by stage
     entries: list[_PlanEntry]
+    experts: ExpertLayout | None = None  # experts laid out apart from TP: exported by bridge/expert_export.py
     exchange: _ShmExchange | None = None
     exchange_tried: bool = False
     rounds_done: int = 0  # exchange rounds so far: picks the slot, continuing across calls
@@ -99,6 +108,11 @@ def _groups():
     )
 
 
+def _local_name(m: ParamMapping, dims: ModelDims, experts: ExpertLayout | None) -> str:
+    """The name of this rank's parameter that stands for ``m`` in the plan (an expert's local twin when apart)."""
+    return stand_in_name(m.megatron, dims, experts) if experts is not None and m.expert else m.megatron
+
+
 def _raise_everywhere(problems: list[str], group) -> None:
     """One all-reduce decides whether any rank found a problem; if so all ranks raise with everyone's messages."""
     flag = torch.tensor([1 if problems else 0], dtype=torch.int64)
@@ -116,25 +130,26 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
     tp_group, pp_group, tp_rank, tp, pp_rank, mp_group = _groups()
     dims = ModelDims.from_hf(hf)
     entries, problems = local_entries(model_chunks, dims, tp)
-    if dims.experts and experts_laid_out_apart(tp):  # the gather below runs over TP and PP only (docs/moe.md)
-        problems.append("experts: exported only at EP=1 with ETP equal to TP (expert-parallel export is not built)")
     params = {e.mapping.megatron: e.param for e in entries if e.param is not None}
     cache_owner = as_chunks(model_chunks)[0]
     cached: _Plan | None = getattr(cache_owner, "_megatron_rlvr_export_plan", None)
     if cached is not None and cached.dims == dims:
         for pe in cached.entries:
-            p = params.get(pe.mapping.megatron)
+            p = params.get(_local_name(pe.mapping, dims, cached.experts))
             if pe.owner_stage == pp_rank and (p is None or tuple(p.shape) != pe.local_shape):
                 problems.append(f"{pe.mapping.megatron}: missing or re-shaped since the export plan was built")
         _raise_everywhere(problems, mp_group)
         return cached, params
+    # Experts laid out apart from TP (EP > 1 or ETP != TP) go through bridge/expert_export.py; each global expert
+    # is then planned from this rank's parameter of the same local index.
+    experts = expert_layout() if dims.experts and experts_laid_out_apart(tp) else None
     # Which stage owns which parameter: one object all-gather over the pipeline group, once.
     mine = {e.mapping.megatron: (tuple(e.param.shape), e.param.dtype) for e in entries if e.param is not None}
     stages: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(stages, mine, group=pp_group)
     plan_entries = []
     for e in entries:
-        name = e.mapping.megatron
+        name = _local_name(e.mapping, dims, experts)
         owners = [s for s, held in enumerate(stages) if name in held]
         if not owners:
             if name == "output_layer.weight" and dims.tied:
@@ -145,7 +160,7 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
         shape, dtype = stages[owner][name]
         plan_entries.append(_PlanEntry(e.mapping, owner, dtype, shape))
     _raise_everywhere(problems, mp_group)
-    plan = _Plan(dims, tp, tp_rank, pp_rank, dist.get_process_group_ranks(pp_group), plan_entries)
+    plan = _Plan(dims, tp, tp_rank, pp_rank, dist.get_process_group_ranks(pp_group), plan_entries, experts)
     cache_owner._megatron_rlvr_export_plan = plan
     PLAN_BUILDS += 1
     return plan, params
@@ -375,7 +390,8 @@ def export_hf_weights(
     pp = len(plan.pp_ranks)
     plan.lend_whole = LEND_WHOLE_CALLS and all(p.device.type == "cpu" for p in by_name.values())  # agreed below
     # others_read: every owner-stage rank builds what it broadcasts (PP > 1), else whether another TP rank receives
-    others_read, lending = _lending(plan, tp_group, receive, lend, dtype, pp)
+    # experts laid out apart come as fresh tensors (their gather is not lent): the whole call then lends nothing
+    others_read, lending = _lending(plan, tp_group, receive, lend and plan.experts is None, dtype, pp)
     entries = [pe for pe in plan.entries if not (pe.mapping.megatron == "output_layer.weight" and plan.dims.tied)]
 
     def with_lm_head(pe: _PlanEntry, tensors: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -402,7 +418,14 @@ def export_hf_weights(
         return
 
     def stream():
-        for batch in _rounds(entries, plan, _slot_bytes(plan)):
+        for batch in with_expert_items(
+            entries, plan.dims, plan.experts, lambda run: _rounds(run, plan, _slot_bytes(plan))
+        ):
+            if isinstance(batch, ExpertItem):
+                yield from expert_tensors(
+                    batch, by_name, plan.dims, plan.experts, plan.pp_rank, plan.pp_ranks, receive, dtype
+                )
+                continue
             if plan.pp_rank == batch[0].owner_stage:
                 # The owner stage builds what it broadcasts, whether or not it receives.
                 built = _gathered_round(batch, by_name, plan, tp_group, receive or pp > 1, others_read, dtype)
@@ -436,6 +459,10 @@ def export_local_shards(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan, by_name = _plan(model_chunks, hf)
+    if plan.experts is not None:  # every rank holds the same names here; an engine at the actor's TP holds all experts
+        raise BridgeError(
+            "export_local_shards: experts laid out apart from TP (EP > 1 or ETP != TP); use export_hf_weights"
+        )
     pp_group = _groups()[1]
     dims = plan.dims
 
