@@ -39,8 +39,9 @@ import torch  # noqa: E402
 from megatron_rlvr.bridge.mapping import ModelDims  # noqa: E402
 from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
+from megatron_rlvr.rollout.cpu_moe_reload import repack_cpu_experts  # noqa: E402
 from megatron_rlvr.rollout.cpu_weights import DirectLoader  # noqa: E402
-from megatron_rlvr.rollout.readback import compare_model_weights  # noqa: E402
+from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
@@ -63,6 +64,8 @@ class VLLMEngine:
         self._hf_config = _read_hf_config(self.model_dir)
         if not self.on_gpu:
             _check_cpu_model(self._hf_config, cfg)
+        if cfg.check_sync and unreadable(self._hf_config):
+            raise ValueError(f"rollout.check_sync=true: {unreadable(self._hf_config)}; set it false")
         self._asleep = False
         self._weights_discarded = False  # sleep level 2 dropped them: only update_weights brings weights back
         self._llm = self._start(dtype)
@@ -289,6 +292,8 @@ class VLLMEngine:
             llm.wake_up(tags=["weights"])  # the KV cache stays released until generation needs it
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed(stream)})
+            if not self.on_gpu:  # vLLM's reload skips the CPU experts' prepack (rollout/cpu_moe_reload.py)
+                llm.apply_model(repack_cpu_experts)
             llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
             self._weights_discarded = False
         except Exception as e:

@@ -32,21 +32,36 @@ def _change_weights(chunks) -> None:
 
 
 def sync_and_compare(
-    hf_dir: str, tp: int, pp: int, seqs: list[list[int]], bucket_bytes: int, lend: bool = False, staging: str = "full"
+    hf_dir: str,
+    tp: int,
+    pp: int,
+    seqs: list[list[int]],
+    bucket_bytes: int,
+    lend: bool = False,
+    staging: str = "full",
+    ep: int = 1,
+    etp: int | None = None,
 ) -> dict:
     """Two rounds of (export -> rank 0's engine.update_weights -> log-probs on both sides); a weight change between.
-    ``lend``: rank 0 takes lent buckets (``update_weights(lent=True)``), the other ranks only serve (receive=False)."""
+    ``lend``: rank 0 takes lent buckets (``update_weights(lent=True)``), the other ranks only serve (receive=False).
+    ``ep``/``etp``: the actor's expert layout (a MoE model)."""
     from megatron_rlvr.bridge import export_hf_weights
     from megatron_rlvr.runtime import distributed
 
     engine = None
     try:
-        hf, chunks = build_chunks(hf_dir, tp, pp)
+        hf, chunks = build_chunks(hf_dir, tp, pp, ep=ep, etp=etp)
+        for chunk in chunks:
+            chunk.eval()  # forward passes only (MoE at TP > 1 runs only in eval mode on CPU, docs/moe.md)
         if dist.get_rank() == 0:
             from megatron_rlvr.rollout import RolloutConfig, make_engine
+            from megatron_rlvr.rollout.readback import unreadable
 
-            cfg = RolloutConfig(
-                max_model_len=256, kv_cache_memory_bytes=32 << 20, check_sync=True, sync_staging=staging
+            cfg = RolloutConfig(  # check_sync reads the weights back: not possible for experts (readback.unreadable)
+                max_model_len=256,
+                kv_cache_memory_bytes=32 << 20,
+                check_sync=unreadable(hf) is None,
+                sync_staging=staging,
             )
             engine = make_engine(hf_dir, cfg)
         rounds = []

@@ -20,23 +20,26 @@ def tiny_dirs(tmp_path_factory):
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("actor_sync")
-    return {arch: str(make_tiny_hf_model(arch, root / arch, seed=11)) for arch in ("qwen2", "llama")}
+    return {arch: str(make_tiny_hf_model(arch, root / arch, seed=11)) for arch in ("qwen2", "llama", "qwen3_moe")}
 
 
 @pytest.mark.parametrize(
-    "arch, tp, pp, lend, staging",
+    "arch, tp, pp, lend, staging, ep",
     [
-        ("qwen2", 2, 1, False, "full"),
-        ("llama", 2, 1, False, "full"),
-        ("llama", 1, 2, False, "full"),
+        ("qwen2", 2, 1, False, "full", 1),
+        ("llama", 2, 1, False, "full", 1),
+        ("llama", 1, 2, False, "full", 1),
         # lent buckets (views of shared memory, reused two buckets later), rank 1 serving only
-        ("qwen2", 2, 1, True, "full"),
-        ("llama", 2, 1, True, "full"),
-        ("qwen2", 2, 1, True, "streaming"),
+        ("qwen2", 2, 1, True, "full", 1),
+        ("llama", 2, 1, True, "full", 1),
+        ("qwen2", 2, 1, True, "streaming", 1),
+        # Qwen3-MoE (mixed dense/MoE layers) from an actor at EP=2 (experts from their EP owners), and TP=2 x EP=2
+        ("qwen3_moe", 1, 1, False, "full", 2),
+        ("qwen3_moe", 2, 1, True, "full", 2),
     ],
 )
-def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, arch, tp, pp, lend, staging):
-    args = (tiny_dirs[arch], tp, pp, SEQS, 64 << 10, lend, staging)
+def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, arch, tp, pp, lend, staging, ep):
+    args = (tiny_dirs[arch], tp, pp, SEQS, 64 << 10, lend, staging, ep, 1 if ep > 1 else None)
     results = workers2.run(sync_and_compare, *args, timeout_s=600)
     engine_side = results[0]["rounds"]
     actor_side = next(r["rounds"] for r in results if r["rounds"][0]["actor"] is not None)
