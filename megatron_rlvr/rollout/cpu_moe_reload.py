@@ -1,6 +1,7 @@
 """After vLLM's in-place ``reload_weights`` on CPU, put the fused-MoE experts back into the layout its CPU kernel reads.
 
-vLLM 0.32's CPU experts (``fused_moe/experts/cpu_moe.py``, ``CPUUnquantizedExperts``) prepack ``w13_weight`` / ``w2_weight`` into their
+vLLM 0.32's CPU experts (``CPUUnquantizedExperts`` in vllm.model_executor.layers.fused_moe.experts.cpu_moe)
+prepack ``w13_weight`` / ``w2_weight`` into their
 grouped-GEMM layout in their ``process_weights_after_loading``; ``UnquantizedFusedMoEMethod._setup_kernel`` calls it
 on the first load only (``is_weight_update``), so a reload leaves the checkpoint's plain layout in buffers the kernel
 reads as prepacked, and the model computes garbage (measured: max |dlogp| 0.6 against transformers after reloading a
