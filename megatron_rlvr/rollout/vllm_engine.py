@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from megatron_rlvr.bridge.mapping import ModelDims  # noqa: E402
 from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
-from megatron_rlvr.rollout.cpu_moe_reload import repack_cpu_experts  # noqa: E402
+from megatron_rlvr.rollout.cpu_moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
 from megatron_rlvr.rollout.cpu_weights import DirectLoader  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
@@ -95,6 +95,8 @@ class VLLMEngine:
         private_world = contextlib.nullcontext() if self.on_gpu else _vllm_private_world()
         try:
             with private_world:
+                if not self.on_gpu:
+                    ensure_ep_group(self._hf_config)
                 llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype))
         finally:
             torch.set_num_threads = set_num_threads
