@@ -192,14 +192,14 @@ def mcore_to_hf(
         except Exception as e:
             raise ConversionError(f"{mcore_dir}: cannot read the dist checkpoint metadata: {e}") from e
         model = _meta_model(hf, torch.float32)
-        request_of = _requests(checkpoint_sharded_state_dict([model], dims.vocab)["model"])
+        request_of = _requests(checkpoint_sharded_state_dict([model], dims.vocab)["model"], dims)
         table = [m for m in mapping_table(dims) if not (m.megatron == "output_layer.weight" and dims.tied)]
         specs = []
         for m in table:
-            key, layer, shape = request_of[m.megatron]
+            key, prefix, prefix_sizes, shape = request_of[m.megatron]
             if key not in stored.keys():  # noqa: SIM118 - a checkpoint index, not a dict
                 raise ConversionError(f"{mcore_dir}: tensor {key} (for {m.megatron}) is not in the checkpoint")
-            want = ((dims.layers,) if layer is not None else ()) + tuple(shape)
+            want = prefix_sizes + tuple(shape)
             if m.kind == "vocab" and stored.shape(key)[1:] == want[1:] and stored.shape(key)[0] >= want[0]:
                 pass  # megatron's default padded rows (an actor checkpoint): only the first vocab_size are read
             elif stored.shape(key) != want:
@@ -212,11 +212,8 @@ def mcore_to_hf(
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             with _progress(len(table), "mcore-to-hf") as bar:
                 for m in table:
-                    key, layer, shape = request_of[m.megatron]
-                    if layer is None:
-                        full = stored.read(key, (0,) * len(shape), shape)
-                    else:
-                        full = stored.read(key, (layer,) + (0,) * len(shape), (1,) + shape).squeeze(0)
+                    key, prefix, _, shape = request_of[m.megatron]
+                    full = stored.read(key, prefix + (0,) * len(shape), (1,) * len(prefix) + shape).reshape(shape)
                     yield from to_hf(m, full, dims, tp=1)
                     bar.update(1)
 
@@ -230,16 +227,26 @@ def mcore_to_hf(
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _requests(model_sd: dict[str, Any]) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
-    """state-dict name -> (sharded key, global layer index or None, the per-layer tensor shape)."""
+def _requests(
+    model_sd: dict[str, Any], dims: ModelDims
+) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """state-dict name -> (sharded key, offsets of the leading axes the key adds, their sizes, the tensor's shape).
+
+    Leading axes: the layer, where megatron stacks layers under one key (a homogeneous block; a mixed dense/MoE
+    pattern keys each layer apart), then the expert (experts of one layer share one key, expert ``e`` at ``e``)."""
     out = {}
     for name, sh in model_sd.items():
         if name.endswith("_extra_state"):
             continue
         shape = tuple(sh.data.shape)
         parts = name.split(".")
-        layer = int(parts[2]) if parts[:2] == ["decoder", "layers"] else None
-        out[name] = (sh.key, layer, shape)
+        prefix: tuple[int, ...] = ()
+        sizes: tuple[int, ...] = ()
+        if parts[:2] == ["decoder", "layers"] and not sh.key.startswith(f"decoder.layers.{parts[2]}."):
+            prefix, sizes = (int(parts[2]),), (dims.layers,)
+        if parts[4:6] == ["experts", "local_experts"]:  # at EP=1 the local index is the global one
+            prefix, sizes = prefix + (int(parts[6]),), sizes + (dims.experts,)
+        out[name] = (sh.key, prefix, sizes, shape)
     return out
 
 

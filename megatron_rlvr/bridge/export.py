@@ -16,16 +16,18 @@ fresh tensors (never reused), so a consumer may keep them as long as it likes --
 Lending (``export_hf_weights(..., lend=True)``, TP ranks on one host, PP=1): every rank writes the HF pieces of its own
 shards straight into one shared output slot, laid out as the fresh buffers are, and receivers get views of that slot
 instead of copies. The re-layout is then split across the TP ranks, and a rank that only serves (``receive=False``)
-lays out the next round while the receivers consume this one. A lent tensor is valid only until this rank asks for
-the next bucket (two slots alternate); a bucket then holds whole parameters, so the parts of one ([q; k; v]) stay
-valid together. A consumer must copy whatever it keeps longer (see ``VLLMEngine.update_weights(lent=True)``).
+lays out the next round while the receivers consume this one; a bucket holds whole parameters. Where the parameters
+are in host memory (a CPU actor), a slot holds one whole call's tensors and two slots alternate between calls, so a
+lent tensor stays valid until this rank's next call but one; a consumer that keeps lent tensors past that (the CPU
+engine computing with them: no copy at all) holds their slot (`bridge/lent_slots.py`); calls then write the other
+slot, and lend nothing while every slot is held by some rank. Elsewhere (device parameters, whose host copy is only a
+hand-over) a slot holds one round and two alternate between rounds, so /dev/shm holds two buckets, not two models: a
+lent tensor is then valid only until this rank asks for the next bucket, and a consumer copies what it keeps.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import secrets
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,16 +35,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.bridge.expert_export import (
+    ExpertItem,
+    ExpertLayout,
+    expert_layout,
+    expert_tensors,
+    stand_in_name,
+    with_expert_items,
+)
 from megatron_rlvr.bridge.layout import shard_to_hf
+from megatron_rlvr.bridge.lent_slots import LENDING_SEGMENTS, held_slots
 from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
 from megatron_rlvr.bridge.mapping import ModelDims, ParamMapping, hf_shapes
+from megatron_rlvr.bridge.shm_exchange import ShmExchange as _ShmExchange
+from megatron_rlvr.bridge.shm_exchange import aligned as _aligned
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 PLAN_BUILDS = 0  # how many export plans were built in this process (the tests check the cache with it)
 SHM_EXCHANGE = True  # gather TP shards through shared memory when the TP group shares a host (tests turn it off)
+LEND_WHOLE_CALLS = True  # lend host parameters in whole-call slots (tests turn it off: the device layout, on CPU)
 SHM_SLOT_BYTES = 64 << 20  # per-rank bytes of one exchange round (at least the largest shard); two slots alternate
-_SHM_DIR = "/dev/shm"
-_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -74,10 +86,13 @@ class _Plan:
     pp_rank: int
     pp_ranks: list[int]  # global ranks of this rank's pipeline group, by stage
     entries: list[_PlanEntry]
+    experts: ExpertLayout | None = None  # experts laid out apart from TP: exported by bridge/expert_export.py
     exchange: _ShmExchange | None = None
     exchange_tried: bool = False
     rounds_done: int = 0  # exchange rounds so far: picks the slot, continuing across calls
-    lend_exchange: _ShmExchange | None = None  # lending: TP rank 0's segment of it holds each round's HF tensors
+    lend_exchange: _ShmExchange | None = None  # lending: TP rank 0's segment of it holds each call's HF tensors
+    lend_slot: int = 1  # the slot the last lending call wrote
+    lend_whole: bool = False  # whole-call slots (host parameters), else one round per slot (see the module docstring)
 
 
 def _groups():
@@ -91,6 +106,11 @@ def _groups():
         ps.get_pipeline_model_parallel_rank(),
         ps.get_model_parallel_group(),
     )
+
+
+def _local_name(m: ParamMapping, dims: ModelDims, experts: ExpertLayout | None) -> str:
+    """The name of this rank's parameter that stands for ``m`` in the plan (an expert's local twin when apart)."""
+    return stand_in_name(m.megatron, dims, experts) if experts is not None and m.expert else m.megatron
 
 
 def _raise_everywhere(problems: list[str], group) -> None:
@@ -110,25 +130,26 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
     tp_group, pp_group, tp_rank, tp, pp_rank, mp_group = _groups()
     dims = ModelDims.from_hf(hf)
     entries, problems = local_entries(model_chunks, dims, tp)
-    if dims.experts and experts_laid_out_apart(tp):  # the gather below runs over TP and PP only (docs/moe.md)
-        problems.append("experts: exported only at EP=1 with ETP equal to TP (expert-parallel export is not built)")
     params = {e.mapping.megatron: e.param for e in entries if e.param is not None}
     cache_owner = as_chunks(model_chunks)[0]
     cached: _Plan | None = getattr(cache_owner, "_megatron_rlvr_export_plan", None)
     if cached is not None and cached.dims == dims:
         for pe in cached.entries:
-            p = params.get(pe.mapping.megatron)
+            p = params.get(_local_name(pe.mapping, dims, cached.experts))
             if pe.owner_stage == pp_rank and (p is None or tuple(p.shape) != pe.local_shape):
                 problems.append(f"{pe.mapping.megatron}: missing or re-shaped since the export plan was built")
         _raise_everywhere(problems, mp_group)
         return cached, params
+    # Experts laid out apart from TP (EP > 1 or ETP != TP) go through bridge/expert_export.py; each global expert
+    # is then planned from this rank's parameter of the same local index.
+    experts = expert_layout() if dims.experts and experts_laid_out_apart(tp) else None
     # Which stage owns which parameter: one object all-gather over the pipeline group, once.
     mine = {e.mapping.megatron: (tuple(e.param.shape), e.param.dtype) for e in entries if e.param is not None}
     stages: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(stages, mine, group=pp_group)
     plan_entries = []
     for e in entries:
-        name = e.mapping.megatron
+        name = _local_name(e.mapping, dims, experts)
         owners = [s for s, held in enumerate(stages) if name in held]
         if not owners:
             if name == "output_layer.weight" and dims.tied:
@@ -139,79 +160,10 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
         shape, dtype = stages[owner][name]
         plan_entries.append(_PlanEntry(e.mapping, owner, dtype, shape))
     _raise_everywhere(problems, mp_group)
-    plan = _Plan(dims, tp, tp_rank, pp_rank, dist.get_process_group_ranks(pp_group), plan_entries)
+    plan = _Plan(dims, tp, tp_rank, pp_rank, dist.get_process_group_ranks(pp_group), plan_entries, experts)
     cache_owner._megatron_rlvr_export_plan = plan
     PLAN_BUILDS += 1
     return plan, params
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-class _ShmExchange:
-    """The TP gather for ranks on one host, through shared memory instead of gloo's TCP copies.
-
-    Each rank maps a /dev/shm segment of two slots and every peer's segment. A round: each rank writes its shards
-    into its current slot (skipped when no other rank receives), one barrier, then receivers read every rank's
-    shards in place -- the re-layout's reads are the gather. Slots alternate, so a rank overwrites a slot only after
-    the next round's barrier, which every reader reaches after it is done reading that slot. The files are unlinked
-    once every rank has mapped them: nothing is left behind if a process dies.
-    """
-
-    def __init__(self, segments: list[torch.Tensor], slot_bytes: int, rank: int, group) -> None:
-        self.segments, self.slot_bytes, self.rank, self.group = segments, slot_bytes, rank, group
-
-    @classmethod
-    def open(cls, group, rank: int, slot_bytes: int) -> _ShmExchange | None:
-        """Collective over ``group``; None on every rank unless every rank mapped every segment (another host, or
-        another IPC namespace: each rank checks a token written by the segment's owner)."""
-        token = secrets.token_hex(8)
-        path = os.path.join(_SHM_DIR, f"megatron_rlvr_export_{token}")
-        mine: tuple[str, str] | None = None
-        try:
-            with open(path, "wb") as f:
-                f.truncate(2 * slot_bytes)
-            seg = torch.from_file(path, shared=True, size=2 * slot_bytes, dtype=torch.uint8)
-            seg[:16].copy_(torch.frombuffer(bytearray(token.encode()), dtype=torch.uint8))
-            mine = (path, token)
-        except (OSError, RuntimeError):  # no /dev/shm here: every rank falls back to gloo
-            seg = None
-        owners: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(owners, mine, group=group)
-        segments: list[torch.Tensor] = []
-        ok = all(o is not None for o in owners)
-        for r, owner in enumerate(owners if ok else []):
-            try:
-                peer = seg if r == rank else torch.from_file(owner[0], True, 2 * slot_bytes, dtype=torch.uint8)
-                ok = ok and bytes(peer[:16].tolist()) == owner[1].encode()
-                segments.append(peer)
-            except (OSError, RuntimeError):
-                ok = False
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped, unlink is safe
-        if mine is not None:
-            os.unlink(path)
-        return cls(segments, slot_bytes, rank, group) if flag.item() else None
-
-    def round(self, shards: list[torch.Tensor], slot: int, write: bool, read: bool) -> list[list[torch.Tensor]]:
-        """Every rank's copy of each shard (same shapes on every rank): ``out[i][r]`` is rank r's ``shards[i]``."""
-        views: list[list[torch.Tensor]] = [[] for _ in shards]
-        for seg in self.segments:
-            offset = slot * self.slot_bytes
-            for i, shard in enumerate(shards):
-                nbytes = shard.numel() * shard.element_size()
-                views[i].append(seg[offset : offset + nbytes].view(shard.dtype).view(shard.shape))
-                offset += _aligned(nbytes)
-        if write:
-            for i, shard in enumerate(shards):
-                views[i][self.rank].copy_(shard)
-        dist.barrier(group=self.group)
-        if not read:
-            return []
-        for i, shard in enumerate(shards):
-            views[i][self.rank] = shard  # its own shard: read in place, written only for the peers
-        return views
 
 
 def _assemble(
@@ -325,15 +277,20 @@ def _gathered_round(
 
 
 def _lent_round(
-    batch: list[_PlanEntry], by_name: dict[str, torch.Tensor], plan: _Plan, write: bool, read: bool, dtype
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Lending: each rank writes the HF pieces of its own shards (TP rank 0 also the replicated tensors) into the
-    shared slot of this round, one barrier, then every receiver takes views of the slot (see the module docstring).
-    The slot holds each entry's HF tensors back to back, as `_assemble`'s buffer does."""
+    batch: list[_PlanEntry],
+    by_name: dict[str, torch.Tensor],
+    plan: _Plan,
+    write: bool,
+    read: bool,
+    dtype,
+    offset: int,
+) -> tuple[list[list[tuple[str, torch.Tensor]]], int]:
+    """Lending: each rank writes the HF pieces of its own shards (TP rank 0 also the replicated tensors) into this
+    call's shared slot from byte ``offset`` on, one barrier, then every receiver takes views of the slot (see the
+    module docstring). The slot holds each entry's HF tensors back to back, as `_assemble`'s buffer does. Returns the
+    tensors and the offset after them."""
     exchange = plan.lend_exchange
-    slot = plan.rounds_done % 2
-    plan.rounds_done += 1
-    segment, offset = exchange.segments[0], slot * exchange.slot_bytes
+    segment = exchange.segments[0]
     out = []
     for pe in batch:
         nbytes = _hf_bytes(pe, plan, dtype)
@@ -342,24 +299,44 @@ def _lent_round(
         if write and (pe.mapping.tp_dim is not None or plan.tp_rank == 0):
             _write_pieces(pe, outs, by_name[pe.mapping.megatron].detach(), plan.tp_rank, plan)
         out.append(list(outs.items()))
-    dist.barrier(group=exchange.group)  # every rank has written this slot; slots alternate (see `_ShmExchange`)
-    return out if read else [[] for _ in batch]
+    dist.barrier(group=exchange.group)  # every rank has written this round; the next call writes the other slot
+    return (out if read else [[] for _ in batch]), offset
 
 
 def _lending(plan: _Plan, tp_group, receive: bool, lend: bool, dtype, pp: int) -> tuple[bool, bool]:
-    """(others_read, lending) for this call, agreed by the TP group (a collective). Lending needs the shared-memory
-    exchange, PP=1, one output dtype on every rank, and at least one rank asking for it."""
+    """(others_read, lending) for this call, agreed by the TP group (a collective); sets ``plan.lend_slot`` when
+    lending. Lending needs the shared-memory exchange, PP=1, one output dtype on every rank, at least one rank
+    asking for it, and a slot no rank holds (the one not written last, if free)."""
     if plan.tp == 1 or pp > 1:
         return pp > 1, False
     wishes: list[Any] = [None] * plan.tp
-    dist.all_gather_object(wishes, (bool(receive), bool(lend), str(dtype)), group=tp_group)
+    mine = (bool(receive), bool(lend), str(dtype), held_slots(plan.lend_exchange), plan.lend_whole)
+    dist.all_gather_object(wishes, mine, group=tp_group)
     others_read = any(w[0] for i, w in enumerate(wishes) if i != plan.tp_rank)
     lending = plan.exchange is not None and any(w[0] and w[1] for w in wishes) and len({w[2] for w in wishes}) == 1
     if lending:
-        need = max(plan.tp * _slot_bytes(plan), max(_hf_bytes(pe, plan, dtype) for pe in plan.entries))
+        whole = plan.lend_whole = all(w[4] for w in wishes)
+        held = {i for w in wishes for i in w[3]}
+        largest = max(_hf_bytes(pe, plan, dtype) for pe in plan.entries)
+        need = (
+            sum(_hf_bytes(pe, plan, dtype) for pe in plan.entries)
+            if whole
+            else max(plan.tp * _slot_bytes(plan), largest)
+        )
         if plan.lend_exchange is None or plan.lend_exchange.slot_bytes < need:  # the same decision on every rank
+            old = plan.lend_exchange
+            if old is not None:
+                LENDING_SEGMENTS.pop(old.segments[0].data_ptr(), None)
             plan.lend_exchange = _ShmExchange.open(tp_group, plan.tp_rank, need)
-        lending = plan.lend_exchange is not None
+            held = set()  # holds are on the old exchange's memory, which this call no longer writes
+            if plan.lend_exchange is not None and whole:
+                LENDING_SEGMENTS[plan.lend_exchange.segments[0].data_ptr()] = plan.lend_exchange
+        if not whole and plan.lend_exchange is not None:  # round slots: never adopted by a consumer
+            LENDING_SEGMENTS.pop(plan.lend_exchange.segments[0].data_ptr(), None)
+        free = [i for i in (1 - plan.lend_slot, plan.lend_slot) if i not in held] if whole else [0]
+        lending = plan.lend_exchange is not None and bool(free)
+        if lending:
+            plan.lend_slot = free[0]
     return others_read, lending
 
 
@@ -411,8 +388,10 @@ def export_hf_weights(
         plan.exchange = _ShmExchange.open(tp_group, plan.tp_rank, _slot_bytes(plan)) if SHM_EXCHANGE else None
         plan.exchange_tried = True
     pp = len(plan.pp_ranks)
+    plan.lend_whole = LEND_WHOLE_CALLS and all(p.device.type == "cpu" for p in by_name.values())  # agreed below
     # others_read: every owner-stage rank builds what it broadcasts (PP > 1), else whether another TP rank receives
-    others_read, lending = _lending(plan, tp_group, receive, lend, dtype, pp)
+    # experts laid out apart come as fresh tensors (their gather is not lent): the whole call then lends nothing
+    others_read, lending = _lending(plan, tp_group, receive, lend and plan.experts is None, dtype, pp)
     entries = [pe for pe in plan.entries if not (pe.mapping.megatron == "output_layer.weight" and plan.dims.tied)]
 
     def with_lm_head(pe: _PlanEntry, tensors: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -422,10 +401,14 @@ def export_hf_weights(
             yield "lm_head.weight", tensors[0][1]
 
     def lent_buckets():
-        # One bucket per round: the slot is reused two rounds later, after every rank passed the next barrier.
+        # One bucket per round: laid out one after another in this call's slot, or each round in the other slot
         size_of = lambda pe, plan: _hf_bytes(pe, plan, dtype)  # noqa: E731
+        offset = plan.lend_slot * plan.lend_exchange.slot_bytes
         for batch in _rounds(entries, plan, min(bucket_bytes, plan.lend_exchange.slot_bytes), size_of):
-            built = _lent_round(batch, by_name, plan, others_read or receive, receive, dtype)
+            if not plan.lend_whole:
+                offset = (plan.rounds_done % 2) * plan.lend_exchange.slot_bytes
+                plan.rounds_done += 1
+            built, offset = _lent_round(batch, by_name, plan, others_read or receive, receive, dtype, offset)
             if receive:
                 bucket = [item for pe, tensors in zip(batch, built) for item in with_lm_head(pe, tensors)]
                 yield bucket if lend else [(n, t.clone()) for n, t in bucket]
@@ -435,7 +418,14 @@ def export_hf_weights(
         return
 
     def stream():
-        for batch in _rounds(entries, plan, _slot_bytes(plan)):
+        for batch in with_expert_items(
+            entries, plan.dims, plan.experts, lambda run: _rounds(run, plan, _slot_bytes(plan))
+        ):
+            if isinstance(batch, ExpertItem):
+                yield from expert_tensors(
+                    batch, by_name, plan.dims, plan.experts, plan.pp_rank, plan.pp_ranks, receive, dtype
+                )
+                continue
             if plan.pp_rank == batch[0].owner_stage:
                 # The owner stage builds what it broadcasts, whether or not it receives.
                 built = _gathered_round(batch, by_name, plan, tp_group, receive or pp > 1, others_read, dtype)
@@ -469,6 +459,10 @@ def export_local_shards(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan, by_name = _plan(model_chunks, hf)
+    if plan.experts is not None:  # every rank holds the same names here; an engine at the actor's TP holds all experts
+        raise BridgeError(
+            "export_local_shards: experts laid out apart from TP (EP > 1 or ETP != TP); use export_hf_weights"
+        )
     pp_group = _groups()[1]
     dims = plan.dims
 

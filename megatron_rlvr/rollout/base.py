@@ -33,7 +33,9 @@ class Completion:
     model (rollout/prefixes.py): context for the policy, never trained; the rest is the engine's own continuation.
 
     ``routed_experts``: MoE engines that capture their routing: [prompt + response tokens, MoE layers, top_k] expert
-    ids, the experts each token of the sequence went to (what ``actor.router_replay: rollout`` replays)."""
+    ids, the experts each token of the sequence went to (what ``actor.router_replay: rollout`` replays). The last
+    token's row is -1 where the engine never ran it through the model (vLLM: the last sampled token, whose routing
+    affects no log-prob of the sequence); rollout/routed_experts.py."""
 
     token_ids: list[int]
     logprobs: list[float]

@@ -34,6 +34,9 @@ class RolloutConfig:
     # half-updated engine, reported as dead.
     sync_staging: SyncStaging = "full"
     check_sync: bool = False  # compare engine weights with the given ones after each sync (slow)
+    # MoE engines: return each sampled sequence's routed experts (Completion.routed_experts), what
+    # actor.router_replay=rollout replays; vLLM on GPU only (rollout/routed_experts.py)
+    return_routed_experts: bool = False
     # algo.drop_uniform_groups: extra generation rounds per step to replace the groups whose rewards were all equal
     refill_max_rounds: int = 3
     # "colocated": every rank trains and serves an engine, taking turns. "separate": the last engine_ranks ranks of

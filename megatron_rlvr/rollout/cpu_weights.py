@@ -16,7 +16,14 @@ left empty) and reads everything else (norms, biases, the embedding) from plain 
  - copies plain parameters into the live ones (vocabulary rows into the first rows of the padded table);
  - commits: swaps the handles in. Until the commit nothing the model computes with is touched, so a stream that
    turns out bad leaves the engine as it was (`commit_each=False`, the engine's "full" staging).
-Lent tensors (valid only until the next bucket of the stream, `load(lent=True)`): the GEMM handles are packed copies
+Lent tensors adopted, no copy (`load(lent=True)` under "full" staging, tensors in a lending slot of the bridge's
+export, `bridge/lent_slots.py`): an fp32 linear layer whose packed parts lie back to back in one slot computes with
+torch's linear on that view of the slot, and a plain parameter sent whole (a norm, an unpadded embedding) becomes
+that view; the loader holds the slots its live tensors lie in, so the export writes the other one (or lends nothing)
+until a later commit moves them. A bad stream is never committed: the engine keeps computing on the held slot. The
+re-layout into the slot is split over the actor's TP ranks, so a sync costs each rank about a copy of its own share
+instead of that plus a copy of the whole model (docs/weight-sync.md).
+Other lent tensors (valid only until the next bucket of the stream): the GEMM handles are packed copies
 (oneDNN, sgl), and a packed weight's parts arrive in one bucket (they are one Megatron parameter); zentorch's handle
 keeps the weight itself: copied there. What waits for the commit -- plain parameters -- is copied into a twin of each
 live parameter, kept from sync to sync (no fresh memory, whose first touch costs more than the copy), and the commit
@@ -33,6 +40,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+from megatron_rlvr.bridge.lent_slots import LentSlot, hold_lent_slot, lent_slot_of, release_lent_slot
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +74,8 @@ class DirectLoader:
         # id(live parameter) -> (it, its twin): lent loads, see the module docstring
         self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buffers = _GemmBuffers()
+        self._adopted: dict[tuple[str, int], LentSlot] = {}  # ("gemm", id(layer)) / ("param", id(live)) -> its slot
+        self._holding: set[LentSlot] = set()
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> DirectLoader | None:
@@ -93,6 +104,9 @@ class DirectLoader:
         twinned: dict[int, torch.Tensor] = {}  # id(live parameter) -> it, for those whose twin was written
         swap = lent and not commit_each
         pending: dict[int, _Pending] = {}
+        lent_pending: dict[int, _Pending] = {}  # plain fp32 GEMM layers whose parts may be adopted (`swap` only)
+        adopted_gemms: list[tuple[torch.nn.Module, LentSlot]] = []
+        adopted_params: dict[int, tuple[torch.Tensor, torch.Tensor, LentSlot]] = {}  # id(live) -> (it, view, slot)
         filled: dict[int, set[int]] = {}  # id(layer) -> the parts written into its spare GEMM buffer so far
         rotated: list[torch.nn.Module] = []  # layers whose spare GEMM buffer goes live at the commit
         committed = False
@@ -106,23 +120,58 @@ class DirectLoader:
                 module.cpu_linear = fn
             for module in rotated:
                 self._buffers.rotate(module)
+                self._adopted.pop(("gemm", id(module)), None)
+            for module, slot in adopted_gemms:
+                self._buffers.adopt(module)
+                self._adopted[("gemm", id(module))] = slot
+            for key, (live, view, slot) in adopted_params.items():
+                old = live.data
+                live.data = view
+                if ("param", key) not in self._adopted and key not in self._twins:
+                    self._twins[key] = (live, old)  # ours: the twin of a later copy
+                self._adopted[("param", key)] = slot
             rotated.clear()
+            adopted_gemms.clear()
+            adopted_params.clear()
             for live, parts in copies.values():
                 for row0, t in parts.items():
                     live.narrow(0, row0, t.shape[0]).copy_(t)
             for key, live in twinned.items():
                 twin = self._twins[key][1]
-                self._twins[key] = (live, live.data)
+                if self._adopted.pop(("param", key), None) is None:
+                    self._twins[key] = (live, live.data)
+                else:  # the live data is a lent view: never written as a twin
+                    del self._twins[key]
                 live.data = twin
             handles.clear()
             copies.clear()
             twinned.clear()
+            self._hold(set(self._adopted.values()))
 
         for name, tensor in weights:
             route = self.routes[name]
             if route.gemm and _plain_gemm(route.module):
                 if _gemm_reads_weight(route.module):  # the output layer: torch's linear on the live weight (below)
                     handles.append((route.module, torch.nn.functional.linear))
+                elif id(route.module) in lent_pending or (swap and lent_slot_of(tensor) is not None):
+                    p = lent_pending.setdefault(id(route.module), _Pending(route))
+                    p.tensors[route.part] = tensor  # valid until the layer is complete: its parts share a bucket
+                    if len(p.tensors) == route.parts:
+                        del lent_pending[id(route.module)]
+                        parts = [p.tensors[i] for i in range(route.parts)]
+                        view = _adjacent(parts)
+                        slot = lent_slot_of(view) if view is not None else None
+                        if slot is not None:
+                            handles.append((route.module, _linear_on(view)))
+                            adopted_gemms.append((route.module, slot))
+                        else:
+                            buffer = self._buffers.spare(route, tensor.shape[1:])
+                            row0 = 0  # the parts' rows follow one another in the packed order (`_routes`)
+                            for part in parts:
+                                buffer.narrow(0, row0, part.shape[0]).copy_(part)
+                                row0 += part.shape[0]
+                            handles.append((route.module, _linear_on(buffer)))
+                            rotated.append(route.module)
                 else:  # into this layer's spare buffer now (lent-safe), swapped in at the commit
                     buffer = self._buffers.spare(route, tensor.shape[1:])
                     buffer.narrow(0, route.row0, tensor.shape[0]).copy_(tensor)
@@ -141,7 +190,10 @@ class DirectLoader:
                     handles.append((route.module, _prepared_gemm(route.module, parts, lent)))
             if not route.gemm or _gemm_reads_weight(route.module):
                 live = getattr(route.module, route.leaf)
-                if swap:  # a lent tensor is gone after its bucket: into the twin now, swapped in at the commit
+                slot = lent_slot_of(tensor) if swap and route.parts == 1 and tensor.shape == live.shape else None
+                if slot is not None:  # adopted at the commit (a tied table twice: the same view)
+                    adopted_params[id(live)] = (live, tensor, slot)
+                elif swap:  # a lent tensor is gone after its bucket: into the twin now, swapped in at the commit
                     owner, twin = self._twins.get(id(live), (None, None))
                     if owner is not live or twin.shape != live.shape or twin.dtype != live.dtype:
                         twin = live.detach().clone()
@@ -152,9 +204,22 @@ class DirectLoader:
                     copies.setdefault(id(live), (live, {}))[1][route.row0] = tensor
             if commit_each:
                 commit()
-        if pending or filled:  # the manifest check saw every name: only a bug here can leave a layer incomplete
+        if pending or filled or lent_pending:  # the manifest check saw every name: only a bug can leave one incomplete
             raise RuntimeError(f"direct weight load: incomplete packed layers {sorted(pending) + sorted(filled)}")
         commit()
+
+    def _hold(self, slots: set[LentSlot]) -> None:
+        """Hold exactly ``slots`` (the lending slots live tensors lie in) on this rank."""
+        for slot in slots - self._holding:
+            hold_lent_slot(slot)
+        for slot in self._holding - slots:
+            release_lent_slot(slot)
+        self._holding = slots
+
+    def release_lent(self) -> None:
+        """Stop holding lending slots (the engine closed or died: it computes with nothing any more)."""
+        self._adopted.clear()
+        self._hold(set())
 
 
 class _Unsupported(Exception):
@@ -179,6 +244,13 @@ class _GemmBuffers:
             spare = torch.empty(shape, dtype=dtype, device=module.weight.device)
             self._spare[id(module)] = spare
         return spare
+
+    def adopt(self, module: torch.nn.Module) -> None:
+        """The layer now computes on a lent view: its live buffer (if any) becomes the spare, unless it has one."""
+        key = id(module)
+        live = self._live.pop(key, None)
+        if live is not None:
+            self._spare.setdefault(key, live)
 
     def rotate(self, module: torch.nn.Module) -> None:
         """The spare goes live; the old live buffer (none while vLLM's own handle was live) becomes the spare."""
@@ -303,6 +375,12 @@ def _prepared_gemm(module: torch.nn.Module, parts: list[torch.Tensor], lent: boo
 
 def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)``, as a view when the parts already lie back to back in one buffer."""
+    view = _adjacent(parts)
+    return torch.cat(parts) if view is None else view
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts as one tensor without a copy when they lie back to back in one buffer, else None."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
@@ -313,6 +391,6 @@ def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
         adjacent = adjacent and p.storage_offset() == end and p.shape[1:] == first.shape[1:]
         end += p.numel()
     if not adjacent:
-        return torch.cat(parts)
+        return None
     rows = sum(p.shape[0] for p in parts)
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))

@@ -15,6 +15,15 @@ from collections.abc import Mapping
 
 import torch
 
+
+def unreadable(hf_config: Mapping) -> str | None:
+    """Why this model's weights cannot be read back (None: they can). Routed experts live in vLLM's fused-MoE
+    buffers, which its CPU kernel prepacks into its own layout, with no linear layer to read them through."""
+    if hf_config.get("num_experts") or hf_config.get("num_local_experts"):  # transformers 5 writes the latter
+        return "a mixture-of-experts model's experts are held prepacked by vLLM's fused MoE"
+    return None
+
+
 _PACKED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),

@@ -39,8 +39,10 @@ import torch  # noqa: E402
 from megatron_rlvr.bridge.mapping import ModelDims  # noqa: E402
 from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
+from megatron_rlvr.rollout.cpu_moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
 from megatron_rlvr.rollout.cpu_weights import DirectLoader  # noqa: E402
-from megatron_rlvr.rollout.readback import compare_model_weights  # noqa: E402
+from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
+from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
@@ -63,6 +65,8 @@ class VLLMEngine:
         self._hf_config = _read_hf_config(self.model_dir)
         if not self.on_gpu:
             _check_cpu_model(self._hf_config, cfg)
+        if cfg.check_sync and unreadable(self._hf_config):
+            raise ValueError(f"rollout.check_sync=true: {unreadable(self._hf_config)}; set it false")
         self._asleep = False
         self._weights_discarded = False  # sleep level 2 dropped them: only update_weights brings weights back
         self._llm = self._start(dtype)
@@ -91,6 +95,8 @@ class VLLMEngine:
         private_world = contextlib.nullcontext() if self.on_gpu else _vllm_private_world()
         try:
             with private_world:
+                if not self.on_gpu:
+                    ensure_ep_group(self._hf_config)
                 llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype))
         finally:
             torch.set_num_threads = set_num_threads
@@ -103,6 +109,8 @@ class VLLMEngine:
         """Release the engine; any later call raises EngineDiedError. Idempotent."""
         llm, self._llm = self._llm, None
         self._death = self._death or "the engine was closed"
+        if getattr(self, "_direct", None) is not None:
+            self._direct.release_lent()
         if llm is None:
             return
         try:
@@ -135,6 +143,8 @@ class VLLMEngine:
 
     def _die(self, what: str, error: BaseException) -> EngineDiedError:
         self._death = f"{what} failed: {type(error).__name__}: {error}"
+        if getattr(self, "_direct", None) is not None:
+            self._direct.release_lent()  # a dead engine computes with nothing: the export may write its slots
         return EngineDiedError(
             f"vLLM engine for {self.model_dir} died: {self._death}; rebuild it with "
             "megatron_rlvr.rollout.make_engine and sync the actor's weights into it"
@@ -172,8 +182,10 @@ class VLLMEngine:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         except Exception as e:
             raise self._die("generate", e) from e
+        routing = routing_of(self._hf_config) if self.cfg.return_routed_experts else None
         return [
-            [_completion(c, sampling.logprobs) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs
+            [_completion(c, sampling.logprobs, routing, len(p)) for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out, p in zip(outputs, prompt_token_ids)
         ]
 
     def _check_prompts(self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling) -> None:
@@ -285,6 +297,8 @@ class VLLMEngine:
             llm.wake_up(tags=["weights"])  # the KV cache stays released until generation needs it
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed(stream)})
+            if not self.on_gpu:  # vLLM's reload skips the CPU experts' prepack (rollout/cpu_moe_reload.py)
+                llm.apply_model(repack_cpu_experts)
             llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
             self._weights_discarded = False
         except Exception as e:
@@ -386,6 +400,8 @@ def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> d
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
     )
+    if cfg.return_routed_experts:
+        kwargs["enable_return_routed_experts"] = True
     if on_gpu:
         kwargs.update(
             distributed_executor_backend="external_launcher",
@@ -408,7 +424,7 @@ def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> d
     return kwargs
 
 
-def _completion(output: Any, with_logprobs: bool) -> Completion:
+def _completion(output: Any, with_logprobs: bool, routing: tuple | None = None, prompt_len: int = 0) -> Completion:
     token_ids = list(output.token_ids)
     logprobs: list[float] = []
     if with_logprobs:
@@ -420,7 +436,12 @@ def _completion(output: Any, with_logprobs: bool) -> Completion:
         logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, token_ids)]
     if output.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a completion with reason {output.finish_reason!r}")
-    return Completion(token_ids=token_ids, logprobs=logprobs, text=output.text, finish_reason=output.finish_reason)
+    experts = None
+    if routing is not None:
+        if output.routed_experts is None:
+            raise RuntimeError("rollout.return_routed_experts: vLLM returned no routed experts for a completion")
+        experts = routed_experts(output.routed_experts, prompt_len, len(token_ids), *routing)
+    return Completion(token_ids, logprobs, output.text, output.finish_reason, routed_experts=experts)
 
 
 def _shutdown_keeping_vllm_parallel_state(client: Any) -> None:
@@ -475,3 +496,5 @@ def _check_cpu_model(hf_config: dict[str, Any], cfg: RolloutConfig) -> None:
         )
     if cfg.tp != 1:
         raise ValueError(f"rollout.tp={cfg.tp}: a CPU engine runs in-process with TP=1")
+    if cfg.return_routed_experts:  # LLM(enable_return_routed_experts=True) fails there (rollout/routed_experts.py)
+        raise ValueError("rollout.return_routed_experts=true: vLLM-CPU cannot return routed experts (model runner V2)")

@@ -9,6 +9,9 @@ yielded, naming the tensor."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -49,17 +52,20 @@ def _export_worker(
     shm: bool = True,
     receive_ranks: tuple[int, ...] | None = None,
     lend_ranks: tuple[int, ...] = (),
+    whole: bool = True,
 ):
     from megatron_rlvr.bridge import export, export_hf_weights
     from megatron_rlvr.runtime import distributed
 
     shm_before, export.SHM_EXCHANGE = export.SHM_EXCHANGE, shm  # worker processes are shared by tests: restored
+    whole_before, export.LEND_WHOLE_CALLS = export.LEND_WHOLE_CALLS, whole
     try:
         hf, chunks = build_chunks(hf_dir, tp, pp, vpp=vpp)
         rank = torch.distributed.get_rank()
         receive, lend = receive_ranks is None or rank in receive_ranks, rank in lend_ranks
         builds = export.PLAN_BUILDS
         lent, adjacent, packed = [], True, 0
+        touched: list[int] = []  # per lent bucket: the furthest byte of its slot it reaches
 
         def run():
             # A lent bucket is valid until the next one is asked for: checked (adjacency) and copied before that.
@@ -67,6 +73,11 @@ def _export_worker(
             out = []
             for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive, lend=lend):
                 lent.append(all(_in_lend_slots(chunks, t) for _, t in b))
+                if lent[-1]:
+                    ex = chunks[0]._megatron_rlvr_export_plan.lend_exchange
+                    base = ex.segments[0].data_ptr()
+                    ends = [(t.data_ptr() - base) % ex.slot_bytes + t.numel() * t.element_size() for _, t in b]
+                    touched.append(max(ends))
                 if lent[-1]:  # a lent bucket holds whole parameters
                     adjacent = adjacent and _packed_parts_adjacent([b], require=False)
                     packed += _packed_parts_adjacent([b])
@@ -85,9 +96,12 @@ def _export_worker(
             "adjacent": adjacent and packed > 0 if any(lent) else _packed_parts_adjacent(first),
             "lent": bool(lent) and all(lent),
             "some_lent": any(lent),
+            "lend_whole": plan.lend_whole,
+            "slot_bytes_touched": max(touched, default=0),
         }
     finally:
         export.SHM_EXCHANGE = shm_before
+        export.LEND_WHOLE_CALLS = whole_before
         distributed.destroy_model_parallel()
 
 
@@ -189,12 +203,24 @@ def test_a_rank_that_does_not_receive_gets_nothing_and_the_others_everything(wor
 
 @pytest.mark.parametrize("model", ["qwen2", "llama", "small_vocab"])
 @pytest.mark.parametrize("bucket_bytes", [BUCKET_BYTES, 1 << 30])
-def test_lent_export_is_exact_and_lends_shared_memory(workers2, tiny_models, model, bucket_bytes):
-    results = workers2.run(_export_worker, tiny_models[model], 2, 1, bucket_bytes, None, True, None, (0, 1))
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-call-slots", "round-slots"])
+def test_lent_export_is_exact_and_lends_shared_memory(workers2, tiny_models, model, bucket_bytes, whole):
+    """Host parameters lend whole-call slots (a consumer may keep them, bridge/lent_slots.py); device parameters one
+    round per slot, so /dev/shm holds two rounds, not two models (``whole=False`` runs that layout on CPU)."""
+    results = workers2.run(_export_worker, tiny_models[model], 2, 1, bucket_bytes, None, True, None, (0, 1), whole)
     _check_export(results, tiny_models[model], bucket_bytes)
+    tied = json.loads((Path(tiny_models[model]) / "config.json").read_text()).get("tie_word_embeddings", False)
+    sent = {n: t for b in results[0]["buckets"] for n, t in b if not (tied and n == "lm_head.weight")}
+    model_bytes = sum(t.numel() * t.element_size() for t in sent.values())  # a tied lm_head is the embedding's view
     for r in results:
         assert r["lent"], "lend=True at TP=2 on one host: every tensor should be a view of the shared slots"
         assert r["adjacent"], "q/k/v or gate/up of a layer are not back to back in the lent slot"
+        assert r["lend_whole"] == whole
+        if whole:  # the last bucket lies at the end of one whole call's layout
+            assert r["slot_bytes_touched"] >= model_bytes
+        elif bucket_bytes == BUCKET_BYTES:  # each round from the start of its slot: one bucket (or one parameter)
+            largest = max(t.numel() * t.element_size() for t in sent.values())
+            assert r["slot_bytes_touched"] <= max(bucket_bytes, 3 * largest), (r["slot_bytes_touched"], model_bytes)
 
 
 def test_lending_to_one_rank_gives_the_other_fresh_tensors_or_nothing(workers2, tiny_models):

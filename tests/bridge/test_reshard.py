@@ -27,6 +27,8 @@ MODELS = {
         "llama",
         dict(seed=12, num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_hidden_layers=2, vocab_size=40),
     ),
+    # Qwen3-MoE: 8 experts (moe_intermediate_size 64), layer 1 dense, q/k norms, router; 4 heads over 2 kv heads
+    "moe": ("qwen3_moe", dict(seed=13)),
 }
 
 
@@ -57,7 +59,7 @@ def _hf_reference(hf_dir: str) -> dict[str, torch.Tensor]:
 def reference_slice(name: str, full: torch.Tensor, dims: ModelDims, tp: int, rank: int) -> torch.Tensor:
     """An engine rank's shard written another way than ``engine_shard`` (whole heads, chunks, explicit padding)."""
     d = dims.head_dim
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):  # norms, q/k norms, the MoE router
         return full
     if ".q_proj." in name:
         return full.unflatten(0, (dims.heads, d)).chunk(tp)[rank].flatten(0, 1)
@@ -77,7 +79,7 @@ def reference_slice(name: str, full: torch.Tensor, dims: ModelDims, tp: int, ran
 def reassemble(name: str, shards: list[torch.Tensor], dims: ModelDims) -> torch.Tensor:
     """The full tensor from every rank's shard: the split dim concatenated, one copy of each replicated kv head."""
     rule, tp = rule_of(name), len(shards)
-    if rule == "replicated":
+    if rule in ("replicated", "qk_norm", "router"):
         assert all(torch.equal(s, shards[0]) for s in shards), f"{name}: replicated shards differ"
         return shards[0]
     if rule == "kv" and tp > dims.groups:
@@ -85,16 +87,16 @@ def reassemble(name: str, shards: list[torch.Tensor], dims: ModelDims) -> torch.
         for r, s in enumerate(shards):
             assert torch.equal(s, shards[r - r % replicas]), f"{name}: replicas of one kv head differ"
         shards = shards[::replicas]
-    return torch.cat(shards, dim=1 if rule in ("o", "down") else 0)
+    return torch.cat(shards, dim=1 if rule in ("o", "down", "expert_down") else 0)
 
 
-def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], bucket_bytes: int) -> dict:
-    """Export at (tp, pp), cut every tensor for each engine TP on arrival (as an engine rank would) and compare."""
+def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], bucket_bytes: int, ep: int = 1) -> dict:
+    """Export at (tp, pp, ep), cut every tensor for each engine TP on arrival (as an engine rank would) and compare."""
     from megatron_rlvr.bridge import export_hf_weights
     from megatron_rlvr.runtime import distributed
 
     try:
-        hf, chunks = build_chunks(hf_dir, tp, pp)
+        hf, chunks = build_chunks(hf_dir, tp, pp, ep=ep, etp=1 if ep > 1 else None)
         dims, ref = _dims(hf_dir), _hf_reference(hf_dir)
         problems, seen = [], set()
         stats = {"empty_vocab_shards": 0, "replicated_kv": 0, "shards": 0}
@@ -124,10 +126,20 @@ def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "model,tp,pp", [("gqa", 1, 1), ("gqa", 2, 1), ("gqa", 1, 2), ("tied", 1, 2), ("tied", 2, 1), ("tied", 4, 1)]
+    "model,tp,pp,ep",
+    [
+        ("gqa", 1, 1, 1),
+        ("gqa", 2, 1, 1),
+        ("gqa", 1, 2, 1),
+        ("tied", 1, 2, 1),
+        ("tied", 2, 1, 1),
+        ("tied", 4, 1, 1),
+        ("moe", 1, 1, 4),  # experts from their four EP owners
+        ("moe", 2, 1, 2),
+    ],
 )
-def test_engine_shards_of_the_export_equal_the_sliced_checkpoint(workers4, tiny_models, model, tp, pp):
-    results = workers4.run(_reshard_worker, tiny_models[model], tp, pp, ENGINE_TPS, BUCKET_BYTES)
+def test_engine_shards_of_the_export_equal_the_sliced_checkpoint(workers4, tiny_models, model, tp, pp, ep):
+    results = workers4.run(_reshard_worker, tiny_models[model], tp, pp, ENGINE_TPS, BUCKET_BYTES, ep)
     dims = _dims(tiny_models[model])
     for rank, r in enumerate(results):
         assert r["problems"] == [], f"rank {rank}: {r['problems'][:5]}"
@@ -157,7 +169,7 @@ def _vllm_layers(monkeypatch, dims: ModelDims, tp: int, rank: int):
         )
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", ["gqa", "tied"])  # the MoE model's experts: the next test
 @pytest.mark.parametrize("tp", ENGINE_TPS)
 def test_engine_shard_is_what_vllms_weight_loaders_keep(monkeypatch, tiny_models, model, tp):
     """Load the checkpoint through vLLM's QKV/merged/row/vocab loaders at each rank and compare what they kept."""
@@ -214,3 +226,76 @@ def test_a_tp_vllm_cannot_split_is_refused_naming_the_tensor_and_sizes():
         engine_shard("model.norm.weight", torch.zeros(128), dims, 2, 2)
     assert engine_tp_problems(dims, 4) == [] and engine_tp_problems(dims, 8) == []
     assert len(engine_tp_problems(dims, 3)) == 4  # heads, kv heads, intermediate size, padded vocabulary
+
+
+def _fused_moe_loader(tp: int):
+    """vLLM's RoutedExperts loader methods on a stand-in layer at MoE TP ``tp`` (they read only these attributes)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    config = types.SimpleNamespace(is_act_and_mul=True, moe_parallel_config=types.SimpleNamespace(tp_size=tp))
+    return types.SimpleNamespace(
+        moe_config=config,
+        _get_hidden_dim=RoutedExperts._get_hidden_dim,
+        _narrow_expert_data_for_padding=RoutedExperts._narrow_expert_data_for_padding,
+    )
+
+
+@pytest.mark.parametrize("tp", ENGINE_TPS)
+def test_expert_shards_are_what_vllms_fused_moe_loader_keeps(tiny_models, tp):
+    """Every expert of one MoE layer through vLLM 0.32's own fused-MoE loading (its checkpoint-name mapping, then
+    ``RoutedExperts._load_w13`` / ``_load_w2`` into w13 [E, 2 * ffn/tp, H] and w2 [E, H, ffn/tp]) at each engine TP
+    rank equals ``engine_shard``'s slices; vLLM's expert-parallel placement (``determine_expert_map``) equals
+    ``expert_ranks``, and under ``ep=True`` a rank keeps its experts whole and nothing of the others."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    from megatron_rlvr.bridge.reshard import expert_ranks
+
+    dims, ref = _dims(tiny_models["moe"]), _hf_reference(tiny_models["moe"])
+    layer = f"model.layers.{dims.moe_layers[0]}.mlp."
+    mapping = RoutedExperts.build_expert_params_mapping("gate_proj", "down_proj", "up_proj", dims.experts)
+    assert {m[3] for m in mapping} == {"w1", "w2", "w3"} and len(mapping) == 3 * dims.experts
+    n, H, E = dims.moe_ffn // tp, dims.hidden, dims.experts
+    for rank in range(tp):
+        loader = _fused_moe_loader(tp)
+        w13, w2 = torch.full((E, 2 * n, H), float("nan")), torch.full((E, H, n), float("nan"))
+        for _, weight_name, expert, shard_id in mapping:  # weight_name: "experts.{e}.gate_proj."
+            full = ref[f"{layer}{weight_name}weight"]
+            if shard_id == "w2":
+                RoutedExperts._load_w2(loader, expert_data=w2[expert], shard_dim=1, loaded_weight=full, tp_rank=rank)
+            else:
+                RoutedExperts._load_w13(
+                    loader, expert_data=w13[expert], shard_dim=0, shard_id=shard_id, loaded_weight=full, tp_rank=rank
+                )
+        for e in range(E):
+            name = f"{layer}experts.{e}."
+            gate, up, down = (ref[f"{name}{p}_proj.weight"] for p in ("gate", "up", "down"))
+            want13 = torch.cat(
+                [engine_shard(f"{name}{p}_proj.weight", t, dims, tp, rank) for p, t in (("gate", gate), ("up", up))]
+            )
+            assert torch.equal(w13[e], want13), f"w13 expert {e} tp={tp} rank {rank}"
+            assert torch.equal(w2[e], engine_shard(f"{name}down_proj.weight", down, dims, tp, rank)), f"w2 expert {e}"
+    for ep in (2, 3, 4):  # 3: uneven, the first ranks hold one more
+        for rank in range(ep):
+            _, expert_map, _ = determine_expert_map(ep, rank, E)
+            held = [e for e in range(E) if expert_map[e] >= 0]
+            assert held == list(expert_ranks(E, ep)[rank]), f"ep={ep} rank {rank}"
+            for e in range(E):
+                name = f"{layer}experts.{e}.down_proj.weight"
+                shard = engine_shard(name, ref[name], dims, ep, rank, ep=True)
+                assert torch.equal(shard, ref[name]) if e in held else shard.numel() == 0, f"ep={ep} expert {e}"
+    router = f"{layer}gate.weight"
+    assert all(torch.equal(engine_shard(router, ref[router], dims, tp, r), ref[router]) for r in range(tp))
+
+
+def test_an_expert_layout_vllm_cannot_split_is_refused_naming_it(tiny_models):
+    dims = _dims(tiny_models["moe"])  # 8 experts, moe_intermediate_size 64
+    name = "model.layers.0.mlp.experts.3.up_proj.weight"
+    with pytest.raises(ReshardError, match=r"up_proj\.weight: engine tp=3 does not divide its 64 moe_intermediate"):
+        engine_shard(name, torch.zeros(64, dims.hidden), dims, 3, 0)
+    with pytest.raises(ReshardError, match=r"experts\.3\.up_proj\.weight: shape \[32, 128\], expected 64 rows"):
+        engine_shard(name, torch.zeros(32, dims.hidden), dims, 2, 0)
+    assert any("greater than the 8 experts" in p for p in engine_tp_problems(dims, 16))
+    assert any("experts' intermediate size 64" in p for p in engine_tp_problems(dims, 3))
+    assert not any("intermediate size 64" in p for p in engine_tp_problems(dims, 3, ep=True))

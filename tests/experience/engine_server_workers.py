@@ -22,9 +22,11 @@ class _ExportingActor:
         return export_hf_weights(self.chunks, self.hf, bucket_bytes=bucket_bytes, lend=lend)
 
 
-def separate_sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int]], bucket_bytes: int) -> dict:
+def separate_sync_and_compare(
+    hf_dir: str, tp: int, pp: int, seqs: list[list[int]], bucket_bytes: int, ep: int = 1
+) -> dict:
     """Split the world (last rank: the engine), send the actor's weights twice (a change between), and return each
-    side's log-probs of ``seqs`` after each transfer."""
+    side's log-probs of ``seqs`` after each transfer. ``ep``: the actor's expert-parallel size (a MoE model; ETP 1)."""
     from megatron_rlvr.experience.engine_ranks import EngineRanksSource
     from megatron_rlvr.rollout import RolloutConfig
     from megatron_rlvr.runtime import distributed
@@ -49,7 +51,9 @@ def separate_sync_and_compare(hf_dir: str, tp: int, pp: int, seqs: list[list[int
             return {"role": "engine", "rounds": rounds}
         from tests.models.mp_helpers import build_chunks
 
-        hf, chunks = build_chunks(hf_dir, tp, pp)
+        hf, chunks = build_chunks(hf_dir, tp, pp, ep=ep, etp=1 if ep > 1 else None)
+        for chunk in chunks:
+            chunk.eval()  # forward passes only (docs/moe.md: MoE at TP > 1 runs in eval mode on CPU)
         cfg = SimpleNamespace(trainer=SimpleNamespace(off_policy_steps=0, steps=2), rollout=rollout)
         source = EngineRanksSource(cfg, roles, _ExportingActor(chunks, hf), None, None, 0, start_step=0)
         rounds = [{"logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]), "transfer": source.take_transfer_metrics()}]

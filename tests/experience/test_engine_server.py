@@ -1,6 +1,7 @@
 """Separate placement: the actor at (TP, PP) = (2, 1) and (1, 2) on ranks 0-1 sends its weights to a TP-1 CPU vLLM
 engine on rank 2 (its own ranks, split from one world); after each transfer the engine's log-probs of fixed sequences
-equal the actor's (fp32, <= 1e-4), also after the weights changed."""
+equal the actor's (fp32, <= 1e-4), also after the weights changed. A Qwen3-MoE actor at EP=2 ships its experts the
+same way (each actor rank holds half of them; the export gathers them from their owners)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,16 @@ def workers3():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dirs(tmp_path_factory):
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
-    return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("engine_rank") / "qwen2", seed=11))
+    root = tmp_path_factory.mktemp("engine_rank")
+    return {arch: str(make_tiny_hf_model(arch, root / arch, seed=11)) for arch in ("qwen2", "qwen3_moe")}
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_engine_rank_logprobs_equal_the_actors_after_each_transfer(workers3, tiny_dir, tp, pp):
-    results = workers3.run(separate_sync_and_compare, tiny_dir, tp, pp, SEQS, 64 << 10, timeout_s=600)
+@pytest.mark.parametrize("arch, tp, pp, ep", [("qwen2", 2, 1, 1), ("qwen2", 1, 2, 1), ("qwen3_moe", 1, 1, 2)])
+def test_engine_rank_logprobs_equal_the_actors_after_each_transfer(workers3, tiny_dirs, arch, tp, pp, ep):
+    results = workers3.run(separate_sync_and_compare, tiny_dirs[arch], tp, pp, SEQS, 64 << 10, ep, timeout_s=600)
     assert [r["role"] for r in results] == ["actor", "actor", "engine"]
     engine = results[2]["rounds"]
     actor = next(r["rounds"] for r in results[:2] if r["rounds"][0]["logp"] is not None)  # the last stage's
@@ -43,7 +45,7 @@ def test_engine_rank_logprobs_equal_the_actors_after_each_transfer(workers3, tin
     moved = max((a - b).abs().max().item() for a, b in zip(actor[0]["logp"], actor[1]["logp"]))
     sent = results[0]["rounds"][1]["transfer"]
     print(
-        f"tp={tp} pp={pp}: max |engine - actor| per transfer {diffs}; the change moved log-probs {moved:.3g}; "
+        f"{arch} tp={tp} pp={pp} ep={ep}: max |engine - actor| per transfer {diffs}; the change moved log-probs {moved:.3g}; "
         f"second transfer {sent}"
     )
     assert sent["transfer/bytes"] > 0 and sent["transfer/buckets"] > 1  # 64 KiB buckets: many messages

@@ -44,3 +44,12 @@ def load_into_hf(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
             param.copy_(sd[name])
         if "lm_head.weight" in sd and not model.config.tie_word_embeddings:
             model.lm_head.weight.copy_(sd["lm_head.weight"])
+
+
+@torch.no_grad()
+def hf_router_topk(model: torch.nn.Module, seq: list[int], top_k: int) -> torch.Tensor:
+    """[tokens, MoE layers, top_k] the experts transformers' Qwen3-MoE router picks for each token of ``seq`` (as a
+    set per token: sorted ids), from ``output_router_logits``."""
+    out = model(torch.tensor([seq]), output_router_logits=True)
+    picks = [logits.view(len(seq), -1).topk(top_k, dim=-1).indices.sort(dim=-1).values for logits in out.router_logits]
+    return torch.stack(picks, dim=1)

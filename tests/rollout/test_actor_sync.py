@@ -20,23 +20,26 @@ def tiny_dirs(tmp_path_factory):
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("actor_sync")
-    return {arch: str(make_tiny_hf_model(arch, root / arch, seed=11)) for arch in ("qwen2", "llama")}
+    return {arch: str(make_tiny_hf_model(arch, root / arch, seed=11)) for arch in ("qwen2", "llama", "qwen3_moe")}
 
 
 @pytest.mark.parametrize(
-    "arch, tp, pp, lend, staging",
+    "arch, tp, pp, lend, staging, ep",
     [
-        ("qwen2", 2, 1, False, "full"),
-        ("llama", 2, 1, False, "full"),
-        ("llama", 1, 2, False, "full"),
+        ("qwen2", 2, 1, False, "full", 1),
+        ("llama", 2, 1, False, "full", 1),
+        ("llama", 1, 2, False, "full", 1),
         # lent buckets (views of shared memory, reused two buckets later), rank 1 serving only
-        ("qwen2", 2, 1, True, "full"),
-        ("llama", 2, 1, True, "full"),
-        ("qwen2", 2, 1, True, "streaming"),
+        ("qwen2", 2, 1, True, "full", 1),
+        ("llama", 2, 1, True, "full", 1),
+        ("qwen2", 2, 1, True, "streaming", 1),
+        # Qwen3-MoE (mixed dense/MoE layers) from an actor at EP=2 (experts from their EP owners), and TP=2 x EP=2
+        ("qwen3_moe", 1, 1, False, "full", 2),
+        ("qwen3_moe", 2, 1, True, "full", 2),
     ],
 )
-def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, arch, tp, pp, lend, staging):
-    args = (tiny_dirs[arch], tp, pp, SEQS, 64 << 10, lend, staging)
+def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, arch, tp, pp, lend, staging, ep):
+    args = (tiny_dirs[arch], tp, pp, SEQS, 64 << 10, lend, staging, ep, 1 if ep > 1 else None)
     results = workers2.run(sync_and_compare, *args, timeout_s=600)
     engine_side = results[0]["rounds"]
     actor_side = next(r["rounds"] for r in results if r["rounds"][0]["actor"] is not None)
@@ -48,3 +51,20 @@ def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, a
     print(f"{arch} tp={tp} pp={pp}: max |engine - actor| per sync {diffs}; the change moved log-probs {moved:.3g}")
     assert moved > 100 * TOL  # the second sync had something to carry
     assert all(d <= TOL for d in diffs), diffs
+
+
+def test_an_engine_that_adopts_lent_tensors_keeps_the_full_staging_guarantee(workers2, tiny_dirs):
+    """The CPU engine computes on the export's lent slot instead of copying it (docs/weight-sync.md): a bad stream and
+    later exports must still leave it bit for bit as it was, and the export must never write the slot it holds."""
+    from tests.rollout.sync_workers import adopted_syncs_keep_the_guarantee
+
+    results = workers2.run(adopted_syncs_keep_the_guarantee, tiny_dirs["qwen2"], SEQS, 64 << 10, timeout_s=600)
+    r0 = results[0]
+    print({k: v for k, v in r0.items() if k not in ("engine", "actor")})
+    assert r0["first"] == "ok" and r0["holding_after_first"] in ([0], [1])
+    assert r0["bad"].startswith("refused") and "shape" in r0["bad"]
+    assert r0["bit_identical_after_bad"] and r0["bit_identical_after_export"] and r0["alive"]
+    assert not any(r["lent_with_both_held"] for r in results)
+    assert r0["good"] == "ok" and r0["holding_after_good"] == [1 - r0["holding_after_first"][0]]
+    actor = next(r["actor"] for r in results if r["actor"] is not None)
+    assert max((e - a).abs().max().item() for e, a in zip(r0["engine"], actor)) <= TOL
