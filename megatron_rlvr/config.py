@@ -155,8 +155,13 @@ class Config:
             raise ConfigError(f"actor.moe_aux_loss_coeff: must be >= 0, got {a.moe_aux_loss_coeff}")
         if world_size is not None and world_size % (a.tp * a.pp) == 0 and (world_size // a.pp) % (a.ep * a.etp):
             raise ConfigError(
-                f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * tp = {world_size // a.pp} "
+                f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * cp * tp = {world_size // a.pp} "
                 f"(world size {world_size} / actor.pp {a.pp})"
+            )
+        if a.router_replay == "rollout" and not self.rollout.return_routed_experts:
+            raise ConfigError(
+                "actor.router_replay=rollout replays the engine's routing: set rollout.return_routed_experts=true so "
+                "the engines return it"
             )
         if model_shape:
             experts = model_shape.get("num_experts") or model_shape.get("num_local_experts")
@@ -165,6 +170,8 @@ class Config:
                     f"actor.ep={a.ep}, actor.etp={a.etp}, actor.moe_aux_loss_coeff="
                     f"{a.moe_aux_loss_coeff}: set for a dense model (no num_experts in its config)"
                 )
+            if not experts and a.router_replay != "none":
+                raise ConfigError(f"actor.router_replay={a.router_replay}: set for a dense model (no num_experts)")
             if experts and experts % a.ep:
                 raise ConfigError(f"actor.ep={a.ep} must divide the model's num_experts={experts}")
             ffn = model_shape.get("moe_intermediate_size")

@@ -77,7 +77,7 @@ def test_bad_context_parallel_layouts_name_the_keys():
         (["actor.cp=2", "actor.pack_sequences=false"], 2, r"^actor\.cp > 1 needs actor\.pack_sequences=true"),
         (["actor.cp=0"], 1, r"^actor\.cp: must be >= 1, got 0$"),
         # megatron-core forms expert groups over world / pp = dp * cp * tp ranks
-        (["actor.cp=2", "actor.ep=8"], 4, r"actor\.ep \* actor\.etp = 8 \* 1 must divide dp \* tp = 4"),
+        (["actor.cp=2", "actor.ep=8"], 4, r"actor\.ep \* actor\.etp = 8 \* 1 must divide dp \* cp \* tp = 4"),
         (
             ["actor.cp=2", "rollout.placement=separate", "rollout.engine_ranks=1"],
             4,
@@ -90,6 +90,16 @@ def test_bad_context_parallel_layouts_name_the_keys():
         assert "\n" not in str(e.value)
     load_config(None, ["actor.cp=2", "actor.ep=4"]).validate(world_size=4)  # ep over dp * cp: allowed
     load_config(None, ["actor.cp=2", "actor.tp=2"]).validate(world_size=8)
+
+
+def test_routing_replay_needs_experts_and_under_rollout_the_engines_routing():
+    with pytest.raises(ConfigError, match=r"^actor\.router_replay=rollout replays the engine's routing: set rollout\."):
+        load_config(None, ["actor.router_replay=rollout"]).validate(world_size=1)
+    with pytest.raises(ConfigError, match=r"^actor\.router_replay=train: set for a dense model \(no num_experts\)$"):
+        load_config(None, ["actor.router_replay=train"]).validate(world_size=1, model_shape={"num_hidden_layers": 4})
+    load_config(None, ["actor.router_replay=rollout", "rollout.return_routed_experts=true"]).validate(
+        world_size=2, model_shape={"num_experts": 8}
+    )
 
 
 def test_prompt_plus_answer_must_fit_the_engine_context():

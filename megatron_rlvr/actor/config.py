@@ -14,7 +14,7 @@ class ActorConfig:
     pp: int = 1
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
     # Mixture-of-experts models only (docs/moe.md): experts are spread over ep expert-parallel ranks, each expert's
-    # weights cut over etp expert-tensor-parallel ranks; ep * etp must divide dp * tp, and ep the experts.
+    # weights cut over etp expert-tensor-parallel ranks; ep * etp must divide dp * cp * tp, and ep the experts.
     ep: int = 1
     etp: int = 1
     # The router's load-balancing loss. 0 by default: RL fine-tunes a trained router whose balance pretraining
