@@ -20,10 +20,11 @@ Per rank, from what this project's code allocates in host memory (docs/weight-sy
   CPU measured on this machine); the node's launcher (torchrun), once per node.
 - on CPU only, the actor and the engine themselves live in host memory (plan/memory.py's CPU arithmetic for the
   actor; the engine's fp32 weights and its ``kv_cache_memory_bytes``), and the end-of-run HF export
-  (``trainer.save_hf``: fresh buckets on every rank; on GPU they are on the device).
+  (``trainer.save_hf``: fresh buckets on every rank; not counted on GPU, where the buckets are on the device
+  and rank 0's serialization copies one of at most ``rollout.bucket_bytes`` to the host, small beside a node).
 
-On CPU with lent tensors the node's peak is the larger of two moments (`host_plan` notes which): the first sync, when one
-slot is written while every engine still holds the weights vLLM loaded, and the later syncs through the end-of-run
+On CPU with lent tensors the node's peak is the larger of two moments (`host_plan` notes which): the first sync,
+when one slot is written while every engine still holds the weights vLLM loaded, and the later syncs through the end-of-run
 export, when both slots are written and the engines hold only their plain parameters.
 
 A node fits when the sum over its ranks stays within ``cluster.host_memory_gb`` less HOST_HEADROOM_FRACTION (the
