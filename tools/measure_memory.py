@@ -284,7 +284,8 @@ def table(rows: list[dict], markdown: bool) -> str:
 # Host memory of a whole CPU training run (--host): plan/host_memory.py against the processes' measured PSS
 
 
-def host_predicted(config: str, overrides: list[str], world: int) -> dict:
+def host_predicted(config: str, overrides: list[str], world: int):
+    """plan/host_memory.py's CPU plan of the run: its components (bytes) and notes (which moment is the peak)."""
     from megatron_rlvr.config import load_config
     from megatron_rlvr.plan.host_memory import host_plan
     from megatron_rlvr.plan.memory import Layout
@@ -293,7 +294,7 @@ def host_predicted(config: str, overrides: list[str], world: int) -> dict:
     cfg = load_config(config, overrides)
     hf = load_hf_config(cfg.model.hf_dir)
     lay = Layout.from_config(cfg, world, gpu=False)
-    return host_plan(cfg, hf, lay, world, world, 0).components
+    return host_plan(cfg, hf, lay, world, world, 0)
 
 
 def _tree_pss(root) -> tuple[int, int]:
@@ -358,7 +359,10 @@ def host_main(args) -> int:
     rows = []
     for spec in args.host:
         config, *overrides = spec.split()
-        pred = host_predicted(config, overrides, args.world)
+        plan = host_predicted(config, overrides, args.world)
+        pred = plan.components
+        for note in plan.notes:
+            print(f"{spec}: plan note: {note}")
         meas = host_measure(config, overrides, args.world, args.timeout)
         if meas["rc"] != 0:
             print(f"{spec}: the run failed (rc {meas['rc']}):\n{meas['stderr_tail']}")

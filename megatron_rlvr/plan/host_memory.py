@@ -4,20 +4,28 @@ table, beside the per-GPU one (plan/memory.py). Nothing here imports torch.
 Per rank, from what this project's code allocates in host memory (docs/weight-sync.md):
 - staging (``rollout.sync_staging: full``): the engine rank's shard of the weight stream, checked whole and kept
   until the commit (rollout/shard_stage.py): HF bytes / engine TP + the replicated norms. "streaming": none. On CPU
-  the in-process engine's direct loader keeps a second buffer of every weight instead (rollout/cpu_weights.py):
-  the model's bytes, held from the second sync on.
+  with fresh tensors (actor TP 1, PP > 1, separate placement) the in-process engine's direct loader keeps a second
+  buffer of every weight instead (rollout/cpu_weights.py): the model's bytes, held from the second sync on; with lent
+  tensors (colocated, actor TP > 1, PP 1, a dense model) it stages nothing: the stream stays in the export's slot.
 - sleep-mode offload (colocated GPU engines): level 1 moves the engine's weights to host memory while the actor
   trains (HF bytes / engine TP per rank); level 2 drops them (re-sent at the next sync): none.
-- transfer buckets: the export's shared-memory exchange (two slots per TP rank, each at least SHM_SLOT_BYTES or the
-  largest TP shard) and two lending rounds of at most ``rollout.bucket_bytes``, in /dev/shm, i.e. host RAM (the
-  pages a sync touches).
+- transfer buckets, in /dev/shm, i.e. host RAM (the pages a sync touches): the export's shared-memory exchange (two
+  slots per TP rank, each at least SHM_SLOT_BYTES or the largest TP shard) and its lending slots. Device parameters
+  (GPU) lend in two rounds of at most ``rollout.bucket_bytes``; host parameters (CPU) lend in two whole-call slots,
+  one whole model each, in TP rank 0's segment (bridge/export.py, bridge/lent_slots.py), which the engines compute on.
 - the reward pool, per rank (every rank runs one): ``reward.workers`` x (the code sandbox's memory budget +
   its tmpfs) for code, else workers x a verifier process's resident set (an estimate, below).
 - the data loader: every rank holds the tokenized train split (an estimate from the row count and prompt length).
 - the rank's own process: Python, torch, megatron-core, vLLM, the CUDA host-side runtime (an estimate on GPU; on
   CPU measured on this machine); the node's launcher (torchrun), once per node.
 - on CPU only, the actor and the engine themselves live in host memory (plan/memory.py's CPU arithmetic for the
-  actor; the engine's weights at fp32 and its ``kv_cache_memory_bytes``).
+  actor; the engine's fp32 weights and its ``kv_cache_memory_bytes``), and the end-of-run HF export
+  (``trainer.save_hf``: fresh buckets on every rank; not counted on GPU, where the buckets are on the device
+  and rank 0's serialization copies one of at most ``rollout.bucket_bytes`` to the host, small beside a node).
+
+On CPU with lent tensors the node's peak is the larger of two moments (`host_plan` notes which): the first sync,
+when one slot is written while every engine still holds the weights vLLM loaded, and the later syncs through the end-of-run
+export, when both slots are written and the engines hold only their plain parameters.
 
 A node fits when the sum over its ranks stays within ``cluster.host_memory_gb`` less HOST_HEADROOM_FRACTION (the
 OS, page cache, the container). Sizes in bytes; GB = 10^9 bytes.
@@ -61,7 +69,10 @@ LABELS = {
     "launcher": "launcher (torchrun)",
     "actor": "actor (CPU)",
     "engine": "engine weights + KV (CPU)",
+    "hf_export": "end-of-run HF export (CPU)",
 }
+CPU_ONLY = ("actor", "engine", "hf_export")
+VLLM_VOCAB_PADDING = 64  # vLLM pads its embedding and lm_head rows to a multiple of this (VocabParallelEmbedding)
 
 
 @dataclass
@@ -102,15 +113,54 @@ def engine_weight_bytes(dims: ModelDims, engine_tp: int, value_bytes: int) -> in
     return dims.hf_params() * value_bytes // engine_tp
 
 
-def transfer_bucket_bytes(dims: ModelDims, lay: Layout) -> int:
-    """One actor rank's touched /dev/shm (only with actor TP > 1): its two exchange slots (each the larger of
-    SHM_SLOT_BYTES and its largest shard, filled at most with its share of the model) and its share of the lending
-    slots (two rounds of at most ``rollout.bucket_bytes`` in TP rank 0's segment)."""
+def _exchange_bytes(dims: ModelDims, lay: Layout) -> int:
+    """One actor rank's touched exchange slots (TP > 1): two, each the larger of SHM_SLOT_BYTES and its largest
+    shard, filled at most with its share of the model (the gather of every call that does not lend)."""
+    model = dims.hf_params() * lay.param_bytes
+    slot = max(SHM_SLOT_BYTES, max(dims.vocab * dims.hidden, 2 * dims.ffn * dims.hidden) // lay.tp * lay.param_bytes)
+    return 2 * min(slot, model // lay.tp)
+
+
+def lends_whole_calls(dims: ModelDims, lay: Layout) -> bool:
+    """Whether the export lends in whole-call slots: parameters in host memory (CPU), TP > 1 on one host, PP 1, and
+    no experts laid out apart (their gather is not lent: such a call lends nothing). bridge/export.py."""
+    return not lay.gpu and lay.tp > 1 and lay.pp == 1 and not dims.is_moe
+
+
+def transfer_bucket_bytes(dims: ModelDims, lay: Layout, slots_written: int = 2) -> int:
+    """One actor rank's touched /dev/shm (only with actor TP > 1): its exchange slots and its share of the lending
+    slots in TP rank 0's segment (the TP ranks share those pages, so each counts 1/TP). Device parameters lend in two
+    rounds of at most ``rollout.bucket_bytes``; host parameters in whole-call slots, one whole model each, of which
+    ``slots_written`` have been written (the first sync writes one, every later sync alternates between two)."""
     if lay.tp == 1:
         return 0
     model = dims.hf_params() * lay.param_bytes
+    if lends_whole_calls(dims, lay):
+        return _exchange_bytes(dims, lay) + slots_written * model // lay.tp
+    if not lay.gpu and (lay.pp > 1 or dims.is_moe):  # the export lends nothing here: the exchange's gather only
+        return _exchange_bytes(dims, lay)
     slot = max(SHM_SLOT_BYTES, max(dims.vocab * dims.hidden, 2 * dims.ffn * dims.hidden) // lay.tp * lay.param_bytes)
-    return 2 * min(slot, model // lay.tp) + 2 * min(lay.bucket_bytes, lay.tp * slot, model) // lay.tp
+    return _exchange_bytes(dims, lay) + 2 * min(lay.bucket_bytes, lay.tp * slot, model) // lay.tp
+
+
+def engine_plain_bytes(dims: ModelDims) -> int:
+    """What an in-process CPU engine fed lent tensors keeps of its own after its first commit (rollout/cpu_weights.py):
+    its GEMM weights are views of the held slot (vLLM's packed handles are dropped); every plain parameter adopted as
+    a view keeps the tensor vLLM loaded as its twin; those it cannot adopt (the packed q/k/v biases, and the tables
+    when vLLM pads the vocabulary) keep the live tensor and a twin."""
+    tables = dims.vocab * dims.hidden * (1 if dims.tied else 2)
+    norms = _norm_values(dims) + (2 * dims.layers * dims.head_dim if dims.qk_norm else 0)
+    biases = dims.layers * (dims.q_width + 2 * dims.kv_width) if dims.qkv_bias else 0
+    never_adopted = biases + (tables if dims.vocab % VLLM_VOCAB_PADDING else 0)
+    return (tables + norms + biases + never_adopted) * FP32
+
+
+def hf_export_bytes(dims: ModelDims, lay: Layout) -> int:
+    """One rank's end-of-run HF export on CPU (checkpoint/store.py save_hf, fresh tensors on every rank of the
+    model-parallel group): the bucket being filled and the one the loop still holds, each at most
+    ``rollout.bucket_bytes`` (the model when smaller; one tensor when it is larger)."""
+    largest = max(dims.vocab * dims.hidden, 2 * dims.ffn * dims.hidden) * FP32
+    return 2 * max(min(lay.bucket_bytes, dims.hf_params() * FP32), largest)
 
 
 def reward_pool_bytes(cfg: Any) -> int:
@@ -165,9 +215,13 @@ def host_plan(
     engine_tp = lay.engine_tp if lay.gpu else 1
     value_bytes = lay.param_bytes if lay.gpu else FP32
     kinds = _rank_kinds(lay, world, gpus_per_node)
-    c = dict.fromkeys(LABELS if not lay.gpu else [k for k in LABELS if k not in ("actor", "engine")], 0)
+    c = dict.fromkeys(LABELS if not lay.gpu else [k for k in LABELS if k not in CPU_ONLY], 0)
     process = GPU_RANK_PROCESS_BYTES if lay.gpu else CPU_RANK_PROCESS_BYTES
     full = r.sync_staging == "full"
+    # CPU, colocated, lent tensors: the engines compute on the held lending slot and stage nothing of their own
+    adopts = lends_whole_calls(dims, lay) and lay.placement != "separate" and full
+    model = engine_weight_bytes(dims, 1, FP32)
+    first: dict[str, int] = {}  # adopts: the first sync's moment, where it differs from the later one (in ``c``)
     c["launcher"] = LAUNCHER_BYTES
     for kind, count in kinds.items():
         has_engine = kind in ("colocated", "engine")
@@ -177,20 +231,37 @@ def host_plan(
         c["data_loader"] += count * data_loader_bytes(cfg)
         if has_actor:
             c["transfer_buckets"] += count * transfer_bucket_bytes(dims, lay)
-        if has_engine and full:
-            c["staging"] += count * (
-                staged_bytes(dims, engine_tp, value_bytes) if lay.gpu else engine_weight_bytes(dims, 1, FP32)
-            )
+        if has_engine and full and not adopts:
+            # GPU: the staged shard; CPU with fresh tensors: the direct loader's second buffer (or, for a model it
+            # does not cover, vLLM's reload behind the shard stage at TP 1): the model's bytes
+            c["staging"] += count * (staged_bytes(dims, engine_tp, value_bytes) if lay.gpu else model)
         if has_engine and lay.gpu and kind == "colocated" and lay.sleep_level == 1:
             c["sleep_offload"] += count * engine_weight_bytes(dims, engine_tp, value_bytes)
         if not lay.gpu:
             if has_actor:
                 actor = actor_rank_plan(dims, lay, 0, 0)
                 c["actor"] += count * actor.peak
+                if cfg.trainer.save_hf:
+                    c["hf_export"] += count * hf_export_bytes(dims, lay)
             if has_engine:
-                c["engine"] += count * (engine_weight_bytes(dims, 1, FP32) + r.kv_cache_memory_bytes)
+                kv = r.kv_cache_memory_bytes
+                c["engine"] += count * ((engine_plain_bytes(dims) if adopts else model) + kv)
+                if adopts:  # the first sync: the weights vLLM loaded are live until its commit, one slot written
+                    first["engine"] = first.get("engine", 0) + count * (model + kv)
+                    first["transfer_buckets"] = first.get("transfer_buckets", 0) + count * model // lay.tp
+    moment = ""
+    if first:
+        # the exchange is first touched, and the HF export runs, only after the first sync
+        first_total = sum(c.values()) - c["engine"] - c["transfer_buckets"] - c["hf_export"] + sum(first.values())
+        if first_total > sum(c.values()):
+            c.update(first, hf_export=0)
+            moment = "the first weight sync (one lending slot written, the engines' loaded weights still live)"
+        else:
+            moment = "a later weight sync or the end-of-run HF export (both lending slots written)"
     host = int(host_memory_gb * GB)
     notes = []
+    if moment:
+        notes.append(f"the peak is at {moment}")
     if host_memory_gb <= 0:
         notes.append("cluster.host_memory_gb is not set: host memory is shown, not checked")
     if lay.gpu and kinds.get("colocated", 0) + kinds.get("engine", 0):
