@@ -11,5 +11,6 @@ echo "[checks] ruff check, ruff format --check, lint-imports, tools/check_import
 .venv/bin/ruff format --check --quiet .
 .venv/bin/lint-imports --no-cache
 .venv/bin/python tools/check_imports.py
-# --timeout is a per-test backstop on top of the worker groups' own hang detection.
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1200 "$@"
+# --timeout is a per-test backstop on top of the worker groups' own hang detection; --durations lists the slowest
+# tests, which is where the suite's time goes (the install + tests budget is 30 minutes on 2 cores).
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1200 --durations=25 "$@"
