@@ -1,5 +1,5 @@
-"""MegatronActor: a megatron-core policy (any TP/PP/VPP) with its optimizer; a no-grad statistics pass over rollouts
-and an update pass over micro-batches through megatron-core's pipeline schedule.
+"""MegatronActor: a megatron-core policy (any TP/PP/VPP/CP/EP) with its optimizer; a no-grad statistics pass over
+rollouts and an update pass over micro-batches through megatron-core's pipeline schedule.
 
 The actor sees rollouts as `SequenceBatch` (prompt + response token ids, right-padded, a mask of the response
 positions, per-sequence advantages). Every loss reads only the fused op's per-token statistics, computed on the
@@ -22,6 +22,8 @@ same chunks, loaded from the same initial weights, never trained) whose log-prob
 it nothing extra is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
 With ``algo.distill`` the actor also holds a frozen teacher (actor/teacher.py), scored beside the reference; its scores
 travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms.
+With ``actor.router_replay`` (MoE models, docs/routing-replay.md) every forward routes each token to the experts its
+statistics pass recorded or its engine chose (actor/router_replay.py), carried in ``SequenceBatch.routed_experts``.
 """
 
 from __future__ import annotations
