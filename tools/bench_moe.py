@@ -28,21 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MODEL = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=256,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[1],
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-)
+# the tiny Qwen3-MoE of testing/tiny_models.py (8 experts, top-2, layer 1 dense, 4 layers) at a larger width
+MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64)
 DISPATCHER_METHODS = (
     "dispatch_preprocess",
     "token_dispatch",

@@ -156,10 +156,10 @@ class model_parallel:  # noqa: N801 - used as a context manager, reads like a st
         etp: int | None = None,
         cp: int = 1,
     ) -> None:
-        self.tp, self.pp, self.vpp, self.seed, self.ep, self.etp, self.cp = tp, pp, vpp, seed, ep, etp, cp
+        self.layout = dict(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep, etp=etp, cp=cp)
 
     def __enter__(self) -> model_parallel:
-        initialize_model_parallel(self.tp, self.pp, self.vpp, self.seed, ep=self.ep, etp=self.etp, cp=self.cp)
+        initialize_model_parallel(**self.layout)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -15,25 +15,11 @@ import pytest
 import torch
 
 from megatron_rlvr.actor.packing import context_parallel_index, cp_padded_length, pack, stream_tokens, unpack
+from tests.actor.test_packing import AGGS, LOSSES, RTOL, SEQ_KL  # the same loss grid as the packing equality tests
 
 LENGTHS = [61, 1, 7, 13, 2, 9, 1, 5]  # 61 > the other 38 together; 1s; 7, 13, 9, 5 not multiples of 4
 BUDGET = 16  # tokens per CP rank per micro-batch
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 0.3, 1.0, -0.7, 0.3]
-LOSSES = (
-    "grpo",
-    "casp",
-    "entropy_bonus",
-    "entropy_adv",
-    "kl_cov",
-    "clip_cov",
-    "w_reinforce",
-    "psr",
-    "nsr",
-    "forking_tokens",
-)
-AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-SEQ_KL = [0.1, 0.0, 0.2, 0.0, 0.05, 0.1, 0.0, 0.3]
-RTOL = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------------------
