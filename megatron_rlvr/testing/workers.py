@@ -59,7 +59,9 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, env: d
 
     torch.set_num_threads(max(1, int(env.get("MEGATRON_RLVR_WORKER_THREADS", "1"))))
     from megatron_rlvr.runtime import distributed
+    from megatron_rlvr.testing.gloo_device import share_one_gloo_device
 
+    share_one_gloo_device()  # an idle worker must not wake 100 times a second per process group it holds
     distributed.init_process_group()
     while True:
         try:
