@@ -2,10 +2,10 @@
 
 Why: torch gives each gloo process group a device of its own, and each device runs an event-loop thread
 (`gloo_tcp_loop`) that wakes every 10 ms (`epoll_wait` with a 10 ms timeout), busy or not. megatron-core creates
-~35 groups per layout (TP, PP, DP, CP, EP, their products, the embedding groups...), and a worker that has built
-several layouts holds all of them, so an idle worker woke ~3,500 times a second: 3% of a core per process on an
-idle machine and 11% on a loaded one, taken from the tests that run meanwhile. With one shared device a process has
-one such thread, whatever its number of groups: an idle worker then waits on its pipe at ~0.1% of a core.
+~35 groups per layout (TP, PP, DP, CP, EP, their products, the embedding groups...), and a long-lived test worker
+holds every group it ever made (35 to 180 of them over the suite): idle, such a worker woke thousands of times a
+second, 1-6% of a core per process (70 groups: 3.6% on an otherwise idle machine), taken from the tests running
+meanwhile. With one shared device a process has one such thread, whatever its number of groups: 0.1% idle.
 
 gloo's TCP device is made to be shared: its listener matches every incoming connection to a pair by a sequence
 number of its own, whichever context the pair belongs to. Only the groups' device changes; their ranks, timeouts and
