@@ -1,6 +1,10 @@
 """The `slurm_cluster` fixture: a real two-node Slurm cluster on this machine (tools/slurm_cluster.sh), started once
 per test session for the tests marked `slurm`, in a state directory of the session's own, and stopped at its end.
 
+The start (on a fresh machine: apt-get install, MariaDB's first start; a minute or more, mostly waiting on disk and
+network) begins in the background as soon as collection has found a `slurm` test, so it overlaps the tests that run
+before them; the fixture waits for it. A session that never reaches the fixture stops the cluster at its end.
+
 It skips (with the reason) only where the cluster cannot be made: not root, or packages missing and no apt-get.
 Where it can be made and fails to start, the tests fail.
 """
@@ -38,36 +42,78 @@ def cannot_make_a_cluster() -> str | None:
     return None
 
 
+class _Cluster:
+    """One `tools/slurm_cluster.sh start`, begun in the background, in a state directory of its own."""
+
+    def __init__(self) -> None:
+        # a directory of our own, not under pytest's basetemp: pytest deletes all but the newest 3 of those when any
+        # other session starts, and the cluster's state (pid files, config) went with it once; short, too, for the
+        # munge socket's path (108 bytes at most)
+        self.state = Path(tempfile.mkdtemp(prefix="mrlvr-slurm-", dir="/tmp"))
+        self.env = {**os.environ, "MEGATRON_RLVR_SLURM_DIR": str(self.state)}
+        self.conf = self.state / "etc" / "slurm.conf"
+        self.log = open(self.state / "start.log", "w+")
+        self.start = subprocess.Popen(
+            ["bash", str(CLUSTER_SCRIPT), "start"], env=self.env, stdout=self.log, stderr=subprocess.STDOUT, text=True
+        )
+
+    def wait_up(self) -> str:
+        """The start's output; raises when it failed or did not finish within START_TIMEOUT_S."""
+        try:
+            status = self.start.wait(timeout=START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.start.kill()
+            status = self.start.wait()
+        self.log.seek(0)
+        output = self.log.read()
+        assert status == 0, f"tools/slurm_cluster.sh start failed (status {status}):\n{output}"
+        return output
+
+    def stop(self) -> str:
+        try:  # a session ending while the start still runs: let it end (killing apt-get mid-install breaks dpkg)
+            self.start.wait(timeout=START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.start.kill()
+            self.start.wait()
+        stop = subprocess.run(
+            ["bash", str(CLUSTER_SCRIPT), "stop"], env=self.env, capture_output=True, text=True, timeout=120
+        )
+        self.log.close()
+        if stop.returncode == 0:
+            shutil.rmtree(self.state, ignore_errors=True)
+        return stop.stdout + stop.stderr
+
+
+_background: list[_Cluster] = []  # the session's cluster, once collection has started it
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("slurm") for item in session.items) and cannot_make_a_cluster() is None:
+        _background.append(_Cluster())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    while _background:  # started but never handed to a test (every slurm test deselected, skipped or not reached)
+        print(_background.pop().stop())
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """SLURM_CONF of the running cluster (also exported to os.environ for the session)."""
     reason = cannot_make_a_cluster()
     if reason:
         pytest.skip(reason)
-    # a directory of our own, not under pytest's basetemp: pytest deletes all but the newest 3 of those when any
-    # other session starts, and the cluster's state (pid files, config) went with it once; short, too, for the munge
-    # socket's path (108 bytes at most)
-    state = Path(tempfile.mkdtemp(prefix="mrlvr-slurm-", dir="/tmp"))
-    env = {**os.environ, "MEGATRON_RLVR_SLURM_DIR": str(state)}
-    start = subprocess.run(
-        ["bash", str(CLUSTER_SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S
-    )
-    conf = state / "etc" / "slurm.conf"
+    cluster = _background.pop() if _background else _Cluster()
+    old = os.environ.get("SLURM_CONF")
     try:
-        assert start.returncode == 0, f"tools/slurm_cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
-        print(start.stdout)
-        old = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = str(conf)
-        yield conf
+        print(cluster.wait_up())
+        os.environ["SLURM_CONF"] = str(cluster.conf)
+        yield cluster.conf
     finally:
-        stop = subprocess.run(
-            ["bash", str(CLUSTER_SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120
-        )
-        print(stop.stdout, stop.stderr)
-        if stop.returncode == 0:
-            shutil.rmtree(state, ignore_errors=True)
-        if "old" in locals():
-            if old is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = old
+        print(cluster.stop())
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old

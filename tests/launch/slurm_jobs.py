@@ -68,10 +68,11 @@ def slurm(*args: str, check: bool = True) -> str:
 
 
 def job_ids(home: Path) -> list[int]:
-    """The Slurm jobs submitted under `home` (from the batch output files nemo-run names by job id)."""
+    """The Slurm jobs submitted under `home`, or under a NEMORUN_HOME inside it (from the batch output files nemo-run
+    names by job id)."""
     ids = {
         int(m.group(1))
-        for p in home.glob("experiments/*/*/*/sbatch_*.out")
+        for p in home.glob("**/experiments/*/*/*/sbatch_*.out")
         if (m := re.search(r"_(\d+)\.out$", p.name))
     }
     return sorted(ids)

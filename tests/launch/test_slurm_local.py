@@ -42,6 +42,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 TWO_NODES = ["--recipe", "demo_cpu", "--nodes", "2", "--time", "00:30:00"]
 JOB_TIMEOUT_S = 900  # the machine is shared: a loaded one is slow, a hung job still ends
 RESUMED = "[checkpoint] resuming from"
+# tests/launch/slow_checkpoint: the first run's checkpoints take this long more, over torchrun's default 30 s grace
+CHECKPOINT_DELAY_ENV = "MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S"
+CHECKPOINT_DELAY_S = 35
 
 
 @pytest.fixture
@@ -83,49 +86,66 @@ def test_two_node_training_succeeds(reference):
     assert_nothing_left(home)
 
 
-def _preempt_and_resume(home: Path, reference: dict, extra_env: list[str]) -> None:
-    """Submit, signal the job mid-run as `scancel --signal=USR1 --full` (batch shell, torchrun and ranks), and wait
-    for nemo-run's verdict: the job must requeue itself and its rerun resume to the uninterrupted metrics."""
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory, slurm_cluster):
+    """ONE preempted job, which the two preemption tests read: submitted with `--signal USR1@600`, signalled mid-run
+    as `scancel --signal=USR1 --full` does it (batch shell, torchrun and ranks), its stop's checkpoint made 35 s
+    slower (tests/launch/slow_checkpoint, the first run's checkpoints only) than torchrun's default 30 s grace before
+    SIGKILL, and waited for to nemo-run's verdict. Its jobs are cancelled at teardown."""
+    home = tmp_path_factory.mktemp("preempted")
+    hook = REPO / "tests" / "launch" / "slow_checkpoint"
+    slow = ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", f"{CHECKPOINT_DELAY_ENV}={CHECKPOINT_DELAY_S}"]
     # the lead time is torchrun's grace before SIGKILL (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): on this loaded shared machine
     # one step took over 120 s once (and the ranks were killed, as they would be on a cluster)
-    launch = start_launch("train.py", train_args(home, "--signal", "USR1@600", *extra_env), home)
+    launch = start_launch("train.py", train_args(home, "--signal", "USR1@600", *slow), home)
     try:
         job = wait_for_job(home)
         wait_until(lambda: logged_steps(home / "out") >= 1, 600, "the first logged step", launch, home)
         slurm("scancel", "--signal=USR1", "--full", str(job))
         t_signal = time.monotonic()
         launch.wait(timeout=JOB_TIMEOUT_S)
+        seconds = time.monotonic() - t_signal
     finally:
         stop_launch(launch)
-    assert launch.returncode == 0, launch_log(home)[-4000:]
-    assert job_runs(job) == [("REQUEUED", "0:0"), ("COMPLETED", "0:0")], job_runs(job)
-    logs = task_logs(home)
-    first, rerun = logs[0], logs[1]
+    yield {"home": home, "job": job, "returncode": launch.returncode, "seconds": seconds}
+    cancel_jobs(home)
+
+
+def _stopped_step(preempted: dict) -> int:
+    first = task_logs(preempted["home"])[0]
     stopped = [line for line in first.splitlines() if "stopped after step" in line]
     assert stopped, first[-3000:]
-    step = int(stopped[0].split("stopped after step ")[1].split()[0])
-    assert step < 4 and "SIGKILL" not in first
+    return int(stopped[0].split("stopped after step ")[1].split()[0])
+
+
+@pytest.mark.timeout(1800)
+def test_signal_checkpoint_requeue_resume(preempted, reference):
+    """The signalled job stops after a step with its checkpoint, requeues itself, and its rerun resumes from that
+    checkpoint to the uninterrupted run's metrics: REQUEUED, then COMPLETED."""
+    home, job = preempted["home"], preempted["job"]
+    assert preempted["returncode"] == 0, launch_log(home)[-4000:]
+    assert job_runs(job) == [("REQUEUED", "0:0"), ("COMPLETED", "0:0")], job_runs(job)
+    step = _stopped_step(preempted)
+    assert step < 4
+    rerun = task_logs(home)[1]
     assert f"{RESUMED} {home}/out/checkpoints/step-{step:06d}" in rerun, rerun[-3000:]  # the stop's checkpoint
     assert_metrics_equal(reference["metrics"], metrics(home / "out"))
-    print(
-        f"stopped after step {step}; requeued and resumed to the end {time.monotonic() - t_signal:.0f} s after "
-        "the signal"
-    )
+    print(f"stopped after step {step}; requeued and resumed to the end {preempted['seconds']:.0f} s after the signal")
     assert_nothing_left(home)
 
 
 @pytest.mark.timeout(1800)
-def test_signal_checkpoint_requeue_resume(home, reference):
-    _preempt_and_resume(home, reference, [])
-
-
-@pytest.mark.timeout(1800)
-def test_a_checkpoint_longer_than_30_s_is_not_killed(home, reference):
-    hook = REPO / "tests" / "launch" / "slow_checkpoint"
-    _preempt_and_resume(
-        home, reference, ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", "MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S=35"]
-    )
-    assert "the checkpoint takes 35 s more" in task_logs(home)[0]
+def test_a_checkpoint_longer_than_30_s_is_not_killed(preempted):
+    """The stop's checkpoint took longer than torchrun's default grace: the ranks were given the whole lead time
+    (no SIGKILL), the checkpoint was complete (the rerun resumed from it), and the job still ends COMPLETED."""
+    home = preempted["home"]
+    first = task_logs(home)[0]
+    assert f"the checkpoint takes {CHECKPOINT_DELAY_S} s more" in first, first[-3000:]
+    assert "SIGKILL" not in first, first[-3000:]
+    step = _stopped_step(preempted)
+    assert f"{RESUMED} {home}/out/checkpoints/step-{step:06d}" in task_logs(home)[1]
+    assert preempted["returncode"] == 0 and job_runs(preempted["job"])[-1] == ("COMPLETED", "0:0")
+    assert_nothing_left(home)
 
 
 @pytest.mark.timeout(1800)
@@ -214,6 +234,9 @@ def _stored(out: Path) -> int:
 
 @pytest.mark.timeout(1800)
 def test_eval_cancelled_and_resubmitted_equals_an_uninterrupted_one(home):
+    """`scancel` of a two-node eval after each rank stored its first chunk and drew its second (held there by
+    tests/launch/stalled_eval, so the cancel lands mid-run on any machine), then the same command again: the table
+    equals an uninterrupted run's."""
     from megatron_rlvr.tasks import countdown as task
 
     data = home / "data"
@@ -228,14 +251,23 @@ def test_eval_cancelled_and_resubmitted_equals_an_uninterrupted_one(home):
 
     cut_home = home / "cut_home"
     cut_home.mkdir()
-    launch = start_launch("eval.py", _eval_args(home, data, home / "cut"), cut_home)
+    hook = REPO / "tests" / "launch" / "stalled_eval"
+    stall = ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", "MEGATRON_RLVR_TEST_EVAL_STALL_S=600"]
+    launch = start_launch("eval.py", [*_eval_args(home, data, home / "cut"), *stall], cut_home)
     try:
         job = wait_for_job(cut_home)
-        wait_until(lambda: _stored(home / "cut") >= 64, 600, "the first stored chunk", launch, cut_home)
+        wait_until(
+            lambda: "before storing its second chunk" in task_logs(cut_home).get(0, ""),
+            600,
+            "a rank stalled after its first stored chunk",
+            launch,
+            cut_home,
+        )
         slurm("scancel", str(job))
         launch.wait(timeout=300)
     finally:
         stop_launch(launch)
+        cancel_jobs(cut_home)  # a failure before the scancel must not leave the stalled job holding the nodes
     partial = _stored(home / "cut")
     assert launch.returncode == 1 and job_runs(job)[-1][0] == "CANCELLED", job_runs(job)
     assert 64 <= partial < 4 * 256, partial

@@ -1,7 +1,8 @@
 """Test hook for the local-Slurm preemption test: with this directory on PYTHONPATH and
-MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S set, every training rank's `megatron_rlvr.checkpoint.save` first sleeps that
-long, so a checkpoint takes longer than torchrun's default 30 s before SIGKILL (the hazard the launcher must avoid).
-Nothing else changes: the checkpoint written is the real one."""
+MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S set, every training rank's `megatron_rlvr.checkpoint.save` in the job's first
+run first sleeps that long, so the stop's checkpoint takes longer than torchrun's default 30 s before SIGKILL (the
+hazard the launcher must avoid). The requeued rerun (SLURM_RESTART_COUNT >= 1) saves at its normal pace: its
+checkpoints are not the ones signalled. Nothing else changes: the checkpoint written is the real one."""
 
 import importlib.abc
 import importlib.machinery
@@ -43,5 +44,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _DELAY > 0 and "RANK" in os.environ:  # the ranks only, not torchrun
+_FIRST_RUN = os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0")
+
+if _DELAY > 0 and _FIRST_RUN and "RANK" in os.environ:  # the first run's ranks only, not torchrun
     sys.meta_path.insert(0, _PatchOnImport())
