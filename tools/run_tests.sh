@@ -3,6 +3,15 @@
 # run the whole suite. Extra arguments go to pytest (e.g. `bash tools/run_tests.sh tests/algos -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The command's own wall time, setup included, printed last whether the tests pass or fail; the exit status stays
+# that of the step that ended the command (pytest's, when the tests ran).
+START=$SECONDS
+wall_time() {
+  local status=$? took=$((SECONDS - START))
+  printf '[tests] wall time %dm%02ds\n' $((took / 60)) $((took % 60))
+  exit $status
+}
+trap wall_time EXIT
 bash tools/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The house checks first: seconds each, and a failure names the rule it breaks.
@@ -13,4 +22,4 @@ echo "[checks] ruff check, ruff format --check, lint-imports, tools/check_import
 .venv/bin/python tools/check_imports.py
 # --timeout is a per-test backstop on top of the worker groups' own hang detection; --durations lists the slowest
 # tests, which is where the suite's time goes (the install + tests budget is 30 minutes on 2 cores).
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1200 --durations=25 "$@"
+.venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1200 --durations=25 "$@"
