@@ -5,6 +5,13 @@ calls on them, because starting a process that imports megatron.core costs secon
 or does not finish within its timeout, kills the whole group (workers and anything they spawned) and raises here
 with the failing rank's traceback; the next call starts a fresh group. Workers also die with their parent
 (PR_SET_PDEATHSIG), so a killed test run leaves no orphans.
+
+`fork_from_a_preloaded_server()` (the test session's choice) makes every later group fork its workers from one
+server process that imported torch, megatron.core and transformers once, instead of spawning interpreters that
+import them again: ~6 s of CPU saved per worker. A forked worker is as fresh as a spawned one (the server runs
+nothing but the imports) and gets this process's environment, working directory and sys.path at its start; only
+what those imports read from the environment comes from the server's start. Its parent is the server, which exits
+with this process, so the death signal still reaches it.
 """
 
 from __future__ import annotations
@@ -40,8 +47,41 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Connection, env: dict[str, str]) -> None:
+# How groups start their workers: "spawn" (fresh interpreters), or "forkserver" once fork_from_a_preloaded_server ran.
+_start_method = "spawn"
+PRELOAD = ("torch", "megatron.core", "transformers", "megatron_rlvr.runtime.distributed")
+
+
+def fork_from_a_preloaded_server(modules: tuple[str, ...] = PRELOAD) -> None:
+    """From now on this process's groups fork their workers from a server that imported ``modules`` once.
+
+    Call it before the first group starts. Not for memory measurements: a forked worker's heap starts as the
+    server's. Modules that read the environment when imported (vLLM's logging) are better left out."""
+    global _start_method
+    mp.get_context("forkserver").set_forkserver_preload(list(modules))
+    _start_method = "forkserver"
+
+
+def _let_go_of_the_fork_server() -> None:
+    """A worker forked by the server holds the write end of the server's "alive" pipe, as every client does, and
+    the server runs until the last holder closes it: held here, a killed test run would leave the server and its
+    workers (whose parent it is) alive for good. Closed, the server exits with the test run and the workers die
+    with it (PR_SET_PDEATHSIG)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the stdlib's one server per process; no public handle to this fd
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, conn: Connection, environ: dict[str, str], env: dict[str, str]
+) -> None:
     _die_with_parent()
+    _let_go_of_the_fork_server()  # a spawned worker holds nothing of it
+    os.environ.clear()  # the group's creator's environment at the start (a forked worker has the server's)
+    os.environ.update(environ)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -94,7 +134,7 @@ class WorkerGroup:
         self.close()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(_start_method)
         port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
@@ -102,7 +142,7 @@ class WorkerGroup:
             # daemonic processes may not do; close() and PR_SET_PDEATHSIG take care of the cleanup instead.
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, child, self.env),
+                args=(rank, self.world_size, port, child, dict(os.environ), self.env),
                 name=f"megatron-rlvr-worker-{rank}",
             )
             proc.start()
