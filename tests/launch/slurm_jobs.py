@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,10 +50,43 @@ def run_launch(script: str, args: list[str], home: Path, timeout: float) -> subp
 
 
 def start_launch(script: str, args: list[str], home: Path) -> subprocess.Popen:
-    log = open(home / "launch.log", "w")
-    return subprocess.Popen(
-        launch_command(script, args), stdout=log, stderr=subprocess.STDOUT, text=True, env=launch_env(home), cwd=home
-    )
+    env = launch_env(home)  # makes `home`
+    with open(home / "launch.log", "w") as log:  # the launcher writes to its own copy of the descriptor
+        return subprocess.Popen(
+            launch_command(script, args), stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=home
+        )
+
+
+class BackgroundLaunch:
+    """A launch started now and waited for when a test reads its outcome: the local cluster runs two jobs at once
+    (each takes one of a node's two CPUs), so an uninterrupted run goes beside the scenario compared with it."""
+
+    def __init__(self, script: str, args: list[str], home: Path) -> None:
+        self.home = home
+        self.started = time.monotonic()
+        self.proc = start_launch(script, args, home)
+        self.seconds: float | None = None  # from the start to the launcher's end, not to when a test read it
+        self._watch = threading.Thread(target=self._time_the_end, daemon=True)
+        self._watch.start()
+
+    def _time_the_end(self) -> None:
+        self.proc.wait()
+        self.seconds = time.monotonic() - self.started
+
+    def wait(self, timeout: float) -> int:
+        """The launcher's exit status; AssertionError (with its log) when it did not end within `timeout` of its
+        start."""
+        self._watch.join(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
+        if self._watch.is_alive():
+            raise AssertionError(
+                f"the launch under {self.home} did not end within {timeout:.0f} s:\n{launch_log(self.home)[-3000:]}"
+            )
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        """Teardown: the launcher and whatever it submitted."""
+        stop_launch(self.proc)
+        cancel_jobs(self.home)
 
 
 def launch_log(home: Path) -> str:
@@ -78,12 +112,18 @@ def job_ids(home: Path) -> list[int]:
     return sorted(ids)
 
 
-def wait_for_job(home: Path, timeout: float = 120) -> int:
+def wait_for_job(home: Path, proc: subprocess.Popen, timeout: float = 600) -> int:
+    """The job the launch `proc` submitted under `home`, once it runs. The timeout covers a wait in the queue: the
+    cluster runs two jobs at once, and a selection of the tests may leave a background run going beside this one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ids = job_ids(home)
         if ids:
             return ids[-1]
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the launch ended (status {proc.returncode}) before its job ran:\n{launch_log(home)[-3000:]}"
+            )
         time.sleep(0.5)
     raise AssertionError(f"no Slurm job under {home} after {timeout:.0f} s:\n{launch_log(home)[-3000:]}")
 

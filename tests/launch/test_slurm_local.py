@@ -19,6 +19,7 @@ import pytest
 from tests.launch.slurm_jobs import (
     REPO,
     TRAIN_OVERRIDES,
+    BackgroundLaunch,
     assert_metrics_equal,
     assert_nothing_left,
     cancel_jobs,
@@ -55,39 +56,27 @@ def home(tmp_path, slurm_cluster):
     assert_nothing_left(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, slurm_cluster):
-    """The uninterrupted two-node run every resumed run is compared with (its own launch is the first test)."""
-    home = tmp_path_factory.mktemp("reference")
-    t0 = time.monotonic()
-    out = run_launch(
-        "train.py", [*TWO_NODES, *TRAIN_OVERRIDES, f"trainer.output_dir={home}/out"], home, timeout=JOB_TIMEOUT_S
-    )
-    return {"home": home, "result": out, "seconds": time.monotonic() - t0, "metrics": metrics(home / "out")}
-
-
 def train_args(home: Path, *extra: str) -> list[str]:
     return [*TWO_NODES, *extra, *TRAIN_OVERRIDES, f"trainer.output_dir={home}/out"]
 
 
-@pytest.mark.timeout(1200)
-def test_two_node_training_succeeds(reference):
-    out, home = reference["result"], reference["home"]
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    print(f"two-node training, 4 steps: {reference['seconds']:.0f} s from launch to SUCCEEDED")
-    (job,) = job_ids(home)
-    assert job_runs(job) == [("COMPLETED", "0:0")]
-    # the training step ran on both nodes, one torchrun each
-    steps = slurm("sacct", "-n", "-P", "-o", "JobID,NodeList", "-j", str(job)).split()
-    assert f"{job}.1|n[1-2]" in steps, steps
-    assert [m["step"] for m in reference["metrics"]] == [1, 2, 3, 4]
-    # the logs are where nemo-run keeps the experiment: the batch script's and the srun tasks'
-    assert "done: 4 steps" in task_logs(home)[0]
-    assert_nothing_left(home)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, slurm_cluster):
+    """The uninterrupted two-node run every resumed run is compared with: submitted when first requested (by the
+    preempted job, which runs beside it) and waited for when a test reads it."""
+    home = tmp_path_factory.mktemp("reference")
+    launch = BackgroundLaunch("train.py", train_args(home), home)
+    yield launch
+    launch.stop()
+
+
+def _reference_metrics(reference: BackgroundLaunch) -> list[dict]:
+    assert reference.wait(JOB_TIMEOUT_S) == 0, launch_log(reference.home)[-4000:]
+    return metrics(reference.home / "out")
 
 
 @pytest.fixture(scope="module")
-def preempted(tmp_path_factory, slurm_cluster):
+def preempted(tmp_path_factory, slurm_cluster, reference):
     """ONE preempted job, which the two preemption tests read: submitted with `--signal USR1@600`, signalled mid-run
     as `scancel --signal=USR1 --full` does it (batch shell, torchrun and ranks), its stop's checkpoint made 35 s
     slower (tests/launch/slow_checkpoint, the first run's checkpoints only) than torchrun's default 30 s grace before
@@ -98,17 +87,17 @@ def preempted(tmp_path_factory, slurm_cluster):
     # the lead time is torchrun's grace before SIGKILL (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): on this loaded shared machine
     # one step took over 120 s once (and the ranks were killed, as they would be on a cluster)
     launch = start_launch("train.py", train_args(home, "--signal", "USR1@600", *slow), home)
-    try:
-        job = wait_for_job(home)
+    try:  # a failure anywhere here, or after the tests, leaves neither the launcher nor the job
+        job = wait_for_job(home, launch)
         wait_until(lambda: logged_steps(home / "out") >= 1, 600, "the first logged step", launch, home)
         slurm("scancel", "--signal=USR1", "--full", str(job))
         t_signal = time.monotonic()
         launch.wait(timeout=JOB_TIMEOUT_S)
         seconds = time.monotonic() - t_signal
+        yield {"home": home, "job": job, "returncode": launch.returncode, "seconds": seconds}
     finally:
         stop_launch(launch)
-    yield {"home": home, "job": job, "returncode": launch.returncode, "seconds": seconds}
-    cancel_jobs(home)
+        cancel_jobs(home)
 
 
 def _stopped_step(preempted: dict) -> int:
@@ -129,7 +118,7 @@ def test_signal_checkpoint_requeue_resume(preempted, reference):
     assert step < 4
     rerun = task_logs(home)[1]
     assert f"{RESUMED} {home}/out/checkpoints/step-{step:06d}" in rerun, rerun[-3000:]  # the stop's checkpoint
-    assert_metrics_equal(reference["metrics"], metrics(home / "out"))
+    assert_metrics_equal(_reference_metrics(reference), metrics(home / "out"))
     print(f"stopped after step {step}; requeued and resumed to the end {preempted['seconds']:.0f} s after the signal")
     assert_nothing_left(home)
 
@@ -148,8 +137,24 @@ def test_a_checkpoint_longer_than_30_s_is_not_killed(preempted):
     assert_nothing_left(home)
 
 
+@pytest.mark.timeout(1200)
+def test_two_node_training_succeeds(reference):
+    home = reference.home
+    assert reference.wait(JOB_TIMEOUT_S) == 0, launch_log(home)[-4000:]
+    print(f"two-node training, 4 steps: {reference.seconds:.0f} s from launch to SUCCEEDED")
+    (job,) = job_ids(home)
+    assert job_runs(job) == [("COMPLETED", "0:0")]
+    # the training step ran on both nodes, one torchrun each
+    steps = slurm("sacct", "-n", "-P", "-o", "JobID,NodeList", "-j", str(job)).split()
+    assert f"{job}.1|n[1-2]" in steps, steps
+    assert [m["step"] for m in metrics(home / "out")] == [1, 2, 3, 4]
+    # the logs are where nemo-run keeps the experiment: the batch script's and the srun tasks'
+    assert "done: 4 steps" in task_logs(home)[0]
+    assert_nothing_left(home)
+
+
 @pytest.mark.timeout(1800)
-def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
+def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home):
     """kill -9 of the rank on node 2 in step 3: nemo-run's retry requeues the job and the rerun resumes from the
     step-2 checkpoint; a second kill, with the retries spent, ends the job FAILED; nothing of it is left."""
     launch = start_launch(
@@ -159,7 +164,7 @@ def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home, reference):
     )
     latest = home / "out" / "checkpoints" / "latest"
     try:
-        job = wait_for_job(home)
+        job = wait_for_job(home, launch)
         # after the step-2 checkpoint is complete (its pointer written), while step 3 runs
         wait_until(
             lambda: latest.is_file() and latest.read_text().strip() == "step-000002",
@@ -244,38 +249,40 @@ def test_eval_cancelled_and_resubmitted_equals_an_uninterrupted_one(home):
     with open(data / "countdown.jsonl", "w") as f:
         for p in task.generate(0, 4, "eval"):
             f.write(json.dumps({"id": p.id, "numbers": list(p.numbers), "target": p.target}) + "\n")
-    t0 = time.monotonic()
-    whole = run_launch("eval.py", _eval_args(home, data, home / "whole"), home / "whole_home", timeout=JOB_TIMEOUT_S)
-    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
-    t_whole = time.monotonic() - t0
+    # the uninterrupted eval runs beside the one that is cancelled (the cluster runs two jobs at once)
+    whole = BackgroundLaunch("eval.py", _eval_args(home, data, home / "whole"), home / "whole_home")
 
-    cut_home = home / "cut_home"
-    cut_home.mkdir()
-    hook = REPO / "tests" / "launch" / "stalled_eval"
-    stall = ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", "MEGATRON_RLVR_TEST_EVAL_STALL_S=600"]
-    launch = start_launch("eval.py", [*_eval_args(home, data, home / "cut"), *stall], cut_home)
     try:
-        job = wait_for_job(cut_home)
-        wait_until(
-            lambda: "before storing its second chunk" in task_logs(cut_home).get(0, ""),
-            600,
-            "a rank stalled after its first stored chunk",
-            launch,
-            cut_home,
+        cut_home = home / "cut_home"
+        hook = REPO / "tests" / "launch" / "stalled_eval"
+        stall = ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", "MEGATRON_RLVR_TEST_EVAL_STALL_S=600"]
+        launch = start_launch("eval.py", [*_eval_args(home, data, home / "cut"), *stall], cut_home)
+        try:
+            job = wait_for_job(cut_home, launch)
+            wait_until(
+                lambda: "before storing its second chunk" in task_logs(cut_home).get(0, ""),
+                600,
+                "a rank stalled after its first stored chunk",
+                launch,
+                cut_home,
+            )
+            slurm("scancel", str(job))
+            launch.wait(timeout=300)
+        finally:
+            stop_launch(launch)
+            cancel_jobs(cut_home)  # a failure before the scancel must not leave the stalled job holding the nodes
+        partial = _stored(home / "cut")
+        assert launch.returncode == 1 and job_runs(job)[-1][0] == "CANCELLED", job_runs(job)
+        assert 64 <= partial < 4 * 256, partial
+        assert_nothing_left(cut_home)
+        t_again = time.monotonic()
+        again = run_launch("eval.py", _eval_args(home, data, home / "cut"), home / "again_home", timeout=JOB_TIMEOUT_S)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert whole.wait(JOB_TIMEOUT_S) == 0, launch_log(whole.home)[-4000:]
+        assert (home / "cut" / "table.csv").read_text() == (home / "whole" / "table.csv").read_text()
+        print(
+            f"eval K=256 x 4 problems on two nodes: {whole.seconds:.0f} s uninterrupted (beside the cancelled one); "
+            f"cancelled after {partial} samples; resubmitted: {time.monotonic() - t_again:.0f} s"
         )
-        slurm("scancel", str(job))
-        launch.wait(timeout=300)
     finally:
-        stop_launch(launch)
-        cancel_jobs(cut_home)  # a failure before the scancel must not leave the stalled job holding the nodes
-    partial = _stored(home / "cut")
-    assert launch.returncode == 1 and job_runs(job)[-1][0] == "CANCELLED", job_runs(job)
-    assert 64 <= partial < 4 * 256, partial
-    assert_nothing_left(cut_home)
-    again = run_launch("eval.py", _eval_args(home, data, home / "cut"), home / "again_home", timeout=JOB_TIMEOUT_S)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert (home / "cut" / "table.csv").read_text() == (home / "whole" / "table.csv").read_text()
-    print(
-        f"eval K=256 x 4 problems on two nodes: {t_whole:.0f} s uninterrupted; cancelled after {partial} samples, "
-        f"resubmitted: {time.monotonic() - t0 - t_whole:.0f} s for both"
-    )
+        whole.stop()
