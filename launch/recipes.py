@@ -12,26 +12,22 @@ from pathlib import Path
 from launch.executors import REPO_ROOT  # noqa: F401 - the launch tests' name
 from megatron_rlvr.config import Config, dump_config, load_config
 from megatron_rlvr.errors import ConfigError
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.recipe_files import (  # noqa: F401 - the launchers' and the recipe tests' names
     CONFIGS_DIR,
     MODEL_CONFIGS_DIR,
     documented_nodes,
+    find_hf_config,
     find_recipe,
     hf_config_path,
-    load_hf_config,
     recipe_names,
 )
 
-SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size", "hidden_size")
-# a MoE model's expert layout is validated too (docs/moe.md)
-SHAPE_KEYS += ("num_experts", "num_local_experts", "moe_intermediate_size")
 
-
-def model_shape(cfg: Config) -> dict[str, int] | None:
-    hf = load_hf_config(cfg.model.hf_dir)
-    if hf is None:
-        return None
-    return {k: hf[k] for k in SHAPE_KEYS if isinstance(hf.get(k), int)}
+def model_dims(cfg: Config) -> ModelDims | None:
+    """The shapes of the recipe's model (its config.json, or the architecture copy in configs/models/), if found."""
+    hf = find_hf_config(cfg.model.hf_dir)
+    return None if hf is None else ModelDims.from_hf(hf)
 
 
 def load_and_validate(
@@ -44,13 +40,13 @@ def load_and_validate(
     """
     path = find_recipe(recipe)
     cfg = load_config(path, overrides)
-    shape = model_shape(cfg)
-    if shape is None and require_model:
+    dims = model_dims(cfg)
+    if dims is None and require_model:
         raise ConfigError(
             f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there or in "
             f"{MODEL_CONFIGS_DIR / Path(cfg.model.hf_dir).name}"
         )
-    cfg.validate(world_size=world_size, model_shape=shape)
+    cfg.validate(world_size=world_size, dims=dims)
     return path, cfg
 
 
@@ -139,7 +135,7 @@ def check_plan(recipe: str, overrides: list[str], cfg: Config, nodes: int, gpus_
 
     from megatron_rlvr.plan.command import EXIT_DOES_NOT_FIT, H200_MEMORY_GB, make_plan
 
-    hf = load_hf_config(cfg.model.hf_dir)
+    hf = find_hf_config(cfg.model.hf_dir)
     if hf is None:
         print(
             f"[plan] warning: no config.json for model.hf_dir={cfg.model.hf_dir}: memory not planned", file=sys.stderr

@@ -26,6 +26,7 @@ from megatron_rlvr.data.config import DataConfig
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.models.config import ModelConfig
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout.config import RolloutConfig
 
@@ -77,49 +78,21 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
-    def validate(self, world_size: int | None = None, model_shape: Mapping[str, int] | None = None) -> Config:
-        """Cross-section checks. ``model_shape`` holds the HF config's head/vocab sizes when known."""
+    def validate(self, world_size: int | None = None, dims: ModelDims | None = None) -> Config:
+        """Cross-section checks against the world size and the model's shapes (``dims``), when known. The parallel
+        layout's own rules are `ParallelLayout.problems` (models/layout.py), the same the actor and the builder run."""
         a = self.actor
-        for key in ("tp", "pp", "cp", "micro_batch_size"):
-            if getattr(a, key) < 1:
-                raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
-        # separate placement: _validate_placement checks the actor's share of the world
-        if world_size is not None and self.rollout.placement != "separate" and world_size % (a.tp * a.pp) != 0:
-            raise ConfigError(
-                f"actor.tp * actor.pp = {a.tp} * {a.pp} = {a.tp * a.pp} must divide the world size {world_size} "
-                f"(tp * pp * dp == world size); allowed tp*pp: "
-                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-            )
-        if world_size is not None and self.rollout.placement != "separate" and world_size % (a.tp * a.pp * a.cp):
-            raise ConfigError(
-                f"actor.tp * actor.pp * actor.cp = {a.tp} * {a.pp} * {a.cp} must divide the world size {world_size}"
-            )
-        if a.cp > 1 and not a.pack_sequences:  # the CP split is of packed streams (docs/context-parallel.md)
-            raise ConfigError("actor.cp > 1 needs actor.pack_sequences=true: context parallelism splits packed streams")
+        if a.micro_batch_size < 1:
+            raise ConfigError(f"actor.micro_batch_size: must be >= 1, got {a.micro_batch_size}")
         if a.max_tokens_per_micro_batch < 0:
             raise ConfigError(
                 f"actor.max_tokens_per_micro_batch: must be >= 0 (0 = micro_batch_size sequences), got "
                 f"{a.max_tokens_per_micro_batch}"
             )
-        if a.vpp is not None and a.pp < 2:
-            raise ConfigError(f"actor.vpp: virtual pipeline stages need actor.pp >= 2, got pp={a.pp}")
-        if a.vpp is not None and not a.pack_sequences:
-            # the interleaved schedule exchanges one activation shape: packed streams are padded to it, [b, S] blocks
-            # of varying b are not (actor/megatron_actor.py, variable_seq_lengths)
-            raise ConfigError("actor.vpp: the interleaved schedule needs actor.pack_sequences=true")
-        if a.sequence_parallel and a.tp < 2:
-            raise ConfigError("actor.sequence_parallel: needs actor.tp >= 2")
-        self._validate_experts(world_size, model_shape)
-        if model_shape:
-            for key in ("num_attention_heads", "num_key_value_heads"):
-                n = model_shape.get(key)
-                if n is not None and n % a.tp != 0:
-                    raise ConfigError(f"actor.tp={a.tp} must divide the model's {key}={n}")
-            layers = model_shape.get("num_hidden_layers")
-            if layers is not None and layers % (a.pp * (a.vpp or 1)) != 0:
-                raise ConfigError(
-                    f"actor.pp * actor.vpp = {a.pp * (a.vpp or 1)} must divide the model's num_hidden_layers={layers}"
-                )
+        self._validate_placement(world_size)
+        actors, world_name = self.actor_world(world_size)
+        a.layout().check(dims, actors, world_name=world_name)
+        self._validate_experts(dims)
         budgets = [("rollout.max_new_tokens", self.rollout.max_new_tokens, "")]
         if self.trainer.eval_every:
             budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens, " (validation: trainer.eval_every > 0)"))
@@ -127,7 +100,9 @@ class Config:
             if self.data.max_prompt_tokens + new_tokens > self.rollout.max_model_len:
                 raise ConfigError(
                     f"{key}={new_tokens} + data.max_prompt_tokens={self.data.max_prompt_tokens} exceeds "
-                    f"rollout.max_model_len={self.rollout.max_model_len}{why}: the longest prompt could not be answered"
+                    f"rollout.max_model_len={self.rollout.max_model_len}{why}: the longest prompt could not be "
+                    f"answered; raise rollout.max_model_len to {self.data.max_prompt_tokens + new_tokens} or lower "
+                    f"{key}"
                 )
         r = self.reward
         if not 0 <= r.overlong_buffer < self.rollout.max_new_tokens:
@@ -142,45 +117,45 @@ class Config:
                 f"trainer.mini_batches_per_step={self.trainer.mini_batches_per_step} must divide "
                 f"trainer.prompts_per_step={self.trainer.prompts_per_step}"
             )
-        self._validate_placement(world_size)
         return self
 
-    def _validate_experts(self, world_size: int | None, model_shape: Mapping[str, Any] | None) -> None:
-        """Expert parallelism (docs/moe.md): every layout that does not divide is named."""
+    def actor_world(self, world_size: int | None) -> tuple[int | None, str | None]:
+        """(the ranks the actor runs on, how messages name them): the world, less the engine ranks under separate
+        placement."""
+        if world_size is None or self.rollout.placement != "separate":
+            return world_size, None
+        actors = world_size - self.rollout.engine_ranks
+        return actors, (
+            f"the actor's ranks: world size {world_size} - rollout.engine_ranks {self.rollout.engine_ranks} = {actors}"
+        )
+
+    def _validate_experts(self, dims: ModelDims | None) -> None:
+        """Mixture-of-experts settings that are not the layout's (docs/moe.md)."""
         a = self.actor
-        for key in ("ep", "etp"):
-            if getattr(a, key) < 1:
-                raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
         if a.moe_aux_loss_coeff < 0:
             raise ConfigError(f"actor.moe_aux_loss_coeff: must be >= 0, got {a.moe_aux_loss_coeff}")
-        if world_size is not None and world_size % (a.tp * a.pp) == 0 and (world_size // a.pp) % (a.ep * a.etp):
-            raise ConfigError(
-                f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * cp * tp = {world_size // a.pp} "
-                f"(world size {world_size} / actor.pp {a.pp})"
-            )
         if a.router_replay == "rollout" and not self.rollout.return_routed_experts:
             raise ConfigError(
                 "actor.router_replay=rollout replays the engine's routing: set rollout.return_routed_experts=true so "
                 "the engines return it"
             )
-        if model_shape:
-            experts = model_shape.get("num_experts") or model_shape.get("num_local_experts")
-            if not experts and (a.ep > 1 or a.etp > 1 or a.moe_aux_loss_coeff):
-                raise ConfigError(
-                    f"actor.ep={a.ep}, actor.etp={a.etp}, actor.moe_aux_loss_coeff="
-                    f"{a.moe_aux_loss_coeff}: set for a dense model (no num_experts in its config)"
-                )
-            if not experts and a.router_replay != "none":
-                raise ConfigError(f"actor.router_replay={a.router_replay}: set for a dense model (no num_experts)")
-            if experts and experts % a.ep:
-                raise ConfigError(f"actor.ep={a.ep} must divide the model's num_experts={experts}")
-            ffn = model_shape.get("moe_intermediate_size")
-            if experts and ffn and ffn % a.etp:
-                raise ConfigError(f"actor.etp={a.etp} must divide the model's moe_intermediate_size={ffn}")
+        if dims is None or dims.is_moe:
+            return
+        if a.moe_aux_loss_coeff:
+            raise ConfigError(
+                f"actor.moe_aux_loss_coeff={a.moe_aux_loss_coeff}: set for a dense model (no num_experts in its "
+                "config); set actor.moe_aux_loss_coeff=0"
+            )
+        if a.router_replay != "none":
+            raise ConfigError(
+                f"actor.router_replay={a.router_replay}: set for a dense model (no num_experts); "
+                "set actor.router_replay=none"
+            )
 
     def _validate_placement(self, world_size: int | None) -> None:
-        """Separate placement and one-step-off training (docs/separate-placement.md)."""
-        r, a, off = self.rollout, self.actor, self.trainer.off_policy_steps
+        """Separate placement and one-step-off training (docs/separate-placement.md); the actor's share of the
+        world is the layout's (`actor_world`)."""
+        r, off = self.rollout, self.trainer.off_policy_steps
         if off not in (0, 1):
             raise ConfigError(f"trainer.off_policy_steps: expected 0 (on-policy) or 1 (one-step-off), got {off!r}")
         if off and r.placement != "separate":
@@ -195,18 +170,10 @@ class Config:
                 f"rollout.engine_ranks={r.engine_ranks} must be a multiple of rollout.tp={r.tp} "
                 f"(each engine spans rollout.tp engine ranks)"
             )
-        if world_size is None:
-            return
-        if r.engine_ranks >= world_size:
+        if world_size is not None and r.engine_ranks >= world_size:
             raise ConfigError(
                 f"rollout.engine_ranks={r.engine_ranks} must be less than the world size {world_size}: "
                 "the other ranks are the actor"
-            )
-        actors = world_size - r.engine_ranks
-        if actors % (a.tp * a.pp * a.cp) != 0:
-            raise ConfigError(
-                f"actor.tp * actor.pp * actor.cp = {a.tp * a.pp * a.cp} must divide the actor's ranks: world size {world_size} - "
-                f"rollout.engine_ranks {r.engine_ranks} = {actors}"
             )
 
     def warnings(self) -> list[str]:

@@ -73,10 +73,11 @@ def train(cfg: Config) -> list[dict[str, float]]:
     """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics.
     On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the run returns early."""
     from megatron_rlvr.models import load_hf_config
+    from megatron_rlvr.models.dims import ModelDims
 
     with Preemption.installed() as preemption:
         distributed.init_process_group()
-        cfg.validate(distributed.world_size(), load_hf_config(cfg.model.hf_dir))
+        cfg.validate(distributed.world_size(), ModelDims.from_hf(load_hf_config(cfg.model.hf_dir)))
         roles = None
         if cfg.rollout.placement == "separate":  # the last rollout.engine_ranks ranks serve engines from here on
             from megatron_rlvr.experience.engine_server import serve

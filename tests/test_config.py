@@ -8,6 +8,13 @@ import pytest
 
 from megatron_rlvr.config import Config, dump_config, load_config
 from megatron_rlvr.errors import ConfigError
+from megatron_rlvr.models.dims import ModelDims
+
+
+def _dims(**shape) -> ModelDims:
+    """A model's shapes for the layout rules: 8 heads, 2 KV heads, 4 layers unless given."""
+    base = dict(hidden=64, ffn=128, layers=4, heads=8, kv_heads=2, head_dim=8, vocab=100, tied=False, qkv_bias=False)
+    return ModelDims(**(base | shape))
 
 
 def _write(tmp_path, text: str):
@@ -54,14 +61,26 @@ def test_wrong_type_names_key_and_expected_type():
 
 
 def test_bad_parallel_sizes_name_the_constraint():
-    with pytest.raises(ConfigError, match=r"actor\.tp \* actor\.pp = 2 \* 2 = 4 must divide the world size 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^actor\.tp \* actor\.pp = 2 \* 2 = 4 must divide the world size 2; nearest layout that fits: "
+        r"actor\.tp=1$",
+    ):
         load_config(None, ["actor.tp=2", "actor.pp=2"]).validate(world_size=2)
-    with pytest.raises(ConfigError, match=r"actor\.tp=4 must divide the model's num_key_value_heads=2"):
-        load_config(None, ["actor.tp=4"]).validate(
-            world_size=4, model_shape={"num_attention_heads": 8, "num_key_value_heads": 2}
-        )
-    with pytest.raises(ConfigError, match=r"actor\.pp \* actor\.vpp = 3 must divide the model's num_hidden_layers=4"):
-        load_config(None, ["actor.pp=3"]).validate(world_size=3, model_shape={"num_hidden_layers": 4})
+    with pytest.raises(
+        ConfigError, match=r"^actor\.tp=4 must divide the model's num_key_value_heads=2; TPs that would: 1, 2$"
+    ):
+        load_config(None, ["actor.tp=4"]).validate(world_size=4, dims=_dims())
+    with pytest.raises(
+        ConfigError, match=r"^actor\.tp=2 must divide the model's num_attention_heads=9 and num_key_value_heads=3; TPs"
+    ):
+        load_config(None, ["actor.tp=2"]).validate(world_size=2, dims=_dims(heads=9, kv_heads=3))
+    with pytest.raises(
+        ConfigError, match=r"^actor\.pp=3 must divide the model's num_hidden_layers=4; actor\.pp that would: 1, 2, 4$"
+    ):
+        load_config(None, ["actor.pp=3"]).validate(world_size=3, dims=_dims())
+    with pytest.raises(ConfigError, match=r"^actor\.pp \* actor\.vpp = 6 must divide the model's num_hidden_layers=4"):
+        load_config(None, ["actor.pp=3", "actor.vpp=2"]).validate(world_size=3, dims=_dims())
     with pytest.raises(ConfigError, match=r"actor\.tp: must be >= 1, got 0"):
         load_config(None, ["actor.tp=0"]).validate(world_size=1)
     with pytest.raises(ConfigError, match=r"actor\.vpp: virtual pipeline stages need actor\.pp >= 2"):
@@ -72,8 +91,8 @@ def test_bad_parallel_sizes_name_the_constraint():
 
 def test_bad_context_parallel_layouts_name_the_keys():
     bad = [
-        (["actor.cp=2"], 3, r"^actor\.tp \* actor\.pp \* actor\.cp = 1 \* 1 \* 2 must divide the world size 3$"),
-        (["actor.cp=2", "actor.tp=2"], 2, r"actor\.tp \* actor\.pp \* actor\.cp = 2 \* 1 \* 2 must divide"),
+        (["actor.cp=2"], 3, r"^actor\.tp \* actor\.pp \* actor\.cp = 1 \* 1 \* 2 = 2 must divide the world size 3; "),
+        (["actor.cp=2", "actor.tp=2"], 2, r"actor\.tp \* actor\.pp \* actor\.cp = 2 \* 1 \* 2 = 4 must divide"),
         (["actor.cp=2", "actor.pack_sequences=false"], 2, r"^actor\.cp > 1 needs actor\.pack_sequences=true"),
         (["actor.cp=0"], 1, r"^actor\.cp: must be >= 1, got 0$"),
         # megatron-core forms expert groups over world / pp = dp * cp * tp ranks
@@ -81,7 +100,7 @@ def test_bad_context_parallel_layouts_name_the_keys():
         (
             ["actor.cp=2", "rollout.placement=separate", "rollout.engine_ranks=1"],
             4,
-            r"actor\.tp \* actor\.pp \* actor\.cp = 2 must divide the actor's ranks: world size 4",
+            r"actor\.tp \* actor\.pp \* actor\.cp = 1 \* 1 \* 2 = 2 must divide the actor's ranks: world size 4",
         ),
     ]
     for overrides, world, message in bad:
@@ -95,10 +114,13 @@ def test_bad_context_parallel_layouts_name_the_keys():
 def test_routing_replay_needs_experts_and_under_rollout_the_engines_routing():
     with pytest.raises(ConfigError, match=r"^actor\.router_replay=rollout replays the engine's routing: set rollout\."):
         load_config(None, ["actor.router_replay=rollout"]).validate(world_size=1)
-    with pytest.raises(ConfigError, match=r"^actor\.router_replay=train: set for a dense model \(no num_experts\)$"):
-        load_config(None, ["actor.router_replay=train"]).validate(world_size=1, model_shape={"num_hidden_layers": 4})
+    with pytest.raises(
+        ConfigError, match=r"^actor\.router_replay=train: set for a dense model \(no num_experts\); set"
+    ):
+        load_config(None, ["actor.router_replay=train"]).validate(world_size=1, dims=_dims())
+    moe = _dims(experts=8, experts_per_token=2, expert_ffn=32, moe_pattern=(1, 1, 1, 1))
     load_config(None, ["actor.router_replay=rollout", "rollout.return_routed_experts=true"]).validate(
-        world_size=2, model_shape={"num_experts": 8}
+        world_size=2, dims=moe
     )
 
 

@@ -116,8 +116,8 @@ def config_of(case: Case, hf_dir: str, world: int):
 def predicted(case: Case, hf_dir: str, world: int) -> list[dict[str, int]]:
     """The plan's bytes for each rank (by its pipeline stage): static components and the update's peak."""
     from megatron_rlvr.models import load_hf_config
+    from megatron_rlvr.models.dims import ModelDims
     from megatron_rlvr.plan.memory import Layout, actor_rank_plan
-    from megatron_rlvr.plan.model_dims import ModelDims
 
     dims = ModelDims.from_hf(load_hf_config(hf_dir))
     lay = Layout.from_config(config_of(case, hf_dir, world), world, gpu=False)
@@ -283,10 +283,10 @@ def host_predicted(config: str, overrides: list[str], world: int):
     from megatron_rlvr.config import load_config
     from megatron_rlvr.plan.host_memory import host_plan
     from megatron_rlvr.plan.memory import Layout
-    from megatron_rlvr.plan.recipe_files import load_hf_config
+    from megatron_rlvr.plan.recipe_files import find_hf_config
 
     cfg = load_config(config, overrides)
-    hf = load_hf_config(cfg.model.hf_dir)
+    hf = find_hf_config(cfg.model.hf_dir)
     lay = Layout.from_config(cfg, world, gpu=False)
     return host_plan(cfg, hf, lay, world, world, 0)
 

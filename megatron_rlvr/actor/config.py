@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_rlvr.models.layout import ParallelLayout
+
 
 @dataclass
 class ActorConfig:
@@ -46,3 +48,16 @@ class ActorConfig:
     bf16: bool = False  # bf16 compute with fp32 main grads and params in the optimizer
     stats_chunk_tokens: int = 4096  # token chunk of the fused statistics op (bounds its scratch memory)
     max_nonfinite_in_a_row: int = 3
+
+    def layout(self) -> ParallelLayout:
+        """The parallel layout these sizes make (its rules: models/layout.py)."""
+        return ParallelLayout(
+            tp=self.tp,
+            pp=self.pp,
+            vpp=self.vpp,
+            cp=self.cp,
+            ep=self.ep,
+            etp=self.etp,
+            sequence_parallel=self.sequence_parallel,
+            pack_sequences=self.pack_sequences,
+        )

@@ -26,8 +26,9 @@ import torch
 from megatron_rlvr.bridge.dist_ckpt import HF_SUBDIR, checkpoint_sharded_state_dict, save_lazily, write_hf_side_files
 from megatron_rlvr.bridge.hf_reader import HFCheckpointError, HFCheckpointReader
 from megatron_rlvr.bridge.layout import load_shard, to_hf
-from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes, mapping_table, megatron_local_shape
+from megatron_rlvr.bridge.mapping import hf_shapes, mapping_table, megatron_local_shape
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.models.family import UnsupportedModelError
 from megatron_rlvr.models.hf_config import load_hf_config
 

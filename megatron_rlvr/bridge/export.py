@@ -46,9 +46,10 @@ from megatron_rlvr.bridge.expert_export import (
 from megatron_rlvr.bridge.layout import shard_to_hf
 from megatron_rlvr.bridge.lent_slots import LENDING_SEGMENTS, held_slots
 from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
-from megatron_rlvr.bridge.mapping import ModelDims, ParamMapping, hf_shapes
+from megatron_rlvr.bridge.mapping import ParamMapping, hf_shapes
 from megatron_rlvr.bridge.shm_exchange import ShmExchange as _ShmExchange
 from megatron_rlvr.bridge.shm_exchange import aligned as _aligned
+from megatron_rlvr.models.dims import ModelDims
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 PLAN_BUILDS = 0  # how many export plans were built in this process (the tests check the cache with it)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rlvr.bridge.mapping import ModelDims, ParamMapping, mapping_table, megatron_local_shape
+from megatron_rlvr.bridge.mapping import ParamMapping, mapping_table, megatron_local_shape
+from megatron_rlvr.models.dims import ModelDims
 
 
 class BridgeError(ValueError):

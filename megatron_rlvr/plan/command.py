@@ -15,9 +15,10 @@ import sys
 from typing import Any
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.host_memory import host_json, host_plan, host_text
 from megatron_rlvr.plan.memory import GB, PHASE_PARTS, Layout, Plan, plan_layout
-from megatron_rlvr.plan.model_dims import ModelDims, stage_params
+from megatron_rlvr.plan.stage_params import stage_params
 from megatron_rlvr.plan.suggest import RANKING_RULE, suggest
 
 EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -48,45 +49,22 @@ def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_
     recipe header's `--nodes N`, else 1."""
     from megatron_rlvr.config import load_config
     from megatron_rlvr.errors import ConfigError
-    from megatron_rlvr.plan.recipe_files import documented_nodes, find_recipe, load_hf_config
+    from megatron_rlvr.plan.recipe_files import documented_nodes, find_hf_config, find_recipe
 
     path = find_recipe(recipe)
     cfg = load_config(path, overrides)
     nodes = nodes if nodes is not None else documented_nodes(path) or 1
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be >= 1")
-    hf = load_hf_config(cfg.model.hf_dir)
+    hf = find_hf_config(cfg.model.hf_dir)
     if hf is None:
         raise ConfigError(
             f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there or in configs/models/; the plan "
             f"needs the model's shapes"
         )
     validate_model(cfg, hf)
-    shape = {k: hf[k] for k in MODEL_SHAPE_KEYS if k in hf}
-    world = nodes * gpus_per_node
-    cfg.validate(world_size=world, model_shape=shape)
-    actor_world = world - (cfg.rollout.engine_ranks if cfg.rollout.placement == "separate" else 0)
-    a = cfg.actor
-    if actor_world % (a.tp * a.pp * a.cp):
-        raise ConfigError(
-            f"actor.cp={a.cp}: actor.tp * actor.pp * actor.cp = {a.tp * a.pp * a.cp} must divide the actor's "
-            f"{actor_world} ranks"
-        )
-    moe = bool(hf.get("num_experts") or hf.get("num_local_experts"))
-    if moe and a.tp > 1 and not a.sequence_parallel:  # megatron-core's MoE layer asserts it in training
-        raise ConfigError(f"actor.sequence_parallel: must be true for a mixture-of-experts model at actor.tp={a.tp}")
+    cfg.validate(world_size=nodes * gpus_per_node, dims=ModelDims.from_hf(hf))
     return cfg, hf, nodes
-
-
-# what Config.validate checks against the model: heads and layers for TP/PP, the experts for EP/ETP (docs/moe.md)
-MODEL_SHAPE_KEYS = (
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_hidden_layers",
-    "num_experts",
-    "num_local_experts",
-    "moe_intermediate_size",
-)
 
 
 def validate_model(cfg: Any, hf: dict) -> None:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.memory import FP32, GB, Layout, actor_rank_plan
-from megatron_rlvr.plan.model_dims import ModelDims
 
 # Assumptions not measured here (GPU nodes), named:
 GPU_RANK_PROCESS_BYTES = int(8.0 * GB)  # one GPU rank's process: CUDA host runtime, NCCL, torch, megatron, vLLM

@@ -33,13 +33,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rlvr.plan.model_dims import ModelDims, padded_vocab, stage_params, stage_split, teacher_dims
+from megatron_rlvr.models.builder import padded_vocab_size
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.parallel_terms import (
     cp_kv_bytes,
     dispatcher_bytes,
     expert_shard_ranks,
     moe_mlp_saved_bytes,
 )
+from megatron_rlvr.plan.stage_params import stage_params, stage_split, teacher_dims
 
 GB = 1e9
 FP32 = 4
@@ -210,7 +212,7 @@ def in_flight(lay: Layout, stage: int) -> float:
 def logits_bytes(dims: ModelDims, lay: Layout) -> int:
     """The output layer's logits shard [tokens, Vp/tp] in the compute dtype: the fused op keeps it for its backward
     and writes the gradient into it in place."""
-    return lay.micro_tokens * padded_vocab(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * lay.param_bytes
+    return lay.micro_tokens * padded_vocab_size(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * lay.param_bytes
 
 
 def op_scratch_bytes(lay: Layout) -> int:
@@ -381,7 +383,7 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
     # gradients of one layer's saved tensors while it runs backward (a bound: the same size as what it saved), and
     # the largest weight gradient before DDP's hook adds it into the fp32 main grad: a vocab shard (embedding or
     # output layer; megatron runs without gradient-accumulation fusion here)
-    vocab_shard = padded_vocab(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * dims.hidden
+    vocab_shard = padded_vocab_size(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * dims.hidden
     largest_weight = max(
         vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp, dims.hidden * 2 * dims.expert_ffn // lay.etp
     )

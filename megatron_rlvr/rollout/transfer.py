@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.bridge.export import DEFAULT_BUCKET_BYTES
-from megatron_rlvr.bridge.mapping import ModelDims
 from megatron_rlvr.bridge.reshard import engine_shard
+from megatron_rlvr.models.dims import ModelDims
 
 MAGIC = 0x57E1647  # first word of every header: a member out of step reads garbage instead of a header
 _TAG_READY = 731  # point-to-point tag of the handshakes (gloo; NCCL ignores tags)

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch  # noqa: E402
 
-from megatron_rlvr.bridge.mapping import ModelDims  # noqa: E402
+from megatron_rlvr.models.dims import ModelDims  # noqa: E402
+from megatron_rlvr.models.hf_config import read_hf_config  # noqa: E402
 from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rlvr.rollout.cpu_moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
@@ -62,11 +63,11 @@ class VLLMEngine:
         self.seed = seed
         self.on_gpu = torch.cuda.is_available()
         self.manifest = WeightManifest.from_model_dir(model_dir)
-        self._hf_config = _read_hf_config(self.model_dir)
+        self.dims = ModelDims.from_hf(read_hf_config(self.model_dir))
         if not self.on_gpu:
-            _check_cpu_model(self._hf_config, cfg)
-        if cfg.check_sync and unreadable(self._hf_config):
-            raise ValueError(f"rollout.check_sync=true: {unreadable(self._hf_config)}; set it false")
+            _check_cpu_model(self.dims, cfg)
+        if cfg.check_sync and unreadable(self.dims):
+            raise ValueError(f"rollout.check_sync=true: {unreadable(self.dims)}; set it false")
         self._asleep = False
         self._weights_discarded = False  # sleep level 2 dropped them: only update_weights brings weights back
         self._llm = self._start(dtype)
@@ -77,7 +78,7 @@ class VLLMEngine:
         # "full" staging through vLLM's reload keeps only this rank's engine-TP shard of the stream (shard_stage.py)
         self._stage = ShardStage(
             self.manifest,
-            ModelDims.from_hf(self._hf_config),
+            self.dims,
             cfg.tp if self.on_gpu else 1,
             self._llm.apply_model(_tp_rank)[0] if self.on_gpu else 0,
         )
@@ -96,7 +97,7 @@ class VLLMEngine:
         try:
             with private_world:
                 if not self.on_gpu:
-                    ensure_ep_group(self._hf_config)
+                    ensure_ep_group(self.dims)
                 llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype))
         finally:
             torch.set_num_threads = set_num_threads
@@ -182,7 +183,7 @@ class VLLMEngine:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         except Exception as e:
             raise self._die("generate", e) from e
-        routing = routing_of(self._hf_config) if self.cfg.return_routed_experts else None
+        routing = routing_of(self.dims) if self.cfg.return_routed_experts else None
         return [
             [_completion(c, sampling.logprobs, routing, len(p)) for c in sorted(out.outputs, key=lambda c: c.index)]
             for out, p in zip(outputs, prompt_token_ids)
@@ -193,7 +194,7 @@ class VLLMEngine:
             raise ValueError(f"generate: n (responses per prompt) must be an int >= 1, got {n!r}")
         if sampling.max_tokens < 1:
             raise ValueError(f"generate: sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
-        vocab = self._hf_config["vocab_size"]
+        vocab = self.dims.vocab
         for i, prompt in enumerate(prompt_token_ids):
             if len(prompt) == 0:
                 raise ValueError(f"generate: prompt_token_ids[{i}] is empty")
@@ -315,7 +316,12 @@ class VLLMEngine:
 
             with torch.no_grad():
                 return compare_model_weights(
-                    model, sent, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), atol
+                    model,
+                    sent,
+                    self.dims,
+                    get_tensor_model_parallel_rank(),
+                    get_tensor_model_parallel_world_size(),
+                    atol,
                 )
 
         per_worker = llm.apply_model(check)
@@ -477,21 +483,14 @@ def _drain(source) -> None:
         pass
 
 
-def _read_hf_config(model_dir: str) -> dict[str, Any]:
-    import json
-
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
-def _check_cpu_model(hf_config: dict[str, Any], cfg: RolloutConfig) -> None:
+def _check_cpu_model(dims: ModelDims, cfg: RolloutConfig) -> None:
     # Checked here because vLLM reports an unsupported head size deep inside engine start-up.
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
     supported = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim not in supported:
+    if dims.head_dim not in supported:
         raise ValueError(
-            f"model head size {head_dim}: vLLM's CPU attention supports head sizes {supported}; "
+            f"model head size {dims.head_dim}: vLLM's CPU attention supports head sizes {supported}; "
             "make the model with one of them"
         )
     if cfg.tp != 1:

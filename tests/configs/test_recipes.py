@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.recipes import CONFIGS_DIR, MODEL_CONFIGS_DIR, find_recipe, load_and_validate, load_hf_config, recipe_names
+from launch.recipes import CONFIGS_DIR, MODEL_CONFIGS_DIR, find_hf_config, find_recipe, load_and_validate, recipe_names
 from megatron_rlvr.errors import ConfigError
 
 CPU_RECIPES = {"demo_cpu", "demo_cpu_grpo", "eval_cpu", "reasoning_gym_cpu"}
@@ -55,7 +55,7 @@ def test_the_paper_and_cpu_recipes_are_all_there():
 
 def load_hf_config_of(name: str) -> dict:
     _, cfg = load_and_validate(name, [], world_size=None)
-    hf = load_hf_config(cfg.model.hf_dir) or {}
+    hf = find_hf_config(cfg.model.hf_dir) or {}
     return {**hf, "_name": Path(cfg.model.hf_dir).name}
 
 
@@ -66,7 +66,7 @@ def test_recipe_loads_and_validates_at_its_documented_world_size(name):
     assert world % (cfg.actor.tp * cfg.actor.pp) == 0
     if name not in CPU_RECIPES:
         assert cfg.model.hf_dir.startswith("/models/"), "cluster recipes read checkpoints from the /models mount"
-        hf = load_hf_config(cfg.model.hf_dir)
+        hf = find_hf_config(cfg.model.hf_dir)
         assert cfg.rollout.max_model_len <= hf["max_position_embeddings"], "responses must fit the model's positions"
         assert hf["num_attention_heads"] % cfg.rollout.tp == 0 and hf["num_key_value_heads"] % cfg.rollout.tp == 0
 
@@ -127,11 +127,11 @@ def analytic_parameter_count(hf: dict) -> int:
 
 @pytest.mark.parametrize("model", sorted(KNOWN_SIZES))
 def test_analytic_parameter_count_matches_the_published_size(model):
-    hf = load_hf_config(f"/models/{model}")
+    hf = find_hf_config(f"/models/{model}")
     count = analytic_parameter_count(hf)
     assert abs(count - KNOWN_SIZES[model]) / KNOWN_SIZES[model] < 0.01, (model, count)
     if model in ACTIVE_SIZES:
-        from megatron_rlvr.plan.model_dims import ModelDims
+        from megatron_rlvr.models.dims import ModelDims
 
         active = ModelDims.from_hf(hf).active_params()
         assert abs(active - ACTIVE_SIZES[model]) / ACTIVE_SIZES[model] < 0.02, (model, active)
@@ -162,7 +162,7 @@ def test_megatron_model_on_meta_device_matches_the_published_size():
     with WorkerGroup(1, timeout_s=600) as group:
         (counts,) = group.run(_meta_parameter_counts, sorted(KNOWN_SIZES))
     for model, count in counts.items():
-        hf = load_hf_config(f"/models/{model}")
+        hf = find_hf_config(f"/models/{model}")
         print(f"{model}: megatron meta build {count / 1e9:.3f}B params, published {KNOWN_SIZES[model] / 1e9:.2f}B")
         assert count == analytic_parameter_count(hf), model
         assert abs(count - KNOWN_SIZES[model]) / KNOWN_SIZES[model] < 0.01, (model, count)

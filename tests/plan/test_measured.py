@@ -44,12 +44,13 @@ def _meta_stage_counts(models: list[str], tp: int, pp: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_stage_params_equal_the_meta_device_build(workers2, tp, pp):
-    from megatron_rlvr.plan.model_dims import ModelDims, stage_params
-    from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, load_hf_config
+    from megatron_rlvr.models.dims import ModelDims
+    from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, find_hf_config
+    from megatron_rlvr.plan.stage_params import stage_params
 
     for counts in workers2.run(_meta_stage_counts, META_MODELS, tp, pp, timeout_s=600):
         for model in META_MODELS:
-            dims = ModelDims.from_hf(load_hf_config(str(MODEL_CONFIGS_DIR / model)))
+            dims = ModelDims.from_hf(find_hf_config(str(MODEL_CONFIGS_DIR / model)))
             assert stage_params(dims, tp, pp, counts["stage"]) == counts[model], (model, tp, pp, counts["stage"])
 
 
