@@ -14,17 +14,31 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rlvr import checkpoint
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
+from megatron_rlvr.data import PromptItem
 from megatron_rlvr.experience.validation import load_validation_items
+from megatron_rlvr.protocols.actor import Actor
 from megatron_rlvr.runtime import distributed
 from megatron_rlvr.runtime.console import attach_log_file, has_log_file
 from megatron_rlvr.runtime.preemption import Preemption
+
+if TYPE_CHECKING:  # imported when the loop starts (they import megatron-core, vLLM, TensorBoard)
+    import torch
+    from tqdm import tqdm
+
+    from megatron_rlvr.experience.collect import Experience
+    from megatron_rlvr.experience.source import ExperienceSource
+    from megatron_rlvr.monitor import MetricLogger
+    from megatron_rlvr.runtime.roles import Roles
+
+# PBA: a step's prompts -> per-response KL coefficients and the pba/* metrics
+Anchor = Callable[[Sequence[PromptItem]], tuple["torch.Tensor", dict[str, float]]]
 
 
 class Timer:
@@ -49,17 +63,17 @@ class Run:
     """What the loop reads: the run's config, its actor and experience source, and where it logs and saves."""
 
     cfg: Config
-    actor: Any  # actor.megatron_actor.MegatronActor (imported with megatron-core, inside `_train`)
-    source: Any  # experience.source.ExperienceSource
+    actor: Actor
+    source: ExperienceSource
     preemption: Preemption
-    logger: Any  # monitor.MetricLogger on rank 0, None elsewhere
-    progress: Any  # the tqdm bar (disabled off rank 0)
+    logger: MetricLogger | None  # rank 0's; None elsewhere
+    progress: tqdm  # disabled off rank 0
     ckpt_root: Path
-    val_items: list[Any]
+    val_items: list[PromptItem]
     pad_id: int
     start_step: int
     nonfinite_in_a_row: int
-    anchor: Callable | None = None  # PBA: a step's prompts -> per-response KL coefficients and pba/* metrics
+    anchor: Anchor | None = None
 
     def validate(self, step: int, timer: Timer | None = None) -> dict[str, float]:
         with timer("eval") if timer else contextlib.nullcontext():
@@ -91,7 +105,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
         return _train(cfg, roles, preemption)
 
 
-def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]:
+def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dict[str, float]]:
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.experience.base_evidence import pba_anchor
     from megatron_rlvr.experience.construction import prompt_stream
@@ -191,13 +205,8 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
         if run.anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
             exp.batch.kl_coef, pba_stats = run.anchor(exp.items)
             source_metrics |= pba_stats
-        with timer("statistics"):
-            if actor.needs_statistics_pass(t.mini_batches_per_step):  # else update() fills batch.old_logp
-                exp.batch.old_logp = actor.compute_old_logp(exp.batch)
-            if actor.reference is not None:  # algo.kl_coef > 0, or PBA's anchor: the loss's KL term
-                exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
-            if actor.teacher is not None:  # algo.distill: the frozen teacher scores the response tokens
-                actor.teacher.attach(actor, exp.batch, exp.items)
+        with timer("statistics"):  # behaviour log-probs, the KL reference's, the teacher's: what the loss reads
+            actor.score(exp.batch, exp.items, mini_batches=t.mini_batches_per_step)
         with timer("update"):
             update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
         nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0
@@ -241,7 +250,7 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
     return history, preempted
 
 
-def _rollout_metrics(exp) -> dict[str, float]:
+def _rollout_metrics(exp: Experience) -> dict[str, float]:
     batch = exp.batch
     mask = batch.response_mask
     mismatch = ((exp.engine_logp - batch.old_logp).abs() * mask).sum() / mask.sum().clamp_min(1)
@@ -255,7 +264,7 @@ def _rollout_metrics(exp) -> dict[str, float]:
     return metrics
 
 
-def _progress(enabled: bool, start: int, total: int):
+def _progress(enabled: bool, start: int, total: int) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="train", disable=not enabled, dynamic_ncols=True)

@@ -48,7 +48,7 @@ QUICK = dict(lengths=(4096, 4099), repeats=1)
 
 
 def make_batch(lengths: tuple[int, ...], vocab: int, prompt_len: int, seed: int):
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -101,7 +101,7 @@ def _worker(hf_dir: str, cfg: BenchConfig) -> dict[str, Any]:
                 total_steps=1,
             )
             batch = make_batch(cfg.lengths, actor.vocab_size, cfg.prompt_len, cfg.seed)
-            _, micro = actor._plan(batch)
+            _, micro = actor.passes.plan(batch)
             batch.old_logp = actor.compute_old_logp(batch)
             stats_s = _median_seconds(lambda: actor.compute_old_logp(batch), cfg.repeats)
             update_s = _median_seconds(lambda: actor.update(batch, 1), cfg.repeats)

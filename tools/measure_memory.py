@@ -207,8 +207,8 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
     if warm_up and update:
         measure_rank(dataclasses.replace(case, seq_len=16), hf_dir, update=True, warm_up=False)
 
-    from megatron_rlvr.actor.batch import SequenceBatch
     from megatron_rlvr.actor.megatron_actor import MegatronActor
+    from megatron_rlvr.protocols.batch import SequenceBatch
     from megatron_rlvr.runtime.distributed import model_parallel, world_size
 
     cfg = config_of(case, hf_dir, world_size())

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.actor.batch import SequenceBatch
 from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.protocols.batch import SequenceBatch
 from megatron_rlvr.rollout import Completion, EngineDiedError, RolloutConfig, RolloutEngine, Sampling
 
 if TYPE_CHECKING:

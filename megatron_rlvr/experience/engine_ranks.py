@@ -15,11 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
+from megatron_rlvr.config import Config
+from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.experience.collect import Experience
 from megatron_rlvr.experience.validation import validate
 from megatron_rlvr.experience.wire import Command, EngineRankError, Failure, Rollout
+from megatron_rlvr.protocols.actor import Actor
+from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.runtime.roles import ROLE_TIMEOUT_S, Roles, broadcast_object, recv_object
 
 
@@ -27,7 +32,16 @@ class EngineRanksSource:
     """Actor side of separate placement (see the module doc). A collective over the actor ranks at every call."""
 
     def __init__(
-        self, cfg, roles: Roles, actor, pool, loader, pad_id: int, *, start_step: int, pending: Rollout | None = None
+        self,
+        cfg: Config,
+        roles: Roles,
+        actor: Actor,
+        pool: RewardPool,
+        loader: PromptLoader,
+        pad_id: int,
+        *,
+        start_step: int,
+        pending: Rollout | None = None,
     ) -> None:
         self.cfg, self.roles, self.actor, self.pool, self.loader = cfg, roles, actor, pool, loader
         self.off_policy = cfg.trainer.off_policy_steps
@@ -71,7 +85,7 @@ class EngineRanksSource:
             self._ensure_weights(step + 1)  # the next step samples with the weights just trained
         return self.take_transfer_metrics()
 
-    def validate(self, step: int, val_items, pad_id: int):
+    def validate(self, step: int, val_items: list[PromptItem], pad_id: int) -> tuple[dict[str, float], np.ndarray]:
         self._drain()
         self._ensure_weights(step)
         return validate(self.engine, self.pool, self.actor, val_items, self.cfg, pad_id)

@@ -14,11 +14,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from megatron_rlvr.actor.batch import SequenceBatch
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem, Row, items_from_rows, load_items
 from megatron_rlvr.eval.passk import pass_at_k
 from megatron_rlvr.experience.collect import generate, score, to_batch
+from megatron_rlvr.protocols.actor import EntropyScorer
+from megatron_rlvr.rewards import RewardPool
+from megatron_rlvr.rollout import RolloutEngine
 from megatron_rlvr.rollout.prefixes import without_prefixes
 
 # Training rollouts use sampling_seed(run seed, step >= 0, rank): a negative step keeps validation seeds apart.
@@ -63,22 +65,8 @@ def pass_at_k_metrics(correct: np.ndarray, n_samples: int) -> dict[str, float]:
     return {f"val/pass@{k}": float(np.mean(pass_at_k(n_samples, correct, k))) for k in ks}
 
 
-def _pad_to_whole_micro_batches(batch: SequenceBatch, actor) -> SequenceBatch:
-    """Repeat the first sequence, masked out, until every data-parallel rank gets whole micro-batches (pipeline
-    stages exchange fixed-shape activations); the padding adds no entropy values."""
-    from megatron.core import parallel_state as ps
-
-    unit = ps.get_data_parallel_world_size() * actor.cfg.micro_batch_size
-    extra = -len(batch) % unit
-    if not extra:
-        return batch
-    padded = batch.select(torch.cat([torch.arange(len(batch)), torch.zeros(extra, dtype=torch.long)]))
-    padded.response_mask[len(batch) :] = False
-    return padded
-
-
 def validate(
-    engine, pool, actor, items: list[PromptItem], cfg: Config, pad_id: int
+    engine: RolloutEngine, pool: RewardPool, actor: EntropyScorer, items: list[PromptItem], cfg: Config, pad_id: int
 ) -> tuple[dict[str, float], np.ndarray]:
     """Sample, verify and measure; a collective over all ranks. Returns the val/ metrics and the per-token
     entropies (nats) of every sampled answer token under the actor."""
@@ -95,7 +83,6 @@ def validate(
     rewards, _ = score(pool, items, completions)
     correct = (rewards.view(len(items), e.n_samples) >= 1.0).sum(-1).numpy()
     batch, _ = to_batch(items, completions, torch.zeros(len(rewards)), pad_id)
-    batch = _pad_to_whole_micro_batches(batch, actor)
     entropy = actor.compute_entropy(batch)[batch.response_mask].numpy()
     lengths = [len(c.token_ids) for group in completions for c in group]
     metrics = {

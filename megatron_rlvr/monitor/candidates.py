@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.tokenizer_check import check_same_tokenizer
 
 
 class CandidatesError(UserError, ValueError):
@@ -65,19 +66,6 @@ def load_model(model_dir: str):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model, tokenizer
-
-
-def check_same_tokenizer(dirs: Sequence[str], tokenizers: Sequence[Any]) -> None:
-    """Candidates are compared token by token, so every model must read the same token ids as the first."""
-    first = tokenizers[0].get_vocab()
-    for model_dir, tok in zip(dirs[1:], tokenizers[1:]):
-        vocab = tok.get_vocab()
-        if vocab != first:
-            differ = len(set(vocab.items()) ^ set(first.items()))
-            raise CandidatesError(
-                f"--model {model_dir}: its tokenizer differs from {dirs[0]}'s ({len(vocab)} vs {len(first)} tokens, "
-                f"{differ} entries differ); candidate matrices compare models that share one tokenizer"
-            )
 
 
 def _vocab_size(model) -> int:
@@ -263,7 +251,10 @@ def build(
 
         labels = model_tags(models)
     loaded = [load_model(m) for m in models]
-    check_same_tokenizer(models, [tok for _, tok in loaded])
+    for model_dir, (_, tokenizer) in zip(models[1:], loaded[1:]):  # candidates are compared token by token
+        check_same_tokenizer(
+            "--model", model_dir, models[0], reference_name=models[0], tokenizers=(loaded[0][1], tokenizer)
+        )
     from megatron_rlvr.eval.command import hf_encoder_factory
     from megatron_rlvr.eval.config import EvalConfig
 

@@ -28,9 +28,9 @@ def make_engine(
 
     if not cfg.prefix_model:
         return make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype)
-    from megatron_rlvr.rollout.prefixes import PrefixedEngine, check_same_tokenizer
+    from megatron_rlvr.rollout.prefixes import PrefixedEngine, check_prefix_model
 
-    tokenizer = check_same_tokenizer(model_dir, cfg.prefix_model)
+    tokenizer = check_prefix_model(model_dir, cfg.prefix_model)
     target = make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype)
     try:
         weak = make_vllm_engine(cfg.prefix_model, cfg, seed=seed, dtype=dtype)
