@@ -44,12 +44,13 @@ def check_same_tokenizer(
     reference_name: str = "model.hf_dir",
     tokenizers: tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase] | None = None,
 ) -> PreTrainedTokenizerBase:
-    """Raise `TokenizerMismatch` (one line: ``{setting}={other_dir!r}: ...``) unless the model at ``other_dir`` reads
-    token ids as ``reference_dir``'s does; returns the reference's tokenizer. ``tokenizers``: (reference, other)
-    already loaded."""
+    """Raise `TokenizerMismatch` (one line: ``{setting}={other_dir!r}: ...``, or ``--flag DIR: ...`` for a command-line
+    flag) unless the model at ``other_dir`` reads token ids as ``reference_dir``'s does; returns the reference's
+    tokenizer. ``tokenizers``: (reference, other) already loaded."""
+    named = f"{setting} {other_dir}" if setting.startswith("--") else f"{setting}={str(other_dir)!r}"
     if tokenizers is None:
         if not (Path(other_dir) / "config.json").is_file():
-            raise TokenizerMismatch(f"{setting}={str(other_dir)!r}: not an HF model directory (no config.json there)")
+            raise TokenizerMismatch(f"{named}: not an HF model directory (no config.json there)")
         from transformers import AutoTokenizer
 
         tokenizers = (AutoTokenizer.from_pretrained(reference_dir), AutoTokenizer.from_pretrained(other_dir))
