@@ -99,8 +99,8 @@ def _candidate_figure(out: Path, samples: dict[str, list[dict]], models: dict[st
     where its correct count gains most on the base's (ties: the first in eval order), its first correct answer."""
     from megatron_rlvr.config import load_config
     from megatron_rlvr.demo.report import per_prompt
-    from megatron_rlvr.eval.benchmarks import load_benchmark
     from megatron_rlvr.monitor import candidates
+    from megatron_rlvr.problems.benchmarks import load_benchmark
 
     (base_label, base_rows), (trained_label, trained_rows) = list(samples.items())[:2]
     base, trained = per_prompt(base_rows, base_label), per_prompt(trained_rows, trained_label)

@@ -1,4 +1,5 @@
-"""Evaluation: the unbiased pass@k estimator, the large-K sampling runner, benchmark loaders, tables and plots.
+"""Evaluation: the unbiased pass@k estimator, the large-K sampling runner, tables and plots. The benchmarks' problems
+it samples are read by `megatron_rlvr.problems`.
 
 Only the estimator is imported here (cheap); the runner and the CLI live in `runner` and `command`.
 """

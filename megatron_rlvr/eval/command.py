@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.eval.benchmarks import BENCHMARKS, Problem, load_benchmark
 from megatron_rlvr.eval.bootstrap import IntervalSpec
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.estimate import JobEstimate, ModelEstimate, Throughput, append_timing, format_estimate
@@ -39,6 +38,7 @@ from megatron_rlvr.eval.report import markdown_table, pass_at_k_rows, write_repo
 from megatron_rlvr.eval.results import BenchmarkCounts, problems_digest, results_json, write_results
 from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, run_settings, validate_eval_config
 from megatron_rlvr.eval.store import load_records
+from megatron_rlvr.problems.benchmarks import BENCHMARKS, Problem, load_benchmark
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.pool import RewardPool
 

@@ -264,7 +264,7 @@ def format_estimate(job: JobEstimate) -> str:
 
 def benchmark_sizes(benchmarks: Sequence[str], data_dir: str, limit: int) -> tuple[dict[str, int], list[str]]:
     """Problems per benchmark from the data files, else the published size (noted), else an error naming it."""
-    from megatron_rlvr.eval.benchmarks import load_benchmark
+    from megatron_rlvr.problems.benchmarks import load_benchmark
 
     sizes, notes = {}, []
     for bench in benchmarks:

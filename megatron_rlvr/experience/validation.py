@@ -30,7 +30,7 @@ def load_validation_items(cfg: Config, tokenizer) -> list[PromptItem]:
     limit = cfg.eval.limit or None
     if not cfg.eval.benchmarks:
         return load_items(cfg.data, tokenizer, "eval")[0][:limit]
-    from megatron_rlvr.eval.benchmarks import load_benchmark
+    from megatron_rlvr.problems.benchmarks import load_benchmark
 
     data_cfg = dataclasses.replace(cfg.data, chat_template=cfg.eval.chat_template, skip_bad_rows=False)
     items: list[PromptItem] = []

@@ -313,7 +313,7 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
 
 def _benchmark_of_file(path: Path) -> tuple[str, Path] | None:
     """(benchmark name, its --data-dir) of a file named as `eval` looks benchmarks up, e.g. data/math500/test.jsonl."""
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS
 
     if path.suffix not in (".jsonl", ".parquet"):
         return None
@@ -329,7 +329,7 @@ def _benchmark_of_file(path: Path) -> tuple[str, Path] | None:
 def benchmark_prompt(benchmark: str, row: int, data_dir: str = "data") -> str:
     """The prompt of row ``row`` (0-based) of a benchmark, given as a file (its layout found from its name, as under
     `eval --data-dir`) or as a benchmark name under ``data_dir``; loaded by the eval's own loaders."""
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS, load_benchmark
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS, load_benchmark
 
     if row < 0:
         raise CandidatesError(f"--row: expected an index >= 0, got {row}")

@@ -38,7 +38,7 @@ def _io(inputs: list, outputs: list) -> dict:
 
 
 def convert_deepcoder(record: dict, options: Options) -> Prepared:
-    from megatron_rlvr.eval.benchmarks import _lcb_functional_tests
+    from megatron_rlvr.problems.benchmarks import functional_tests_as_asserts
 
     problem = first(record, "problem", "question")
     if not isinstance(problem, str):
@@ -67,7 +67,7 @@ def convert_deepcoder(record: dict, options: Options) -> Prepared:
         if not func_name:
             raise Skip("functional tests without metadata.func_name")
         try:
-            reference = {"tests": _lcb_functional_tests(tests, func_name)}
+            reference = {"tests": functional_tests_as_asserts(tests, func_name)}
         except (ValueError, KeyError, TypeError) as e:
             raise Skip(f"functional test cases are not one JSON value per line ({e})") from None
         return Prepared(problem, reference, "code", problem + STARTER_INSTRUCTION.format(starter=starter))
@@ -75,7 +75,7 @@ def convert_deepcoder(record: dict, options: Options) -> Prepared:
 
 
 def convert_livecodebench(record: dict, options: Options) -> Prepared:
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS, Row
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS, Row
 
     spec = BENCHMARKS["livecodebench"]
     try:

@@ -2,8 +2,8 @@
 
 Nothing is downloaded. Each benchmark is looked up under ``data_dir`` by the file names in its `BenchmarkSpec`
 (``<name>.jsonl`` or ``<name>.parquet``); field names follow each benchmark's public release, with the alternates
-listed. A missing file or field is an error naming the file (and row) and the expected layout. `LAYOUTS` renders
-the table docs/evaluation.md documents ("Benchmark files").
+listed. A missing file or field is an error naming the file (and row) and the expected layout. `layouts_markdown`
+renders the table docs/evaluation.md documents ("Benchmark files").
 """
 
 from __future__ import annotations
@@ -159,8 +159,11 @@ class _StringOnlyUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a benchmark file")
 
 
-def _lcb_functional_tests(cases: list[dict], func_name: str) -> str:
-    """LeetCode-style cases (one JSON argument per input line) as asserts against ``Solution().<func_name>``."""
+def functional_tests_as_asserts(cases: list[dict], func_name: str) -> str:
+    """LeetCode-style functional test cases (``input``: one JSON argument per line, ``output``: the JSON result) as
+    a Python test script of asserts against ``Solution().<func_name>``: the code verifier's ``{"tests": ...}``
+    reference. LiveCodeBench's and DeepCoder's functional cases share this layout. A malformed case raises
+    (json.JSONDecodeError for a line that is not JSON, KeyError for a missing field)."""
     lines = ["import json", "_solution = Solution()"]
     for case in cases:
         args = [json.loads(line) for line in case["input"].split("\n") if line.strip()]
@@ -187,7 +190,7 @@ def _livecodebench_row(row: Row, i: int, bench: str) -> Problem:
             raise BenchmarkError(
                 f"{row.where}: functional tests need metadata.func_name; expected layout: {row.layout}"
             )
-        reference: dict = {"tests": _lcb_functional_tests(cases, func_name)}
+        reference: dict = {"tests": functional_tests_as_asserts(cases, func_name)}
         prompt = f"{content}\n\nComplete this starter code:\n```python\n{starter}\n```{CODE_SUFFIX}"
     else:
         reference = {"io": [{"input": c["input"], "output": c["output"]} for c in cases]}
