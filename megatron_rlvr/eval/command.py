@@ -39,6 +39,7 @@ from megatron_rlvr.eval.results import BenchmarkCounts, problems_digest, results
 from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, run_settings, validate_eval_config
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.problems.benchmarks import BENCHMARKS, Problem, load_benchmark
+from megatron_rlvr.problems.prompt_encoding import encode_prompt, has_chat_template
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.pool import RewardPool
 
@@ -84,19 +85,15 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
 
 
 def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[int]]:
-    """The model's tokenizer; prompts are formatted as the trainer formats them (data/dataset.py)."""
+    """The model's tokenizer, encoding prompts as the trainer does: problems/prompt_encoding.py's `encode_prompt`."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+    if cfg.chat_template and not has_chat_template(tokenizer):
         raise EvalConfigError(f"--chat-template: the tokenizer of {model_dir} defines no chat template")
 
     def encode(text: str) -> list[int]:
-        if cfg.chat_template:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-        return list(tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"])
+        return list(encode_prompt(tokenizer, text, chat_template=cfg.chat_template).ids)
 
     return encode
 
