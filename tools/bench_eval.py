@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_console()
     from vllm import SamplingParams
 
-    from megatron_rlvr.eval.command import hf_encoder_factory, vllm_engine_factory
+    from megatron_rlvr.eval.api import hf_encoder_factory, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
     from megatron_rlvr.eval.runner import EvalRunner
     from megatron_rlvr.problems.benchmarks import load_benchmark

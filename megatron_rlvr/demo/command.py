@@ -57,7 +57,7 @@ def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
 def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[str, list[dict]]:
     """Sample ``n`` answers per eval prompt from each model (resumable) and return label -> per-sample results."""
     from megatron_rlvr.config import load_config
-    from megatron_rlvr.eval.command import evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
+    from megatron_rlvr.eval.api import evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
     from megatron_rlvr.eval.store import load_records
     from megatron_rlvr.rewards.config import RewardConfig

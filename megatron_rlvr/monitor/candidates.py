@@ -259,12 +259,12 @@ def build(
         if not (Path(model_dir) / "config.json").is_file():
             raise CandidatesError(f"--model {model_dir}: not an HF model directory (no config.json)")
     if labels is None:
-        from megatron_rlvr.eval.command import model_tags
+        from megatron_rlvr.eval.api import model_tags
 
         labels = model_tags(models)
     loaded = [load_model(m) for m in models]
     check_same_tokenizer(models, [tok for _, tok in loaded])
-    from megatron_rlvr.eval.command import hf_encoder_factory
+    from megatron_rlvr.eval.api import hf_encoder_factory
     from megatron_rlvr.eval.config import EvalConfig
 
     prompt_ids = hf_encoder_factory(models[0], EvalConfig(chat_template=chat_template))(prompt)

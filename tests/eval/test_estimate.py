@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlvr.config import load_config
-from megatron_rlvr.eval.command import estimate, evaluate
+from megatron_rlvr.eval.api import estimate, evaluate
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.estimate import (
     EstimateError,

@@ -124,7 +124,7 @@ def test_a_tokenizer_without_a_template_is_refused_only_when_the_template_is_ask
 def test_the_trainers_prompts_and_the_evals_prompts_are_the_same_ids(tmp_path, chat_template):
     from megatron_rlvr.data import DataConfig, items_from_rows
     from megatron_rlvr.data.sources import Row
-    from megatron_rlvr.eval.command import hf_encoder_factory
+    from megatron_rlvr.eval.api import hf_encoder_factory
     from megatron_rlvr.eval.config import EvalConfig
 
     chatml_tokenizer().save_pretrained(tmp_path / "model")
