@@ -22,7 +22,7 @@ from megatron_rlvr.eval.estimate import (
     recipe_estimate,
 )
 from megatron_rlvr.eval.store import load_records
-from megatron_rlvr.plan.eval_estimate import main as estimate_main
+from megatron_rlvr.recipes.estimate import main as estimate_main
 from megatron_rlvr.rewards import RewardConfig
 from tests.eval.fake_engine import FakeEngine, encode
 from tests.eval.test_runner import write_data
