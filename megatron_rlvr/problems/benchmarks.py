@@ -21,9 +21,14 @@ from typing import Any
 
 from megatron_rlvr.errors import UserError
 
+# The instructions appended to a problem's text. Data prepare's math and code releases (data/releases/) append the
+# same ones to training problems, so training and evaluation prompts agree.
 MATH_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 LOGIC_SUFFIX = '\n\nThink step by step, then finish with "So the answer is <answer>."'
 CODE_SUFFIX = "\n\nReturn the complete program in one ```python code block."
+# a code prompt: the problem, one of these two, then CODE_SUFFIX
+STDIN_INSTRUCTION = "\n\nRead the input from standard input and write the answer to standard output."
+STARTER_INSTRUCTION = "\n\nComplete this starter code:\n```python\n{starter}\n```"
 
 
 class BenchmarkError(UserError, ValueError):
@@ -191,12 +196,10 @@ def _livecodebench_row(row: Row, i: int, bench: str) -> Problem:
                 f"{row.where}: functional tests need metadata.func_name; expected layout: {row.layout}"
             )
         reference: dict = {"tests": functional_tests_as_asserts(cases, func_name)}
-        prompt = f"{content}\n\nComplete this starter code:\n```python\n{starter}\n```{CODE_SUFFIX}"
+        prompt = f"{content}{STARTER_INSTRUCTION.format(starter=starter)}{CODE_SUFFIX}"
     else:
         reference = {"io": [{"input": c["input"], "output": c["output"]} for c in cases]}
-        prompt = (
-            f"{content}\n\nRead the input from standard input and write the answer to standard output.{CODE_SUFFIX}"
-        )
+        prompt = f"{content}{STDIN_INSTRUCTION}{CODE_SUFFIX}"
     return Problem(bench, _row_id(row, i, "question_id", "id"), prompt, "code", reference, str(content))
 
 
