@@ -36,7 +36,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "plan": ("megatron_rlvr.plan.command", "main", "per-GPU memory of a recipe's layout, before it is queued"),
     "estimate": (
-        "megatron_rlvr.plan.eval_estimate",
+        "megatron_rlvr.recipes.estimate",
         "main",
         "an eval recipe's samples, tokens, time and interval width, before it is queued",
     ),

@@ -57,7 +57,7 @@ def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
 def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[str, list[dict]]:
     """Sample ``n`` answers per eval prompt from each model (resumable) and return label -> per-sample results."""
     from megatron_rlvr.config import load_config
-    from megatron_rlvr.eval.command import evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
+    from megatron_rlvr.eval.api import evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
     from megatron_rlvr.eval.store import load_records
     from megatron_rlvr.rewards.config import RewardConfig
@@ -99,8 +99,8 @@ def _candidate_figure(out: Path, samples: dict[str, list[dict]], models: dict[st
     where its correct count gains most on the base's (ties: the first in eval order), its first correct answer."""
     from megatron_rlvr.config import load_config
     from megatron_rlvr.demo.report import per_prompt
-    from megatron_rlvr.eval.benchmarks import load_benchmark
     from megatron_rlvr.monitor import candidates
+    from megatron_rlvr.problems.benchmarks import load_benchmark
 
     (base_label, base_rows), (trained_label, trained_rows) = list(samples.items())[:2]
     base, trained = per_prompt(base_rows, base_label), per_prompt(trained_rows, trained_label)

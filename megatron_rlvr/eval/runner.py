@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.eval.benchmarks import Problem
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.store import SampleStore, ShardWriter
+from megatron_rlvr.problems.benchmarks import Problem
 from megatron_rlvr.rewards.pool import RewardPool
 from megatron_rlvr.rollout.base import Completion, RolloutEngine, Sampling
 

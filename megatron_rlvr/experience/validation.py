@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from megatron_rlvr.config import Config
-from megatron_rlvr.data import PromptItem, Row, items_from_rows, load_items
+from megatron_rlvr.data import PromptItem, items_from_rows, load_items, problem_rows
 from megatron_rlvr.eval.passk import pass_at_k
 from megatron_rlvr.experience.collect import generate, score, to_batch
 from megatron_rlvr.protocols.actor import EntropyScorer
@@ -32,25 +32,12 @@ def load_validation_items(cfg: Config, tokenizer) -> list[PromptItem]:
     limit = cfg.eval.limit or None
     if not cfg.eval.benchmarks:
         return load_items(cfg.data, tokenizer, "eval")[0][:limit]
-    from megatron_rlvr.eval.benchmarks import load_benchmark
+    from megatron_rlvr.problems.benchmarks import load_benchmark
 
     data_cfg = dataclasses.replace(cfg.data, chat_template=cfg.eval.chat_template, skip_bad_rows=False)
     items: list[PromptItem] = []
     for bench in cfg.eval.benchmarks:
-        rows = (
-            Row(
-                f"{bench}:{i}",
-                bench,
-                i,
-                {
-                    data_cfg.problem_key: p.prompt,
-                    data_cfg.answer_key: p.reference,
-                    data_cfg.task_key: p.task,
-                    data_cfg.id_key: f"{bench}/{p.problem_id}",
-                },
-            )
-            for i, p in enumerate(load_benchmark(bench, cfg.eval.data_dir, limit), start=1)
-        )
+        rows = problem_rows(load_benchmark(bench, cfg.eval.data_dir, limit), data_cfg)
         items += items_from_rows(rows, data_cfg, tokenizer)[0]
     if not items:
         raise ValueError(

@@ -247,7 +247,7 @@ def build(
         if not (Path(model_dir) / "config.json").is_file():
             raise CandidatesError(f"--model {model_dir}: not an HF model directory (no config.json)")
     if labels is None:
-        from megatron_rlvr.eval.command import model_tags
+        from megatron_rlvr.eval.api import model_tags
 
         labels = model_tags(models)
     loaded = [load_model(m) for m in models]
@@ -255,7 +255,7 @@ def build(
         check_same_tokenizer(
             "--model", model_dir, models[0], reference_name=models[0], tokenizers=(loaded[0][1], tokenizer)
         )
-    from megatron_rlvr.eval.command import hf_encoder_factory
+    from megatron_rlvr.eval.api import hf_encoder_factory
     from megatron_rlvr.eval.config import EvalConfig
 
     prompt_ids = hf_encoder_factory(models[0], EvalConfig(chat_template=chat_template))(prompt)
@@ -304,7 +304,7 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
 
 def _benchmark_of_file(path: Path) -> tuple[str, Path] | None:
     """(benchmark name, its --data-dir) of a file named as `eval` looks benchmarks up, e.g. data/math500/test.jsonl."""
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS
 
     if path.suffix not in (".jsonl", ".parquet"):
         return None
@@ -320,7 +320,7 @@ def _benchmark_of_file(path: Path) -> tuple[str, Path] | None:
 def benchmark_prompt(benchmark: str, row: int, data_dir: str = "data") -> str:
     """The prompt of row ``row`` (0-based) of a benchmark, given as a file (its layout found from its name, as under
     `eval --data-dir`) or as a benchmark name under ``data_dir``; loaded by the eval's own loaders."""
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS, load_benchmark
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS, load_benchmark
 
     if row < 0:
         raise CandidatesError(f"--row: expected an index >= 0, got {row}")

@@ -177,7 +177,7 @@ def test_every_kept_model_config_is_referenced_by_a_recipe():
 
 @pytest.mark.parametrize("name", recipe_names())
 def test_recipe_benchmarks_are_ones_the_eval_runner_knows(name):
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS
 
     _, cfg = load_and_validate(name, [], world_size=None)
     assert set(cfg.eval.benchmarks) <= set(BENCHMARKS), sorted(set(cfg.eval.benchmarks) - set(BENCHMARKS))

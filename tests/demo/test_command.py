@@ -89,7 +89,7 @@ def test_the_evaluation_does_not_depend_on_the_training_seed(tmp_path, monkeypat
         seen.append((cfg.seed, (tmp_path / "eval_data" / "countdown.jsonl").read_text()))
         raise Stop
 
-    monkeypatch.setattr("megatron_rlvr.eval.command.evaluate", evaluate)
+    monkeypatch.setattr("megatron_rlvr.eval.api.evaluate", evaluate)
     with pytest.raises(Stop):
         command._evaluate(tmp_path, {"base": MODEL_DIR}, 4, 8)
     assert seen[0][0] == command.EVAL_SEED

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from megatron_rlvr.eval.command import build_parser, config_from_args, main, model_tags, vllm_engine_factory
+from megatron_rlvr.eval.api import model_tags, vllm_engine_factory
+from megatron_rlvr.eval.command import build_parser, config_from_args, main
 from megatron_rlvr.eval.config import EvalConfig
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_rlvr.eval.api import evaluate
 from megatron_rlvr.eval.bootstrap import IntervalSpec, bootstrap_pass_at_k, paired_difference, sign_test
-from megatron_rlvr.eval.command import evaluate
 from megatron_rlvr.eval.command import main as eval_main
 from megatron_rlvr.eval.compare import CompareMismatch, check_comparable, compare_runs
 from megatron_rlvr.eval.config import EvalConfig

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from megatron_rlvr.eval import pass_at_k
-from megatron_rlvr.eval.benchmarks import load_benchmark
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.runner import EvalRunner, problem_counts
 from megatron_rlvr.eval.store import RunSettingsMismatch, SampleStore, load_records
+from megatron_rlvr.problems.benchmarks import load_benchmark
 from megatron_rlvr.rewards import RewardConfig, RewardPool
 from tests.eval.fake_engine import FakeEngine, encode
 

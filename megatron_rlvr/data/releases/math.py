@@ -6,13 +6,11 @@ from __future__ import annotations
 import re
 
 from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, chat_text, first
-
-# the instruction the eval gives math problems (eval/benchmarks.py), so training and eval prompts agree
-MATH_INSTRUCTION = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+from megatron_rlvr.problems.benchmarks import MATH_SUFFIX
 
 
 def _with_instruction(problem: str, options: Options) -> str:
-    return problem + MATH_INSTRUCTION if options.instruction else problem
+    return problem + MATH_SUFFIX if options.instruction else problem
 
 
 def _level(value: object) -> int | None:

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from megatron_rlvr.eval.benchmarks import BENCHMARKS, layouts_markdown, load_benchmark
+from megatron_rlvr.problems.benchmarks import BENCHMARKS, layouts_markdown, load_benchmark
 from megatron_rlvr.rewards import score
 
 
