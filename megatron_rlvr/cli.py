@@ -25,12 +25,12 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "demo": ("megatron_rlvr.demo.command", "main", "the CPU demo: CaSP on the countdown task, then a pass@k report"),
     "candidates": (
-        "megatron_rlvr.monitor.candidates",
+        "megatron_rlvr.inspection.candidates",
         "main",
         "per response token, the top-N candidates of one or more models as one heatmap (PNG)",
     ),
     "toy-tree": (
-        "megatron_rlvr.algos.toy_tree",
+        "megatron_rlvr.inspection.toy_tree",
         "main",
         "the didactic tree MDP: GRPO vs entropy bonus vs CaSP (fixed and adaptive candidates)",
     ),

@@ -99,7 +99,7 @@ def _candidate_figure(out: Path, samples: dict[str, list[dict]], models: dict[st
     where its correct count gains most on the base's (ties: the first in eval order), its first correct answer."""
     from megatron_rlvr.config import load_config
     from megatron_rlvr.demo.report import per_prompt
-    from megatron_rlvr.monitor import candidates
+    from megatron_rlvr.inspection import candidates
     from megatron_rlvr.problems.benchmarks import load_benchmark
 
     (base_label, base_rows), (trained_label, trained_rows) = list(samples.items())[:2]

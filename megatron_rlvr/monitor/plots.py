@@ -12,7 +12,7 @@ from typing import Any
 from megatron_rlvr.monitor.dynamics import candidate_dynamics
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never a display
@@ -25,7 +25,7 @@ def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -37,7 +37,7 @@ def plot_runs(
     runs: Mapping[str, Sequence[Mapping[str, Any]]], series_name: str, ylabel: str, path: str | os.PathLike
 ) -> Path | None:
     """One series (a key of :func:`candidate_dynamics`) for several runs on one axis."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = False
     for label, records in runs.items():
@@ -57,7 +57,7 @@ def plot_runs(
 
 def plot_rank_probs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike) -> Path | None:
     """Rank-1/2/3 probabilities over steps (solid: all response tokens; dashed: high-entropy tokens), per run."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     drawn = False
     for label, records in runs.items():
@@ -86,7 +86,7 @@ def plot_rank_probs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
 
 def plot_entropy(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike) -> Path | None:
     """Mean token entropy over steps (solid) and at high-entropy (forking) tokens (dashed)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = False
     for label, records in runs.items():
@@ -115,7 +115,7 @@ def plot_entropy_histograms(hists: Sequence[Mapping[str, Any]], path: str | os.P
     """Overlaid per-token entropy histograms (records of ``MetricLogger.log_histogram``), one line per step/label."""
     if not hists:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for h in hists:
         edges, counts = h["edges"], h["counts"]
@@ -137,7 +137,7 @@ def plot_pass_at_k(
     """pass@k against k (log2 axis) for each labelled model."""
     if not curves:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, values in curves.items():
         ks = sorted(values)
@@ -161,7 +161,7 @@ def plot_metric_panels(
     present = [k for k in keys if any(series(records, (k,))[0] for records in runs.values())]
     if not present:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     rows = -(-len(present) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.3 * columns, 3.2 * rows), squeeze=False)
     for ax, key in zip(axes.flat, present):

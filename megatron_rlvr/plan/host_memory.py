@@ -5,7 +5,7 @@ Per rank, from what this project's code allocates in host memory (docs/weight-sy
 - staging (``rollout.sync_staging: full``): the engine rank's shard of the weight stream, checked whole and kept
   until the commit (rollout/shard_stage.py): HF bytes / engine TP + the replicated norms. "streaming": none. On CPU
   with fresh tensors (actor TP 1, PP > 1, separate placement) the in-process engine's direct loader keeps a second
-  buffer of every weight instead (rollout/cpu_weights.py): the model's bytes, held from the second sync on; with lent
+  buffer of every weight instead (rollout/cpu/weights.py): the model's bytes, held from the second sync on; with lent
   tensors (colocated, actor TP > 1, PP 1, a dense model) it stages nothing: the stream stays in the export's slot.
 - sleep-mode offload (colocated GPU engines): level 1 moves the engine's weights to host memory while the actor
   trains (HF bytes / engine TP per rank); level 2 drops them (re-sent at the next sync): none.
@@ -144,7 +144,7 @@ def transfer_bucket_bytes(dims: ModelDims, lay: Layout, slots_written: int = 2) 
 
 
 def engine_plain_bytes(dims: ModelDims) -> int:
-    """What an in-process CPU engine fed lent tensors keeps of its own after its first commit (rollout/cpu_weights.py):
+    """What an in-process CPU engine fed lent tensors keeps of its own after its first commit (rollout/cpu/weights.py):
     its GEMM weights are views of the held slot (vLLM's packed handles are dropped); every plain parameter adopted as
     a view keeps the tensor vLLM loaded as its twin; those it cannot adopt (the packed q/k/v biases, and the tables
     when vLLM pads the vocabulary) keep the live tensor and a twin."""

@@ -11,7 +11,7 @@ Device-specific choices live in `_engine_kwargs` and in `sleep`/`wake` only:
 - CPU beside a multi-rank actor: `_vllm_private_world` (see there).
 
 Weights arrive as HF (name, tensor) pairs. On CPU they go straight into the model's live parameters and GEMM handles
-(`cpu_weights.DirectLoader`, routes resolved once at start); elsewhere, or for a model it does not cover, through the
+(`cpu.weights.DirectLoader`, routes resolved once at start); elsewhere, or for a model it does not cover, through the
 model's own `load_weights` (vLLM's in-place `reload_weights` worker method), so vLLM's packing (qkv, gate_up) and TP
 slicing are its own; under "full" staging that path first stages only this rank's engine-TP shard in host memory
 (`shard_stage.ShardStage`, docs/weight-sync.md). Log-probs are those of
@@ -40,8 +40,8 @@ from megatron_rlvr.models.dims import ModelDims  # noqa: E402
 from megatron_rlvr.models.hf_config import read_hf_config  # noqa: E402
 from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
-from megatron_rlvr.rollout.cpu_moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
-from megatron_rlvr.rollout.cpu_weights import DirectLoader  # noqa: E402
+from megatron_rlvr.rollout.cpu.moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
+from megatron_rlvr.rollout.cpu.weights import DirectLoader  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
@@ -298,7 +298,7 @@ class VLLMEngine:
             llm.wake_up(tags=["weights"])  # the KV cache stays released until generation needs it
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed(stream)})
-            if not self.on_gpu:  # vLLM's reload skips the CPU experts' prepack (rollout/cpu_moe_reload.py)
+            if not self.on_gpu:  # vLLM's reload skips the CPU experts' prepack (rollout/cpu/moe_reload.py)
                 llm.apply_model(repack_cpu_experts)
             llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
             self._weights_discarded = False

@@ -149,7 +149,7 @@ def test_cpu_first_sync_is_the_peak_when_several_engines_load_a_model_of_little_
 
 def test_the_engine_plain_bytes_are_the_checkpoints_plain_tensors(tmp_path):
     """A lent-fed engine keeps, of its own, each tensor that is not a GEMM weight once (the twin of an adopted view)
-    and the packed biases (and a padded vocabulary's tables) twice: live and twin (rollout/cpu_weights.py)."""
+    and the packed biases (and a padded vocabulary's tables) twice: live and twin (rollout/cpu/weights.py)."""
     from megatron_rlvr.bridge import HFCheckpointReader
     from megatron_rlvr.models import load_hf_config
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model

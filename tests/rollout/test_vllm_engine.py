@@ -88,7 +88,7 @@ def test_tied_embedding_update_changes_the_output_layer(llama_tied):
 def test_vllm_keeps_a_stale_output_layer_without_lm_head(llama_tied):
     """The measured vLLM fact behind 'always send lm_head': bypassing our checks, an update of a tied model without
     lm_head.weight changes the embedding but leaves the old output layer live. (vLLM's own output-layer handle is put
-    back first: an earlier direct sync gave that fp32 layer torch's linear on the live table, cpu_weights.py.)"""
+    back first: an earlier direct sync gave that fp32 layer torch's linear on the live table, rollout/cpu/weights.py.)"""
     engine, hf, original, _ = llama_tied
 
     def vllms_own_handle(model):

@@ -13,7 +13,7 @@ import torch
 
 from megatron_rlvr.demo import MODEL_DIR
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.monitor import candidates as cand
+from megatron_rlvr.inspection import candidates as cand
 
 PROMPT = "9 7 6 9 -> 18:"
 

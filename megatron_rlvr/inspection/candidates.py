@@ -167,9 +167,9 @@ def render(matrices: Sequence[CandidateMatrix], path: str | os.PathLike, title: 
     annotated with the candidate's text and probability; the response's own token is outlined in red."""
     import numpy as np
 
-    from megatron_rlvr.monitor.plots import _pyplot
+    from megatron_rlvr.monitor.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Rectangle
 
     rows = min(len(matrices[0].tokens), max_rows)
