@@ -22,7 +22,7 @@ from megatron_rlvr.errors import UserError
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("megatron_rlvr.trainer", "main", "train with a YAML recipe and key=value overrides (under torchrun)"),
     "eval": ("megatron_rlvr.eval.command", "main", "large-K pass@k evaluation of one or more HF models"),
-    "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
+    "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf | gguf-to-hf"),
     "demo": ("megatron_rlvr.demo.command", "main", "the CPU demo: CaSP on the countdown task, then a pass@k report"),
     "candidates": (
         "megatron_rlvr.inspection.candidates",

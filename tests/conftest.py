@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: reusable gloo worker groups (spawning a process that imports megatron costs seconds)."""
+"""Shared pytest fixtures: reusable gloo worker groups (spawning a process that imports megatron costs seconds), and
+the real pretrained model converted once per session (tests/real_model.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megatron_rlvr.testing.workers import WorkerGroup  # noqa: E402
+
+pytest_plugins = ("tests.real_model",)
 
 _GROUP_TIMEOUT_S = float(os.environ.get("MEGATRON_RLVR_TEST_TIMEOUT", "300"))
 
