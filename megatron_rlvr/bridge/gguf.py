@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes, mapping_table
+from megatron_rlvr.bridge.mapping import hf_shapes, mapping_table
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.models.family import UnsupportedModelError
 from megatron_rlvr.models.hf_config import load_hf_config
 
@@ -169,7 +170,7 @@ class GGUFCheckpoint:
                     )
                 heads = 0
                 if self.arch == "llama" and base.endswith(("self_attn.q_proj", "self_attn.k_proj")):
-                    heads = dims.heads if base.endswith("q_proj") else dims.groups
+                    heads = dims.heads if base.endswith("q_proj") else dims.kv_heads
                 plan.append(
                     GGUFTensor(
                         gguf_name,
