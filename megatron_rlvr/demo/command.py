@@ -4,8 +4,10 @@ rollouts, then a pass@k evaluation of the base and the trained model, and a repo
     megatron-rlvr demo [--out outputs/demo] [--algo casp|grpo] [--seed N] [key=value ...]
     megatron-rlvr demo report --runs OUT1 OUT2 ... [--group-by algo]     (one table over finished runs: multi_run.py)
 
-Training runs as `torchrun --nproc-per-node 2 -m megatron_rlvr.cli train configs/demo_cpu.yaml`; rerunning the same
-command after an interruption resumes from the last checkpoint (and the evaluation from its last sample chunk).
+Training runs as `megatron-rlvr train --nproc-per-node 2 configs/demo_cpu.yaml` (torchrun, 2 ranks); rerunning the
+same command after an interruption resumes from the last checkpoint (and the evaluation from its last sample chunk).
+A mistake in the overrides or --nproc is one line and exit 2 before anything is written; one that training meets
+(a missing data file) is one line from the training command, and the demo exits 2 with it.
 ``--seed`` is the training seed only: the eval prompts and their samples' seeds are fixed (the recipe's data seed and
 EVAL_SEED), so runs with different seeds are compared on the same evaluation draws.
 """
@@ -23,28 +25,39 @@ from pathlib import Path
 
 from megatron_rlvr.demo import RECIPE, REPO
 
+DEMO_MODEL = REPO / "megatron_rlvr" / "demo" / "model"  # the shipped tiny model the demo trains (a copy of it)
 EVAL_SEED = 1234  # the eval's sampling seed: the same for every demo run, whatever --seed trains with
 CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the recipe's N = 3, and two beyond)
 
 
-def _train(out: Path, algo: str, overrides: list[str], nproc: int) -> None:
+def _check(overrides: list[str], nproc: int) -> None:
+    """The recipe with the demo's and the user's overrides, against `nproc` ranks and the demo model's shapes: a
+    ConfigError (one line) before the demo writes anything. Files are checked by the training command itself."""
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.models.dims import ModelDims
+    from megatron_rlvr.models.hf_config import load_hf_config
+
+    cfg = load_config(RECIPE, [f"model.hf_dir={DEMO_MODEL}", *overrides])
+    hf_dir = Path(cfg.model.hf_dir) if Path(cfg.model.hf_dir).is_absolute() else REPO / cfg.model.hf_dir
+    dims = ModelDims.from_hf(load_hf_config(hf_dir)) if (hf_dir / "config.json").is_file() else None
+    cfg.validate(nproc, dims)
+
+
+def _train(out: Path, overrides: list[str], nproc: int) -> int:
+    """Training's exit status: 0, 2 when it stopped on a user error (it has printed the line), else a failure."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
         "megatron_rlvr.cli",
         "train",
+        f"--nproc-per-node={nproc}",
         str(RECIPE),
         f"trainer.output_dir={out / 'train'}",
-        f"algo.loss={algo}",
         *overrides,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print("+ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=REPO, env=env)
+    return subprocess.run(cmd, cwd=REPO, env=env).returncode
 
 
 def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
@@ -169,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
             raise UserError("--seed and trainer.seed=... both given; give one")
         args.overrides.append(f"trainer.seed={args.seed}")
+    overrides = [f"algo.loss={args.algo}", *args.overrides]
+    _check(overrides, args.nproc)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()
     from megatron_rlvr.runtime.console import attach_log_file
@@ -177,9 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     # the base model is copied first: the evaluation compares against exactly the weights training started from
     base_model = out / "base_model"
     if not (base_model / "config.json").is_file():
-        shutil.copytree(REPO / "megatron_rlvr" / "demo" / "model", base_model, dirs_exist_ok=True)
+        shutil.copytree(DEMO_MODEL, base_model, dirs_exist_ok=True)
     start = time.perf_counter()
-    _train(out, args.algo, [f"model.hf_dir={base_model}", *args.overrides], args.nproc)
+    status = _train(out, [f"model.hf_dir={base_model}", *overrides], args.nproc)
+    if status == 2:
+        return 2  # a user error: the training command has printed its one line
+    if status != 0:
+        raise SystemExit(
+            f"megatron-rlvr demo: training failed with exit status {status} (its output is above; the ranks' "
+            f"logs: {out / 'logs'})"
+        )
     trained = out / "train" / "hf"
     if not (trained / "config.json").is_file():
         raise SystemExit(f"megatron-rlvr demo: training finished without writing {trained}")
