@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_rlvr.errors import UserError
+
 EXECUTORS = ("local", "slurm_h200", "slurm_local")
 SLURM_EXECUTORS = ("slurm_h200", "slurm_local")
 H200_GPUS_PER_NODE = 8
@@ -26,7 +28,7 @@ _SIGNAL_RE = re.compile(r"(?:SIG)?([A-Z0-9]+)@(\d+)")
 _STOP_SIGNALS = ("USR1", "TERM")  # the ones megatron_rlvr.runtime.preemption handles
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError, ValueError):
     """A launch option is missing or inconsistent; the message names the option and what was expected."""
 
 
