@@ -12,10 +12,14 @@ imports nemo_run before `_import_nemo_run` has put `--nemorun-home` into the env
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,7 +58,9 @@ H200_ENV = {
 def _import_nemo_run(opts: LaunchOptions) -> Any:
     if opts.nemorun_home:
         os.environ["NEMORUN_HOME"] = str(Path(opts.nemorun_home).expanduser().resolve())
-    import nemo_run
+    with warnings.catch_warnings():  # its web-server dependencies announce deprecations at import
+        warnings.simplefilter("ignore")
+        import nemo_run
 
     return nemo_run
 
@@ -160,13 +166,34 @@ def run_task(
     `ship` maps file names to contents the job needs (the resolved run config); an argument
     `file_placeholder(name)` in `cli_args` becomes that file's path as the ranks see it. On Slurm the files travel
     in the job directory (written by the packager, when nemo-run writes its own job files); locally they are
-    written under NEMORUN_HOME. With `opts.dryrun` the job script is printed instead of run. `launcher=None`
+    written under NEMORUN_HOME. With `opts.dryrun` the job script is printed instead of run; a dry run without a
+    nemo-run home (`--nemorun-home` or $NEMORUN_HOME) writes nemo-run's files into a temporary directory and removes
+    it, so it leaves nothing behind (with one, they stay there, as a submission writes them). `launcher=None`
     starts the module as plain processes (single-process tools such as convert).
     """
+    if not opts.dryrun or opts.nemorun_home:
+        return _run_task(name, cli_args, opts, dict(ship or {}), module, launcher, keep=True)
+    scratch = tempfile.mkdtemp(prefix="megatron-rlvr-dryrun-")
+    try:
+        scratch_opts = dataclasses.replace(opts, nemorun_home=scratch)
+        return _run_task(name, cli_args, scratch_opts, dict(ship or {}), module, launcher, keep=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_task(
+    name: str,
+    cli_args: Sequence[str],
+    opts: LaunchOptions,
+    ship: dict[str, str],
+    module: str,
+    launcher: str | None,
+    keep: bool,
+) -> int:
+    """`run_task` with its nemo-run home decided; `keep`: a dry run's files stay there (else it is temporary)."""
     run = _import_nemo_run(opts)
     # the git packager archives the repository of the current directory, and local ranks start here too
     os.chdir(REPO_ROOT)
-    ship = dict(ship or {})
     # only `megatron-rlvr train` stops cleanly on the warning signal (megatron_rlvr/runtime/preemption.py)
     executor = make_executor(opts, run, launcher, preemptible=module == CLI_MODULE and cli_args[:1] == ["train"])
     if opts.executor in ("local", "slurm_local"):  # slurm_local: the nodes share this machine's NEMORUN_HOME
@@ -187,28 +214,52 @@ def run_task(
         exp.add(task, executor=executor, name=name)
         if opts.dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
-            print(dryrun_script(exp, opts, module, launcher))
+            print(dryrun_script(exp, opts, module, launcher, kept=keep, shipped=ship))
             return 0
         exp.run(detach=detach, tail_logs=not detach)
     # leaving the `with` block is where nemo-run waits for the tasks and records their final state
     return exit_status(exp, detached=detach)
 
 
-def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE, launcher: str | None = "torchrun") -> str:
-    """The job script a dry run produced: nemo-run's sbatch file for Slurm, the torchrun line locally."""
+def dryrun_script(
+    exp: Any,
+    opts: LaunchOptions,
+    module: str = CLI_MODULE,
+    launcher: str | None = "torchrun",
+    kept: bool = True,
+    shipped: dict[str, str] | None = None,
+) -> str:
+    """The job script a dry run produced: nemo-run's sbatch file for Slurm, the torchrun line locally. `kept`:
+    nemo-run's files stay where the script's header says; else they were written to a temporary directory (removed
+    when the dry run ends): the header says so, and a line after the script says what each shipped file held."""
     job = exp.jobs[0]
+    note = (
+        ""
+        if kept
+        else " (a dry run without --nemorun-home or $NEMORUN_HOME keeps no files: this was written to a temporary "
+        "directory, now removed)"
+    )
     if opts.executor in SLURM_EXECUTORS:
         path = Path(job.executor.experiment_dir) / f"{job.executor.job_name}_sbatch.sh"
         if not path.is_file():
             raise LaunchError(f"dry run: nemo-run wrote no sbatch script at {path}")
-        return f"# sbatch script: {path}\n{path.read_text()}"
-    args = shlex.join(job.task.args)
-    if launcher is None:
-        return f"# local executor: one process\npython -m {module} {args}"
-    return (
-        f"# local executor: {opts.procs_per_node} processes\n"
-        f"torchrun --nnodes 1 --nproc-per-node {opts.procs_per_node} -m {module} {args}"
-    )
+        script = (
+            f"# sbatch script: {path}\n{path.read_text()}" if kept else f"# sbatch script{note}\n{path.read_text()}"
+        )
+    else:
+        args = shlex.join(job.task.args)
+        if launcher is None:
+            script = f"# local executor: one process{note}\npython -m {module} {args}"
+        else:
+            script = (
+                f"# local executor: {opts.procs_per_node} processes{note}\n"
+                f"torchrun --nnodes 1 --nproc-per-node {opts.procs_per_node} -m {module} {args}"
+            )
+    if kept:
+        return script
+    for file_name, text in (shipped or {}).items():  # its first line says what it holds (launch/recipes.py)
+        script += f"\n# {file_name}, shipped with the job: {text.splitlines()[0].lstrip('# ')}"
+    return script
 
 
 _SUCCESS = "SUCCEEDED"

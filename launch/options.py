@@ -89,7 +89,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes per node (default: 8 = one per H200 on Slurm, 2 locally)",
     )
     g.add_argument("--name", default="", help="experiment name (default: derived from the recipe)")
-    g.add_argument("--dryrun", action="store_true", help="print the job script (sbatch for Slurm) and exit")
+    g.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="print the job script (sbatch for Slurm) and exit; it writes nothing unless a nemo-run home is given "
+        "(--nemorun-home, $NEMORUN_HOME): then the job directory a submission would write, under it",
+    )
     g.add_argument("--detach", action="store_true", help="Slurm: return after submission instead of waiting")
     g.add_argument(
         "--retries",
