@@ -23,9 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rlvr.demo import RECIPE, REPO
+from megatron_rlvr.demo import MODEL_DIR, RECIPE, REPO
 
-DEMO_MODEL = REPO / "megatron_rlvr" / "demo" / "model"  # the shipped tiny model the demo trains (a copy of it)
 EVAL_SEED = 1234  # the eval's sampling seed: the same for every demo run, whatever --seed trains with
 CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the recipe's N = 3, and two beyond)
 
@@ -37,7 +36,7 @@ def _check(overrides: list[str], nproc: int) -> None:
     from megatron_rlvr.models.dims import ModelDims
     from megatron_rlvr.models.hf_config import load_hf_config
 
-    cfg = load_config(RECIPE, [f"model.hf_dir={DEMO_MODEL}", *overrides])
+    cfg = load_config(RECIPE, [f"model.hf_dir={MODEL_DIR}", *overrides])
     hf_dir = Path(cfg.model.hf_dir) if Path(cfg.model.hf_dir).is_absolute() else REPO / cfg.model.hf_dir
     dims = ModelDims.from_hf(load_hf_config(hf_dir)) if (hf_dir / "config.json").is_file() else None
     cfg.validate(nproc, dims)
@@ -58,6 +57,19 @@ def _train(out: Path, overrides: list[str], nproc: int) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def _run_note(config_yaml: Path, prompts: int, n: int) -> str:
+    """What the report measured, from the config training ran with (the recipe and every override)."""
+    from megatron_rlvr.config import load_config
+
+    cfg = load_config(config_yaml)
+    t = cfg.trainer
+    return (
+        f"trained {t.steps} steps of {t.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
+        f"(algo.loss={cfg.algo.loss}, seed {t.seed}; its config: {config_yaml}); evaluated on {prompts} held-out "
+        f"prompts x {n} samples (eval seed {EVAL_SEED})"
+    )
 
 
 def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
@@ -192,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     # the base model is copied first: the evaluation compares against exactly the weights training started from
     base_model = out / "base_model"
     if not (base_model / "config.json").is_file():
-        shutil.copytree(DEMO_MODEL, base_model, dirs_exist_ok=True)
+        shutil.copytree(MODEL_DIR, base_model, dirs_exist_ok=True)
     start = time.perf_counter()
     status = _train(out, [f"model.hf_dir={base_model}", *overrides], args.nproc)
     if status == 2:
@@ -212,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
 
     figure = _candidate_figure(out, samples, models, out / "report")
     minutes = (time.perf_counter() - start) / 60
-    notes = [f"training {train_s / 60:.1f} min, total {minutes:.1f} min on this machine ({os.cpu_count()} cores)"]
+    notes = [
+        _run_note(out / "train" / "config.yaml", args.eval_prompts, args.eval_n),
+        "these are this run's numbers: the tables in README.md and docs/demo.md are other runs of the same command; "
+        "the base rows share their evaluation seeds, the trained rows move from run to run (docs/demo.md)",
+        f"training {train_s / 60:.1f} min, total {minutes:.1f} min on this machine ({os.cpu_count()} cores)",
+    ]
     if args.seed is not None:
         notes.append(
             f"training seed {args.seed}; the evaluation's seeds are the same for every run (eval seed {EVAL_SEED})"
