@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 DEBUG_ENV = "MEGATRON_RLVR_DEBUG"
@@ -46,6 +47,12 @@ def debug_enabled() -> bool:
 
 def verbose_enabled() -> bool:
     return _flag(VERBOSE_ENV)
+
+
+def quiet_import_warnings() -> None:
+    """Keep off the console what megatron-core announces once per process at import on a machine without optional
+    GPU libraries (Apex, Transformer Engine missing; cuda_graph_scope). Call before it is imported."""
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
 
 
 def configure_environment(debug: bool = False, verbose: bool = False) -> None:
