@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -291,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc_per_node is not None:
         return _start_ranks(args.config, overrides, args.nproc_per_node)
     cfg = load_config(args.config, overrides)
+    if "RANK" not in os.environ:  # one process, a world of one (runtime/distributed.py): checked before it writes
+        _check_one_process(cfg, args.config, overrides)
     if not has_log_file():  # the demo has its own; `train` alone: <output_dir>/logs/train-rank<r>.log
         attach_log_file(cfg.trainer.output_dir, "train")  # vLLM / megatron-core lines go there, off the console
     history = train(cfg)
@@ -300,14 +303,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(math.isfinite(h.get("actor/loss", 0.0)) for h in history) else 1
 
 
+def _check_one_process(cfg: Config, config: str, overrides: list[str]) -> None:
+    """`train` outside torchrun is a world of one process: `Config.preflight` for it, and a layout that needs more
+    ranks (and fits them) is also told how to start them."""
+    from megatron_rlvr.errors import UserError
+    from megatron_rlvr.models.layout import LayoutError
+
+    try:
+        cfg.preflight(1)
+    except LayoutError as error:
+        separate = cfg.rollout.placement == "separate"
+        ranks = cfg.actor.layout().model_parallel + (cfg.rollout.engine_ranks if separate else 0)
+        try:
+            cfg.preflight(ranks)
+        except UserError:
+            raise error from None
+        command = shlex.join(["megatron-rlvr", "train", "--nproc-per-node", str(ranks), config, *overrides])
+        raise LayoutError(f"{error}; or start {ranks} ranks: {command}") from None
+
+
 def _start_ranks(config: str, overrides: list[str], nproc: int) -> int:
     """`train --nproc-per-node N`: `Config.preflight` for N ranks here, then torchrun on this machine through
     `console.torchrun`, so that a user error met inside a rank is one line and exit 2 as well."""
     from megatron_rlvr.errors import ConfigError
     from megatron_rlvr.runtime.console import torchrun
 
-    if "LOCAL_RANK" in os.environ:
-        raise ConfigError("--nproc-per-node: this process is already a torchrun rank; drop --nproc-per-node")
+    if "RANK" in os.environ:
+        raise ConfigError("--nproc-per-node: this process is already a rank of a world (RANK is set); drop it")
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node: expected >= 1, got {nproc}")
     load_config(config, overrides).preflight(nproc)
