@@ -14,6 +14,7 @@ from launch.executors import REPO_ROOT  # noqa: F401 - the launch tests' name
 from megatron_rlvr.config import Config, dump_config, load_config
 from megatron_rlvr.errors import ConfigError, UserError
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.models.layout import ParallelLayout
 from megatron_rlvr.plan.recipe_files import (  # noqa: F401 - the launchers' and the recipe tests' names
     CONFIGS_DIR,
     MODEL_CONFIGS_DIR,
@@ -49,6 +50,19 @@ def load_and_validate(
         )
     cfg.validate(world_size=world_size, dims=dims)
     return path, cfg
+
+
+def check_engine_layout(cfg: Config, world_size: int) -> None:
+    """An eval job's engines: rollout.tp divides the model's heads (the layout rules of models/layout.py, as for an
+    engine) and the job's ranks, each engine spanning rollout.tp of them."""
+    from launch.options import LaunchError
+
+    ParallelLayout(tp=cfg.rollout.tp).check(model_dims(cfg), prefix="rollout.", training=False)
+    if world_size % cfg.rollout.tp:
+        raise LaunchError(
+            f"the job's {world_size} ranks are not a multiple of rollout.tp={cfg.rollout.tp} (one engine per "
+            f"rollout.tp ranks); give --nproc-per-node {cfg.rollout.tp} or a multiple"
+        )
 
 
 def check_local_inputs(subcommand: str, cfg: Config) -> None:
@@ -223,6 +237,8 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
                 f"--nproc-per-node {opts.procs_per_node}: the eval engine's ranks are its "
                 f"rollout.tp={cfg.rollout.tp} GPUs; give --nproc-per-node {cfg.rollout.tp}"
             )
+        if subcommand == "eval":
+            check_engine_layout(cfg, opts.world_size)
         cli_args = eval_cli_args(cfg) if subcommand == "eval" else [subcommand, file_placeholder("run_config.yaml")]
         if opts.executor != "slurm_h200":  # its paths are the container's; these jobs read this machine's
             try:
