@@ -6,8 +6,8 @@ rollouts, then a pass@k evaluation of the base and the trained model, and a repo
 
 Training runs as `megatron-rlvr train --nproc-per-node 2 configs/demo_cpu.yaml` (torchrun, 2 ranks); rerunning the
 same command after an interruption resumes from the last checkpoint (and the evaluation from its last sample chunk).
-A mistake in the overrides or --nproc is one line and exit 2 before anything is written; one that training meets
-(a missing data file) is one line from the training command, and the demo exits 2 with it.
+A mistake in the overrides, --nproc or a file they name is one line and exit 2 before anything is written; one that
+training meets later is one line from the training command, and the demo exits 2 with it.
 ``--seed`` is the training seed only: the eval prompts and their samples' seeds are fixed (the recipe's data seed and
 EVAL_SEED), so runs with different seeds are compared on the same evaluation draws.
 """
@@ -15,6 +15,7 @@ EVAL_SEED), so runs with different seeds are compared on the same evaluation dra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,16 +31,13 @@ CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the 
 
 
 def _check(overrides: list[str], nproc: int) -> None:
-    """The recipe with the demo's and the user's overrides, against `nproc` ranks and the demo model's shapes: a
-    ConfigError (one line) before the demo writes anything. Files are checked by the training command itself."""
+    """`Config.preflight` of the recipe with the demo's and the user's overrides, for `nproc` ranks, reading relative
+    paths from the repository root as training will: a user error (one line) before the demo writes anything."""
     from megatron_rlvr.config import load_config
-    from megatron_rlvr.models.dims import ModelDims
-    from megatron_rlvr.models.hf_config import load_hf_config
 
     cfg = load_config(RECIPE, [f"model.hf_dir={MODEL_DIR}", *overrides])
-    hf_dir = Path(cfg.model.hf_dir) if Path(cfg.model.hf_dir).is_absolute() else REPO / cfg.model.hf_dir
-    dims = ModelDims.from_hf(load_hf_config(hf_dir)) if (hf_dir / "config.json").is_file() else None
-    cfg.validate(nproc, dims)
+    with contextlib.chdir(REPO):  # where the training command runs
+        cfg.preflight(nproc)
 
 
 def _train(out: Path, overrides: list[str], nproc: int) -> int:
