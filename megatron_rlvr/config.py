@@ -120,12 +120,24 @@ class Config:
         return self
 
     def check_inputs(self) -> Config:
-        """The files a run reads are on this machine: the model directories (their config.json), a megatron
-        checkpoint to load, the training and eval prompts. Run where the ranks will run, before any of them starts
-        (`megatron-rlvr train --nproc-per-node`, the demo, the local launchers): a missing file then costs one
-        line instead of a started job. Each error names the key and what writes the file."""
+        """What a run reads is on this machine: the packages it imports for its settings, the model directories
+        (their config.json), a megatron checkpoint to load, the training and eval prompts. Run where the ranks will
+        run, before any of them starts (`megatron-rlvr train --nproc-per-node`, the demo, the local launchers): a
+        missing file or package then costs one line instead of a started job. Each error names the key and the fix
+        (what writes the file, what installs the package)."""
+        import importlib.util
+
         from megatron_rlvr.data.sources import missing_dataset
         from megatron_rlvr.models.hf_config import config_path
+
+        packages = [("rollout.engine=vllm", "vllm", "pip install -e '.[cpu]' (CPU) or '.[gpu]' (GPU)")]
+        if self.trainer.tensorboard:
+            packages.append(
+                ("trainer.tensorboard=true", "tensorboard", "pip install tensorboard, or trainer.tensorboard=false")
+            )
+        for setting, package, install in packages:
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{setting}: the {package} package is not installed; {install}")
 
         def where(path: str) -> str:
             return path if Path(path).is_absolute() else f"{path} (relative to {Path.cwd()})"
