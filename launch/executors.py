@@ -28,6 +28,9 @@ from launch.options import H200_GPUS_PER_NODE, SLURM_EXECUTORS, LaunchError, Lau
 
 # The task's package: torchrun starts `python -m megatron_rlvr.cli <subcommand> ...` on every rank.
 CLI_MODULE = "megatron_rlvr.cli"
+# Local jobs start torchrun as `python -m megatron_rlvr.runtime.console ARGS`: torchrun that ends the job on a rank's
+# user error with that one line and exit status 2, without torchrun's report (docs/development.md).
+CONSOLE_MODULE = "megatron_rlvr.runtime.console"
 # Where a Slurm job sees the nemo-run job directory (code/, configs/) inside its container; fixed by nemo-run.
 CONTAINER_RUN_DIR = "/nemo_run"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -66,14 +69,15 @@ def _import_nemo_run(opts: LaunchOptions) -> Any:
 
 
 def local_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun") -> Any:
-    """torchrun on this machine, `procs_per_node` processes (gloo on CPU, NCCL on GPUs); or one plain process."""
-    # nemo-run starts `torchrun` from PATH: make it this interpreter's, so ranks import this environment.
+    """One plain process on this machine: the task itself, or (torchrun) `CONSOLE_MODULE` starting
+    `procs_per_node` ranks (gloo on CPU, NCCL on GPUs); `run_task` makes the task."""
+    # nemo-run starts `python` from PATH, and torchrun starts the ranks with that interpreter: make it this one
     bin_dir = str(Path(sys.executable).parent)
     path = os.environ.get("PATH", "")
     if bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
     env = {"PYTHONUNBUFFERED": "1", **opts.env}
-    return run.LocalExecutor(ntasks_per_node=opts.procs_per_node, launcher=launcher, env_vars=env)
+    return run.LocalExecutor(ntasks_per_node=1, launcher=None, env_vars=env)
 
 
 def slurm_h200_executor(
@@ -208,6 +212,9 @@ def _run_task(
         # torchrun's parser sees the task's options too and refuses an abbreviation of its own (eval's `--n`:
         # "ambiguous option: --n could match --nnodes, ..."); after `--` they are the task's alone
         args = ["--", *args]
+    if launcher == "torchrun" and opts.executor == "local":
+        args = ["--standalone", f"--nproc-per-node={opts.procs_per_node}", "-m", module, *args]
+        module = CONSOLE_MODULE
     task = run.Script(path=module, m=True, entrypoint="python", args=args)
     detach = opts.detach and opts.executor != "local"
     with run.Experiment(opts.job_name or name, executor=executor, log_level="WARN") as exp:
@@ -250,11 +257,8 @@ def dryrun_script(
         args = shlex.join(job.task.args)
         if launcher is None:
             script = f"# local executor: one process{note}\npython -m {module} {args}"
-        else:
-            script = (
-                f"# local executor: {opts.procs_per_node} processes{note}\n"
-                f"torchrun --nnodes 1 --nproc-per-node {opts.procs_per_node} -m {module} {args}"
-            )
+        else:  # torchrun through CONSOLE_MODULE (its task's module and arguments)
+            script = f"# local executor: {opts.procs_per_node} processes (torchrun){note}\npython -m {module} {args}"
     if kept:
         return script
     for file_name, text in (shipped or {}).items():  # its first line says what it holds (launch/recipes.py)
@@ -267,15 +271,37 @@ _SUBMITTED_OK = ("SUBMITTED", "PENDING", "RUNNING", "SUCCEEDED")
 
 
 def exit_status(exp: Any, detached: bool = False) -> int:
-    """0 when every task succeeded (or, detached, was accepted by Slurm); 1 otherwise, naming the failed task."""
+    """0 when every task succeeded (or, detached, was accepted by Slurm); 2 with its one line when a local task
+    stopped on a user error; 1 otherwise, naming the failed task."""
     failed = []
     for job in exp.jobs:
         state = job.state.name if hasattr(job.state, "name") else str(job.state)
         ok = state in _SUBMITTED_OK if detached else state == _SUCCESS
         if not ok:
             failed.append(f"{job.id}: {state}")
+    user_error = _user_error_line(exp) if failed else None
+    if user_error:
+        print(user_error, file=sys.stderr)
+        return 2
     if failed:
         logs = exp.jobs[0].executor.job_dir if exp.jobs else "?"
         print(f"[launch] task failed: {'; '.join(failed)} (logs: {logs})", file=sys.stderr)
         return 1
     return 0
+
+
+def _user_error_line(exp: Any) -> str | None:
+    """The ``error: ...`` line a local task left in its error file when it stopped on a user error (the console's
+    torchrun, or a plain `megatron_rlvr.cli` process, writes it to $TORCHELASTIC_ERROR_FILE, which nemo-run's local
+    scheduler gives each task as ``<job dir>/nemo_run/<app>/<role>/<replica>/error.json``), or None."""
+    import json
+
+    for job in exp.jobs:
+        for path in sorted(Path(job.executor.job_dir).glob("nemo_run/*/*/*/error.json")):
+            try:
+                message = json.loads(path.read_text()).get("message")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(message, str) and message.startswith("error: "):
+                return message
+    return None

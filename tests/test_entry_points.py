@@ -169,24 +169,24 @@ def test_the_documented_commands_are_the_clean_forms():
     assert documented_train_command()[len(CLI) :][:3] == ["train", "--nproc-per-node", "2"]
 
 
-RANK_SCRIPT = """
-import os, sys, time
-from megatron_rlvr.errors import UserError
-from megatron_rlvr.runtime.console import report_user_error
+@pytest.mark.parametrize("who", ["one", "every"])
+def test_under_torchrun_the_first_rank_to_meet_a_user_error_says_it_once(tmp_path, who):
+    argv = [sys.executable, "-m", "megatron_rlvr.runtime.console", "--standalone", "--nproc-per-node", "2"]
+    result = run([*argv, "-m", "tests.user_error_rank", who], tmp_path / "nemorun")
+    assert_one_line(result, ["data.path: dataset file x.jsonl: not found (met on rank"])
 
-rank = int(os.environ["RANK"])
-if sys.argv[1] == "every" or rank == 1:
-    if sys.argv[1] == "every" and rank == 0:
-        time.sleep(1)  # rank 1 meets it first
-    sys.exit(report_user_error(UserError(f"data.path: dataset file x.jsonl: not found (met on rank {rank})")))
-time.sleep(120)  # rank 0 never meets it: torchrun stops it when rank 1 fails
+
+LOCAL_LAUNCH = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from launch.executors import run_task
+from launch.options import LaunchOptions
+sys.exit(run_task("user_error", ["one"], LaunchOptions(executor="local", nproc_per_node=2), module="tests.user_error_rank"))
 """
 
 
-@pytest.mark.parametrize("who", ["one", "every"])
-def test_under_torchrun_the_first_rank_to_meet_a_user_error_says_it_once(tmp_path, who):
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    argv = [sys.executable, "-m", "megatron_rlvr.runtime.console", "--standalone", "--nproc-per-node", "2"]
-    result = run([*argv, str(script), who], tmp_path / "nemorun")
+def test_a_local_launch_whose_rank_meets_a_user_error_ends_with_that_line(tmp_path):
+    """What `python launch/train.py --recipe demo_cpu` runs, with a task whose rank 1 meets a user error once
+    started (nemo-run streams the job's own output on stdout)."""
+    result = run([sys.executable, "-c", LOCAL_LAUNCH, str(REPO)], tmp_path / "nemorun")
     assert_one_line(result, ["data.path: dataset file x.jsonl: not found (met on rank 1)"])

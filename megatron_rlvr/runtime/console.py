@@ -180,14 +180,19 @@ def report_user_error(exc: BaseException) -> int:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     if _first_to_report():
         print(message, file=sys.stderr, flush=True)
+    _write_error_file(message)
+    return 2
+
+
+def _write_error_file(message: str) -> None:
+    """Leave ``message`` where torchrun (or another launcher) looks for a process's error: $TORCHELASTIC_ERROR_FILE."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:
             with open(error_file, "w") as f:
                 json.dump({"message": message, "timestamp": int(time.time())}, f)
         except OSError:
-            pass  # torchrun then reports the exit status alone
-    return 2
+            pass  # the launcher then reports the exit status alone
 
 
 def torchrun(argv: list[str]) -> int:
@@ -216,6 +221,7 @@ def torchrun(argv: list[str]) -> int:
         _, first = e.get_first_failure()
         terminated = -signal.SIGTERM
         if user_error(first) and all(user_error(f) or f.exitcode == terminated for f in e.failures.values()):
+            _write_error_file(first.message)  # for whoever started this process (a nemo-run local job)
             return 2
         raise
     return 0

@@ -18,7 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
     "args, shown",
     [
         (["--recipe", "qwen2.5-32b_math-l3to5_casp", "--executor", "slurm_h200", "--nodes", "4"], "#SBATCH --nodes=4"),
-        (["--recipe", "demo_cpu", "trainer.steps=3"], "torchrun --nnodes 1 --nproc-per-node 2 -m megatron_rlvr.cli"),
+        (
+            ["--recipe", "demo_cpu", "trainer.steps=3"],
+            "python -m megatron_rlvr.runtime.console --standalone --nproc-per-node=2 -m megatron_rlvr.cli train",
+        ),
     ],
     ids=["slurm_h200", "local"],
 )
