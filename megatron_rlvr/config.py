@@ -119,6 +119,59 @@ class Config:
             )
         return self
 
+    def check_inputs(self) -> Config:
+        """What a run reads is on this machine: the packages it imports for its settings, the model directories
+        (their config.json), a megatron checkpoint to load, the training and eval prompts. Run where the ranks will
+        run, before any of them starts (`megatron-rlvr train --nproc-per-node`, the demo, the local launchers): a
+        missing file or package then costs one line instead of a started job. Each error names the key and the fix
+        (what writes the file, what installs the package)."""
+        import importlib.util
+
+        from megatron_rlvr.data.sources import missing_dataset
+        from megatron_rlvr.models.hf_config import config_path
+
+        packages = [("rollout.engine=vllm", "vllm", "pip install -e '.[cpu]' (CPU) or '.[gpu]' (GPU)")]
+        if self.trainer.tensorboard:
+            packages.append(
+                ("trainer.tensorboard=true", "tensorboard", "pip install tensorboard, or trainer.tensorboard=false")
+            )
+        for setting, package, install in packages:
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{setting}: the {package} package is not installed; {install}")
+
+        def where(path: str) -> str:
+            return path if Path(path).is_absolute() else f"{path} (relative to {Path.cwd()})"
+
+        models = [("model.hf_dir", self.model.hf_dir), ("rollout.prefix_model", self.rollout.prefix_model or "")]
+        if self.algo.distill == "teacher":
+            models.append(("algo.teacher_hf_dir", self.algo.teacher_hf_dir))
+        for key, directory in models:
+            if key == "model.hf_dir" and not directory:
+                raise ConfigError("model.hf_dir: empty; give the HF model directory to train, e.g. model.hf_dir=DIR")
+            if directory and not config_path(directory).is_file():
+                raise ConfigError(
+                    f"{key}={where(directory)}: not an HF model directory (no config.json); download the model "
+                    "there, or write one with `megatron-rlvr convert mcore-to-hf|gguf-to-hf` (docs/checkpoints.md)"
+                )
+        if self.model.load and not Path(self.model.load).exists():
+            raise ConfigError(
+                f"model.load={where(self.model.load)}: not found; give a megatron checkpoint directory "
+                "(`megatron-rlvr convert hf-to-mcore` writes one), or drop model.load to start from model.hf_dir"
+            )
+        for key, path in (("data.path", self.data.path), ("data.eval_path", self.data.eval_path)):
+            if path and not Path(path).is_file():
+                raise missing_dataset(path, key)
+        return self
+
+    def preflight(self, world_size: int) -> Config:
+        """All that can be checked before a rank builds anything: `check_inputs`, then `validate` against the world
+        size and the shapes in model.hf_dir's config.json. The trainer runs it on every rank, and
+        `megatron-rlvr train --nproc-per-node N` once before it starts the ranks."""
+        from megatron_rlvr.models.hf_config import load_hf_config
+
+        self.check_inputs()
+        return self.validate(world_size, ModelDims.from_hf(load_hf_config(self.model.hf_dir)))
+
     def actor_world(self, world_size: int | None) -> tuple[int | None, str | None]:
         """(the ranks the actor runs on, how messages name them): the world, less the engine ranks under separate
         placement."""
@@ -343,7 +396,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path}: not found")
+            raise ConfigError(f"config file {path}: not found; give a YAML recipe, e.g. configs/demo_cpu.yaml")
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:

@@ -90,8 +90,16 @@ def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[
     return encode
 
 
-def model_tags(models: Sequence[str]) -> list[str]:
-    """Short distinct names for the table and the run directories (the last path parts that tell them apart)."""
+def model_tags(models: Sequence[str], labels: Sequence[str] | None = None) -> list[str]:
+    """Short distinct names for the table, the run directories and the progress bar: ``labels`` (one per model,
+    `eval --label`), else the last path parts that tell the models apart."""
+    if labels:
+        tags = [re.sub(r"[^A-Za-z0-9._-]+", "_", label.strip()) for label in labels]
+        if len(tags) != len(models):
+            raise EvalConfigError(f"--label: one per --model ({len(models)} models, {len(tags)} labels)")
+        if len(set(tags)) != len(tags) or not all(tags):
+            raise EvalConfigError(f"--label: names must be distinct and non-empty, got {list(labels)}")
+        return tags
     parts = [Path(m).resolve().parts for m in models]
     for depth in range(1, max(len(p) for p in parts) + 1):
         tags = ["-".join(p[-depth:]) for p in parts]
@@ -140,6 +148,7 @@ def _sample_model(
             rank=rank,
             world=world,
             tp=tp,
+            label=run_dir.name,  # the model's tag
         )
         runner.run(problems, max_requests)
     finally:
@@ -187,9 +196,10 @@ def evaluate(
     encoder_factory: EncoderFactory,
     tp: int = 1,
     spec: IntervalSpec = IntervalSpec(),
+    labels: Sequence[str] | None = None,
 ) -> tuple[list[int], list[dict], list[Path]]:
     """Run (or resume) every model on every benchmark, then write and return the comparison table (rank 0); each
-    model's results.json keeps its per-problem (n, c)."""
+    model's results.json keeps its per-problem (n, c). ``labels``: the models' names (`model_tags`)."""
     problems = _load_problems(cfg)
     rank, world = _join_world()
     out = Path(cfg.output_dir)
@@ -201,7 +211,7 @@ def evaluate(
     with contextlib.ExitStack() as stack:
         # each engine replica's first rank verifies its replica's samples
         pool = stack.enter_context(RewardPool(reward_cfg)) if rank % tp == 0 else None
-        for model, tag in zip(models, model_tags(models)):
+        for model, tag in zip(models, model_tags(models, labels)):
             runner, _ = _sample_model(
                 model, out / tag, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, None
             )
@@ -218,7 +228,7 @@ def evaluate(
     if rank != 0:
         return [], [], []
     ks, rows = pass_at_k_rows(counts, spec)
-    for model, tag in zip(models, model_tags(models)):
+    for model, tag in zip(models, model_tags(models, labels)):
         digests = {b: problems_digest([p for p in problems if p.benchmark == b]) for b in counts[tag]}
         ids = {b: [p.problem_id for p in problems if p.benchmark == b] for b in counts[tag]}
         per_bench = {b: BenchmarkCounts(ids[b], n, c, digests[b]) for b, (n, c) in counts[tag].items()}
@@ -239,6 +249,7 @@ def estimate(
     encoder_factory: EncoderFactory,
     tp: int = 1,
     recorded: str | None = None,
+    labels: Sequence[str] | None = None,
 ) -> JobEstimate | None:
     """`--estimate`: per model, figures from ``recorded`` (a run directory of the same model and settings) or from
     the model's own run directory's timing.jsonl; else a calibration: its first missing request, drawn and stored.
@@ -255,7 +266,7 @@ def estimate(
     estimates, overhead = [], 0.0
     with contextlib.ExitStack() as stack:
         pool = None
-        for model, tag in zip(models, model_tags(models)):
+        for model, tag in zip(models, model_tags(models, labels)):
             run_dir = out / tag
             resolved = str(Path(model).resolve())
             figures = recorded_throughput(recorded, run_settings(cfg, resolved)) if recorded else read_timing(run_dir)

@@ -1,7 +1,7 @@
 """`megatron-rlvr eval`: sample n answers per problem from one or several HF models, verify, tabulate pass@k.
 
-    megatron-rlvr eval --model MODEL_DIR [MODEL_DIR ...] --benchmarks math500 aime24 --data-dir data \
-        --n 1024 --out outputs/eval
+    megatron-rlvr eval --model MODEL_DIR [MODEL_DIR ...] [--label NAME ...] --benchmarks math500 aime24 \
+        --data-dir data --n 1024 --out outputs/eval
 
     megatron-rlvr eval --estimate ...same flags...     (draws each model's first request, prints the cost: estimate.py)
     megatron-rlvr estimate RECIPE [key=value ...]       (a recipe's cost without sampling: recipes/estimate.py)
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.eval.api import estimate, evaluate, hf_encoder_factory, vllm_engine_factory
+from megatron_rlvr.eval.api import estimate, evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
 from megatron_rlvr.eval.bootstrap import IntervalSpec
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.estimate import format_estimate
@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlvr eval", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model", nargs="+", required=True, help="HF model directories (several: one comparison table)"
+    )
+    parser.add_argument(
+        "--label",
+        nargs="+",
+        default=None,
+        help="a name for each --model, in order: its row in the table, its run directory under --out and its "
+        "progress bar (default: the last path parts that tell the models apart, e.g. 'hf')",
     )
     parser.add_argument(
         "--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)"
@@ -141,15 +148,27 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.model:
             if not (Path(model) / "config.json").is_file():
                 raise ModelDirError(f"--model {model}: not an HF model directory (no config.json)")
+        model_tags(args.model, args.label)  # a bad --label: before any engine starts
         if args.recorded and not args.estimate:
             raise EvalConfigError("--recorded: only with --estimate")
         factory = vllm_engine_factory(args.max_model_len, tp=args.tp)
         if args.estimate:
-            job = estimate(args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, recorded=args.recorded)
+            job = estimate(
+                args.model,
+                cfg,
+                reward_cfg,
+                factory,
+                hf_encoder_factory,
+                tp=args.tp,
+                recorded=args.recorded,
+                labels=args.label,
+            )
             if job is not None:
                 print(format_estimate(job), end="")
             return 0
-        ks, rows, written = evaluate(args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, spec=spec)
+        ks, rows, written = evaluate(
+            args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, spec=spec, labels=args.label
+        )
     except UserError as exc:
         return report_user_error(exc)
     if rows:  # rank 0 only

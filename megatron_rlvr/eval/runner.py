@@ -126,12 +126,14 @@ class EvalRunner:
         broadcast: Callable = torch_broadcast,
         world: int = 1,
         tp: int = 1,
+        label: str = "",  # the progress bar's name for the model (its tag); default: the directory's name
     ):
         validate_eval_config(cfg)
         if tp < 1 or world % tp:
             raise EvalConfigError(f"--tp {tp}: the world of {world} processes must be a multiple of it")
         self.engine, self.encode, self.cfg, self.pool, self.model = engine, encode, cfg, pool, model
         self.run_dir = Path(run_dir)
+        self.label = label or Path(model).name or model
         self.rank, self.broadcast, self.tp = rank, broadcast, tp
         self.replica, self.replicas = rank // tp, world // tp
         self.writes = rank % tp == 0  # the replica's first rank scores and writes
@@ -206,7 +208,7 @@ class EvalRunner:
         started = time.monotonic()
         total = sum(_request_samples(r, chunks) for r in requests)
         # this replica's samples; tqdm's remaining-time figure is its measured rate over what is left
-        progress = _progress(writer is not None and self.rank == 0, total, Path(self.model).name or self.model)
+        progress = _progress(writer is not None and self.rank == 0, total, self.label)
         kept = 0
         with progress, ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-scorer") as scorer:
             scoring: Future | None = None

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.host_memory import host_json, host_plan, host_text
-from megatron_rlvr.plan.memory import GB, PHASE_PARTS, Layout, Plan, plan_layout
+from megatron_rlvr.plan.memory import ESTIMATED_PARTS, GB, PHASE_PARTS, Layout, Plan, plan_layout
 from megatron_rlvr.plan.stage_params import stage_params
 from megatron_rlvr.plan.suggest import RANKING_RULE, suggest
 
@@ -114,6 +114,7 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
         "peak_rank": worst.name,
         "phases": {k: _gb(v) for k, v in worst.phases.items()},
         "components": {f"{k}_gb": _gb(v) for k, v in worst.components.items()},
+        "estimated_components": list(ESTIMATED_PARTS) if plan.layout.gpu else [],
         "ranks": [
             {
                 "name": r.name,
@@ -188,7 +189,8 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
                 f"{'x' if name in PHASE_PARTS.get(p, ()) or rank.name == 'engine rank' else '':>11}"
                 for p in rank_phases
             )
-            lines.append(f"  {LABELS.get(name, name):<32}{value / GB:>8.2f}  {marks}")
+            label = LABELS.get(name, name) + (" (estimate)" if name in ESTIMATED_PARTS else "")
+            lines.append(f"  {label:<32}{value / GB:>8.2f}  {marks}")
         lines.append(f"  {'phase total':<32}{'':>8}  " + "".join(f"{rank.phases[p] / GB:>11.1f}" for p in rank_phases))
         lines.append("")
     c = plan.worst.components
@@ -213,7 +215,17 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
             f"largest part of the {plan.worst.peak_phase} phase, which is {plan.over / GB:.1f} GB over; "
             f"try --suggest"
         )
+    if lay.gpu:
+        lines.extend(MEASURED_NOTE)
     return "\n".join(lines)
+
+
+# What a GPU plan's verdict rests on (docs/plan.md, "What 'fits' rests on").
+MEASURED_NOTE = (
+    "(estimate): a guess for the GPU, not measured; the engine's total is its gpu_memory_utilization budget either way.",
+    "the verdict is arithmetic: the actor's parts are checked against a real actor on CPU (fp32), but nothing in this",
+    "plan was measured on a GPU (bf16 bytes, the vLLM engine, the CUDA context): docs/plan.md",
+)
 
 
 def header_lines(plan: Plan) -> list[str]:

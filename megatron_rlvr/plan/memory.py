@@ -50,6 +50,9 @@ RUNTIME_BYTES = int(2.0 * GB)
 # vLLM's profiled activation peak, sampler logits and CUDA graphs inside its gpu_memory_utilization budget; sleep
 # mode does not free it. An estimate from vLLM's profile run at its default batch limits, not measured here.
 ENGINE_WORKSPACE_BYTES = int(2.0 * GB)
+# The components that are the two estimates above, not derived from the recipe and the model: `megatron-rlvr plan`
+# marks them, as the host table marks its own.
+ESTIMATED_PARTS = ("runtime", "engine_workspace")
 # Kept free on every GPU for the caching allocator's fragmentation and what the estimates above miss.
 HEADROOM_FRACTION = 0.05
 

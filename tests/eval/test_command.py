@@ -44,6 +44,25 @@ def test_model_tags_are_short_and_distinct(tmp_path):
         model_tags([str(tmp_path / "a"), str(tmp_path / "a")])
 
 
+def test_labels_name_the_models_one_each_distinct(tmp_path):
+    models = [str(tmp_path / "demo" / "model"), str(tmp_path / "train" / "hf")]
+    assert model_tags(models) == ["model", "hf"]
+    assert model_tags(models, ["base", "casp step 100"]) == ["base", "casp_step_100"]
+    with pytest.raises(ValueError, match=r"--label: one per --model \(2 models, 1 labels\)"):
+        model_tags(models, ["base"])
+    with pytest.raises(ValueError, match="--label: names must be distinct"):
+        model_tags(models, ["same", "same"])
+
+
+def test_a_bad_label_is_one_line_before_any_engine(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    args = ["--model", str(model), "--label", "a", "b", "--benchmarks", "gsm8k", "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    assert capsys.readouterr().err == "error: --label: one per --model (1 models, 2 labels)\n"
+
+
 def test_missing_vllm_engine_module_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron_rlvr.rollout.vllm_engine", None)  # import now raises ImportError
     with pytest.raises(RuntimeError, match="samples through megatron_rlvr.rollout.vllm_engine, which failed to import"):
