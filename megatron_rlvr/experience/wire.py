@@ -32,11 +32,13 @@ class Rollout:
 
 @dataclass
 class Command:
-    kind: str  # "weights" | "collect" | "generate" | "stop"
+    # "weights" | "collect" | "generate" | "stop"; streamed (stream_server.py): "start" | "take" | "snapshot" too
+    kind: str
     step: int = 0
     version: int = 0
     loader: dict[str, Any] | None = None
     requests: list[Any] = field(default_factory=list)  # "generate": (prompt ids, n, Sampling) per actor rank
+    state: Any = None  # "start": the checkpoint's stream.StreamState to resume, or None
 
 
 @dataclass
