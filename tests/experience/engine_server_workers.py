@@ -37,9 +37,8 @@ def separate_sync_and_compare(
     rollout = RolloutConfig(max_model_len=256, kv_cache_memory_bytes=32 << 20, bucket_bytes=bucket_bytes)
     try:
         if roles.is_engine:
-            from megatron_rlvr.rollout.transfer import load_weights
             from megatron_rlvr.rollout import make_engine
-            from megatron_rlvr.rollout.transfer import WeightReceiver
+            from megatron_rlvr.rollout.transfer import WeightReceiver, load_weights
 
             engine = make_engine(hf_dir, rollout)
             receiver = WeightReceiver(roles.cross, engine_tp=1, engine_tp_rank=0, dims=None, shard=False)
