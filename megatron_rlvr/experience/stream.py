@@ -88,6 +88,7 @@ class StreamState:
     entries: list[Entry]
     in_flight: list[InFlight]
     finished: list[Group]
+    totals: dict[str, int]  # groups that left the ledger so far: trained, filtered (dynamic sampling)
 
 
 class StreamCore:
@@ -301,6 +302,7 @@ class StreamCore:
             [dataclasses.replace(e) for e in self.ledger.entries.values()],
             in_flight,
             list(self.finished.values()),
+            dict(self.totals),
         )
 
     def restore(self, state: StreamState) -> None:
@@ -308,6 +310,7 @@ class StreamCore:
         responses in flight, each continued from its saved tokens on the replica with the fewest groups running."""
         self.loader.load_state_dict(state.loader)
         self.ledger.next_step, self.ledger.admitted = state.next_step, state.admitted
+        self.totals = dict(state.totals)
         flights = {f.entry.index: f for f in state.in_flight}
         for entry in sorted(state.entries, key=lambda e: e.index):
             if not entry.finished:

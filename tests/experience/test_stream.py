@@ -216,3 +216,4 @@ def test_a_checkpoint_continues_every_response_in_flight_from_its_saved_tokens()
                     continued += 0 < len(saved) < lengths[(g.index, j)]
     assert continued > 0
     assert sum(r.experience.metrics["async/resumed_responses"] for r in second) == continued
+    assert all(r.experience.metrics["async/dropped"] == 0 for r in rollouts)  # the accounting survives the resume
