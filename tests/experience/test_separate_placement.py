@@ -28,6 +28,7 @@ SEPARATE = ["rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=1"
     [
         (["rollout.max_staleness=1"], 2, "rollout.max_staleness=1 needs rollout.placement=separate"),
         (["rollout.max_staleness=2", "rollout.prefix_model=x", *SEPARATE], 2, "outer prefixes are not streamed"),
+        (["rollout.max_staleness=2", "actor.router_replay=rollout", *SEPARATE], 2, "set actor.router_replay=train"),
         (["rollout.placement=separate", "rollout.engine_ranks=2", "actor.tp=1"], 2, "less than the world size 2"),
         (["rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=2"], 2, "must divide the actor's ranks"),
         (["rollout.placement=separate", "rollout.engine_ranks=3", "rollout.tp=2", "actor.tp=1"], 8, "multiple of"),
