@@ -45,9 +45,6 @@ class TrainerConfig:
     tensorboard: bool = True
     wandb_project: str | None = None
     save_hf: bool = True  # write the final weights as an HF checkpoint to <output_dir>/hf
-    # 1: the engines generate step t+1 with the weights before update t while the actor runs update t (needs
-    # rollout.placement=separate); the staleness is logged as rollout/staleness
-    off_policy_steps: int = 0
 
 
 @dataclass
@@ -206,16 +203,25 @@ class Config:
             )
 
     def _validate_placement(self, world_size: int | None) -> None:
-        """Separate placement and one-step-off training (docs/separate-placement.md); the actor's share of the
-        world is the layout's (`actor_world`)."""
-        r, off = self.rollout, self.trainer.off_policy_steps
-        if off not in (0, 1):
-            raise ConfigError(f"trainer.off_policy_steps: expected 0 (on-policy) or 1 (one-step-off), got {off!r}")
-        if off and r.placement != "separate":
+        """Separate placement, one-step-off and fully asynchronous training (docs/separate-placement.md,
+        docs/async.md); the actor's share of the world is the layout's (`actor_world`)."""
+        r, k = self.rollout, self.rollout.max_staleness
+        if k and r.placement != "separate":
             raise ConfigError(
-                "trainer.off_policy_steps=1 needs rollout.placement=separate (with rollout.engine_ranks "
-                "> 0): colocated engines share the actor's devices and cannot generate during an update"
+                f"rollout.max_staleness={k} needs rollout.placement=separate (with rollout.engine_ranks > 0): "
+                "colocated engines share the actor's devices and cannot generate during an update"
             )
+        if k >= 2:  # the engines stream: a response may span weight versions (docs/async.md)
+            if r.prefix_model:
+                raise ConfigError(
+                    f"rollout.prefix_model with rollout.max_staleness={k}: outer prefixes are not streamed; "
+                    "set rollout.max_staleness <= 1 or rollout.prefix_model=null"
+                )
+            if self.actor.router_replay == "rollout":
+                raise ConfigError(
+                    f"actor.router_replay=rollout with rollout.max_staleness={k}: a streamed response's routing "
+                    "spans weight versions; set actor.router_replay=train (the statistics pass's routing) or none"
+                )
         if r.placement != "separate":
             return
         if r.engine_ranks % r.tp != 0:
@@ -232,12 +238,13 @@ class Config:
     def warnings(self) -> list[str]:
         """Settings that run but probably not as meant; the trainer prints them at start."""
         out = []
-        if self.trainer.off_policy_steps and self.algo.rollout_correction == "none":
+        k = self.rollout.max_staleness
+        if k and self.algo.rollout_correction == "none":
             out.append(
-                "trainer.off_policy_steps=1 with algo.rollout_correction=none: the loss's old log-probs are the "
-                "current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
-                "by the weights one update older; set algo.rollout_correction (e.g. tis) for the decoupled "
-                "correction exp(old_logp - engine_logp) (docs/algorithms.md, 'Rollout correction')"
+                f"rollout.max_staleness={k} with algo.rollout_correction=none: the loss's old log-probs are the "
+                f"current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
+                f"by weights up to {k} update(s) older; set algo.rollout_correction (e.g. tis) for decoupled PPO's "
+                "off-policy weight exp(old_logp - engine_logp) (docs/algorithms.md, 'Rollout correction')"
             )
         return out
 
@@ -249,6 +256,8 @@ class Config:
 REMOVED_KEYS: dict[str, str] = {
     "model.dtype": "actor.bf16 (true: bf16 compute; the rollout engines serve in the same dtype) and, for "
     "evaluation, eval.dtype",
+    "trainer.off_policy_steps": "rollout.max_staleness (0: on-policy, 1: one-step-off, k >= 2: fully asynchronous; "
+    "docs/async.md)",
 }
 
 

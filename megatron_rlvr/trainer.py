@@ -141,7 +141,8 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
     if resume_from is not None:
         state = checkpoint.load(resume_from, actor)
         prompts.loader.load_state_dict(state["loader"])
-        pending = checkpoint.load_object(resume_from, "pending_rollout")  # one-step-off: the step sampled ahead
+        # one-step-off: the step sampled ahead; streamed: the stream's state (finished groups, responses in flight)
+        pending = checkpoint.load_object(resume_from, "pending_rollout")
         changed = differences(state["config"], to_dict(cfg)) if "config" in state else []
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
             print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
@@ -226,6 +227,11 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
         if run.logger is not None:
             if (step + 1) % t.log_every == 0 or last or preempted:
                 run.logger.log(step + 1, metrics)
+                if exp.staleness is not None:  # streamed: each trained response's staleness (docs/async.md)
+                    k = cfg.rollout.max_staleness  # one bin per update of lag, 0 .. k
+                    run.logger.log_histogram(
+                        step + 1, "rollout/staleness", exp.staleness.tolist(), k + 1, (-0.5, k + 0.5)
+                    )
             run.progress.update(1)
             run.progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
         if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):

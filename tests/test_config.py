@@ -184,6 +184,8 @@ def test_an_unknown_key_names_the_nearest_known_one():
 def test_a_removed_key_names_its_replacement(tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.dtype: removed; set actor\.bf16 .*eval\.dtype"):
         load_config(_write(tmp_path, "model:\n  hf_dir: x\n  dtype: bfloat16\n"))
+    with pytest.raises(ConfigError, match=r"^trainer\.off_policy_steps: removed; set rollout\.max_staleness \(0: "):
+        load_config(None, ["trainer.off_policy_steps=1"])
 
 
 def _config_fields(cls, prefix=""):

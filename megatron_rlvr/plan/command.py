@@ -126,6 +126,7 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
         ],
         "breaking_component": None if breaker is None else {"name": breaker[0], "gb": _gb(breaker[1])},
         "problems": plan.problems,
+        "notes": plan.notes,
         "layout": dict(vars(plan.layout)),
     }
 
@@ -201,6 +202,8 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
             f"update: the engine weights ({c['engine_weights'] / GB:.1f} GB, {where}) and the KV cache "
             f"({c['kv_cache'] / GB:.1f} GB); the workspace ({c['engine_workspace'] / GB:.1f} GB) stays."
         )
+    for note in plan.notes:
+        lines.append(f"note: {note}")
     for problem in plan.problems:
         lines.append(f"problem: {problem}")
     verdict = "fits" if plan.fits else "does NOT fit"

@@ -18,6 +18,10 @@ Per rank, from what this project's code allocates in host memory (docs/weight-sy
 - the data loader: every rank holds the tokenized train split (an estimate from the row count and prompt length).
 - the rank's own process: Python, torch, megatron-core, vLLM, the CUDA host-side runtime (an estimate on GPU; on
   CPU measured on this machine); the node's launcher (torchrun), once per node.
+- fully asynchronous training (``rollout.max_staleness`` k >= 2, docs/async.md): engine rank 0 keeps every group the
+  admission bound lets in, finished or in flight, as Python lists (token ids, log-probs, weight versions): at most
+  (k + 1) x ``trainer.prompts_per_step`` x ``rollout.group_size`` responses of up to ``rollout.max_new_tokens``
+  tokens (an estimate per token, below), counted on the fullest node once.
 - on CPU only, the actor and the engine themselves live in host memory (plan/memory.py's CPU arithmetic for the
   actor; the engine's fp32 weights and its ``kv_cache_memory_bytes``), and the end-of-run HF export
   (``trainer.save_hf``: fresh buckets on every rank; not counted on GPU, where the buckets are on the device
@@ -50,6 +54,9 @@ VERIFIER_RESIDENT_BYTES = int(0.1 * GB)
 DATA_ROW_OVERHEAD_BYTES = 2048  # one prompt row's Python objects beyond its token ids (text, answer, id, dict)
 BYTES_PER_TOKEN_ID = 36  # a token id in a Python list: the 8-byte slot and a 28-byte int object
 DEFAULT_DATA_ROWS = 100_000  # rows assumed when the data file is not readable here
+# a streamed response's token on engine rank 0: its id (36, as above), its log-prob (an 8-byte slot and a 24-byte
+# float object), its weight version (a slot; small ints are shared) and ~4 bytes of text
+BYTES_PER_STREAMED_TOKEN = 80
 HOST_HEADROOM_FRACTION = 0.10
 # Measured on this project's CPU machine: one process's PSS after importing torch, megatron-core, the trainer and
 # vLLM and starting a vLLM engine for the demo model, less the engine's weights and KV cache (0.50 GB; alone in its
@@ -67,6 +74,7 @@ LABELS = {
     "data_loader": "data loader (estimate)",
     "process": "rank processes (estimate)",
     "launcher": "launcher (torchrun)",
+    "stream_buffer": "streamed responses, k + 1 steps (estimate)",
     "actor": "actor (CPU)",
     "engine": "engine weights + KV (CPU)",
     "hf_export": "end-of-run HF export (CPU)",
@@ -163,6 +171,13 @@ def hf_export_bytes(dims: ModelDims, lay: Layout) -> int:
     return 2 * max(min(lay.bucket_bytes, dims.hf_params() * FP32), largest)
 
 
+def stream_buffer_bytes(cfg: Any) -> int:
+    """Engine rank 0's groups under fully asynchronous training: (k + 1) steps of responses at the answer budget."""
+    r = cfg.rollout
+    responses = (r.max_staleness + 1) * cfg.trainer.prompts_per_step * r.group_size
+    return responses * r.max_new_tokens * BYTES_PER_STREAMED_TOKEN
+
+
 def reward_pool_bytes(cfg: Any) -> int:
     r = cfg.reward
     if cfg.data.task == "code":
@@ -249,6 +264,8 @@ def host_plan(
                 if adopts:  # the first sync: the weights vLLM loaded are live until its commit, one slot written
                     first["engine"] = first.get("engine", 0) + count * (model + kv)
                     first["transfer_buckets"] = first.get("transfer_buckets", 0) + count * model // lay.tp
+    if kinds.get("engine") and lay.max_staleness >= 2:
+        c["stream_buffer"] = stream_buffer_bytes(cfg)
     moment = ""
     if first:
         # the exchange is first touched, and the HF export runs, only after the first sync

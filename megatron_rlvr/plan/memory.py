@@ -87,6 +87,9 @@ class Layout:
     engine_ranks: int = 0
     bucket_bytes: int = 256 * 1024**2
     gpu: bool = True  # GPU: TE flash attention, a CUDA runtime, a vLLM engine; CPU: unfused attention, none of those
+    # what the engines keep in flight (separate placement): rollout.max_staleness, and the sequences of one step
+    max_staleness: int = 0
+    step_sequences: int = 0  # trainer.prompts_per_step x rollout.group_size
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, gpu: bool = True) -> Layout:
@@ -134,6 +137,8 @@ class Layout:
             engine_ranks=engine_ranks,
             bucket_bytes=r.bucket_bytes,
             gpu=gpu,
+            max_staleness=r.max_staleness,
+            step_sequences=cfg.trainer.prompts_per_step * r.group_size,
         )
 
 
@@ -294,6 +299,7 @@ class Plan:
     ranks: list[RankPlan]
     headroom: int = 0  # bytes that must stay free for the plan to fit
     problems: list[str] = field(default_factory=list)  # reasons it cannot run that are not a byte total
+    notes: list[str] = field(default_factory=list)  # what it runs with that is not a failure (e.g. KV for k in flight)
 
     @property
     def worst(self) -> RankPlan:
@@ -449,7 +455,33 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
                 f"kv_cache: {engine['kv_cache'] / GB:.1f} GB holds {held} tokens, fewer than one sequence of "
                 f"rollout.max_model_len={lay.max_seq_len} (vLLM refuses to start)"
             )
+        if lay.placement == "separate" and lay.step_sequences:
+            plan.notes.append(in_flight_kv_note(dims, lay, engine["kv_cache"]))
     return plan
+
+
+def in_flight_sequences(lay: Layout) -> int:
+    """Sequences one engine replica may hold at once: a step's (on-policy), two steps' (one-step-off: the step sampled
+    ahead while the last one trains), or (k + 1) steps' under fully asynchronous training (the admission bound,
+    experience/admission.py), shared by the replicas."""
+    steps = 1 if lay.max_staleness == 0 else (2 if lay.max_staleness == 1 else lay.max_staleness + 1)
+    replicas = max(1, lay.engine_ranks // lay.engine_tp)
+    return math.ceil(steps * lay.step_sequences / replicas)
+
+
+def in_flight_kv_note(dims: ModelDims, lay: Layout, kv_cache: int) -> str:
+    """The KV the sequences in flight would take at full length against the engine's KV cache. The cache is a fixed
+    budget (gpu_memory_utilization), so k steps in flight cost no GPU memory beyond it: what does not fit waits in
+    vLLM's queue (or is preempted and recomputed), which costs time, not memory."""
+    sequences = in_flight_sequences(lay)
+    need = sequences * lay.max_seq_len * dims.kv_bytes_per_token(lay.param_bytes) // lay.engine_tp
+    runnable = kv_tokens(dims, lay, kv_cache) // max(1, lay.max_seq_len)
+    share = "all of them" if runnable >= sequences else f"{runnable} of them at once; the others wait in vLLM's queue"
+    return (
+        f"in flight: rollout.max_staleness={lay.max_staleness} lets one engine replica hold up to {sequences} "
+        f"sequences, {need / GB:.1f} GB of KV at rollout.max_model_len={lay.max_seq_len}; its KV cache "
+        f"({kv_cache / GB:.1f} GB) holds {share}"
+    )
 
 
 def plan_config(

@@ -9,7 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_rlvr.rollout.base import Completion, EngineDiedError, RolloutEngine, Sampling
+from megatron_rlvr.rollout.base import (
+    Completion,
+    EngineDiedError,
+    Progress,
+    RolloutEngine,
+    Sampling,
+    StreamingEngine,
+    prompt_seed,
+)
 from megatron_rlvr.rollout.config import RolloutConfig
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError
 
@@ -49,10 +57,13 @@ def make_engine(
 __all__ = [
     "Completion",
     "EngineDiedError",
+    "Progress",
     "RolloutConfig",
     "RolloutEngine",
     "Sampling",
+    "StreamingEngine",
     "WeightManifest",
     "WeightSyncError",
     "make_engine",
+    "prompt_seed",
 ]

@@ -38,13 +38,14 @@ import torch  # noqa: E402
 
 from megatron_rlvr.models.dims import ModelDims  # noqa: E402
 from megatron_rlvr.models.hf_config import read_hf_config  # noqa: E402
-from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
+from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling, prompt_seed  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rlvr.rollout.cpu.moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
 from megatron_rlvr.rollout.cpu.weights import DirectLoader  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
+from megatron_rlvr.rollout.vllm_stream import VLLMStream, request_params  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,13 @@ class VLLMEngine:
             self._llm.apply_model(_tp_rank)[0] if self.on_gpu else 0,
         )
         self.last_staged_bytes = 0  # peak staged bytes of the last "full" sync through vLLM's reload (0: none)
+        self._stream: VLLMStream | None = None
+
+    def stream(self) -> VLLMStream:
+        """This engine driven one engine step at a time (vllm_stream.py); `generate` refuses while it has requests."""
+        if self._stream is None:
+            self._stream = VLLMStream(self._require_alive(), self.dims.vocab, self.cfg.max_model_len, self._die)
+        return self._stream
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
@@ -162,21 +170,10 @@ class VLLMEngine:
             )
         if self._asleep:
             self.wake()
-        from vllm import SamplingParams
-
+        if self._stream is not None and self._stream.in_flight():
+            raise RuntimeError("generate: responses are streaming in this engine (stream()); submit these there")
         params = [
-            SamplingParams(
-                n=n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
-                max_tokens=sampling.max_tokens,
-                min_tokens=sampling.min_tokens,
-                stop=list(sampling.stop) or None,
-                seed=prompt_seed(sampling.seed, i),
-                logprobs=0 if sampling.logprobs else None,  # 0 = only the sampled token's log-prob
-            )
-            for i in range(len(prompt_token_ids))
+            request_params(sampling, n=n, seed=prompt_seed(sampling.seed, i)) for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         try:
@@ -346,15 +343,6 @@ class VLLMEngine:
         self._asleep = False
 
 
-_PROMPT_SEED_STRIDE = 104_729  # a prime above any n: the n samples of one prompt never reuse another's seeds
-
-
-def prompt_seed(seed: int | None, index: int) -> int | None:
-    """The seed of the ``index``-th prompt of one `generate` call. vLLM seeds each request alone, so one seed for
-    all would give every prompt the same random draws (the same prompt twice: the same samples)."""
-    return None if seed is None else (seed + index * _PROMPT_SEED_STRIDE) % 2**31
-
-
 def make_engine(model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> VLLMEngine:
     """Build an engine from an HF directory (the trainer's way to replace a dead engine; then sync the actor's
     weights into it -- the directory's weights are only a starting point)."""
@@ -408,6 +396,8 @@ def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> d
     )
     if cfg.return_routed_experts:
         kwargs["enable_return_routed_experts"] = True
+    if cfg.max_staleness >= 2:  # streamed (vllm_stream.py): a step's tokens must come from the weights of that step
+        kwargs["async_scheduling"] = False
     if on_gpu:
         kwargs.update(
             distributed_executor_backend="external_launcher",
