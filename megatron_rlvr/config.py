@@ -263,6 +263,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1 and isinstance(value, Mapping):  # one section type, optional: its own error names the key
+            raise ConfigError(errors[0])
         raise ConfigError(f"{key}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
     if origin is Literal:
         if value in args:
