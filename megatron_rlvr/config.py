@@ -93,6 +93,7 @@ class Config:
         actors, world_name = self.actor_world(world_size)
         a.layout().check(dims, actors, world_name=world_name)
         self._validate_experts(dims)
+        self._validate_lora(dims)
         budgets = [("rollout.max_new_tokens", self.rollout.max_new_tokens, "")]
         if self.trainer.eval_every:
             budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens, " (validation: trainer.eval_every > 0)"))
@@ -118,6 +119,19 @@ class Config:
                 f"trainer.prompts_per_step={self.trainer.prompts_per_step}"
             )
         return self
+
+    def _validate_lora(self, dims: ModelDims | None) -> None:
+        """actor.lora (docs/lora.md): what the engines can serve of it; the adapters' own ranges are LoraConfig's."""
+        lora = self.actor.lora
+        if lora is None or lora.sync != "adapters":
+            return
+        if dims is not None and dims.experts and "experts" in lora.targets:
+            raise ConfigError(
+                "actor.lora.sync=adapters: the routed experts' adapters are not served (vLLM's fused-experts LoRA was "
+                "not checked here); set actor.lora.sync=merged or drop 'experts' from actor.lora.targets"
+            )
+        if self.rollout.check_sync:
+            raise ConfigError("rollout.check_sync=true reads weights back; with actor.lora.sync=adapters set it false")
 
     def actor_world(self, world_size: int | None) -> tuple[int | None, str | None]:
         """(the ranks the actor runs on, how messages name them): the world, less the engine ranks under separate

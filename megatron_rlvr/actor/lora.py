@@ -95,12 +95,16 @@ class LoraPolicy:
 
         return export_adapter(chunks, hf, bucket_bytes)
 
-    def adapter_config(self, hf: Mapping[str, Any]) -> dict[str, Any]:
-        """PEFT's ``adapter_config.json`` of these adapters on the base ``model.hf_dir``."""
+    def adapter_config(self, hf: Mapping[str, Any]) -> dict[str, Any] | None:
+        """PEFT's ``adapter_config.json`` of these adapters on the base ``model.hf_dir``; None when the routed
+        experts carry adapters (their PEFT layout is not checked here: the merged model is their export)."""
         from megatron_rlvr.bridge.peft import adapter_config, target_modules
         from megatron_rlvr.models.dims import ModelDims
 
-        return adapter_config(self.spec, target_modules(ModelDims.from_hf(hf), self.spec), self.hf_dir)
+        dims = ModelDims.from_hf(hf)
+        if dims.experts and "experts" in self.spec.targets:  # the same answer on every rank (a collective follows)
+            return None
+        return adapter_config(self.spec, target_modules(dims, self.spec), self.hf_dir)
 
     # --- checkpoints --------------------------------------------------------------------------------------------
     def sharded_state(self) -> dict[str, Any]:

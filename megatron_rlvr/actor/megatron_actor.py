@@ -345,8 +345,18 @@ class MegatronActor:
         """What the engines load after an update: ``export_weights``, or under ``actor.lora.sync: adapters`` the
         adapter alone in PEFT's names (bridge/peft.py)."""
         if self.lora is not None and self.lora.cfg.sync == "adapters":
-            return self.lora.export_adapter(self.model_chunks, self.hf, bucket_bytes)
+            return self.export_adapter(bucket_bytes)
         return self.export_weights(bucket_bytes, lend=lend)
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """PEFT's adapter_config.json of the LoRA adapter (None: full fine-tuning)."""
+        return self.lora.adapter_config(self.hf) if self.lora is not None else None
+
+    def export_adapter(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The LoRA adapter alone in PEFT's names and layout (bridge/adapter_export.py)."""
+        if self.lora is None:
+            raise RuntimeError("export_adapter: the actor has no LoRA adapter (actor.lora is null)")
+        return self.lora.export_adapter(self.model_chunks, self.hf, bucket_bytes)
 
     def sharded_state_dict(self, metadata: Mapping[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
         """The chunks' and the optimizer's sharded state (one ``model`` key, or ``model{i}`` per virtual stage; under

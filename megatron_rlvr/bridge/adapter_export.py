@@ -48,7 +48,7 @@ def _relaid(m: ParamMapping, half: str, whole: torch.Tensor, names: list[str], d
     """The PEFT tensors of one half: a split B re-laid out like the base weight's rows; a shared A repeated."""
     if half == B_NAME and len(names) > 1:
         return [(n, t.contiguous()) for n, (_, t) in zip(names, to_hf(m, whole, dims, tp))]
-    return [(n, whole) for n in names]
+    return [(n, whole if i == 0 else whole.clone()) for i, n in enumerate(names)]  # PEFT: one A per module
 
 
 @torch.no_grad()

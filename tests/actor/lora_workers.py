@@ -25,7 +25,22 @@ def batch(vocab: int, seed: int = 0):
     return SequenceBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
 
 
-def build(hf_dir: str, *, tp=1, pp=1, ep=1, sp=False, lora=True, kl_coef=0.0, dist_opt=False, rank=4, **actor_kw):
+def build(
+    hf_dir: str,
+    *,
+    tp=1,
+    pp=1,
+    ep=1,
+    sp=False,
+    lora=True,
+    kl_coef=0.0,
+    dist_opt=False,
+    rank=4,
+    sync="merged",
+    temperature=0.9,
+    micro_batch_size=2,
+    **actor_kw,
+):
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
@@ -37,18 +52,18 @@ def build(hf_dir: str, *, tp=1, pp=1, ep=1, sp=False, lora=True, kl_coef=0.0, di
         ep=ep,
         etp=1,
         sequence_parallel=sp,
-        micro_batch_size=2,
+        micro_batch_size=micro_batch_size,
         lr=1e-3,
         grad_clip=0.0,
         use_distributed_optimizer=dist_opt,
-        lora=LoraConfig(rank=rank, alpha=2.0 * rank) if lora else None,
+        lora=LoraConfig(rank=rank, alpha=2.0 * rank, sync=sync) if lora else None,
         **actor_kw,
     )
     return MegatronActor(
         ModelConfig(hf_dir=hf_dir),
         cfg,
         AlgoConfig(loss="grpo", kl_coef=kl_coef),
-        temperature=0.9,
+        temperature=temperature,
         total_steps=4,
     )
 
