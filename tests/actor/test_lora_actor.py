@@ -3,8 +3,8 @@
 - with B = 0 at init the policy's log-probs equal the base's bit for bit, the reference (the base with the adapters
   off) equals a separate frozen copy, and after updates every base parameter is bit-identical while the adapters
   moved; DDP and the optimizer hold the adapters alone;
-- adapters filled from one HF-layout draw give the same loss and adapter gradients (in HF layout) at TP = 2 and at
-  PP = 2 as at TP = PP = 1 (DP = 2), relative <= 1e-5; on the tiny Qwen3-MoE at EP = 2 as at EP = 1, the experts'
+- adapters filled from one HF-layout draw give the same loss and adapter gradients (in HF layout) at TP = 2, PP = 2,
+  PP = 2 with VPP = 2, and CP = 2 as at TP = PP = 1 (DP = 2), relative <= 1e-5; on the tiny Qwen3-MoE at EP = 2 as at EP = 1, the experts'
   adapters included. (Sequence parallelism cannot run in the CPU actor: megatron's torch norm refuses it; the
   adapters' SP path is checked on the linears themselves, tests/models/test_lora.py.)
 """
@@ -99,11 +99,11 @@ def test_init_is_the_base_the_base_stays_and_the_reference_is_free(workers2, tin
     assert (out["new"] - out["first"]).abs()[mask].max() > 1e-4  # the policy moved
 
 
-def _loss_and_grads(hf_dir: str, tp: int, pp: int, sp: bool):
+def _loss_and_grads(hf_dir: str, tp: int, pp: int, sp: bool, vpp: int | None = None, cp: int = 1):
     from megatron_rlvr.runtime.distributed import model_parallel
 
-    with model_parallel(tp=tp, pp=pp, seed=11):
-        actor = build(hf_dir, tp=tp, pp=pp, sp=sp)
+    with model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=11):
+        actor = build(hf_dir, tp=tp, pp=pp, sp=sp, vpp=vpp, cp=cp)
         fill_from_hf_layout(actor)
         b = batch(actor.vocab_size)
         b.old_logp = actor.compute_old_logp(b)
@@ -116,16 +116,16 @@ def single(workers2, tiny_qwen):
     return workers2.run(_loss_and_grads, tiny_qwen, 1, 1, False)[0]
 
 
-@pytest.mark.parametrize("tp,pp,sp", [(2, 1, False), (1, 2, False)])
-def test_loss_and_adapter_gradients_match_tp1(workers2, tiny_qwen, single, tp, pp, sp):
+@pytest.mark.parametrize("tp,pp,vpp,cp", [(2, 1, None, 1), (1, 2, None, 1), (1, 2, 2, 1), (1, 1, None, 2)])
+def test_loss_and_adapter_gradients_match_tp1(workers2, tiny_qwen, single, tp, pp, vpp, cp):
     loss1, norm1, grads1, old1 = single
-    loss, norm, grads, old = workers2.run(_loss_and_grads, tiny_qwen, tp, pp, sp)[0]
+    loss, norm, grads, old = workers2.run(_loss_and_grads, tiny_qwen, tp, pp, False, vpp, cp)[0]
     torch.testing.assert_close(old, old1, rtol=0, atol=1e-5)
     assert loss == pytest.approx(loss1, rel=REL)
     assert norm == pytest.approx(norm1, rel=REL)
     assert sorted(grads) == sorted(grads1) and len(grads) == 4 * 7 * 2  # 4 layers x 7 HF modules x (A, B)
     worst = max(((grads[n] - grads1[n]).abs().max() / grads1[n].abs().max()).item() for n in grads)
-    print(f"TP={tp} PP={pp} SP={sp}: loss {loss:.8g} vs {loss1:.8g}, worst adapter-gradient rel {worst:.2e}")
+    print(f"TP={tp} PP={pp} VPP={vpp} CP={cp}: loss {loss:.8g} vs {loss1:.8g}, worst adapter-gradient rel {worst:.2e}")
     assert worst <= REL
     assert min(g.abs().max().item() for g in grads1.values()) > 0  # every adapter half has a gradient
 
