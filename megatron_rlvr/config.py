@@ -90,6 +90,7 @@ class Config:
         actors, world_name = self.actor_world(world_size)
         a.layout().check(dims, actors, world_name=world_name)
         self._validate_experts(dims)
+        self._validate_lora(dims)
         budgets = [("rollout.max_new_tokens", self.rollout.max_new_tokens, "")]
         if self.trainer.eval_every:
             budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens, " (validation: trainer.eval_every > 0)"))
@@ -168,6 +169,19 @@ class Config:
 
         self.check_inputs()
         return self.validate(world_size, ModelDims.from_hf(load_hf_config(self.model.hf_dir)))
+
+    def _validate_lora(self, dims: ModelDims | None) -> None:
+        """actor.lora (docs/lora.md): what the engines can serve of it; the adapters' own ranges are LoraConfig's."""
+        lora = self.actor.lora
+        if lora is None or lora.sync != "adapters":
+            return
+        if dims is not None and dims.experts and "experts" in lora.targets:
+            raise ConfigError(
+                "actor.lora.sync=adapters: the routed experts' adapters are not served (vLLM's fused-experts LoRA was "
+                "not checked here); set actor.lora.sync=merged or drop 'experts' from actor.lora.targets"
+            )
+        if self.rollout.check_sync:
+            raise ConfigError("rollout.check_sync=true reads weights back; with actor.lora.sync=adapters set it false")
 
     def actor_world(self, world_size: int | None) -> tuple[int | None, str | None]:
         """(the ranks the actor runs on, how messages name them): the world, less the engine ranks under separate
@@ -325,6 +339,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1 and isinstance(value, Mapping):  # one section type, optional: its own error names the key
+            raise ConfigError(errors[0])
         raise ConfigError(f"{key}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
     if origin is Literal:
         if value in args:

@@ -183,6 +183,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
         source.close()
     if t.save_hf and not preempted:
         checkpoint.save_hf(actor, cfg.model.hf_dir, out / "hf", cfg.rollout.bucket_bytes)
+        checkpoint.save_adapter(actor, out / "adapter", cfg.rollout.bucket_bytes)  # actor.lora: PEFT's format too
     if logger is not None:
         logger.close()
         progress.close()

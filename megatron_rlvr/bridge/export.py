@@ -46,6 +46,7 @@ from megatron_rlvr.bridge.expert_export import (
 from megatron_rlvr.bridge.layout import shard_to_hf
 from megatron_rlvr.bridge.lent_slots import LENDING_SEGMENTS, held_slots
 from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
+from megatron_rlvr.bridge.lora_merge import with_adapters
 from megatron_rlvr.bridge.mapping import ParamMapping, hf_shapes
 from megatron_rlvr.bridge.shm_exchange import ShmExchange as _ShmExchange
 from megatron_rlvr.bridge.shm_exchange import aligned as _aligned
@@ -271,7 +272,8 @@ def _gathered_round(
     out = []
     for pe in batch:
         views = per_rank.get(pe.mapping.megatron)
-        own = [(plan.tp_rank, by_name[pe.mapping.megatron].detach())]
+        # read once per call: a LoRA-merged weight is merged when read (lora_merge.py)
+        own = [(plan.tp_rank, by_name[pe.mapping.megatron].detach())] if views is None else []
         shards = list(enumerate(views)) if views is not None else own
         out.append(_assemble(pe, shards, plan, dtype))
     return out
@@ -366,6 +368,7 @@ def export_hf_weights(
     dtype: torch.dtype | None = None,
     receive: bool = True,
     lend: bool = False,
+    lora_scale: float | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` in HF layout, vocab padding stripped, yielded on every rank of the
     model-parallel group that passes ``receive=True``. A bucket exceeds ``bucket_bytes`` only when it is one tensor
@@ -380,16 +383,20 @@ def export_hf_weights(
     (see the module docstring); each bucket then holds whole parameters, at most ``bucket_bytes`` unless one
     parameter is larger. Where lending is not possible (PP > 1, TP = 1, no shared memory) the tensors are fresh, which
     satisfies the same contract. Every rank of the TP group must pass the same ``dtype`` for lending to be used.
+
+    ``lora_scale``: the model carries LoRA adapters (models/lora.py), scaled by ``lora_scale`` = alpha / r; each
+    adapted weight is exported merged, ``W + lora_scale * B A``, merged shard by shard as it is read (lora_merge.py).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan, by_name = _plan(model_chunks, hf)
+    plan.lend_whole = LEND_WHOLE_CALLS and all(p.device.type == "cpu" for p in by_name.values())  # agreed below
+    by_name = with_adapters(model_chunks, by_name, lora_scale)
     tp_group, pp_group = _groups()[:2]
     if plan.tp > 1 and not plan.exchange_tried:
         plan.exchange = _ShmExchange.open(tp_group, plan.tp_rank, _slot_bytes(plan)) if SHM_EXCHANGE else None
         plan.exchange_tried = True
     pp = len(plan.pp_ranks)
-    plan.lend_whole = LEND_WHOLE_CALLS and all(p.device.type == "cpu" for p in by_name.values())  # agreed below
     # others_read: every owner-stage rank builds what it broadcasts (PP > 1), else whether another TP rank receives
     # experts laid out apart come as fresh tensors (their gather is not lent): the whole call then lends nothing
     others_read, lending = _lending(plan, tp_group, receive, lend and plan.experts is None, dtype, pp)
@@ -450,16 +457,19 @@ def export_local_shards(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     include_lm_head: bool = True,
     dtype: torch.dtype | None = None,
+    lora_scale: float | None = None,
 ) -> Iterator[list[HFShard]]:
     """Buckets of :class:`HFShard`: this rank's own TP shard of every HF tensor, re-laid out locally with no
     all-gather, for an engine whose TP equals the actor's and whose rank r holds Megatron's shard r.
 
     Pipeline stages broadcast their shards to the other stages of the same TP rank. Vocab padding is stripped
     (the last ranks' vocab slices may be shorter or empty); ``start``/``stop`` say which rows each shard holds.
+    ``lora_scale``: as for `export_hf_weights`.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan, by_name = _plan(model_chunks, hf)
+    by_name = with_adapters(model_chunks, by_name, lora_scale)
     if plan.experts is not None:  # every rank holds the same names here; an engine at the actor's TP holds all experts
         raise BridgeError(
             "export_local_shards: experts laid out apart from TP (EP > 1 or ETP != TP); use export_hf_weights"

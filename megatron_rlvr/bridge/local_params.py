@@ -10,6 +10,7 @@ import torch
 
 from megatron_rlvr.bridge.mapping import ParamMapping, mapping_table, megatron_local_shape
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.models.lora import A_NAME, B_NAME
 
 
 class BridgeError(ValueError):
@@ -52,6 +53,11 @@ def _expert_rank() -> int:
     return parallel_state.get_expert_model_parallel_rank()
 
 
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter's half (models/lora.py): exported merged into its base weight, or on its own (peft.py)."""
+    return name.rsplit(".", 1)[-1] in (A_NAME, B_NAME)
+
+
 def uses_te_names(params: dict[str, torch.Tensor]) -> bool:
     return any(n.endswith("layer_norm_weight") for n in params)
 
@@ -63,8 +69,9 @@ class LocalEntry:
 
 
 def local_entries(model_chunks, dims: ModelDims, tp: int) -> tuple[list[LocalEntry], list[str]]:
-    """The mapping table with this rank's parameter for each entry, and shape/unknown-name problems found."""
-    params = global_named_params(model_chunks)
+    """The mapping table with this rank's parameter for each entry, and shape/unknown-name problems found (LoRA
+    adapters are not the model's parameters: see bridge/lora_merge.py)."""
+    params = {n: p for n, p in global_named_params(model_chunks).items() if not is_adapter(n)}
     table = mapping_table(dims, te_names=uses_te_names(params))
     known = {m.megatron for m in table}
     problems = [f"{n}: Megatron parameter with no HF mapping" for n in sorted(set(params) - known)]

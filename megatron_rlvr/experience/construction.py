@@ -14,7 +14,10 @@ from megatron_rlvr.rollout import RolloutEngine, make_engine
 def make_rollout_engine(cfg: Config, rank: int) -> RolloutEngine:
     """The engine of ``rank``; the ranks of one engine's TP group share its seed."""
     seed = cfg.trainer.seed + rank // cfg.rollout.tp
-    return make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype="bfloat16" if cfg.actor.bf16 else "float32")
+    lora = cfg.actor.lora  # sync=adapters: the engine serves the actor's adapter on its base, one per sync
+    adapter = lora.spec() if lora is not None and lora.sync == "adapters" else None
+    dtype = "bfloat16" if cfg.actor.bf16 else "float32"
+    return make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype=dtype, adapter=adapter)
 
 
 @dataclass

@@ -180,7 +180,7 @@ class EngineRanksSource:
             return
         self._drain()
         self._command(Command("weights", version=version))
-        buckets = self.actor.export_weights(self.cfg.rollout.bucket_bytes, lend=True)
+        buckets = self.actor.engine_weights(self.cfg.rollout.bucket_bytes, lend=True)
         if self.sender is not None:
 
             def send():

@@ -26,6 +26,7 @@ H200_MEMORY_GB = 141.0
 
 LABELS = {
     "actor_weights": "actor weights",
+    "adapters": "LoRA adapters",
     "actor_grads": "main grads (fp32)",
     "optimizer": "optimizer state",
     "reference": "frozen reference",
@@ -146,6 +147,8 @@ def describe_layout(lay: Layout) -> str:
     ]
     if lay.reference:
         parts.append("frozen reference")
+    if lay.lora_rank:
+        parts.append(f"LoRA rank {lay.lora_rank} (base frozen, free reference, sync {lay.lora_sync})")
     engine = (
         (
             f"engines colocated, TP={lay.engine_tp}, gpu_memory_utilization={lay.gpu_memory_utilization}, sleep "
@@ -247,6 +250,8 @@ def header_lines(plan: Plan) -> list[str]:
     )
     if lay.reference:
         actor += f", reference {gb('reference')}"
+    if lay.lora_rank:
+        actor += f", LoRA adapters {gb('adapters')}"
     if c.get("dispatcher"):
         actor += f", dispatcher {gb('dispatcher')}"
     if c.get("cp_kv"):

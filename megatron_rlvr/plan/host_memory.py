@@ -3,7 +3,8 @@ table, beside the per-GPU one (plan/memory.py). Nothing here imports torch.
 
 Per rank, from what this project's code allocates in host memory (docs/weight-sync.md):
 - staging (``rollout.sync_staging: full``): the engine rank's shard of the weight stream, checked whole and kept
-  until the commit (rollout/shard_stage.py): HF bytes / engine TP + the replicated norms. "streaming": none. On CPU
+  until the commit (rollout/shard_stage.py): HF bytes / engine TP + the replicated norms. "streaming": none. With
+  ``actor.lora.sync: adapters`` the stream is the adapter alone, kept whole (rollout/lora_adapters.py). On CPU
   with fresh tensors (actor TP 1, PP > 1, separate placement) the in-process engine's direct loader keeps a second
   buffer of every weight instead (rollout/cpu/weights.py): the model's bytes, held from the second sync on; with lent
   tensors (colocated, actor TP > 1, PP 1, a dense model) it stages nothing: the stream stays in the export's slot.
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.plan.lora_terms import adapter_hf_params
 from megatron_rlvr.plan.memory import FP32, GB, Layout, actor_rank_plan
 
 # Assumptions not measured here (GPU nodes), named:
@@ -246,7 +248,9 @@ def host_plan(
         c["data_loader"] += count * data_loader_bytes(cfg)
         if has_actor:
             c["transfer_buckets"] += count * transfer_bucket_bytes(dims, lay)
-        if has_engine and full and not adopts:
+        if has_engine and lay.lora_rank and lay.lora_sync == "adapters":  # the adapter alone, checked whole
+            c["staging"] += count * adapter_hf_params(dims, lay.lora_rank, lay.lora_targets) * value_bytes
+        elif has_engine and full and not adopts:
             # GPU: the staged shard; CPU with fresh tensors: the direct loader's second buffer (or, for a model it
             # does not cover, vLLM's reload behind the shard stage at TP 1): the model's bytes
             c["staging"] += count * (staged_bytes(dims, engine_tp, value_bytes) if lay.gpu else model)

@@ -22,24 +22,31 @@ from megatron_rlvr.rollout.config import RolloutConfig
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError
 
 if TYPE_CHECKING:
+    from megatron_rlvr.models.lora import AdapterSpec
     from megatron_rlvr.rollout.prefixes import PrefixedEngine
     from megatron_rlvr.rollout.vllm_engine import VLLMEngine
 
 
 def make_engine(
-    model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32"
+    model_dir: str | Path,
+    cfg: RolloutConfig,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    adapter: AdapterSpec | None = None,
 ) -> VLLMEngine | PrefixedEngine:
     """Build the engine ``cfg.engine`` names from an HF directory; sync the actor's weights into it afterwards.
     With ``cfg.prefix_model`` set, a second (frozen) engine serves that weaker model and the returned wrapper mixes
-    its prefixes into each group; the two must share the tokenizer (checked before either engine starts)."""
+    its prefixes into each group; the two must share the tokenizer (checked before either engine starts).
+    ``adapter``: the target serves the actor's LoRA adapters on its base (``actor.lora.sync: adapters``)."""
     from megatron_rlvr.rollout.vllm_engine import make_engine as make_vllm_engine
 
     if not cfg.prefix_model:
-        return make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype)
+        return make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype, adapter=adapter)
     from megatron_rlvr.rollout.prefixes import PrefixedEngine, check_prefix_model
 
     tokenizer = check_prefix_model(model_dir, cfg.prefix_model)
-    target = make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype)
+    target = make_vllm_engine(model_dir, cfg, seed=seed, dtype=dtype, adapter=adapter)
     try:
         weak = make_vllm_engine(cfg.prefix_model, cfg, seed=seed, dtype=dtype)
     except BaseException:

@@ -38,10 +38,12 @@ import torch  # noqa: E402
 
 from megatron_rlvr.models.dims import ModelDims  # noqa: E402
 from megatron_rlvr.models.hf_config import read_hf_config  # noqa: E402
+from megatron_rlvr.models.lora import AdapterSpec  # noqa: E402
 from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling, prompt_seed  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rlvr.rollout.cpu.moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
 from megatron_rlvr.rollout.cpu.weights import DirectLoader  # noqa: E402
+from megatron_rlvr.rollout.lora_adapters import AdapterSlot  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
@@ -56,8 +58,17 @@ class VLLMEngine:
 
     ranks_per_engine: int | None = None  # colocated: the recipe's rollout.tp ranks drive it together
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: RolloutConfig,
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        adapter: AdapterSpec | None = None,
+    ) -> None:
         self._llm: Any = None  # set first: close() (also run by __del__) must work if a check below raises
+        self._adapters: AdapterSlot | None = None
         self._death: str | None = None
         self.model_dir = str(model_dir)
         self.cfg = cfg
@@ -69,6 +80,8 @@ class VLLMEngine:
             _check_cpu_model(self.dims, cfg)
         if cfg.check_sync and unreadable(self.dims):
             raise ValueError(f"rollout.check_sync=true: {unreadable(self.dims)}; set it false")
+        if adapter is not None:  # actor.lora.sync=adapters: the base stays, each sync is a new adapter
+            self._adapters = AdapterSlot(adapter, self.model_dir, self.dims, check_sync=cfg.check_sync)
         self._asleep = False
         self._weights_discarded = False  # sleep level 2 dropped them: only update_weights brings weights back
         self._llm = self._start(dtype)
@@ -106,7 +119,8 @@ class VLLMEngine:
             with private_world:
                 if not self.on_gpu:
                     ensure_ep_group(self.dims)
-                llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype))
+                lora = self._adapters.engine_kwargs() if self._adapters is not None else {}
+                llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype), **lora)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
@@ -120,6 +134,8 @@ class VLLMEngine:
         self._death = self._death or "the engine was closed"
         if getattr(self, "_direct", None) is not None:
             self._direct.release_lent()
+        if self._adapters is not None:
+            self._adapters.close()
         if llm is None:
             return
         try:
@@ -177,7 +193,8 @@ class VLLMEngine:
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            lora = self._adapters.request if self._adapters is not None else None  # None: the base alone
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         except Exception as e:
             raise self._die("generate", e) from e
         routing = routing_of(self.dims) if self.cfg.return_routed_experts else None
@@ -211,7 +228,10 @@ class VLLMEngine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         try:
-            outputs = llm.generate([{"prompt_token_ids": list(s)} for s in token_ids], params, use_tqdm=False)
+            lora = self._adapters.request if self._adapters is not None else None
+            outputs = llm.generate(
+                [{"prompt_token_ids": list(s)} for s in token_ids], params, use_tqdm=False, lora_request=lora
+            )
         except Exception as e:
             raise self._die("prompt_logprobs", e) from e
         return [
@@ -236,6 +256,9 @@ class VLLMEngine:
         if self._death is not None:
             _drain(source)
             self._require_alive()
+        if self._adapters is not None:  # the adapter alone: checked whole, then served under a new name
+            self._adapters.load(source)
+            return
         full = self.cfg.sync_staging == "full"
         kept: dict[str, torch.Tensor] | None = {} if self.cfg.check_sync else None
 
@@ -343,12 +366,20 @@ class VLLMEngine:
         self._asleep = False
 
 
-def make_engine(model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> VLLMEngine:
+def make_engine(
+    model_dir: str | Path,
+    cfg: RolloutConfig,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    adapter: AdapterSpec | None = None,
+) -> VLLMEngine:
     """Build an engine from an HF directory (the trainer's way to replace a dead engine; then sync the actor's
-    weights into it -- the directory's weights are only a starting point)."""
+    weights into it -- the directory's weights are only a starting point). ``adapter``: the engine serves LoRA
+    adapters of that spec on these base weights, and each sync is one (``actor.lora.sync: adapters``)."""
     if cfg.engine != "vllm":
         raise ValueError(f"rollout.engine: got {cfg.engine!r}; allowed values: 'vllm'")
-    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype)
+    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype, adapter=adapter)
 
 
 # Process-group names vLLM's private groups take (torch names unnamed groups by a per-process counter; see below).

@@ -16,7 +16,7 @@ class _ExportingActor:
     def __init__(self, chunks, hf) -> None:
         self.chunks, self.hf = chunks, hf
 
-    def export_weights(self, bucket_bytes: int, lend: bool = False):
+    def engine_weights(self, bucket_bytes: int, lend: bool = False):
         from megatron_rlvr.bridge import export_hf_weights
 
         return export_hf_weights(self.chunks, self.hf, bucket_bytes=bucket_bytes, lend=lend)
