@@ -45,7 +45,13 @@ from megatron_rlvr.bridge.expert_export import (
 )
 from megatron_rlvr.bridge.layout import shard_to_hf
 from megatron_rlvr.bridge.lent_slots import LENDING_SEGMENTS, held_slots
-from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
+from megatron_rlvr.bridge.local_params import (
+    BridgeError,
+    as_chunks,
+    experts_laid_out_apart,
+    local_entries,
+    raise_everywhere,
+)
 from megatron_rlvr.bridge.lora_merge import with_adapters
 from megatron_rlvr.bridge.mapping import ParamMapping, hf_shapes
 from megatron_rlvr.bridge.shm_exchange import ShmExchange as _ShmExchange
@@ -115,17 +121,6 @@ def _local_name(m: ParamMapping, dims: ModelDims, experts: ExpertLayout | None) 
     return stand_in_name(m.megatron, dims, experts) if experts is not None and m.expert else m.megatron
 
 
-def _raise_everywhere(problems: list[str], group) -> None:
-    """One all-reduce decides whether any rank found a problem; if so all ranks raise with everyone's messages."""
-    flag = torch.tensor([1 if problems else 0], dtype=torch.int64)
-    dist.all_reduce(flag, group=group)
-    if flag.item():
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, problems, group=group)
-        messages = sorted({p for rank_problems in gathered for p in rank_problems})
-        raise BridgeError("weight export refused before sending anything: " + "; ".join(messages))
-
-
 def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.Tensor]]:
     """(plan, this rank's parameters by global Megatron name); validates on every call, builds the plan once."""
     global PLAN_BUILDS
@@ -140,7 +135,7 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
             p = params.get(_local_name(pe.mapping, dims, cached.experts))
             if pe.owner_stage == pp_rank and (p is None or tuple(p.shape) != pe.local_shape):
                 problems.append(f"{pe.mapping.megatron}: missing or re-shaped since the export plan was built")
-        _raise_everywhere(problems, mp_group)
+        raise_everywhere(problems, mp_group)
         return cached, params
     # Experts laid out apart from TP (EP > 1 or ETP != TP) go through bridge/expert_export.py; each global expert
     # is then planned from this rank's parameter of the same local index.
@@ -161,7 +156,7 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
         owner = owners[-1] if name == "output_layer.weight" else owners[0]
         shape, dtype = stages[owner][name]
         plan_entries.append(_PlanEntry(e.mapping, owner, dtype, shape))
-    _raise_everywhere(problems, mp_group)
+    raise_everywhere(problems, mp_group)
     plan = _Plan(dims, tp, tp_rank, pp_rank, dist.get_process_group_ranks(pp_group), plan_entries, experts)
     cache_owner._megatron_rlvr_export_plan = plan
     PLAN_BUILDS += 1

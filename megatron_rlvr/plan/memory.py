@@ -350,63 +350,14 @@ class Plan:
         return max(shown.items(), key=lambda kv: kv[1])
 
 
-# the components each phase adds up (the engine's share differs while it sleeps)
+# the components each phase adds up (the engine's share differs while it sleeps); every phase holds the actor's state
+_HELD = ("actor_weights", "adapters", "actor_grads", "optimizer", "reference", "teacher")
+_PASS = ("dispatcher", "cp_kv", "logits", "op_scratch", "runtime")
 PHASE_PARTS: dict[str, tuple[str, ...]] = {
-    "rollout": (
-        "actor_weights",
-        "adapters",
-        "actor_grads",
-        "optimizer",
-        "reference",
-        "teacher",
-        "engine_weights",
-        "kv_cache",
-        "engine_workspace",
-        "runtime",
-    ),
-    "statistics": (
-        "actor_weights",
-        "adapters",
-        "actor_grads",
-        "optimizer",
-        "reference",
-        "teacher",
-        "engine_workspace",
-        "forward_working",
-        "dispatcher",
-        "cp_kv",
-        "logits",
-        "op_scratch",
-        "runtime",
-    ),
-    "update": (
-        "actor_weights",
-        "adapters",
-        "actor_grads",
-        "optimizer",
-        "reference",
-        "teacher",
-        "engine_workspace",
-        "activations",
-        "backward_working",
-        "dispatcher",
-        "cp_kv",
-        "logits",
-        "op_scratch",
-        "runtime",
-    ),
-    "sync": (
-        "actor_weights",
-        "adapters",
-        "actor_grads",
-        "optimizer",
-        "reference",
-        "teacher",
-        "engine_workspace",
-        "engine_weights",
-        "sync_buckets",
-        "runtime",
-    ),
+    "rollout": (*_HELD, "engine_weights", "kv_cache", "engine_workspace", "runtime"),
+    "statistics": (*_HELD, "engine_workspace", "forward_working", *_PASS),
+    "update": (*_HELD, "engine_workspace", "activations", "backward_working", *_PASS),
+    "sync": (*_HELD, "engine_workspace", "engine_weights", "sync_buckets", "runtime"),
 }
 ENGINE_RANK_PARTS = ("engine_weights", "kv_cache", "engine_workspace", "runtime")
 

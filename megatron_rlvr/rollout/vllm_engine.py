@@ -8,7 +8,7 @@ Device-specific choices live in `_engine_kwargs` and in `sleep`/`wake` only:
   of `cfg.tp` consecutive ranks), sleep mode between rollout and training. The ranks of one engine's TP group run
   in lockstep: they must build it with the same seed and pass the same prompts and sampling to every `generate`.
   Not run here (no GPU on the development machine); written from vLLM 0.32's code.
-- CPU beside a multi-rank actor: `_vllm_private_world` (see there).
+- CPU beside a multi-rank actor: `rollout/vllm_process.py`'s `private_world`.
 
 Weights arrive as HF (name, tensor) pairs. On CPU they go straight into the model's live parameters and GEMM handles
 (`cpu.weights.DirectLoader`, routes resolved once at start); elsewhere, or for a model it does not cover, through the
@@ -47,6 +47,7 @@ from megatron_rlvr.rollout.lora_adapters import AdapterSlot  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
+from megatron_rlvr.rollout.vllm_process import private_world, shutdown_keeping_parallel_state  # noqa: E402
 from megatron_rlvr.rollout.vllm_stream import VLLMStream, request_params  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
@@ -114,9 +115,9 @@ class VLLMEngine:
         # vLLM's CPU worker pins torch to 1 thread and replaces torch.set_num_threads with a no-op for the whole
         # process; the actor trains in this process too, so both are put back once the engine is up.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-        private_world = contextlib.nullcontext() if self.on_gpu else _vllm_private_world()
+        engine_world = contextlib.nullcontext() if self.on_gpu else private_world()
         try:
-            with private_world:
+            with engine_world:
                 if not self.on_gpu:
                     ensure_ep_group(self.dims)
                 lora = self._adapters.engine_kwargs() if self._adapters is not None else {}
@@ -139,7 +140,7 @@ class VLLMEngine:
         if llm is None:
             return
         try:
-            _shutdown_keeping_vllm_parallel_state(llm.llm_engine.engine_core)
+            shutdown_keeping_parallel_state(llm.llm_engine.engine_core)
         except Exception as e:  # the engine may already be broken; closing must still succeed
             logger.warning("vLLM engine shutdown raised %r", e)
         del llm
@@ -382,41 +383,6 @@ def make_engine(
     return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype, adapter=adapter)
 
 
-# Process-group names vLLM's private groups take (torch names unnamed groups by a per-process counter; see below).
-_private_group_count = 1 << 20
-
-
-@contextlib.contextmanager
-def _vllm_private_world():
-    """Let an in-process CPU engine set up its own one-rank torch.distributed world beside the actor's.
-
-    vLLM builds its process groups on top of torch.distributed's default group when one exists; in a trainer rank of
-    a multi-rank gloo group (rank 0 holds the engine) that makes vLLM's group creation a collective the other ranks
-    never join, and the engine start hangs. With the default group hidden, vLLM initializes a private one-rank world
-    (a file store); its groups stay valid after the actor's default group is put back. torch names new groups by a
-    per-process counter that must advance alike on every actor rank, so vLLM's groups take numbers from a range of
-    their own and the actor's counter is restored. A TP=1 engine runs no collectives, and `close()` destroys no
-    process group (see `_shutdown_keeping_vllm_parallel_state`).
-    """
-    global _private_group_count
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    actor_world = c10d.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None
-    if actor_world is None:
-        yield
-        return
-    actor_group_count = c10d._world.group_count
-    c10d._world.group_count = _private_group_count
-    c10d._update_default_pg(None)
-    try:
-        yield
-    finally:
-        _private_group_count = c10d._world.group_count
-        c10d._world.group_count = actor_group_count
-        c10d._update_default_pg(actor_world)
-
-
 def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
@@ -469,24 +435,6 @@ def _completion(output: Any, with_logprobs: bool, routing: tuple | None = None, 
             raise RuntimeError("rollout.return_routed_experts: vLLM returned no routed experts for a completion")
         experts = routed_experts(output.routed_experts, prompt_len, len(token_ids), *routing)
     return Completion(token_ids, logprobs, output.text, output.finish_reason, routed_experts=experts)
-
-
-def _shutdown_keeping_vllm_parallel_state(client: Any) -> None:
-    """vLLM's `EngineCore.shutdown()` without its last step, `cleanup_dist_env_and_memory()`.
-
-    That step destroys vLLM's parallel state, which is process-global and shared by every engine in the process
-    (closing one engine broke another: "pipeline model parallel group is not initialized", measured), and then
-    calls destroy_process_group() on the default group, which beside an actor is the actor's world (on GPU with
-    external_launcher always). Kept, the state is reused by the next engine built in this process.
-    """
-    client._finalizer.detach()  # the in-process client's GC finalizer would otherwise run the full shutdown
-    core = client.engine_core
-    core.structured_output_manager.clear_backend()
-    if core.model_executor:
-        core.model_executor.shutdown()
-    if core.scheduler:
-        core.scheduler.shutdown()
-    gc.unfreeze()  # EngineCore froze its start-up objects; unfrozen, the weights and KV cache can be collected
 
 
 def _tp_rank(model: torch.nn.Module) -> int:
