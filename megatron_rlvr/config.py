@@ -182,6 +182,11 @@ class Config:
             )
         if self.rollout.check_sync:
             raise ConfigError("rollout.check_sync=true reads weights back; with actor.lora.sync=adapters set it false")
+        if self.rollout.max_staleness >= 2:  # a response in flight keeps the adapter it started with
+            raise ConfigError(
+                f"actor.lora.sync=adapters with rollout.max_staleness={self.rollout.max_staleness}: responses in flight "
+                "cannot change adapter between engine steps; set actor.lora.sync=merged (or rollout.max_staleness<=1)"
+            )
 
     def actor_world(self, world_size: int | None) -> tuple[int | None, str | None]:
         """(the ranks the actor runs on, how messages name them): the world, less the engine ranks under separate

@@ -235,3 +235,21 @@ def test_preflight_names_the_missing_input_and_its_fix(tmp_path, monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "vllm" else object())
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm: the vllm package is not installed; pip install"):
         cfg.check_inputs()
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["rollout.check_sync=true"], "rollout.check_sync=true reads weights back"),
+        (
+            ["rollout.placement=separate", "rollout.engine_ranks=1", "rollout.max_staleness=2"],
+            "actor.lora.sync=adapters with rollout.max_staleness=2: responses in flight cannot change adapter",
+        ),
+    ],
+)
+def test_served_adapters_refuse_what_the_engines_cannot_do(overrides, says):
+    lora = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.sync=adapters"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, lora + overrides).validate(world_size=3, dims=_dims())
+    assert says in str(e.value) and "\n" not in str(e.value)
+    load_config(None, [*lora[:2], "actor.lora.sync=merged", *overrides]).validate(world_size=3, dims=_dims())
