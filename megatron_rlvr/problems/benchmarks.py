@@ -72,7 +72,7 @@ def _row_id(row: Row, index: int, *names: str) -> str:
 
 
 def _last_boxed(text: str) -> str | None:
-    from megatron_rlvr.rewards.math_verifier import _last_boxed as last_boxed
+    from megatron_rlvr.rewards.answers import last_boxed
 
     found = last_boxed(text)
     return found or None
