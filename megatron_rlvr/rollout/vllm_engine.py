@@ -55,12 +55,23 @@ class VLLMEngine:
 
     ranks_per_engine: int | None = None  # colocated: the recipe's rollout.tp ranks drive it together
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: RolloutConfig,
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> None:
         self._llm: Any = None  # set first: close() (also run by __del__) must work if a check below raises
         self._death: str | None = None
         self.model_dir = str(model_dir)
         self.cfg = cfg
         self.seed = seed
+        # every completion also ends at these ids (a chat template's end of turn), kept as its last token like EOS;
+        # vLLM stops at the model's EOS ids (generation_config.json) on its own
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.on_gpu = torch.cuda.is_available()
         self.manifest = WeightManifest.from_model_dir(model_dir)
         self.dims = ModelDims.from_hf(read_hf_config(self.model_dir))
@@ -173,6 +184,7 @@ class VLLMEngine:
                 max_tokens=sampling.max_tokens,
                 min_tokens=sampling.min_tokens,
                 stop=list(sampling.stop) or None,
+                stop_token_ids=list(self.stop_token_ids) or None,
                 seed=prompt_seed(sampling.seed, i),
                 logprobs=0 if sampling.logprobs else None,  # 0 = only the sampled token's log-prob
             )
@@ -355,12 +367,19 @@ def prompt_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index * _PROMPT_SEED_STRIDE) % 2**31
 
 
-def make_engine(model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> VLLMEngine:
+def make_engine(
+    model_dir: str | Path,
+    cfg: RolloutConfig,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    stop_token_ids: tuple[int, ...] = (),
+) -> VLLMEngine:
     """Build an engine from an HF directory (the trainer's way to replace a dead engine; then sync the actor's
     weights into it -- the directory's weights are only a starting point)."""
     if cfg.engine != "vllm":
         raise ValueError(f"rollout.engine: got {cfg.engine!r}; allowed values: 'vllm'")
-    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype)
+    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype, stop_token_ids=stop_token_ids)
 
 
 # Process-group names vLLM's private groups take (torch names unnamed groups by a per-process counter; see below).
