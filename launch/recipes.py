@@ -156,6 +156,10 @@ def eval_cli_args(cfg: Config) -> list[str]:
         args += ["--stop", *e.stop]
     if e.chat_template:
         args.append("--chat-template")
+    if e.system_prompt is not None:
+        args += ["--system-prompt", e.system_prompt]
+    if cfg.reward.answer != "tagged":
+        args += ["--answer", cfg.reward.answer]
     if not e.save_text:
         args.append("--no-text")
     return args

@@ -34,7 +34,7 @@ from megatron_rlvr.eval.results import BenchmarkCounts, problems_digest, results
 from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, run_settings, validate_eval_config
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.problems.benchmarks import BENCHMARKS, Problem, load_benchmark
-from megatron_rlvr.problems.prompt_encoding import encode_prompt, has_chat_template
+from megatron_rlvr.problems.prompt_encoding import encode_prompt, end_of_turn_id, has_chat_template
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.pool import RewardPool
 from megatron_rlvr.rollout.base import RolloutEngine
@@ -71,9 +71,20 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         )
         if kv_cache_memory_bytes:
             rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
-        return VLLMEngine(model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype)
+        return VLLMEngine(
+            model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype, stop_token_ids=chat_stop_ids(model_dir, cfg)
+        )
 
     return build
+
+
+def chat_stop_ids(model_dir: str, cfg: EvalConfig) -> tuple[int, ...]:
+    """Under ``--chat-template``, the template's end-of-turn id, where every answer ends; else ()."""
+    if not cfg.chat_template:
+        return ()
+    from transformers import AutoTokenizer
+
+    return (end_of_turn_id(AutoTokenizer.from_pretrained(model_dir)),)
 
 
 def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[int]]:
@@ -85,7 +96,9 @@ def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[
         raise EvalConfigError(f"--chat-template: the tokenizer of {model_dir} defines no chat template")
 
     def encode(text: str) -> list[int]:
-        return list(encode_prompt(tokenizer, text, chat_template=cfg.chat_template).ids)
+        return list(
+            encode_prompt(tokenizer, text, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt).ids
+        )
 
     return encode
 
@@ -127,6 +140,7 @@ def _sample_model(
     world: int,
     tp: int,
     max_requests: int | None,
+    answer: str,
 ) -> tuple[EvalRunner, Throughput]:
     """Start the model's engine, draw (up to ``max_requests`` requests of) its missing samples, close the engine;
     rank 0 appends the session's timing (what `--estimate` reads later as recorded figures). A run directory that
@@ -149,6 +163,7 @@ def _sample_model(
             world=world,
             tp=tp,
             label=run_dir.name,  # the model's tag
+            answer=answer,
         )
         runner.run(problems, max_requests)
     finally:
@@ -213,7 +228,18 @@ def evaluate(
         pool = stack.enter_context(RewardPool(reward_cfg)) if rank % tp == 0 else None
         for model, tag in zip(models, model_tags(models, labels)):
             runner, _ = _sample_model(
-                model, out / tag, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, None
+                model,
+                out / tag,
+                cfg,
+                problems,
+                pool,
+                engine_factory,
+                encoder_factory,
+                rank,
+                world,
+                tp,
+                None,
+                reward_cfg.answer,
             )
             log.info(
                 "%s: %d requests, %d samples drawn in %.1f s, reward counters %s",
@@ -235,7 +261,11 @@ def evaluate(
         write_results(
             out / tag,
             results_json(
-                str(Path(model).resolve()), run_settings(cfg, str(Path(model).resolve())), per_bench, ks, spec
+                str(Path(model).resolve()),
+                run_settings(cfg, str(Path(model).resolve()), reward_cfg.answer),
+                per_bench,
+                ks,
+                spec,
             ),
         )
     return ks, rows, write_reports(ks, rows, out, spec)
@@ -269,7 +299,11 @@ def estimate(
         for model, tag in zip(models, model_tags(models, labels)):
             run_dir = out / tag
             resolved = str(Path(model).resolve())
-            figures = recorded_throughput(recorded, run_settings(cfg, resolved)) if recorded else read_timing(run_dir)
+            figures = (
+                recorded_throughput(recorded, run_settings(cfg, resolved, reward_cfg.answer))
+                if recorded
+                else read_timing(run_dir)
+            )
             if figures is not None:
                 kept = sum(1 for _, _, s in load_records(run_dir) if s < cfg.n_samples) if run_dir.is_dir() else 0
                 estimates.append(ModelEstimate(resolved, total, total - kept, cfg.max_new_tokens, figures))
@@ -279,7 +313,18 @@ def estimate(
             if not overhead:
                 overhead = _process_age()
             runner, figures = _sample_model(
-                model, run_dir, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, 1
+                model,
+                run_dir,
+                cfg,
+                problems,
+                pool,
+                engine_factory,
+                encoder_factory,
+                rank,
+                world,
+                tp,
+                1,
+                reward_cfg.answer,
             )
             if not runner.samples_drawn:
                 figures = read_timing(run_dir)  # nothing was missing: the run's own recorded figures

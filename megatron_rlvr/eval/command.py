@@ -25,6 +25,7 @@ from megatron_rlvr.eval.estimate import format_estimate
 from megatron_rlvr.eval.report import markdown_table
 from megatron_rlvr.eval.runner import EvalConfigError
 from megatron_rlvr.problems.benchmarks import BENCHMARKS
+from megatron_rlvr.rewards.answers import ANSWER_FORMATS
 from megatron_rlvr.rewards.config import RewardConfig
 
 
@@ -74,7 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (0 = all)")
-    parser.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
+    parser.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap prompts with the tokenizer's chat template; answers end at its end-of-turn token",
+    )
+    parser.add_argument(
+        "--system-prompt",
+        default=None,
+        help="the system turn under --chat-template (default: the template's own system prompt)",
+    )
+    parser.add_argument(
+        "--answer",
+        choices=ANSWER_FORMATS,
+        default=RewardConfig().answer,
+        help="how a reasoning-gym answer is read from the response (reward.answer): tagged, last_number, boxed",
+    )
     parser.add_argument("--no-text", action="store_true", help="do not keep sample texts in the records")
     parser.add_argument("--max-model-len", type=int, default=4096, help="engine context: prompt + new tokens")
     parser.add_argument(
@@ -125,11 +141,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
         output_dir=args.out,
         limit=args.limit,
         chat_template=args.chat_template,
+        system_prompt=args.system_prompt,
         save_text=not args.no_text,
         request_samples=args.request_samples,
         dtype=args.dtype,
     )
-    return cfg, RewardConfig(workers=args.workers)
+    if args.system_prompt is not None and not args.chat_template:
+        raise EvalConfigError("--system-prompt: a system turn needs --chat-template")
+    return cfg, RewardConfig(workers=args.workers, answer=args.answer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,16 @@ from megatron_rlvr.eval.bootstrap import Interval, IntervalSpec, bootstrap_pass_
 from megatron_rlvr.eval.report import k_values
 from megatron_rlvr.eval.results import BenchmarkCounts, RunCounts, load_run
 
-SAMPLING_FIELDS = ("temperature", "top_p", "max_new_tokens", "stop", "chat_template", "prompt_format")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "stop",
+    "chat_template",
+    "system_prompt",
+    "prompt_format",
+    "answer",
+)
 DISCORDANT_LISTED = 20  # problem ids listed per side in compare.md (compare.json holds them all)
 
 

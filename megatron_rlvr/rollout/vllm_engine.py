@@ -67,6 +67,7 @@ class VLLMEngine:
         seed: int = 0,
         dtype: str = "float32",
         adapter: AdapterSpec | None = None,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         self._llm: Any = None  # set first: close() (also run by __del__) must work if a check below raises
         self._adapters: AdapterSlot | None = None
@@ -74,6 +75,9 @@ class VLLMEngine:
         self.model_dir = str(model_dir)
         self.cfg = cfg
         self.seed = seed
+        # every completion also ends at these ids (a chat template's end of turn), kept as its last token like EOS;
+        # vLLM stops at the model's EOS ids (generation_config.json) on its own
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.on_gpu = torch.cuda.is_available()
         self.manifest = WeightManifest.from_model_dir(model_dir)
         self.dims = ModelDims.from_hf(read_hf_config(self.model_dir))
@@ -103,7 +107,9 @@ class VLLMEngine:
     def stream(self) -> VLLMStream:
         """This engine driven one engine step at a time (vllm_stream.py); `generate` refuses while it has requests."""
         if self._stream is None:
-            self._stream = VLLMStream(self._require_alive(), self.dims.vocab, self.cfg.max_model_len, self._die)
+            self._stream = VLLMStream(
+                self._require_alive(), self.dims.vocab, self.cfg.max_model_len, self._die, self.stop_token_ids
+            )
         return self._stream
 
     # ---------------------------------------------------------------------------------------------- lifecycle
@@ -190,7 +196,8 @@ class VLLMEngine:
         if self._stream is not None and self._stream.in_flight():
             raise RuntimeError("generate: responses are streaming in this engine (stream()); submit these there")
         params = [
-            request_params(sampling, n=n, seed=prompt_seed(sampling.seed, i)) for i in range(len(prompt_token_ids))
+            request_params(sampling, n=n, seed=prompt_seed(sampling.seed, i), stop_token_ids=self.stop_token_ids)
+            for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         try:
@@ -374,13 +381,14 @@ def make_engine(
     seed: int = 0,
     dtype: str = "float32",
     adapter: AdapterSpec | None = None,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> VLLMEngine:
     """Build an engine from an HF directory (the trainer's way to replace a dead engine; then sync the actor's
     weights into it -- the directory's weights are only a starting point). ``adapter``: the engine serves LoRA
     adapters of that spec on these base weights, and each sync is one (``actor.lora.sync: adapters``)."""
     if cfg.engine != "vllm":
         raise ValueError(f"rollout.engine: got {cfg.engine!r}; allowed values: 'vllm'")
-    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype, adapter=adapter)
+    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype, adapter=adapter, stop_token_ids=stop_token_ids)
 
 
 def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> dict[str, Any]:

@@ -25,9 +25,12 @@ from typing import Any
 from megatron_rlvr.rollout.base import Progress, Sampling
 
 
-def request_params(sampling: Sampling, *, n: int, seed: int | None, delta: bool = False) -> Any:
+def request_params(
+    sampling: Sampling, *, n: int, seed: int | None, delta: bool = False, stop_token_ids: tuple[int, ...] = ()
+) -> Any:
     """vLLM's SamplingParams for ``n`` responses to one prompt with ``sampling`` and the prompt's own ``seed``;
-    ``delta``: each step reports only its new tokens (streaming)."""
+    ``delta``: each step reports only its new tokens (streaming); ``stop_token_ids``: the engine's own stops (a chat
+    template's end of turn), kept as a response's last token."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -39,6 +42,7 @@ def request_params(sampling: Sampling, *, n: int, seed: int | None, delta: bool 
         max_tokens=sampling.max_tokens,
         min_tokens=sampling.min_tokens,
         stop=list(sampling.stop) or None,
+        stop_token_ids=list(stop_token_ids) or None,
         seed=seed,
         logprobs=0 if sampling.logprobs else None,  # 0 = only the sampled token's log-prob
         output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE,
@@ -49,8 +53,16 @@ class VLLMStream:
     """The engine's requests in flight, advanced one engine step at a time (see the module doc). Made by
     `VLLMEngine.stream`; ``fail`` turns an exception inside vLLM into the engine's death (EngineDiedError)."""
 
-    def __init__(self, llm: Any, vocab: int, max_model_len: int, fail: Callable[[str, BaseException], Exception]):
+    def __init__(
+        self,
+        llm: Any,
+        vocab: int,
+        max_model_len: int,
+        fail: Callable[[str, BaseException], Exception],
+        stop_token_ids: tuple[int, ...] = (),
+    ):
         self._engine = llm.llm_engine
+        self._stop_token_ids = stop_token_ids
         self._vocab, self._max_model_len, self._fail = vocab, max_model_len, fail
         self._requests: dict[str, int] = {}  # key -> responses still running
 
@@ -66,7 +78,7 @@ class VLLMStream:
                 f"stream.submit: request {key!r} has {len(prompt_token_ids)} tokens; with max_tokens="
                 f"{sampling.max_tokens} that exceeds rollout.max_model_len={self._max_model_len}"
             )
-        params = request_params(sampling, n=n, seed=sampling.seed, delta=True)
+        params = request_params(sampling, n=n, seed=sampling.seed, delta=True, stop_token_ids=self._stop_token_ids)
         try:
             self._engine.add_request(key, {"prompt_token_ids": list(prompt_token_ids)}, params)
         except Exception as e:

@@ -135,6 +135,11 @@ def _results(
         (dict(settings={"stop": ["\n"]}), "the runs differ in stop"),
         (dict(settings={"chat_template": True}), "the runs differ in chat_template"),
         (
+            dict(settings={"system_prompt": "Be brief."}),
+            r"the runs differ in system_prompt \(A: None, B: 'Be brief.'\)",
+        ),
+        (dict(settings={"answer": "last_number"}), r"the runs differ in answer \(A: None, B: 'last_number'\)"),
+        (
             dict(problems=("p1", "p2", "p4")),
             r"the runs differ in problems of math500 \(1 only in A: 'p3'; 1 only in B: 'p4'\); compare runs over",
         ),
