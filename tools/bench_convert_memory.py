@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed at the end")
     p.add_argument("--layers", type=int, default=QWEN2_0_5B["num_hidden_layers"])
     args = p.parse_args(argv)
-    from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes, mapping_table
+    from megatron_rlvr.bridge.mapping import hf_shapes, mapping_table
+    from megatron_rlvr.models.dims import ModelDims
     from megatron_rlvr.testing.tiny_models import write_random_hf_checkpoint
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="convert_memory_"))

@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_console()
     from vllm import SamplingParams
 
-    from megatron_rlvr.eval.benchmarks import load_benchmark
-    from megatron_rlvr.eval.command import hf_encoder_factory, vllm_engine_factory
+    from megatron_rlvr.eval.api import hf_encoder_factory, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
     from megatron_rlvr.eval.runner import EvalRunner
+    from megatron_rlvr.problems.benchmarks import load_benchmark
     from megatron_rlvr.rewards import RewardConfig, RewardPool
     from megatron_rlvr.rollout.base import Sampling
     from megatron_rlvr.tasks.countdown import generate as countdown_problems

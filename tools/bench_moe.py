@@ -80,7 +80,7 @@ class DispatcherClock:
 def _batch(vocab: int, sequences: int, seq_len: int):
     import torch
 
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (sequences, seq_len), generator=g)

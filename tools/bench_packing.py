@@ -74,7 +74,7 @@ def workload_lengths(cfg: BenchConfig) -> list[int]:
 
 
 def make_batch(lengths: list[int], vocab: int, prompt_len: int, seed: int):
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -128,7 +128,7 @@ def _worker(hf_dir: str, cfg: BenchConfig, lengths: list[int]) -> dict[str, Any]
         for name, packed in (("padded", False), ("packed", True)):
             actor.cfg.pack_sequences = packed
             actor.cfg.max_tokens_per_micro_batch = budget if packed else 0
-            _, micro = actor._plan(batch)
+            _, micro = actor.passes.plan(batch)
             computed = sum(m.packed.num_tokens if m.packed else m.seqs.tokens.numel() for m in micro)
             batch.old_logp = actor.compute_old_logp(batch)
             stats_s = _median_seconds(lambda: actor.compute_old_logp(batch), cfg.repeats)

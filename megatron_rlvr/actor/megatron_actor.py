@@ -1,5 +1,6 @@
-"""MegatronActor: a megatron-core policy (any TP/PP/VPP/CP/EP) with its optimizer; a no-grad statistics pass over
-rollouts and an update pass over micro-batches through megatron-core's pipeline schedule.
+"""MegatronActor: a megatron-core policy (any TP/PP/VPP/CP/EP) with its optimizer, the loop's `protocols.Actor`: it
+scores a batch (behaviour log-probs, the frozen reference's, the teacher's), updates on it, exports its weights and
+hands its state to checkpoints.
 
 The actor sees rollouts as `SequenceBatch` (prompt + response token ids, right-padded, a mask of the response
 positions, per-sequence advantages). Every loss reads only the fused op's per-token statistics, computed on the
@@ -7,19 +8,19 @@ last pipeline stage from the vocab-sharded logits. Loss scaling: `policy_loss` n
 sequence counts of the whole mini-batch, and the schedule's `/ num_microbatches` and DDP's `/ dp` are undone here, so
 the gradient is exactly that of the mini-batch loss whatever the micro-batching and data parallelism.
 
-Every pass plans the mini-batch the same way (packing.py): sequences split over DP ranks with about equal token
-counts, micro-batches of ``micro_batch_size`` sequences or under ``max_tokens_per_micro_batch`` real tokens, the same
-micro-batch count on every DP rank. With ``pack_sequences`` (the default) a micro-batch runs as one THD stream
-(``PackedSeqParams``: TE's attention on GPU, runtime/cpu/attention.py without TE), the fused op sees only the stream's tokens,
-and its per-token outputs are put back into the right-padded [b, S - 1] view the losses read; so no loss knows
-whether a batch was packed, and packing changes no number beyond float rounding.
+Every pass (the policy's, the reference's, the teacher's, routing replay's comparison) runs through one
+`ActorPasses` (passes.py): the same plan over DP ranks and micro-batches (packing.py), the same THD streams with
+``pack_sequences`` (``PackedSeqParams``: TE's attention on GPU, runtime/cpu/attention.py without TE), the fused op's
+per-token outputs put back into the right-padded [b, S - 1] view the losses read; so no loss knows whether a batch
+was packed, and packing changes no number beyond float rounding.
 With ``actor.cp > 1`` (docs/context-parallel.md) each CP rank runs its share of every sequence (packing.py's split),
 the op's per-token outputs are gathered over CP (actor/context_parallel.py), and every CP rank computes the identical
 whole micro-batch loss; its gradient share is summed over DP x CP by megatron's DDP.
 
 With ``algo.kl_coef > 0`` (or PBA with ``algo.pba_kl_coef > 0``) the actor also holds a frozen reference policy (the
 same chunks, loaded from the same initial weights, never trained) whose log-probs feed the loss's k3 KL term; without
-it nothing extra is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
+it nothing extra is built. With ``actor.lora`` (actor/lora.py, docs/lora.md) the base is frozen, adapters train, and
+the reference is the policy's own chunks with the adapters off: no copy is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
 With ``algo.distill`` the actor also holds a frozen teacher (actor/teacher.py), scored beside the reference; its scores
 travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms.
 With ``actor.router_replay`` (MoE models, docs/routing-replay.md) every forward routes each token to the experts its
@@ -29,49 +30,37 @@ statistics pass recorded or its engine chose (actor/router_replay.py), carried i
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.actor.batch import SequenceBatch
+from megatron_rlvr.actor.chunks import build_chunks, freeze
 from megatron_rlvr.actor.config import ActorConfig
-from megatron_rlvr.actor.context_parallel import packed_seq_params, padding_fraction, stream_to_view
-from megatron_rlvr.actor.gathering import across_data_parallel, from_last_stage, to_every_rank
-from megatron_rlvr.actor.packing import (
-    PackedLayout,
-    Plan,
-    cp_padded_length,
-    pack,
-    plan_micro_batches,
-    sequence_lengths,
-    stream_tokens,
-)
+from megatron_rlvr.actor.gathering import across_data_parallel, from_last_stage
+from megatron_rlvr.actor.lora import LoraPolicy
+from megatron_rlvr.actor.optimizer import build_optimizer, prepare_for_load, restore_torch_adam_steps
+from megatron_rlvr.actor.packing import MicroBatch
+from megatron_rlvr.actor.passes import ActorPasses
 from megatron_rlvr.actor.router_replay import RouterReplayer
 from megatron_rlvr.actor.teacher import build_teacher, student_logits_at
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.algos.metrics import combine_micro_batches, finish_subset_means, summed_over_data_parallel
+from megatron_rlvr.data import PromptItem
 from megatron_rlvr.models.config import ModelConfig
-from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
+from megatron_rlvr.protocols.actor import WeightBucket
+from megatron_rlvr.protocols.batch import SequenceBatch
 from megatron_rlvr.runtime import distributed
-
-MONITOR_TOP_N = 3  # rank-1/2/3 probabilities are always reported, whatever the loss's top_n
-
-
-@dataclass
-class _MicroBatch:
-    """One micro-batch of this rank: its rows of the mini-batch (the padded view the losses read) and, when packed,
-    the THD stream the model runs on."""
-
-    seqs: SequenceBatch
-    packed: PackedLayout | None
 
 
 class MegatronActor:
+    """The policy on this rank: its DDP-wrapped chunks, optimizer and schedule, the frozen reference and teacher when
+    the loss needs them, and the passes they all run through (``passes``)."""
+
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -88,12 +77,12 @@ class MegatronActor:
         )
 
         from megatron_rlvr.models import load_hf_config, padded_vocab_size, transformer_config_from_hf
+        from megatron_rlvr.models.builder import resolve_use_te
+        from megatron_rlvr.models.dims import ModelDims
 
-        self.cfg, self.algo_cfg, self.temperature = actor_cfg, algo_cfg, temperature
-        self.last_cp_padding = 0.0  # the last planned mini-batch's CP padding share (actor/cp_padding)
-        if actor_cfg.cp > 1 and not actor_cfg.pack_sequences:
-            raise ValueError("actor.cp > 1 needs actor.pack_sequences=true (the CP split is of packed streams)")
+        self.cfg, self.algo_cfg = actor_cfg, algo_cfg
         self.hf = load_hf_config(model_cfg.hf_dir)
+        actor_cfg.layout().check(ModelDims.from_hf(self.hf))  # the rules Config.validate ran; a direct build too
         dtype = torch.bfloat16 if actor_cfg.bf16 else torch.float32
         self.tcfg = transformer_config_from_hf(
             self.hf,
@@ -111,21 +100,32 @@ class MegatronActor:
             # under the interleaved schedule: megatron-core's shape exchange posts its sends to the previous and the
             # next stage in one order and its receives in that order too, so at PP=2 (both are one rank) the
             # combined exchanges of the interleaved steady state swap the two shapes. There every packed stream is
-            # padded to one length instead (`_plan`).
+            # padded to one length instead (passes.py).
             variable_seq_lengths=actor_cfg.pp > 1 and not actor_cfg.vpp,
         )
         # the schedules call it after the last backward: DP grad reduce(-scatter) and tied-embedding sync over PP
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         self.replay = RouterReplayer(actor_cfg.router_replay, self.tcfg)  # before any router is built
-        chunks = self._build_chunks(model_cfg)
-        # The KL term's frozen reference: bare chunks (no DDP, no optimizer, no grad) in eval mode. Checkpoints do
-        # not hold it: a resumed run rebuilds it from the same initial weights, which is the reference it had.
-        self.reference: list[torch.nn.Module] | None = None
-        if needs_reference(algo_cfg):
-            self.reference = self._build_chunks(model_cfg)
-            for c in self.reference:
-                c.requires_grad_(False)
-                c.eval()
+        use_te = resolve_use_te(model_cfg.use_transformer_engine)
+        initial = partial(
+            build_chunks,
+            self.hf,
+            self.tcfg,
+            vpp=actor_cfg.vpp,
+            use_te=use_te,
+            divisible_by=model_cfg.make_vocab_size_divisible_by,
+            hf_dir=model_cfg.hf_dir,
+            dist_checkpoint=model_cfg.load,
+        )
+        chunks = initial()
+        # actor.lora: the base frozen, adapters on the chunks; the reference is then these chunks with them off
+        self.lora = LoraPolicy(chunks, actor_cfg.lora, model_cfg.hf_dir, model_cfg.load) if actor_cfg.lora else None
+        if self.lora is not None:
+            self.tcfg.finalize_model_grads_func = self.lora.finalize_grads(finalize_model_grads)
+        # The KL term's frozen reference: the same initial weights, never trained. Checkpoints do not hold it: a
+        # resumed run rebuilds it from the same initial weights, which is the reference it had.
+        separate = needs_reference(algo_cfg) and self.lora is None
+        self.reference: list[torch.nn.Module] | None = freeze(initial()) if separate else None
         self.replay.install(chunks, self.reference)  # actor.router_replay hooks on both models' routers
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -133,229 +133,88 @@ class MegatronActor:
             overlap_grad_reduce=False,
         )
         self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=c) for c in chunks]
-        self.optimizer, self.scheduler = self._build_optimizer(total_steps)
-        self.vocab_size = int(self.hf["vocab_size"])
-        self.local_vocab = (
-            padded_vocab_size(self.vocab_size, actor_cfg.tp, model_cfg.make_vocab_size_divisible_by) // actor_cfg.tp
+        self.optimizer, self.scheduler = build_optimizer(self.model, actor_cfg, total_steps)
+        vocab_size = int(self.hf["vocab_size"])
+        self.passes = ActorPasses(
+            actor_cfg,
+            self.tcfg,
+            vocab_size=vocab_size,
+            local_vocab=padded_vocab_size(vocab_size, actor_cfg.tp, model_cfg.make_vocab_size_divisible_by)
+            // actor_cfg.tp,
+            temperature=temperature,
+            replay=self.replay,
         )
-        # algo.distill: a frozen teacher beside the reference (actor/teacher.py); trainer: actor.teacher.attach(...)
-        self.teacher = build_teacher(self, model_cfg, algo_cfg)
-
-    # -----------------------------------------------------------------------------------------------------------
-    def _build_chunks(self, model_cfg: ModelConfig) -> list[torch.nn.Module]:
-        """This rank's GPTModel chunks (one per virtual pipeline stage) with the initial weights: the dist checkpoint
-        ``model.load`` if given, else the HF weights of ``model.hf_dir``. Builds the policy and the reference alike."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_rlvr.bridge import load_hf_weights
-        from megatron_rlvr.models import build_gpt_model
-        from megatron_rlvr.models.builder import resolve_use_te
-
-        use_te = resolve_use_te(model_cfg.use_transformer_engine)
-        chunks = []
-        for vp in range(self.cfg.vpp or 1):
-            vp_stage = vp if self.cfg.vpp else None
-            chunks.append(
-                build_gpt_model(
-                    self.hf,
-                    self.tcfg,
-                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                    vp_stage=vp_stage,
-                    use_te=use_te,
-                    make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
-                )
-            )
-        if model_cfg.load:
-            from megatron_rlvr.bridge.dist_ckpt import load_dist_checkpoint
-
-            load_dist_checkpoint(chunks, self.hf["vocab_size"], model_cfg.load)
-        else:
-            load_hf_weights(chunks, model_cfg.hf_dir)
-        return chunks
-
-    def _build_optimizer(self, total_steps: int):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        a = self.cfg
-        opt_cfg = OptimizerConfig(
-            optimizer="adam",
-            lr=a.lr,
-            min_lr=a.min_lr,
-            weight_decay=a.weight_decay,
-            adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2,
-            adam_eps=a.adam_eps,
-            clip_grad=a.grad_clip,
-            bf16=a.bf16,
-            params_dtype=torch.float32,
-            use_distributed_optimizer=a.use_distributed_optimizer,
+        # algo.distill: a frozen teacher beside the reference (teacher.py), scored through the same passes
+        self.teacher = build_teacher(
+            self.passes,
+            model_cfg,
+            algo_cfg,
+            use_te=use_te,
+            initial_policy=lambda: self.reference if self.reference is not None else initial(),
         )
-        optimizer = get_megatron_optimizer(opt_cfg, self.model)
-        steps = max(1, total_steps)
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0 if a.lr_warmup_steps else a.lr,
-            max_lr=a.lr,
-            min_lr=a.min_lr,
-            lr_warmup_steps=a.lr_warmup_steps,
-            lr_decay_steps=steps,
-            lr_decay_style=a.lr_decay_style,
-            start_wd=a.weight_decay,
-            end_wd=a.weight_decay,
-            wd_incr_steps=steps,
-            wd_incr_style="constant",
-        )
-        return optimizer, scheduler
 
     @property
     def model_chunks(self) -> list[torch.nn.Module]:
         return [m.module for m in self.model]
 
-    def _plan(self, batch: SequenceBatch) -> tuple[Plan, list[_MicroBatch]]:
-        """The mini-batch's plan over all DP ranks (the same on every rank) and this rank's micro-batches."""
-        from megatron.core import parallel_state as ps
+    @property
+    def vocab_size(self) -> int:
+        """The policy's true vocabulary (ids at and above it are the padded rows of the sharded logits)."""
+        return self.passes.vocab_size
 
-        lengths = sequence_lengths(batch.response_mask)
-        cp = self.cfg.cp
-        # budgets and the DP balance count the tokens each CP rank holds: 1 / cp of each (padded) sequence
-        per_rank = [cp_padded_length(n, cp) // cp for n in lengths]
-        plan = plan_micro_batches(
-            per_rank,
-            ps.get_data_parallel_world_size(),
-            micro_batch_size=self.cfg.micro_batch_size,
-            max_tokens=self.cfg.max_tokens_per_micro_batch,
-            count_multiple=self.cfg.pp if self.cfg.vpp else 1,
-        )
-        # sequence parallelism splits the stream's tokens over the TP ranks: a multiple of tp
-        multiple = self.cfg.tp if self.cfg.sequence_parallel else 1
-        mine = plan[ps.get_data_parallel_rank()]
-        total = None  # the stream's own length, rounded up to the multiple
-        if self.cfg.vpp:  # one shape for every micro-batch (see variable_seq_lengths); the same on every PP stage
-            total = max(stream_tokens([lengths[i] for i in rows], multiple, cp) for rows in mine)
-        cp_rank = ps.get_context_parallel_rank() if cp > 1 else 0
-        micro = []
-        for rows in mine:
-            seqs = batch.select(torch.tensor(rows))
-            packed = None
-            if self.cfg.pack_sequences:
-                packed = pack(seqs.tokens, [lengths[i] for i in rows], multiple, total, cp=cp, cp_rank=cp_rank)
-            micro.append(_MicroBatch(seqs, packed))
-        self.last_cp_padding = padding_fraction(lengths, cp)
-        return plan, micro
+    # --- scoring: every per-token field the update reads --------------------------------------------------------
+    def score(self, batch: SequenceBatch, items: Sequence[PromptItem], *, mini_batches: int) -> None:
+        """Fill ``batch.old_logp`` (unless the update takes its own: `needs_statistics_pass`), ``batch.ref_logp``
+        (a KL reference: algo.kl_coef > 0, or PBA's anchor) and the ``teacher_*`` fields (algo.distill)."""
+        if self.needs_statistics_pass(mini_batches):
+            batch.old_logp = self.compute_old_logp(batch)
+        if self.has_reference:
+            batch.ref_logp = self.compute_ref_logp(batch)
+        if self.teacher is not None:
+            self.teacher.attach(batch, items)
 
-    def _token_stats(self, logits: torch.Tensor, mb: _MicroBatch, inplace_backward: bool = False) -> TokenStats:
-        """Statistics at positions 0..S-2 of the padded view (position t predicts token t + 1). The op runs on the
-        whole contiguous logits (the padded block, or the packed stream) with each position's target beside it (a
-        dummy at the last position of a sequence), so no [T, V/tp] copy is made and the backward may write the
-        gradient into the logits buffer itself. Packed: the stream's outputs are placed into the padded view."""
-        from megatron.core import parallel_state as ps
-
-        if mb.packed is None:
-            targets = torch.roll(mb.seqs.tokens, shifts=-1, dims=1)
-        else:
-            targets = mb.packed.targets
-        stats = vocab_parallel_token_stats(
-            logits,
-            targets.to(logits.device),
-            max(self.algo_cfg.top_n, MONITOR_TOP_N),
-            group=ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None,
-            vocab_start=ps.get_tensor_model_parallel_rank() * self.local_vocab,
-            vocab_size=self.vocab_size,
-            temperature=self.temperature,
-            chunk_tokens=self.cfg.stats_chunk_tokens,
-            inplace_backward=inplace_backward,
-        )
-        if mb.packed is None:
-            return TokenStats(*(t[:, :-1] for t in stats))
-        shape = tuple(mb.seqs.response_mask.shape)
-        return TokenStats(*(stream_to_view(t[0], mb.packed, shape) for t in stats))
-
-    def _forward(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
-        device = distributed.device()
-        if mb.packed is not None:
-            p = mb.packed
-            params = packed_seq_params(p, device)
-            return model(p.tokens.to(device), p.position_ids.to(device), attention_mask=None, packed_seq_params=params)
-        tokens = mb.seqs.tokens.to(device)
-        b, s = tokens.shape
-        position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
-        return model(tokens, position_ids, attention_mask=causal)
-
-    def _run_schedule(
-        self, micro_batches: list[_MicroBatch], loss_fn, forward_only: bool, model: list[torch.nn.Module]
-    ) -> list[dict]:
-        """Megatron's pipeline schedule over ``model``'s chunks: the DDP-wrapped policy, or the bare reference
-        (forward only). Micro-batches differ in shape; under PP the stages exchange each one's shape first
-        (``variable_seq_lengths``), so the schedule's seq_length / micro_batch_size (the first one's) are nominal."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
-            mb = next(data_iterator)
-            return self.replay.forward(model, mb, self._forward), partial(loss_fn, mb)  # replay follows mb's tokens
-
-        first = micro_batches[0]
-        # the whole stream's length: the schedule divides it by cp (and by tp under sequence parallelism) itself
-        seq_length, micro_batch_size = (first.packed.stream_total, 1) if first.packed else first.seqs.tokens.shape[::-1]
-        data = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=data,
-            model=model if len(model) > 1 else model[0],
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=forward_only,
-        )
-
-    def _to_every_rank(self, rows: list[torch.Tensor], plan: Plan, size: int, width: int) -> torch.Tensor:
-        """Per-sequence rows of this rank's micro-batches -> the whole mini-batch on every rank (gathering.py)."""
-        return to_every_rank(rows, plan, size, width)
-
-    # -----------------------------------------------------------------------------------------------------------
     def compute_old_logp(self, batch: SequenceBatch) -> torch.Tensor:
         """The behaviour log-probs of the whole batch [B, S - 1], on every rank."""
-        return self._per_token(batch, "logp", self.model)
+        return self.passes.per_token(batch, "logp", self.model, "statistics", self.algo_cfg.top_n)
 
     def compute_ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
         """The frozen reference's log-probs of the whole batch [B, S - 1], on every rank (needs a reference model:
         algo.kl_coef > 0, or algo.pba with algo.pba_kl_coef > 0)."""
-        if self.reference is None:
+        if not self.has_reference:
             raise RuntimeError(
                 "compute_ref_logp: the actor has no reference model (algo.kl_coef = 0 and no PBA "
                 "anchor: algo.pba false or algo.pba_kl_coef = 0)"
             )
-        return self._per_token(batch, "logp", self.reference)
+        if self.lora is not None:  # the base: the policy's chunks with every adapter off
+            with self.lora.base():
+                return self.passes.per_token(batch, "logp", self.model, "other", self.algo_cfg.top_n)
+        return self.passes.per_token(batch, "logp", self.reference, "other", self.algo_cfg.top_n)
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss reads a KL reference: a frozen copy, or under LoRA the base with the adapters off."""
+        return self.reference is not None or (self.lora is not None and needs_reference(self.algo_cfg))
 
     def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
         """The policy's entropy at every position of the whole batch [B, S - 1], on every rank (0 past a
-        sequence's last response token when packed)."""
-        return self._per_token(batch, "entropy", self.model)
+        sequence's last response token when packed). Any batch size: the first sequence is repeated, masked out,
+        until every DP rank gets whole micro-batches (pipeline stages exchange fixed-shape activations)."""
+        from megatron.core import parallel_state as ps
+
+        n = len(batch)
+        extra = -n % (ps.get_data_parallel_world_size() * self.cfg.micro_batch_size)
+        if extra:
+            batch = batch.select(torch.cat([torch.arange(n), torch.zeros(extra, dtype=torch.long)]))
+            batch.response_mask[n:] = False
+        return self.passes.per_token(batch, "entropy", self.model, "other", self.algo_cfg.top_n)[:n]
 
     def needs_statistics_pass(self, mini_batches: int) -> bool:
         """Whether the update needs old log-probs from a statistics pass first. Not when it is exactly on-policy:
         one mini-batch per step (the weights the update starts from are those that would compute them) and no
         reference model; then ``update`` takes the log-probs of its own forward, detached, as the old ones."""
-        return mini_batches > 1 or self.reference is not None
+        return mini_batches > 1 or self.has_reference
 
-    @torch.no_grad()
-    def _per_token(self, batch: SequenceBatch, field: str, model: list[torch.nn.Module]) -> torch.Tensor:
-        """One per-token statistic of the fused op over the whole batch, run through ``model``'s chunks (the policy
-        or the reference), no grad, gathered to every rank. Positions past a sequence's last response token are
-        padding: 0 when packed (nothing computes them), whatever the padded block gives otherwise."""
-        for m in model:
-            m.eval()
-        plan, micro = self._plan(batch)
-
-        def collect(mb: _MicroBatch, logits: torch.Tensor):
-            return torch.zeros(()), {field: getattr(self._token_stats(logits, mb), field).float()}
-
-        with self.replay.pass_over(batch, plan, "statistics" if field == "logp" and model is self.model else "other"):
-            outputs = self._run_schedule(micro, collect, forward_only=True, model=model)
-        return self._to_every_rank([o[field] for o in outputs], plan, len(batch), batch.response_mask.shape[1])
-
+    # --- the update ---------------------------------------------------------------------------------------------
     def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
         """One optimizer step per mini-batch over the rollouts; returns averaged loss metrics (on every rank).
 
@@ -377,20 +236,20 @@ class MegatronActor:
         totals: dict[str, list[float]] = {}
         for i in range(mini_batches):
             mini = batch.select(slice(i * per_mini, (i + 1) * per_mini))
-            plan, micro = self._plan(mini)
+            plan, micro = self.passes.plan(mini)
             scale = len(micro) * dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
             num_tokens = float(mini.response_mask.sum())
             num_seqs = float((mini.response_mask.sum(-1) > 0).sum())
             logp_rows: list[torch.Tensor] = []
 
-            def loss_fn(mb: _MicroBatch, logits: torch.Tensor):
+            def loss_fn(mb: MicroBatch, logits: torch.Tensor):
                 seqs = mb.seqs.to(device)
                 teacher, student_at = None, None
                 if seqs.teacher_logp is not None:  # distillation: the student's logits at the teacher's top-N ids
                     teacher = TeacherScores(seqs.teacher_logp, seqs.teacher_ids, seqs.teacher_logits)
-                    logits, student_at = student_logits_at(self, logits, mb, seqs.teacher_ids)
+                    logits, student_at = student_logits_at(self.passes, logits, mb, seqs.teacher_ids)
                 # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
-                stats = self._token_stats(logits, mb, inplace_backward=True)
+                stats = self.passes.token_stats(logits, mb, self.algo_cfg.top_n, inplace_backward=True)
                 self.replay.note_logp(mb, stats.logp)
                 old_logp = seqs.old_logp
                 if own_old:
@@ -418,10 +277,10 @@ class MegatronActor:
             for m in self.model:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
-            with self.replay.pass_over(mini, plan, "update", actor=self):  # then: the log-probs without replay
-                outputs = self._run_schedule(micro, loss_fn, forward_only=False, model=self.model)
+            with self.replay.pass_over(mini, plan, "update", rescore=self._rescore):  # then: log-probs, no replay
+                outputs = self.passes.run(micro, loss_fn, forward_only=False, model=self.model)
             if own_old:
-                batch.old_logp = self._to_every_rank(logp_rows, plan, len(mini), mini.response_mask.shape[1])
+                batch.old_logp = self.passes.gather(logp_rows, plan, len(mini), mini.response_mask.shape[1])
             if self._all_finite(outputs):
                 ok, grad_norm, _ = self.optimizer.step()
             else:  # a non-finite loss or gradient anywhere: every rank skips this step (the trainer counts them)
@@ -434,7 +293,7 @@ class MegatronActor:
                 "actor/lr": self.optimizer.param_groups[0]["lr"],
             }
             if self.cfg.cp > 1:  # the share of stream tokens that CP's per-sequence padding adds (the mini-batch)
-                step_metrics["actor/cp_padding"] = self.last_cp_padding
+                step_metrics["actor/cp_padding"] = self.passes.last_cp_padding
             if outputs:
                 step_metrics["actor/loss"] = sum(float(o.pop("loss")) for o in outputs)
                 step_metrics |= combine_micro_batches([{k: float(v) for k, v in o.items()} for o in outputs])
@@ -443,6 +302,14 @@ class MegatronActor:
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}
         metrics = finish_subset_means(across_data_parallel(metrics, summed=summed_over_data_parallel()))
         return from_last_stage(metrics) | self.replay.metrics()
+
+    def _rescore(self, micro: list[MicroBatch]) -> list[torch.Tensor]:
+        """The policy's log-probs of ``micro``, forward only (routing replay's comparison; last stage, else [])."""
+
+        def collect(mb: MicroBatch, logits: torch.Tensor):
+            return torch.zeros(()), {"logp": self.passes.token_stats(logits, mb, self.algo_cfg.top_n).logp.float()}
+
+        return [o["logp"] for o in self.passes.run(micro, collect, forward_only=True, model=self.model)]
 
     def _all_finite(self, outputs: list[dict]) -> bool:
         bad = any(not math.isfinite(float(o["loss"])) for o in outputs)
@@ -456,15 +323,71 @@ class MegatronActor:
         dist.all_reduce(flag)
         return int(flag) == 0
 
+    # --- weights out, state in and out --------------------------------------------------------------------------
     def export_weights(
         self, bucket_bytes: int, include_lm_head: bool = True, lend: bool = False
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The bridge's HF-layout buckets (``lend``: views valid until the next bucket; see export_hf_weights)."""
+    ) -> Iterator[WeightBucket]:
+        """The bridge's HF-layout buckets (``lend``: views valid until the next bucket; see export_hf_weights); under
+        LoRA the adapted weights merged, W + (alpha / r) B A."""
         from megatron_rlvr.bridge import export_hf_weights
 
+        scale = self.lora.scale if self.lora is not None else None
         return export_hf_weights(
-            self.model_chunks, self.hf, bucket_bytes=bucket_bytes, include_lm_head=include_lm_head, lend=lend
+            self.model_chunks,
+            self.hf,
+            bucket_bytes=bucket_bytes,
+            include_lm_head=include_lm_head,
+            lend=lend,
+            lora_scale=scale,
         )
+
+    def engine_weights(self, bucket_bytes: int, lend: bool = False) -> Iterator[WeightBucket]:
+        """What the engines load after an update: ``export_weights``, or under ``actor.lora.sync: adapters`` the
+        adapter alone in PEFT's names (bridge/peft.py)."""
+        if self.lora is not None and self.lora.cfg.sync == "adapters":
+            return self.export_adapter(bucket_bytes)
+        return self.export_weights(bucket_bytes, lend=lend)
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """PEFT's adapter_config.json of the LoRA adapter (None: full fine-tuning)."""
+        return self.lora.adapter_config(self.hf) if self.lora is not None else None
+
+    def export_adapter(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The LoRA adapter alone in PEFT's names and layout (bridge/adapter_export.py)."""
+        if self.lora is None:
+            raise RuntimeError("export_adapter: the actor has no LoRA adapter (actor.lora is null)")
+        return self.lora.export_adapter(self.model_chunks, self.hf, bucket_bytes)
+
+    def sharded_state_dict(self, metadata: Mapping[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
+        """The chunks' and the optimizer's sharded state (one ``model`` key, or ``model{i}`` per virtual stage; under
+        LoRA the adapters alone and the base they need: actor/lora.py)."""
+        chunks = self.model_chunks
+        if self.lora is not None:
+            state = self.lora.sharded_state()
+        elif len(chunks) == 1:
+            state: dict[str, Any] = {"model": chunks[0].sharded_state_dict()}
+        else:
+            state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+        if is_loading:
+            prepare_for_load(self.optimizer)
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=dict(metadata))
+        return state
+
+    def load_sharded_state_dict(self, loaded: Mapping[str, Any]) -> None:
+        chunks = self.model_chunks
+        if self.lora is not None:
+            self.lora.load_sharded_state(loaded)
+        for i, chunk in enumerate(chunks if self.lora is None else []):
+            chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
+        with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        restore_torch_adam_steps(self.optimizer)
+
+    def scheduler_state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_scheduler_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scheduler.load_state_dict(dict(state))
 
 
 def needs_reference(cfg: AlgoConfig) -> bool:

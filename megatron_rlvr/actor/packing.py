@@ -9,6 +9,7 @@ plan without communicating. The plan:
 - gives every DP rank the same number of micro-batches (the pipeline schedule and the gradient all-reduce need
   that) by splitting the most populous micro-batches of ranks that have fewer.
 
+A `MicroBatch` is one of this rank's micro-batches: its rows of the mini-batch and, packed, its stream.
 ``pack`` lays a micro-batch out as one THD stream (sequences end to end, positions restarting at 0, ``cu_seqlens``
 bounding each sequence) and ``unpack`` puts per-token values of that stream back into the right-padded view.
 
@@ -27,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from megatron_rlvr.protocols.batch import SequenceBatch
 
 Plan = list[list[list[int]]]  # [dp rank][micro-batch] -> indices into the mini-batch
 
@@ -167,6 +170,19 @@ class PackedLayout:
         at = self.has_target.to(device)
         out[at] = values[self.token_rows.to(device)[at], self.token_cols.to(device)[at]]
         return out
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of this rank: its rows of the mini-batch (the padded view the losses read) and, when packed,
+    the THD stream the model runs on."""
+
+    seqs: SequenceBatch
+    packed: PackedLayout | None
+
+    def targets(self) -> torch.Tensor:
+        """The token each position predicts, aligned with the model's logits (a dummy at each sequence's end)."""
+        return torch.roll(self.seqs.tokens, shifts=-1, dims=1) if self.packed is None else self.packed.targets
 
 
 def context_parallel_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:

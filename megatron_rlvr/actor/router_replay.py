@@ -31,7 +31,7 @@ statistics pass's (``train``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,13 +39,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.actor.packing import PackedLayout, sequence_lengths
+from megatron_rlvr.actor.packing import MicroBatch, PackedLayout, sequence_lengths
 from megatron_rlvr.errors import UserError
 
 if TYPE_CHECKING:
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
 Action = Literal["free", "record", "replay"]
+# the policy's log-probs [b, S - 1] of the given micro-batches, forward only (the last pipeline stage; [] elsewhere)
+Rescore = Callable[[list[MicroBatch]], list[torch.Tensor]]
 
 
 class RouterReplayError(UserError, ValueError):
@@ -110,7 +112,7 @@ class RouterReplayer:
         self._chunks: dict[int, _Chunk] = {}
         self._pass: _Pass | None = None
         # the update's first micro-batches and (last pipeline stage) their replayed log-probs, for compare_logp
-        self._noted: list[tuple[Any, torch.Tensor | None]] = []
+        self._noted: list[tuple[MicroBatch, torch.Tensor | None]] = []
         self._sums = torch.zeros(5, dtype=torch.float64)  # differing pairs, pairs, |dlogp| replay, no replay, tokens
         self._routing: torch.Tensor | None = None  # the first two, on the routers' device
         if mode == "none":
@@ -156,11 +158,17 @@ class RouterReplayer:
 
     # ------------------------------------------------------------------------------------------------------------
     @contextmanager
-    def pass_over(self, batch: SequenceBatch, plan: Sequence[Sequence[Sequence[int]]], kind: str, actor: Any = None):
+    def pass_over(
+        self,
+        batch: SequenceBatch,
+        plan: Sequence[Sequence[Sequence[int]]],
+        kind: str,
+        rescore: Rescore | None = None,
+    ):
         """One actor pass over ``batch`` as planned (``plan[dp rank]``: this rank's micro-batches' rows); ``kind``
         is ``statistics`` (compute_old_logp), ``update`` or ``other`` (reference, entropy). ``train``: the statistics
         pass records, every pass after it replays; ``rollout``: every pass replays the engine's ids, which the
-        statistics pass and the update must have. An update given its ``actor`` then runs ``compare_logp``."""
+        statistics pass and the update must have. An update given ``rescore`` then runs ``compare_logp``."""
         if not self.enabled:
             yield
             return
@@ -193,16 +201,18 @@ class RouterReplayer:
                 batch.routed_experts = routed
             if self.capture:
                 self.captured.append(routed)
-        if actor is not None:
-            self.compare_logp(actor)
+        if rescore is not None:
+            self.compare_logp(rescore)
 
-    def forward(self, model: torch.nn.Module, mb: Any, forward: Any) -> torch.Tensor:
+    def forward(
+        self, model: torch.nn.Module, mb: MicroBatch, forward: Callable[[torch.nn.Module, MicroBatch], torch.Tensor]
+    ) -> torch.Tensor:
         """``forward(model, mb)``, the model call of one micro-batch, inside `micro_batch`."""
         with self.micro_batch(model, mb):
             return forward(model, mb)
 
     @contextmanager
-    def micro_batch(self, model: torch.nn.Module, mb: Any) -> Iterator[None]:
+    def micro_batch(self, model: torch.nn.Module, mb: MicroBatch) -> Iterator[None]:
         """Around one model call on micro-batch ``mb``: its rows ``mb.seqs``, run as the stream ``mb.packed`` or
         (None) as the padded block."""
         seqs, packed = mb.seqs, mb.packed
@@ -231,31 +241,28 @@ class RouterReplayer:
             self._keep(chunk, p.store, p.rows[index], seqs, packed)
 
     # ------------------------------------------------------------------------------------------------------------
-    def note_logp(self, mb: Any, logp: torch.Tensor) -> None:
+    def note_logp(self, mb: MicroBatch, logp: torch.Tensor) -> None:
         """The update's log-probs of micro-batch ``mb`` (its forward replayed); the first ones are kept for
         ``compare_logp`` (one; ``pp`` under the interleaved schedule, which runs micro-batches ``pp`` at a time)."""
         for i, (m, _) in enumerate(self._noted):
             if m is mb:
                 self._noted[i] = (mb, logp.detach().float().clone())
 
-    def compare_logp(self, actor: Any) -> None:
-        """After an update's schedule (``pass_over(..., actor=)``), before its optimizer step: the noted micro-batches again, no grad, routing
-        freely; both log-probs against the target (the engine's under ``rollout``, the statistics pass's under
-        ``train``). Runs on every rank (a pipeline schedule) when the update replayed."""
+    def compare_logp(self, rescore: Rescore) -> None:
+        """After an update's schedule (``pass_over(..., rescore=)``), before its optimizer step: the noted
+        micro-batches again through ``rescore`` (the policy's forward), no grad, routing freely; both log-probs
+        against the target (the engine's under ``rollout``, the statistics pass's under ``train``). Runs on every
+        rank (a pipeline schedule) when the update replayed."""
         noted, self._noted = self._noted, []
         if not noted:
             return
-
-        def collect(mb: Any, logits: torch.Tensor):
-            return torch.zeros(()), {"logp": actor._token_stats(logits, mb).logp.float()}
-
         self._pass = _Pass("free", "other", [], None)
         try:
             with torch.no_grad():
-                outputs = actor._run_schedule([mb for mb, _ in noted], collect, forward_only=True, model=actor.model)
+                rescored = rescore([mb for mb, _ in noted])
         finally:
             self._pass = None
-        for (mb, replayed), out in zip(noted, outputs):  # the last pipeline stage only: outputs is [] elsewhere
+        for (mb, replayed), logp in zip(noted, rescored):  # the last pipeline stage only: [] elsewhere
             seqs = mb.seqs
             if replayed is None:
                 continue
@@ -265,7 +272,7 @@ class RouterReplayer:
             mask = seqs.response_mask.to(replayed.device).float()
             target = target.to(replayed.device).float()
             self._sums[2] += float(((replayed - target).abs() * mask).sum())
-            self._sums[3] += float(((out["logp"].to(replayed.device) - target).abs() * mask).sum())
+            self._sums[3] += float(((logp.to(replayed.device) - target).abs() * mask).sum())
             self._sums[4] += float(mask.sum())
 
     def metrics(self) -> dict[str, float]:

@@ -1,84 +1,46 @@
 """The distillation teacher on the actor ranks: built beside the KL reference, frozen, scored with the fused op.
 
-``build_teacher(actor, model_cfg, algo_cfg)`` returns a ``Teacher`` (or None under ``algo.distill: none``):
+``build_teacher(passes, model_cfg, algo_cfg, ...)`` returns a ``Teacher`` (or None under ``algo.distill: none``):
 - ``teacher``: the model of ``algo.teacher_hf_dir`` (any size, the same tokenizer as the student: checked), built at
   the actor's TP/PP/VPP/CP like the reference, no optimizer, no grad, eval mode;
 - ``self``: the frozen initial policy (the reference's chunks when the actor has a reference, else a copy built the
   same way) reading a privileged context: ``algo.self_distill_template`` with the item's reference answer, put
   before the whole sequence (prompt + response).
 
-``Teacher.attach(actor, batch, items)`` runs ONE forward-only pass of the teacher over the batch (packed like every
-actor pass) and fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and
+``Teacher.attach(batch, items)`` runs ONE forward-only pass of the teacher over the batch (planned, packed and
+scheduled by the actor's own `ActorPasses`) and fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and
 ``batch.teacher_logits`` [B, S - 1, N] (the teacher's logits / temperature at its top-N ids), every rank, in the
 student's layout. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths: row i
 is shifted by its prefix length k_i, its response mask too, and the scores come back at ``t + k_i`` -> ``t``, so the
 teacher scores exactly the student's response tokens.
 
-``student_logits_at(actor, logits, mb)`` is the student's side of the top-N forward KL inside the update's loss:
+``student_logits_at(passes, logits, mb, ids)`` is the student's side of the top-N forward KL inside the update's loss:
 its logits / temperature at the teacher's ids (ops.given_ids), in the padded view the losses read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rlvr.actor.context_parallel import stream_to_view
+from megatron_rlvr.actor.chunks import build_chunks, freeze
+from megatron_rlvr.actor.packing import MicroBatch
+from megatron_rlvr.actor.passes import ActorPasses
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.distill import TeacherScores
+from megatron_rlvr.data import PromptItem
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.tokenizer_check import check_same_tokenizer
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.ops.given_ids import logits_at_ids
+from megatron_rlvr.protocols.batch import SequenceBatch
 
 if TYPE_CHECKING:
-    from megatron_rlvr.actor.batch import SequenceBatch
-    from megatron_rlvr.data import PromptItem
+    from transformers import PreTrainedTokenizerBase
+
     from megatron_rlvr.models.config import ModelConfig
-
-
-class ActorPasses(Protocol):
-    """What the teacher runs through: the actor's own layout, plan and schedule (megatron_actor.MegatronActor),
-    so the teacher's pass is planned, packed and scheduled exactly as the reference's."""
-
-    cfg: Any  # ActorConfig
-    tcfg: Any  # megatron-core TransformerConfig
-    temperature: float
-    vocab_size: int
-    local_vocab: int
-    reference: list[torch.nn.Module] | None
-
-    def _plan(self, batch: SequenceBatch) -> tuple[Any, list[Any]]: ...
-
-    def _run_schedule(
-        self, micro: list[Any], fn: Any, *, forward_only: bool, model: list[torch.nn.Module]
-    ) -> list[dict]: ...
-
-    def _to_every_rank(self, rows: list[torch.Tensor], plan: Any, size: int, width: int) -> torch.Tensor: ...
-
-    def _build_chunks(self, model_cfg: ModelConfig) -> list[torch.nn.Module]: ...
-
-
-def _vocab(hf_dir: str) -> dict[str, int]:
-    from transformers import AutoTokenizer
-
-    return dict(AutoTokenizer.from_pretrained(hf_dir).get_vocab())
-
-
-def check_same_tokenizer(student_dir: str, teacher_dir: str) -> None:
-    """One-line UserError unless the teacher's tokenizer maps every token to the student's id."""
-    if not (Path(teacher_dir) / "config.json").is_file():
-        raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: no config.json there (expected an HF model directory)")
-    student, teacher = _vocab(student_dir), _vocab(teacher_dir)
-    if student != teacher:
-        differ = sum(teacher.get(tok) != i for tok, i in student.items()) + len(set(teacher) - set(student))
-        raise UserError(
-            f"algo.teacher_hf_dir={teacher_dir!r}: its tokenizer differs from model.hf_dir's "
-            f"({differ} tokens differ; {len(teacher)} vs {len(student)} tokens); distillation needs the "
-            "student's tokenizer"
-        )
 
 
 def reference_text(item: PromptItem) -> str:
@@ -109,7 +71,7 @@ def reference_text(item: PromptItem) -> str:
 class PrivilegedContext:
     """Token ids of ``template.format(answer=reference_text(item))`` per prompt (cached by prompt id)."""
 
-    def __init__(self, tokenizer: Any, template: str) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str) -> None:
         self.tokenizer, self.template = tokenizer, template
         self._ids: dict[str, list[int]] = {}
 
@@ -124,7 +86,7 @@ def privileged_batch(
     batch: SequenceBatch, prefixes: Sequence[Sequence[int]], pad_id: int = 0
 ) -> tuple[SequenceBatch, torch.Tensor]:
     """(prefix_i + tokens_i rows with the response mask shifted by k_i = len(prefix_i), the shifts k [B])."""
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     if len(prefixes) != len(batch):
         raise ValueError(f"prefixes: expected one per sequence ({len(batch)}), got {len(prefixes)}")
@@ -149,12 +111,19 @@ def realign(values: torch.Tensor, shifts: torch.Tensor, width: int) -> torch.Ten
 
 
 class Teacher:
-    def __init__(
-        self, chunks: list[torch.nn.Module], local_vocab: int, cfg: AlgoConfig, context: PrivilegedContext | None
-    ) -> None:
-        self.chunks, self.local_vocab, self.cfg, self.context = chunks, local_vocab, cfg, context
+    """A frozen model scored on the student's batches through the student's own passes (``passes``)."""
 
-    def attach(self, actor: ActorPasses, batch: SequenceBatch, items: Sequence[PromptItem]) -> None:
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        local_vocab: int,
+        cfg: AlgoConfig,
+        context: PrivilegedContext | None,
+        passes: ActorPasses,
+    ) -> None:
+        self.chunks, self.local_vocab, self.cfg, self.context, self.passes = chunks, local_vocab, cfg, context, passes
+
+    def attach(self, batch: SequenceBatch, items: Sequence[PromptItem]) -> None:
         """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields."""
         scored, shifts = batch, None
         if self.context is not None:
@@ -163,7 +132,7 @@ class Teacher:
                 raise ValueError(f"items: {len(items)} prompts do not divide the batch's {len(batch)} sequences")
             prefixes = [self.context.ids(item) for item in items for _ in range(per_item)]
             scored, shifts = privileged_batch(batch, prefixes)
-        scores = self.score(actor, scored)
+        scores = self.score(scored)
         if shifts is not None:
             width = batch.response_mask.shape[1]
             scores = TeacherScores(
@@ -175,42 +144,36 @@ class Teacher:
         batch.teacher_logits = torch.where(keep[..., None], scores.topn_logits, torch.zeros_like(scores.topn_logits))
 
     @torch.no_grad()
-    def score(self, actor: ActorPasses, batch: SequenceBatch) -> TeacherScores:
+    def score(self, batch: SequenceBatch) -> TeacherScores:
         """One forward-only pass of the teacher's chunks over ``batch``: its scores in ``batch``'s own layout."""
-        from megatron.core import parallel_state as ps
-
+        passes = self.passes
         for m in self.chunks:
             m.eval()
         n = self.cfg.distill_top_n
-        plan, micro = actor._plan(batch)
+        plan, micro = passes.plan(batch)
         width = batch.response_mask.shape[1]
-        group = ps.get_tensor_model_parallel_group() if actor.cfg.tp > 1 else None
-        start = ps.get_tensor_model_parallel_rank() * self.local_vocab
+        start = passes.vocab_start(self.local_vocab)
 
-        def collect(mb, logits: torch.Tensor):
-            targets = torch.roll(mb.seqs.tokens, shifts=-1, dims=1) if mb.packed is None else mb.packed.targets
+        def collect(mb: MicroBatch, logits: torch.Tensor):
             stats = vocab_parallel_token_stats(
                 logits,
-                targets.to(logits.device),
+                mb.targets().to(logits.device),
                 n,
-                group=group,
+                group=passes.tp_group,
                 vocab_start=start,
-                vocab_size=actor.vocab_size,
-                temperature=actor.temperature,
-                chunk_tokens=actor.cfg.stats_chunk_tokens,
+                vocab_size=passes.vocab_size,
+                temperature=passes.temperature,
+                chunk_tokens=passes.cfg.stats_chunk_tokens,
             )
-            _, at = logits_at_ids(logits, stats.topn_ids, vocab_start=start, temperature=actor.temperature, group=group)
-            fields = (stats.logp, stats.topn_ids.float(), at)
-            if mb.packed is None:
-                fields = tuple(f[:, :-1] for f in fields)
-            else:
-                shape = tuple(mb.seqs.response_mask.shape)
-                fields = tuple(stream_to_view(f[0], mb.packed, shape) for f in fields)
+            _, at = logits_at_ids(
+                logits, stats.topn_ids, vocab_start=start, temperature=passes.temperature, group=passes.tp_group
+            )
+            fields = [passes.to_view(f, mb) for f in (stats.logp, stats.topn_ids.float(), at)]
             rows = fields[0].shape[0]
             return torch.zeros(()), {"teacher": torch.cat([f.reshape(rows, -1).float() for f in fields], dim=1)}
 
-        outputs = actor._run_schedule(micro, collect, forward_only=True, model=self.chunks)
-        values = actor._to_every_rank([o["teacher"] for o in outputs], plan, len(batch), width * (1 + 2 * n))
+        outputs = passes.run(micro, collect, forward_only=True, model=self.chunks)
+        values = passes.gather([o["teacher"] for o in outputs], plan, len(batch), width * (1 + 2 * n))
         b = len(batch)
         logp = values[:, :width]
         ids = values[:, width : width * (1 + n)].reshape(b, width, n).round().long()
@@ -219,94 +182,72 @@ class Teacher:
 
 
 def student_logits_at(
-    actor: ActorPasses, logits: torch.Tensor, mb, teacher_ids: torch.Tensor
+    passes: ActorPasses, logits: torch.Tensor, mb: MicroBatch, teacher_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits alias for the fused op, the student's logits / temperature at ``teacher_ids`` [b, S - 1, N] in the
     padded view). Call it before the op on the same logits (see ops.given_ids: the gradient is added in place)."""
-    from megatron.core import parallel_state as ps
-
     ids = teacher_ids.to(logits.device)
     if mb.packed is None:  # position S - 1 has no statistic: any id there (0) is dropped below
         ids = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1)
     else:
         ids = mb.packed.to_stream(ids)[None]  # this (CP) rank's stream positions
     alias, at = logits_at_ids(
-        logits,
-        ids,
-        vocab_start=ps.get_tensor_model_parallel_rank() * actor.local_vocab,
-        temperature=actor.temperature,
-        group=ps.get_tensor_model_parallel_group() if actor.cfg.tp > 1 else None,
+        logits, ids, vocab_start=passes.vocab_start(), temperature=passes.temperature, group=passes.tp_group
     )
-    if mb.packed is None:
-        return alias, at[:, :-1]
-    return alias, stream_to_view(at[0], mb.packed, tuple(mb.seqs.response_mask.shape))
+    return alias, passes.to_view(at, mb)
 
 
-def _teacher_chunks(actor: ActorPasses, teacher_dir: str, divisible: int) -> tuple[list[torch.nn.Module], int]:
+def teacher_chunks(
+    passes: ActorPasses, teacher_dir: str, divisible_by: int, use_te: bool | None
+) -> tuple[list[torch.nn.Module], int]:
     """The teacher's chunks at the actor's layout (its own HF config) with its HF weights, and its local vocab."""
-    from megatron.core import parallel_state as ps
+    from megatron_rlvr.models import load_hf_config, padded_vocab_size, transformer_config_from_hf
+    from megatron_rlvr.models.dims import ModelDims
 
-    from megatron_rlvr.bridge import load_hf_weights
-    from megatron_rlvr.models import build_gpt_model, load_hf_config, padded_vocab_size, transformer_config_from_hf
-
-    a = actor.cfg
+    a = passes.cfg
     hf = load_hf_config(teacher_dir)
-    if int(hf["vocab_size"]) < actor.vocab_size:
+    if int(hf["vocab_size"]) < passes.vocab_size:
         raise UserError(
             f"algo.teacher_hf_dir={teacher_dir!r}: vocab_size {hf['vocab_size']} is smaller than the "
-            f"student's {actor.vocab_size}"
+            f"student's {passes.vocab_size}"
         )
-    heads, kv_heads, layers = (
-        int(hf.get(k, 1)) for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers")
-    )
-    if heads % a.tp or kv_heads % a.tp or layers % (a.pp * (a.vpp or 1)):
-        raise UserError(
-            f"algo.teacher_hf_dir={teacher_dir!r}: {heads} heads / {kv_heads} KV heads / {layers} layers "
-            f"do not divide over the actor's TP={a.tp} / PP={a.pp} x VPP={a.vpp or 1}"
-        )
+    problems = a.layout().problems(ModelDims.from_hf(hf), training=False)
+    if problems:
+        raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: the actor's layout does not fit it: {problems[0]}")
     tcfg = transformer_config_from_hf(
         hf,
         tp=a.tp,
         pp=a.pp,
         vpp=a.vpp,
-        params_dtype=actor.tcfg.params_dtype,
+        params_dtype=passes.tcfg.params_dtype,
         sequence_parallel=a.sequence_parallel,
         recompute=a.recompute,
-        variable_seq_lengths=actor.tcfg.variable_seq_lengths,
+        variable_seq_lengths=passes.tcfg.variable_seq_lengths,
         cp=a.cp,
     )
-    chunks = []
-    for vp in range(a.vpp or 1):
-        vp_stage = vp if a.vpp else None
-        chunks.append(
-            build_gpt_model(
-                hf,
-                tcfg,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                vp_stage=vp_stage,
-                make_vocab_size_divisible_by=divisible,
-            )
-        )
-    load_hf_weights(chunks, teacher_dir)
-    return chunks, padded_vocab_size(int(hf["vocab_size"]), a.tp, divisible) // a.tp
+    chunks = build_chunks(hf, tcfg, vpp=a.vpp, use_te=use_te, divisible_by=divisible_by, hf_dir=teacher_dir)
+    return chunks, padded_vocab_size(int(hf["vocab_size"]), a.tp, divisible_by) // a.tp
 
 
-def build_teacher(actor: ActorPasses, model_cfg: ModelConfig, cfg: AlgoConfig) -> Teacher | None:
-    """The teacher of ``algo.distill`` on this rank (frozen), or None under ``none``."""
+def build_teacher(
+    passes: ActorPasses,
+    model_cfg: ModelConfig,
+    cfg: AlgoConfig,
+    *,
+    use_te: bool | None,
+    initial_policy: Callable[[], list[torch.nn.Module]],
+) -> Teacher | None:
+    """The teacher of ``algo.distill`` on this rank (frozen), or None under ``none``. ``initial_policy`` gives the
+    frozen initial policy's chunks under ``self`` (the reference's when the actor has one: the same weights)."""
     if cfg.distill == "none":
         return None
     context = None
     if cfg.distill == "teacher":
-        check_same_tokenizer(model_cfg.hf_dir, cfg.teacher_hf_dir)
-        chunks, local_vocab = _teacher_chunks(actor, cfg.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by)
-    else:  # the frozen initial policy: the reference itself when there is one (the same weights, never trained)
+        check_same_tokenizer("algo.teacher_hf_dir", cfg.teacher_hf_dir, model_cfg.hf_dir)
+        chunks, local_vocab = teacher_chunks(passes, cfg.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by, use_te)
+    else:
         from transformers import AutoTokenizer
 
-        chunks = actor.reference if actor.reference is not None else actor._build_chunks(model_cfg)
-        local_vocab = actor.local_vocab
+        chunks, local_vocab = initial_policy(), passes.local_vocab
         context = PrivilegedContext(AutoTokenizer.from_pretrained(model_cfg.hf_dir), cfg.self_distill_template)
-    for c in chunks:
-        c.requires_grad_(False)
-        c.eval()
-    return Teacher(chunks, local_vocab, cfg, context)
+    return Teacher(freeze(chunks), local_vocab, cfg, context, passes)

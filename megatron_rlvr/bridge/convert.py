@@ -1,11 +1,14 @@
-"""``tools/convert.py`` / ``megatron-rlvr convert``: HF safetensors <-> megatron dist checkpoint, streaming.
+"""``tools/convert.py`` / ``megatron-rlvr convert``: HF safetensors <-> megatron dist checkpoint, and GGUF -> HF,
+streaming.
 
     convert hf-to-mcore --hf-dir DIR --out DIR [--dtype bfloat16] [--overwrite]
     convert mcore-to-hf --mcore-dir DIR --out DIR [--hf-config DIR] [--max-shard-size 5GB] [--overwrite]
+    convert gguf-to-hf GGUF_FILE OUT_DIR [--dtype float32] [--max-shard-size 5GB] [--overwrite]
 
-Both directions hold about one tensor at a time (never the model), show a progress bar per tensor, check every
-input tensor's name and shape before writing anything, and write into a temporary sibling directory renamed over
-``--out`` only when complete: a failed or interrupted conversion leaves ``--out`` as it was.
+Every direction holds about one tensor at a time (never the model), shows a progress bar per tensor, checks every
+input tensor's name and shape before writing anything, and writes into a temporary sibling directory renamed over
+the output only when complete: a failed or interrupted conversion leaves the output as it was. ``gguf-to-hf``
+dequantizes as transformers' GGUF loader does (``bridge/gguf.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from typing import Any
 import torch
 
 from megatron_rlvr.bridge.dist_ckpt import HF_SUBDIR, checkpoint_sharded_state_dict, save_lazily, write_hf_side_files
-from megatron_rlvr.bridge.hf_reader import HFCheckpointError, HFCheckpointReader
+from megatron_rlvr.bridge.gguf import GGUFCheckpoint
+from megatron_rlvr.bridge.hf_reader import HFCheckpointReader
 from megatron_rlvr.bridge.layout import load_shard, to_hf
-from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes, mapping_table, megatron_local_shape
+from megatron_rlvr.bridge.mapping import hf_shapes, mapping_table, megatron_local_shape
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.models.family import UnsupportedModelError
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.models.hf_config import load_hf_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -214,8 +218,11 @@ def mcore_to_hf(
                 for m in table:
                     key, prefix, _, shape = request_of[m.megatron]
                     full = stored.read(key, prefix + (0,) * len(shape), (1,) * len(prefix) + shape).reshape(shape)
-                    yield from to_hf(m, full, dims, tp=1)
+                    parts = to_hf(m, full, dims, tp=1)  # views of `full`, which is held anyway
+                    # counted before they are handed over: the writer stops pulling after the last tensor, so an
+                    # update after the last yield would never run (the bar stopped at 23/24)
                     bar.update(1)
+                    yield from parts
 
         with _staged_output(out, overwrite) as tmp:
             write_sharded(tmp, plan_shards(specs, max_shard_bytes), tensors())
@@ -225,6 +232,32 @@ def mcore_to_hf(
             config = json.loads((tmp / "config.json").read_text())
             config["dtype"] = str(specs[0][2]).replace("torch.", "")
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF -> HF
+
+
+def gguf_to_hf(
+    gguf_file: Path,
+    out: Path,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 10**9,
+    overwrite: bool = False,
+) -> None:
+    from megatron_rlvr.bridge.safetensors_writer import plan_shards, write_sharded
+
+    source = GGUFCheckpoint(gguf_file)  # every check, metadata only, before the output is touched
+    with _staged_output(out, overwrite) as tmp:
+        with _progress(len(source.tensors), "gguf-to-hf") as bar:
+
+            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+                for item in source.hf_tensors(dtype):
+                    bar.update(1)  # before the hand-over: the writer stops pulling after the last tensor
+                    yield item
+
+            write_sharded(tmp, plan_shards(source.tensor_specs(dtype), max_shard_bytes), tensors())
+        source.write_side_files(tmp, dtype)
 
 
 def _requests(
@@ -268,7 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-config", type=Path, default=None, help=f"HF config dir (default: MCORE_DIR/{HF_SUBDIR})")
     b.add_argument("--max-shard-size", default="5GB")
     b.add_argument("--overwrite", action="store_true")
-    for q in (a, b):
+    g = sub.add_parser("gguf-to-hf", help="GGUF file (llama.cpp) -> HF safetensors + config + tokenizer")
+    g.add_argument("gguf_file", type=Path, metavar="GGUF_FILE")
+    g.add_argument("out", type=Path, metavar="OUT_DIR")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dequantized to float32, then cast")
+    g.add_argument("--max-shard-size", default="5GB")
+    g.add_argument("--overwrite", action="store_true")
+    for q in (a, b, g):
         q.add_argument("--report-memory", action="store_true", help="print peak RSS growth as JSON at the end")
     return p
 
@@ -279,9 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.direction == "hf-to-mcore":
             hf_to_mcore(args.hf_dir, args.out, DTYPES[args.dtype] if args.dtype else None, args.overwrite)
+        elif args.direction == "gguf-to-hf":
+            gguf_to_hf(args.gguf_file, args.out, DTYPES[args.dtype], _parse_size(args.max_shard_size), args.overwrite)
         else:
             mcore_to_hf(args.mcore_dir, args.out, args.hf_config, _parse_size(args.max_shard_size), args.overwrite)
-    except (ConversionError, HFCheckpointError, UnsupportedModelError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:  # ConversionError, HFCheckpointError, GGUFError, a missing model...
         print(f"convert: error: {e}", file=sys.stderr)
         return 2
     if args.report_memory:

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.bridge.layout import shard_to_hf
-from megatron_rlvr.bridge.mapping import ModelDims, ParamMapping, hf_shapes
+from megatron_rlvr.bridge.mapping import ParamMapping, hf_shapes
+from megatron_rlvr.models.dims import ModelDims
 
 _EXPERTS = ".mlp.experts.local_experts."
 

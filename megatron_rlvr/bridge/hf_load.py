@@ -11,7 +11,8 @@ import torch
 from megatron_rlvr.bridge.hf_reader import HFCheckpointReader
 from megatron_rlvr.bridge.layout import load_shard
 from megatron_rlvr.bridge.local_params import BridgeError, local_entries, shard_rank_and_size, tp_rank_and_size
-from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes
+from megatron_rlvr.bridge.mapping import hf_shapes
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.models.hf_config import load_hf_config
 
 

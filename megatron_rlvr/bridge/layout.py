@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rlvr.bridge.mapping import ModelDims, ParamMapping
+from megatron_rlvr.bridge.mapping import ParamMapping
+from megatron_rlvr.models.dims import ModelDims
 
 # read(hf_name, dim, start, stop) -> the HF tensor's [start, stop) slice along dim (dim None: the whole tensor)
 SliceReader = Callable[[str, "int | None", int, int], torch.Tensor]
@@ -47,7 +48,7 @@ def load_shard(
         return torch.cat([gate, up], dim=0)
     if m.kind == "qkv":
         q_rows, kv_rows = _qkv_rows(dims)
-        g = dims.groups // tp
+        g = dims.kv_heads // tp
         g0 = tp_rank * g
         q = read(m.hf[0], 0, g0 * q_rows, (g0 + g) * q_rows)
         k = read(m.hf[1], 0, g0 * kv_rows, (g0 + g) * kv_rows)
@@ -106,7 +107,7 @@ def shard_to_hf(
         return [(m.hf[0], gate, 0, tp_rank * n, (tp_rank + 1) * n), (m.hf[1], up, 0, tp_rank * n, (tp_rank + 1) * n)]
     if m.kind == "qkv":
         q_rows, kv_rows = _qkv_rows(dims)
-        g = dims.groups // tp
+        g = dims.kv_heads // tp
         q, k, v = _split_qkv(shard, dims)
         return [
             (m.hf[0], q, 0, tp_rank * g * q_rows, (tp_rank + 1) * g * q_rows),

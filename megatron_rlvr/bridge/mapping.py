@@ -18,58 +18,12 @@ owns expert ``e`` (megatron-core's SequentialMLP, ``mlp.experts.local_experts.{j
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from megatron_rlvr.models.builder import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
-from megatron_rlvr.models.family import head_dim, num_kv_heads
-from megatron_rlvr.models.hf_config import family_of
+from megatron_rlvr.models.dims import ModelDims
 
 KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The shapes the layout conversions need, from the HF config."""
-
-    hidden: int
-    heads: int
-    groups: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    layers: int
-    tied: bool
-    qkv_bias: bool
-    qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3), [head_dim] each, replicated over TP
-    experts: int = 0  # routed experts per MoE layer (0: a dense model)
-    moe_ffn: int = 0  # each expert's intermediate size
-    moe_layers: tuple[int, ...] = ()  # the layer indices with experts (the others have a dense MLP)
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.heads // self.groups
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> ModelDims:
-        moe = family_of(hf).megatron_kwargs(hf)
-        pattern = moe.get("moe_layer_freq") or []
-        return cls(
-            hidden=hf["hidden_size"],
-            heads=hf["num_attention_heads"],
-            groups=num_kv_heads(hf),
-            head_dim=head_dim(hf),
-            ffn=hf["intermediate_size"],
-            vocab=hf["vocab_size"],
-            layers=hf["num_hidden_layers"],
-            tied=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=family_of(hf).QKV_BIAS,
-            qk_norm=family_of(hf).QK_NORM,
-            experts=int(moe.get("num_moe_experts") or 0),
-            moe_ffn=int(moe.get("moe_ffn_hidden_size") or 0),
-            moe_layers=tuple(i for i, is_moe in enumerate(pattern) if is_moe),
-        )
 
 
 @dataclass(frozen=True)
@@ -154,12 +108,12 @@ def hf_shapes(m: ParamMapping, dims: ModelDims) -> list[tuple[int, ...]]:
     """The HF tensors' shapes for one entry, in the order of ``m.hf``."""
     d, H = dims.head_dim, dims.hidden
     if m.expert:
-        return [(dims.moe_ffn, H), (dims.moe_ffn, H)] if m.kind == "gate_up" else [(H, dims.moe_ffn)]
+        return [(dims.expert_ffn, H), (dims.expert_ffn, H)] if m.kind == "gate_up" else [(H, dims.expert_ffn)]
     if m.megatron.endswith("mlp.router.weight"):
         return [(dims.experts, H)]
     bias = m.megatron.endswith(".bias")
     if m.kind == "qkv":
-        rows = (dims.heads * d, dims.groups * d, dims.groups * d)
+        rows = (dims.heads * d, dims.kv_heads * d, dims.kv_heads * d)
         return [(r,) if bias else (r, H) for r in rows]
     if m.kind == "gate_up":
         return [(dims.ffn, H), (dims.ffn, H)]

@@ -33,8 +33,8 @@ import re
 import torch
 
 from megatron_rlvr.bridge.local_params import BridgeError
-from megatron_rlvr.bridge.mapping import ModelDims
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.dims import ModelDims
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
@@ -87,14 +87,14 @@ def vocab_range(vocab: int, tp: int, rank: int, hf_name: str = "vocab") -> tuple
 
 def kv_heads_of_rank(dims: ModelDims, tp: int, rank: int, hf_name: str = "k_proj") -> tuple[int, int]:
     """The kv heads ``[first, first + count)`` engine TP rank ``rank`` holds (``QKVParallelLinear``)."""
-    if tp >= dims.groups:
-        if tp % dims.groups:
+    if tp >= dims.kv_heads:
+        if tp % dims.kv_heads:
             raise ReshardError(
-                f"{hf_name}: engine tp={tp} is not a multiple of its {dims.groups} kv heads (vLLM "
+                f"{hf_name}: engine tp={tp} is not a multiple of its {dims.kv_heads} kv heads (vLLM "
                 f"replicates each kv head on tp / kv_heads ranks when there are fewer than tp)"
             )
-        return rank // (tp // dims.groups), 1
-    per_rank = _whole(hf_name, "kv heads", dims.groups, tp)
+        return rank // (tp // dims.kv_heads), 1
+    per_rank = _whole(hf_name, "kv heads", dims.kv_heads, tp)
     return rank * per_rank, per_rank
 
 
@@ -134,18 +134,18 @@ def engine_shard_region(
         return None, 0, shape[0]
     if rule in ("expert_gate_up", "expert_down"):
         dim = 0 if rule == "expert_gate_up" else 1
-        _expect(hf_name, shape, dim, dims.moe_ffn, "rows (moe_intermediate_size)" if dim == 0 else "columns")
+        _expect(hf_name, shape, dim, dims.expert_ffn, "rows (moe_intermediate_size)" if dim == 0 else "columns")
         if ep:
             expert = int(_EXPERT_INDEX.match(hf_name).group(1))
             return (None, 0, shape[0]) if expert in expert_ranks(dims.experts, tp)[rank] else (0, 0, 0)
-        size = _whole(hf_name, "moe_intermediate_size units", dims.moe_ffn, tp)
+        size = _whole(hf_name, "moe_intermediate_size units", dims.expert_ffn, tp)
         return dim, rank * size, size
     if rule == "q":
         _expect(hf_name, shape, 0, dims.heads * d, "rows (heads x head_dim)")
         rows = _whole(hf_name, "attention heads", dims.heads, tp) * d
         return 0, rank * rows, rows
     if rule == "kv":
-        _expect(hf_name, shape, 0, dims.groups * d, "rows (kv heads x head_dim)")
+        _expect(hf_name, shape, 0, dims.kv_heads * d, "rows (kv heads x head_dim)")
         first, count = kv_heads_of_rank(dims, tp, rank, hf_name)
         return 0, first * d, count * d
     if rule == "o":
@@ -182,12 +182,12 @@ def engine_tp_problems(dims: ModelDims, tp: int, ep: bool = False) -> list[str]:
         return [f"engine tp={tp}: expected >= 1"]
     if dims.experts and tp > dims.experts:  # Qwen3MoeSparseMoeBlock refuses it
         problems.append(f"engine tp={tp} is greater than the {dims.experts} experts")
-    if dims.experts and not ep and dims.moe_ffn % tp:
-        problems.append(f"engine tp={tp} does not divide the experts' intermediate size {dims.moe_ffn}")
+    if dims.experts and not ep and dims.expert_ffn % tp:
+        problems.append(f"engine tp={tp} does not divide the experts' intermediate size {dims.expert_ffn}")
     if dims.heads % tp:
         problems.append(f"engine tp={tp} does not divide the {dims.heads} attention heads")
-    if (dims.groups % tp) if tp < dims.groups else (tp % dims.groups):
-        problems.append(f"engine tp={tp} and the {dims.groups} kv heads: one must divide the other")
+    if (dims.kv_heads % tp) if tp < dims.kv_heads else (tp % dims.kv_heads):
+        problems.append(f"engine tp={tp} and the {dims.kv_heads} kv heads: one must divide the other")
     if dims.ffn % tp:
         problems.append(f"engine tp={tp} does not divide the intermediate size {dims.ffn}")
     padded = -(-dims.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING

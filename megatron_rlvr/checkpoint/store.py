@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.checkpoint.manifest import MANIFEST, Report, verify, write_manifest
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.protocols.actor import AdapterSource, TrainState, WeightSource
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -56,18 +57,6 @@ def step_dirs(root: Path) -> list[Path]:
 # Each rank saves its own distributed-optimizer buffers with no gather: resume may change DP, not TP/PP (a
 # TP/PP change goes through the model-only dist checkpoint of tools/convert.py).
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-def _sharded_state_dict(actor, is_loading: bool = False) -> dict[str, Any]:
-    chunks = actor.model_chunks
-    if len(chunks) == 1:
-        model_sd: dict[str, Any] = {"model": chunks[0].sharded_state_dict()}
-    else:
-        model_sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    model_sd["optimizer"] = actor.optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT
-    )
-    return model_sd
 
 
 def _rng_state() -> dict[str, Any]:
@@ -106,7 +95,7 @@ def _agree_ok(ok: bool) -> bool:
 def save(
     root: str | Path,
     step: int,
-    actor,
+    actor: TrainState,
     trainer_state: dict[str, Any],
     keep_last: int = 2,
     hf_dir: str | None = None,
@@ -131,11 +120,11 @@ def save(
         error = e
     if _agree_ok(error is None):
         try:
-            dist_checkpointing.save(_sharded_state_dict(actor), str(tmp))
+            dist_checkpointing.save(actor.sharded_state_dict(_OPTIMIZER_FORMAT), str(tmp))
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), tmp / "rng" / f"rank-{_rank():05d}.pt")
             if _rank() == 0:
-                state = dict(trainer_state, step=step, scheduler=actor.scheduler.state_dict())
+                state = dict(trainer_state, step=step, scheduler=actor.scheduler_state_dict())
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=float))
                 for name, obj in (objects or {}).items():
                     if obj is not None:
@@ -227,31 +216,21 @@ def _warn_if_unverified(report: Report) -> None:
         )
 
 
-def load(path: str | Path, actor) -> dict[str, Any]:
+def load(path: str | Path, actor: TrainState) -> dict[str, Any]:
     """Restore actor weights, optimizer, LR schedule and this rank's RNG from ``path``; return the trainer state."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     state = json.loads((path / "trainer_state.json").read_text())
-    # A fresh distributed optimizer has no Adam state yet, and its state_dict() (used to build the load request)
-    # needs one: fill it with placeholders first, as megatron's own loading path does.
-    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
-            opt._init_optimizer_states_with_dummy_values()
     try:
-        loaded = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), str(path))
+        loaded = dist_checkpointing.load(actor.sharded_state_dict(_OPTIMIZER_FORMAT, is_loading=True), str(path))
     except (EOFError, OSError, RuntimeError, ValueError) as e:  # e.g. damage a checkpoint without manifest hid
         raise CheckpointError(
             f"checkpoint {path}: could not be loaded ({type(e).__name__}: {e}); "
             f"`megatron-rlvr ckpt verify {path}` checks its files"
         ) from e
-    chunks = actor.model_chunks
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
-    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
-        actor.optimizer.load_state_dict(loaded["optimizer"])
-    _restore_torch_adam_steps(actor.optimizer)
-    actor.scheduler.load_state_dict(state.pop("scheduler"))
+    actor.load_sharded_state_dict(loaded)
+    actor.load_scheduler_state_dict(state.pop("scheduler"))
     rng_file = path / "rng" / f"rank-{_rank():05d}.pt"
     if not rng_file.is_file():
         raise CheckpointError(f"checkpoint {path}: no RNG state for rank {_rank()} (saved with another world size?)")
@@ -270,27 +249,9 @@ def load_object(path: str | Path, name: str) -> Any:
         raise CheckpointError(f"checkpoint {path}: {file.name} could not be read ({type(e).__name__}: {e})") from e
 
 
-def _restore_torch_adam_steps(optimizer) -> None:
-    """Give every parameter its saved Adam step count back, as a tensor of its own.
-
-    With torch's Adam as the inner optimizer (no Transformer Engine or Apex), megatron-core 0.16 saves the step
-    count in the param groups, restores it into ONE tensor shared by every parameter's state, and then its
-    dp-reshardable parameter-state load copies the load request's placeholder step (1) into that tensor. Resumed
-    training would then use the wrong bias correction from the second step on (and a shared step tensor would be
-    incremented once per parameter). A no-op for fused optimizers, which keep the step in the param groups only.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            if "step" not in group:
-                continue
-            for param in group["params"]:
-                state = inner.state.get(param)
-                if state is not None and torch.is_tensor(state.get("step")):
-                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
-
-
-def save_hf(actor, hf_src_dir: str | Path, out_dir: str | Path, bucket_bytes: int = 1 << 30) -> Path | None:
+def save_hf(
+    actor: WeightSource, hf_src_dir: str | Path, out_dir: str | Path, bucket_bytes: int = 1 << 30
+) -> Path | None:
     """Write the actor's current weights as an HF checkpoint (a collective; rank 0 writes). Each export bucket
     becomes one safetensors file, so memory stays at one bucket whatever the model size; config and tokenizer
     files are copied from ``hf_src_dir``. Written to a temp dir and renamed: never half a checkpoint."""
@@ -321,6 +282,30 @@ def save_hf(actor, hf_src_dir: str | Path, out_dir: str | Path, bucket_bytes: in
         for name in HF_SIDE_FILES:
             if (Path(hf_src_dir) / name).is_file():
                 shutil.copy2(Path(hf_src_dir) / name, tmp / name)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    _barrier()
+    return out_dir if _rank() == 0 else None
+
+
+def save_adapter(actor: AdapterSource, out_dir: str | Path, bucket_bytes: int = 1 << 30) -> Path | None:
+    """Write the actor's LoRA adapter as a PEFT adapter directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``: bridge/peft.py), which ``peft`` and vLLM load onto the base. A collective; rank 0
+    writes, into a temp dir renamed at the end. Returns the directory on rank 0 (None elsewhere, or without LoRA)."""
+    from megatron_rlvr.bridge.peft import write_adapter
+
+    config = actor.adapter_config()
+    if config is None:
+        return None
+    tensors = {}
+    for bucket in actor.export_adapter(bucket_bytes):
+        if _rank() == 0:
+            tensors.update(bucket)
+    out_dir = Path(out_dir)
+    if _rank() == 0:
+        tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_adapter(tmp, tensors, config)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
     _barrier()

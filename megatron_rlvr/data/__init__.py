@@ -7,6 +7,7 @@ resumable, seeded order.
     state = loader.state_dict()            # {"epoch", "position", ...}: save it with the checkpoint
 """
 
+from megatron_rlvr.data.benchmark_rows import problem_rows
 from megatron_rlvr.data.config import DataConfig
 from megatron_rlvr.data.dataset import LoadStats, PromptItem, items_from_rows, load_items
 from megatron_rlvr.data.loader import PromptLoader
@@ -21,5 +22,6 @@ __all__ = [
     "Row",
     "items_from_rows",
     "load_items",
+    "problem_rows",
     "read_rows",
 ]

@@ -4,9 +4,10 @@
     megatron-rlvr data prepare countdown --out data/countdown.jsonl --split eval --count 512 --seed 1234
 
 Contract: writes ``count`` rows ``{"id", "numbers", "target"}`` of ``split`` from the seeded generator in
-``megatron_rlvr.tasks.countdown`` (the ``countdown`` benchmark layout of ``megatron_rlvr.eval.benchmarks``). The
-defaults (the eval split, 512 problems, the recipes' data seed) are the prompts `megatron-rlvr demo` evaluates on,
-so an eval of ``data/countdown.jsonl`` scores the demo's own evaluation problems. The file is replaced atomically.
+``megatron_rlvr.tasks.countdown`` (the ``countdown`` benchmark layout of ``megatron_rlvr.problems.benchmarks``).
+The defaults (the eval split, 512 problems, the recipes' data seed) are the prompts `megatron-rlvr demo` evaluates
+on, so an eval of ``data/countdown.jsonl`` scores the demo's own evaluation problems. The file is replaced
+atomically.
 """
 
 from __future__ import annotations

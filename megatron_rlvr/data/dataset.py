@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from megatron_rlvr.data.config import DataConfig
 from megatron_rlvr.data.sources import DataError, Row, read_rows
+from megatron_rlvr.problems.prompt_encoding import ChatTemplateMissing, PromptTokenizer, encode_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ class LoadStats:
     bad_examples: list[str] = field(default_factory=list)  # the first few "file:line: reason"
 
 
-def load_items(cfg: DataConfig, tokenizer, split: Split = "train") -> tuple[list[PromptItem], LoadStats]:
+def load_items(
+    cfg: DataConfig, tokenizer: PromptTokenizer, split: Split = "train"
+) -> tuple[list[PromptItem], LoadStats]:
     """All prompt items of ``split``: from ``cfg.path`` / ``cfg.eval_path``, or the demo task when both are empty."""
     if split not in ("train", "eval"):
         raise DataError(f"split: expected 'train' or 'eval', got {split!r}")
@@ -70,8 +73,11 @@ def _demo_rows(cfg: DataConfig, split: Split) -> Iterable[Row]:
         yield Row(f"<demo {split}>:{i}", f"demo-{split}", i, data)
 
 
-def items_from_rows(rows: Iterable[Row], cfg: DataConfig, tokenizer) -> tuple[list[PromptItem], LoadStats]:
-    """Rows -> prompt items under ``cfg``'s field names, template and length policy (also used for eval sets)."""
+def items_from_rows(
+    rows: Iterable[Row], cfg: DataConfig, tokenizer: PromptTokenizer
+) -> tuple[list[PromptItem], LoadStats]:
+    """Rows -> prompt items under ``cfg``'s field names, template and length policy (also used for eval sets); the
+    prompt's text and ids are problems/prompt_encoding.py's `encode_prompt` of the row's problem."""
     stats = LoadStats()
     items: list[PromptItem] = []
     first_long = ""
@@ -86,13 +92,20 @@ def items_from_rows(rows: Iterable[Row], cfg: DataConfig, tokenizer) -> tuple[li
             if len(stats.bad_examples) < 5:
                 stats.bad_examples.append(str(e))
             continue
-        text = _apply_template(problem, cfg, tokenizer)
-        ids = tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"]
-        if len(ids) > cfg.max_prompt_tokens:
+        try:
+            encoded = encode_prompt(
+                tokenizer, problem, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt
+            )
+        except ChatTemplateMissing:
+            raise DataError(
+                "data.chat_template=true but the tokenizer has no chat template; set data.chat_template=false "
+                "or use a tokenizer whose tokenizer_config.json defines one"
+            ) from None
+        if len(encoded.ids) > cfg.max_prompt_tokens:
             stats.too_long += 1
-            first_long = first_long or f"{row.source} ({len(ids)} tokens)"
+            first_long = first_long or f"{row.source} ({len(encoded.ids)} tokens)"
             continue
-        items.append(PromptItem(item_id, text, tuple(ids), answer, task, problem))
+        items.append(PromptItem(item_id, encoded.text, encoded.ids, answer, task, problem))
     if stats.bad_rows:
         logger.warning(
             "skipped %d bad dataset rows (data.skip_bad_rows=true); first: %s",
@@ -128,16 +141,3 @@ def _fields(row: Row, cfg: DataConfig) -> tuple[str, Any, str, str]:
     item_id = row.data.get(cfg.id_key)
     item_id = f"{row.file_name}:{row.line}" if item_id is None or item_id == "" else str(item_id)
     return problem, answer, task, item_id
-
-
-def _apply_template(problem: str, cfg: DataConfig, tokenizer) -> str:
-    if not cfg.chat_template:
-        return problem
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            "data.chat_template=true but the tokenizer has no chat template; set data.chat_template=false "
-            "or use a tokenizer whose tokenizer_config.json defines one"
-        )
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True
-    )

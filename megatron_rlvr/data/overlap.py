@@ -2,9 +2,9 @@
 releases get remixed): a training problem overlaps when its normalized text equals a benchmark problem's, or
 contains it whole (a release that wraps problems in instructions).
 
-The benchmarks are the eval's own files under a data directory (`megatron_rlvr.eval.benchmarks`: every benchmark
-whose file is there). Containment is found through an index of each benchmark problem's first 8 words, so a check
-costs one pass over the training text.
+The benchmarks are the eval's own files under a data directory, read by the eval's loaders
+(`megatron_rlvr.problems.benchmarks`: every benchmark whose file is there). Containment is found through an index
+of each benchmark problem's first 8 words, so a check costs one pass over the training text.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class BenchmarkIndex:
 
 def load_benchmark_index(data_dir: str | Path) -> tuple[BenchmarkIndex, list[str]]:
     """The index of every benchmark with a file under ``data_dir``, and those benchmarks' names."""
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS, benchmark_files, load_benchmark
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS, benchmark_files, load_benchmark
 
     data_dir = Path(data_dir)
     if not data_dir.is_dir():

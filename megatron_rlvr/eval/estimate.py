@@ -16,7 +16,7 @@ The interval bound: a 95% interval over P problems is about +-1.96 sd / sqrt(P) 
 [0, 1], so sd <= 0.5: +-1.96 * 0.5 / sqrt(P) at most (a paired difference: up to twice that).
 
     megatron-rlvr estimate configs/eval_k1024_qwen2.5-math-7b.yaml [key=value ...] [--recorded RUN_DIR]
-        [--tokens-per-second X]
+        [--tokens-per-second X]                  (reads the recipe: recipes/estimate.py; the arithmetic: here)
 """
 
 from __future__ import annotations
@@ -27,10 +27,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.bootstrap import DEFAULT_LEVEL, normal_quantile
+
+if TYPE_CHECKING:
+    from megatron_rlvr.eval.config import EvalConfig
+    from megatron_rlvr.models.config import ModelConfig
+    from megatron_rlvr.rollout.config import RolloutConfig
 
 TIMING_FILE = "timing.jsonl"
 # problem counts of the published benchmarks, used only when the data directory is not on this machine
@@ -264,7 +269,7 @@ def format_estimate(job: JobEstimate) -> str:
 
 def benchmark_sizes(benchmarks: Sequence[str], data_dir: str, limit: int) -> tuple[dict[str, int], list[str]]:
     """Problems per benchmark from the data files, else the published size (noted), else an error naming it."""
-    from megatron_rlvr.eval.benchmarks import load_benchmark
+    from megatron_rlvr.problems.benchmarks import load_benchmark
 
     sizes, notes = {}, []
     for bench in benchmarks:
@@ -302,8 +307,16 @@ def recorded_throughput(run_dir: str | Path, settings: Mapping[str, Any] | None)
     return throughput
 
 
+class EvalRecipe(Protocol):
+    """The sections of a recipe (a `megatron_rlvr.config.Config`) that its eval job's estimate reads."""
+
+    eval: EvalConfig
+    model: ModelConfig
+    rollout: RolloutConfig
+
+
 def recipe_estimate(
-    cfg: Any, recorded: str | None = None, tokens_per_second: float | None = None, gpus: int | None = None
+    cfg: EvalRecipe, recorded: str | None = None, tokens_per_second: float | None = None, gpus: int | None = None
 ) -> JobEstimate:
     """The estimate of a recipe's eval job (one model: model.hf_dir), without sampling. ``gpus`` defaults to
     rollout.tp (the job's one engine), or 0 (CPU) for a float32 model, which is what the CPU recipes run."""
@@ -316,7 +329,9 @@ def recipe_estimate(
     total = sum(sizes.values()) * e.n_samples
     throughput = None
     if recorded:
-        throughput = recorded_throughput(recorded, run_settings(e, str(Path(cfg.model.hf_dir).resolve())))
+        throughput = recorded_throughput(
+            recorded, run_settings(e, str(Path(cfg.model.hf_dir).resolve()), cfg.reward.answer)
+        )
     model = ModelEstimate(cfg.model.hf_dir, total, total, e.max_new_tokens, throughput, tokens_per_second)
     if gpus is None:
         gpus = cfg.rollout.tp if cfg.eval.dtype != "float32" else 0

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.eval.benchmarks import Problem
 from megatron_rlvr.eval.bootstrap import IntervalSpec, bootstrap_pass_at_k
+from megatron_rlvr.problems.benchmarks import Problem
 
 RESULTS_FILE = "results.json"
 FORMAT = "megatron-rlvr eval results"

@@ -7,30 +7,35 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
+
 from megatron_rlvr.config import Config
+from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.experience.collect import Experience, collect
 from megatron_rlvr.experience.construction import make_rollout_engine
 from megatron_rlvr.experience.validation import validate
 from megatron_rlvr.experience.wire import Rollout
-from megatron_rlvr.rollout import EngineDiedError
+from megatron_rlvr.protocols.actor import Actor, WeightSource
+from megatron_rlvr.rewards import RewardPool
+from megatron_rlvr.rollout import EngineDiedError, RolloutEngine
 from megatron_rlvr.runtime import distributed
 
 
-def sync_weights(actor, engine, bucket_bytes: int) -> None:
+def sync_weights(actor: WeightSource, engine: RolloutEngine, bucket_bytes: int) -> None:
     """Stream the actor's weights (HF names) into this rank's engine; a collective over the model-parallel group.
     The buckets are lent (views of the exchange's shared memory where TP ranks share a host): the engine consumes
     each tensor before it draws the next bucket, so no rank allocates the model's size anew per sync."""
-    engine.update_weights(itertools.chain.from_iterable(actor.export_weights(bucket_bytes, lend=True)), lent=True)
+    engine.update_weights(itertools.chain.from_iterable(actor.engine_weights(bucket_bytes, lend=True)), lent=True)
 
 
-def build_engine(cfg: Config, actor):
+def build_engine(cfg: Config, actor: WeightSource) -> RolloutEngine:
     """This rank's engine, with the actor's current weights."""
     engine = make_rollout_engine(cfg, distributed.rank())
     sync_weights(actor, engine, cfg.rollout.bucket_bytes)
     return engine
 
 
-def revive_engine(cfg, actor, engine):
+def revive_engine(cfg: Config, actor: WeightSource, engine: RolloutEngine) -> RolloutEngine:
     """After an engine died somewhere (every rank learns it together): dead engines are rebuilt, live ones re-synced,
     since the weight export is a collective every rank joins. The actor's state is untouched."""
     if engine.alive:
@@ -42,7 +47,7 @@ def revive_engine(cfg, actor, engine):
 class ColocatedSource:
     """Every rank samples with its own engine and trains; they take turns."""
 
-    def __init__(self, cfg, actor, pool, loader, pad_id: int) -> None:
+    def __init__(self, cfg: Config, actor: Actor, pool: RewardPool, loader: PromptLoader, pad_id: int) -> None:
         self.cfg, self.actor, self.pool, self.loader, self.pad_id = cfg, actor, pool, loader, pad_id
         self.engine = build_engine(cfg, actor)
 
@@ -72,7 +77,7 @@ class ColocatedSource:
         sync_weights(self.actor, self.engine, self.cfg.rollout.bucket_bytes)
         return {}
 
-    def validate(self, step: int, val_items, pad_id: int):
+    def validate(self, step: int, val_items: list[PromptItem], pad_id: int) -> tuple[dict[str, float], np.ndarray]:
         metrics, entropy = validate(self.engine, self.pool, self.actor, val_items, self.cfg, pad_id)
         self.engine.sleep()
         return metrics, entropy

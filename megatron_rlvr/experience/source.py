@@ -7,11 +7,17 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import numpy as np
+
 from megatron_rlvr.config import Config
+from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.experience.collect import Experience
 from megatron_rlvr.experience.colocated import ColocatedSource
 from megatron_rlvr.experience.engine_ranks import EngineRanksSource
+from megatron_rlvr.experience.stream import StreamState
 from megatron_rlvr.experience.wire import Rollout
+from megatron_rlvr.protocols.actor import Actor
+from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout import RolloutEngine
 from megatron_rlvr.runtime.roles import Roles
 
@@ -27,14 +33,15 @@ class ExperienceSource(Protocol):
     def after_update(self, step: int) -> dict[str, float]:
         """The actor finished update ``step``: bring the engines its weights when they sample next."""
 
-    def validate(self, step: int, val_items: list[Any], pad_id: int) -> tuple[dict[str, float], Any]:
+    def validate(self, step: int, val_items: list[PromptItem], pad_id: int) -> tuple[dict[str, float], np.ndarray]:
         """val/* metrics and the per-token entropy of the answers to ``val_items`` with the current weights."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must hold to resume the stream exactly (the prompt loader's position)."""
 
-    def pending(self) -> Rollout | None:
-        """A rollout sampled ahead (one-step-off) that the next checkpoint stores."""
+    def pending(self) -> Rollout | StreamState | None:
+        """What the next checkpoint stores beside the weights: a rollout sampled ahead (one-step-off), or the
+        stream's state (fully asynchronous: finished groups, responses in flight)."""
 
     def close(self) -> None:
         """Release the engines (not after an error: a rank that raised alone must exit, not wait here)."""
@@ -43,13 +50,13 @@ class ExperienceSource(Protocol):
 def make_source(
     cfg: Config,
     roles: Roles | None,
-    actor,
-    pool,
-    loader,
+    actor: Actor,
+    pool: RewardPool,
+    loader: PromptLoader,
     pad_id: int,
     *,
     start_step: int,
-    pending: Rollout | None = None,
+    pending: Rollout | StreamState | None = None,
 ) -> ExperienceSource:
     """The run's experience source for ``rollout.placement``."""
     if cfg.rollout.placement == "separate":

@@ -14,11 +14,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from megatron_rlvr.actor.batch import SequenceBatch
 from megatron_rlvr.config import Config
-from megatron_rlvr.data import PromptItem, Row, items_from_rows, load_items
+from megatron_rlvr.data import PromptItem, items_from_rows, load_items, problem_rows
 from megatron_rlvr.eval.passk import pass_at_k
 from megatron_rlvr.experience.collect import generate, score, to_batch
+from megatron_rlvr.protocols.actor import EntropyScorer
+from megatron_rlvr.rewards import RewardPool
+from megatron_rlvr.rollout import RolloutEngine
 from megatron_rlvr.rollout.prefixes import without_prefixes
 
 # Training rollouts use sampling_seed(run seed, step >= 0, rank): a negative step keeps validation seeds apart.
@@ -30,25 +32,14 @@ def load_validation_items(cfg: Config, tokenizer) -> list[PromptItem]:
     limit = cfg.eval.limit or None
     if not cfg.eval.benchmarks:
         return load_items(cfg.data, tokenizer, "eval")[0][:limit]
-    from megatron_rlvr.eval.benchmarks import load_benchmark
+    from megatron_rlvr.problems.benchmarks import load_benchmark
 
-    data_cfg = dataclasses.replace(cfg.data, chat_template=cfg.eval.chat_template, skip_bad_rows=False)
+    data_cfg = dataclasses.replace(
+        cfg.data, chat_template=cfg.eval.chat_template, system_prompt=cfg.eval.system_prompt, skip_bad_rows=False
+    )
     items: list[PromptItem] = []
     for bench in cfg.eval.benchmarks:
-        rows = (
-            Row(
-                f"{bench}:{i}",
-                bench,
-                i,
-                {
-                    data_cfg.problem_key: p.prompt,
-                    data_cfg.answer_key: p.reference,
-                    data_cfg.task_key: p.task,
-                    data_cfg.id_key: f"{bench}/{p.problem_id}",
-                },
-            )
-            for i, p in enumerate(load_benchmark(bench, cfg.eval.data_dir, limit), start=1)
-        )
+        rows = problem_rows(load_benchmark(bench, cfg.eval.data_dir, limit), data_cfg)
         items += items_from_rows(rows, data_cfg, tokenizer)[0]
     if not items:
         raise ValueError(
@@ -63,22 +54,8 @@ def pass_at_k_metrics(correct: np.ndarray, n_samples: int) -> dict[str, float]:
     return {f"val/pass@{k}": float(np.mean(pass_at_k(n_samples, correct, k))) for k in ks}
 
 
-def _pad_to_whole_micro_batches(batch: SequenceBatch, actor) -> SequenceBatch:
-    """Repeat the first sequence, masked out, until every data-parallel rank gets whole micro-batches (pipeline
-    stages exchange fixed-shape activations); the padding adds no entropy values."""
-    from megatron.core import parallel_state as ps
-
-    unit = ps.get_data_parallel_world_size() * actor.cfg.micro_batch_size
-    extra = -len(batch) % unit
-    if not extra:
-        return batch
-    padded = batch.select(torch.cat([torch.arange(len(batch)), torch.zeros(extra, dtype=torch.long)]))
-    padded.response_mask[len(batch) :] = False
-    return padded
-
-
 def validate(
-    engine, pool, actor, items: list[PromptItem], cfg: Config, pad_id: int
+    engine: RolloutEngine, pool: RewardPool, actor: EntropyScorer, items: list[PromptItem], cfg: Config, pad_id: int
 ) -> tuple[dict[str, float], np.ndarray]:
     """Sample, verify and measure; a collective over all ranks. Returns the val/ metrics and the per-token
     entropies (nats) of every sampled answer token under the actor."""
@@ -95,7 +72,6 @@ def validate(
     rewards, _ = score(pool, items, completions)
     correct = (rewards.view(len(items), e.n_samples) >= 1.0).sum(-1).numpy()
     batch, _ = to_batch(items, completions, torch.zeros(len(rewards)), pad_id)
-    batch = _pad_to_whole_micro_batches(batch, actor)
     entropy = actor.compute_entropy(batch)[batch.response_mask].numpy()
     lengths = [len(c.token_ids) for group in completions for c in group]
     metrics = {

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.models.family import UnsupportedModelError, head_dim, num_kv_heads, rope_settings
 from megatron_rlvr.models.hf_config import family_of
+from megatron_rlvr.models.layout import ParallelLayout
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 
@@ -77,23 +79,13 @@ def transformer_config_from_hf(
     family = family_of(hf)
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}; expected 'none', 'selective' or 'full'")
-    for key in ("num_attention_heads",):
-        if hf[key] % tp:
-            raise ValueError(f"tp={tp} must divide the model's {key}={hf[key]}")
-    if num_kv_heads(hf) % tp:
-        raise ValueError(f"tp={tp} must divide the model's num_key_value_heads={num_kv_heads(hf)}")
-    if hf["num_hidden_layers"] % (pp * (vpp or 1)):
-        raise ValueError(f"pp*vpp={pp * (vpp or 1)} must divide num_hidden_layers={hf['num_hidden_layers']}")
+    dims = ModelDims.from_hf(hf)
+    # the layout's rules (models/layout.py), for a forward pass: a training step adds its own (the actor checks them)
+    expert_tp = etp or (tp if dims.is_moe else 1)  # None: megatron-core's default, the TP size
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=expert_tp, sequence_parallel=sequence_parallel)
+    layout.check(dims, prefix="", training=False)
     family_kwargs = family.megatron_kwargs(hf)
     experts = family_kwargs.get("num_moe_experts")
-    if (ep > 1 or (etp or 1) > 1) and not experts:
-        raise ValueError(f"ep={ep}, etp={etp}: expert parallelism needs a mixture-of-experts model")
-    if experts and experts % ep:
-        raise ValueError(f"ep={ep} must divide the model's num_experts={experts}")
-    if experts and family_kwargs["moe_ffn_hidden_size"] % (etp or tp):
-        raise ValueError(
-            f"etp={etp or tp} must divide the model's moe_intermediate_size={family_kwargs['moe_ffn_hidden_size']}"
-        )
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],

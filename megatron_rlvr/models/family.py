@@ -2,13 +2,15 @@
 activation, norms, head sizes).
 
 A family file (``qwen2.py``, ``llama.py``) is a module that satisfies `ModelFamily`; ``hf_config.family_of`` picks
-one by the HF config's ``architectures`` field.
+one by the HF config's ``architectures`` field. Every family answers the mixture-of-experts questions
+(``moe_shape``): a dense family with `DENSE`, so no caller asks "is this a MoE model?" of the HF config itself.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from megatron_rlvr.errors import UserError
@@ -18,8 +20,23 @@ class UnsupportedModelError(UserError, ValueError):
     """The HF config names an architecture or a setting this project cannot reproduce exactly."""
 
 
+@dataclass(frozen=True)
+class MoeShape:
+    """A model's routed experts: how many per MoE layer, how many each token uses, one expert's SwiGLU width, and
+    which layers have them (``pattern[i]``: 1 MoE, 0 dense). `DENSE` for a model without experts."""
+
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+    pattern: tuple[int, ...] = ()
+
+
+DENSE = MoeShape()
+
+
 class ModelFamily(Protocol):
-    """One HF architecture: its name, whether q/k/v carry a bias and a norm, its refusals and its megatron-core settings."""
+    """One HF architecture: its name, whether q/k/v carry a bias and a norm, its experts, its refusals and its
+    megatron-core settings."""
 
     ARCHITECTURE: str
     QKV_BIAS: bool
@@ -30,6 +47,9 @@ class ModelFamily(Protocol):
 
     def megatron_kwargs(self, hf: Mapping[str, Any]) -> dict[str, Any]:
         """The ``TransformerConfig`` fields this family sets beyond the shared ones."""
+
+    def moe_shape(self, hf: Mapping[str, Any]) -> MoeShape:
+        """The routed experts of a config this family validated; `DENSE` for a dense family."""
 
 
 def head_dim(hf: Mapping[str, Any]) -> int:

@@ -1,4 +1,5 @@
-"""Reading an HF ``config.json`` and picking its family by the ``architectures`` field.
+"""Reading an HF ``config.json`` (the one reader: `read_hf_config` as written, `load_hf_config` validated) and
+picking its family by the ``architectures`` field.
 
 The family files (``qwen2.py``, ``llama.py``, ``qwen3.py``) hold what differs and refuse anything that would silently change the
 math; the checks they share are in ``family.py``.
@@ -11,8 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.models import llama, qwen2, qwen3, qwen3_moe
 from megatron_rlvr.models.family import ModelFamily, UnsupportedModelError
+
+
+class ModelConfigMissing(UserError, FileNotFoundError):
+    """No ``config.json`` where a model directory was named; the message names the path and what writes one."""
+
 
 FAMILIES: dict[str, ModelFamily] = {
     qwen2.ARCHITECTURE: qwen2,
@@ -20,6 +27,31 @@ FAMILIES: dict[str, ModelFamily] = {
     qwen3.ARCHITECTURE: qwen3,
     qwen3_moe.ARCHITECTURE: qwen3_moe,
 }
+
+
+def config_path(source: str | Path) -> Path:
+    """The ``config.json`` of an HF model directory, or the file itself."""
+    path = Path(source)
+    return path / "config.json" if path.is_dir() else path
+
+
+def read_hf_config(source: str | Path) -> dict[str, Any]:
+    """The JSON of ``config.json`` (a directory or the file) as written, not validated. A missing file raises
+    `ModelConfigMissing` (a `FileNotFoundError`), a broken one `UnsupportedModelError`, each naming the file."""
+    path = config_path(source)
+    if not path.is_file():
+        relative = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        raise ModelConfigMissing(
+            f"HF config {path}{relative}: not found (expected an HF model directory or its config.json); download "
+            "the model there, or write one with `megatron-rlvr convert mcore-to-hf|gguf-to-hf` (docs/checkpoints.md)"
+        )
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UnsupportedModelError(f"HF config {path}: not valid JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise UnsupportedModelError(f"HF config {path}: expected a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -30,16 +62,7 @@ def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         hf, where = dict(source), "<config dict>"
     else:
-        path = Path(source)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"HF config {path}: not found (expected an HF model directory or its config.json)")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise UnsupportedModelError(f"HF config {path}: not valid JSON: {e}") from e
-        where = str(path)
+        hf, where = read_hf_config(source), str(config_path(source))
     family_of(hf, where).validate(hf, where)
     return hf
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rlvr.models.family import UnsupportedModelError, validate_common
+from megatron_rlvr.models.family import DENSE, MoeShape, UnsupportedModelError, validate_common
 
 ARCHITECTURE = "LlamaForCausalLM"
 QKV_BIAS = False
@@ -26,3 +26,7 @@ def validate(hf: Mapping[str, Any], where: str) -> None:
 
 def megatron_kwargs(hf: Mapping[str, Any]) -> dict[str, Any]:
     return {"add_qkv_bias": False}
+
+
+def moe_shape(hf: Mapping[str, Any]) -> MoeShape:
+    return DENSE

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rlvr.models.family import UnsupportedModelError, validate_common
+from megatron_rlvr.models.family import DENSE, MoeShape, UnsupportedModelError, validate_common
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 QKV_BIAS = True
@@ -27,3 +27,7 @@ def validate(hf: Mapping[str, Any], where: str) -> None:
 
 def megatron_kwargs(hf: Mapping[str, Any]) -> dict[str, Any]:
     return {"add_qkv_bias": True}
+
+
+def moe_shape(hf: Mapping[str, Any]) -> MoeShape:
+    return DENSE

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rlvr.models.family import UnsupportedModelError, validate_common
+from megatron_rlvr.models.family import MoeShape, UnsupportedModelError, validate_common
 from megatron_rlvr.models.qwen3 import validate_attention
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -46,6 +46,15 @@ def moe_layer_pattern(hf: Mapping[str, Any]) -> list[int]:
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = set(hf.get("mlp_only_layers") or [])
     return [int(i not in dense and num_experts(hf) > 0 and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
+
+
+def moe_shape(hf: Mapping[str, Any]) -> MoeShape:
+    return MoeShape(
+        experts=num_experts(hf),
+        experts_per_token=int(hf["num_experts_per_tok"]),
+        expert_ffn=int(hf["moe_intermediate_size"]),
+        pattern=tuple(moe_layer_pattern(hf)),
+    )
 
 
 def validate(hf: Mapping[str, Any], where: str) -> None:

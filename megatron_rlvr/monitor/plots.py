@@ -12,7 +12,7 @@ from typing import Any
 from megatron_rlvr.monitor.dynamics import candidate_dynamics
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never a display
@@ -25,7 +25,7 @@ def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -37,7 +37,7 @@ def plot_runs(
     runs: Mapping[str, Sequence[Mapping[str, Any]]], series_name: str, ylabel: str, path: str | os.PathLike
 ) -> Path | None:
     """One series (a key of :func:`candidate_dynamics`) for several runs on one axis."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = False
     for label, records in runs.items():
@@ -57,7 +57,7 @@ def plot_runs(
 
 def plot_rank_probs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike) -> Path | None:
     """Rank-1/2/3 probabilities over steps (solid: all response tokens; dashed: high-entropy tokens), per run."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     drawn = False
     for label, records in runs.items():
@@ -84,9 +84,52 @@ def plot_rank_probs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
     return _save(fig, Path(path))
 
 
+DYNAMICS_PANELS = (
+    ("reward", "mean reward"),
+    ("rank1_prob", "rank-1 probability"),
+    ("top3_mass", "top-3 mass (rank 1 + 2 + 3)"),
+    ("entropy", "entropy (nats)"),
+    ("rank1_prob_high_entropy", "rank-1 probability, forking tokens"),
+    ("top3_mass_high_entropy", "top-3 mass, forking tokens"),
+)
+
+
+def plot_candidate_dynamics(
+    groups: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], path: str | os.PathLike, title: str = ""
+) -> Path | None:
+    """Candidate dynamics of several runs (metrics.jsonl records) in six panels: reward, rank-1 probability, top-3
+    mass and entropy over all response tokens, and rank-1 probability and top-3 mass over the high-entropy (forking)
+    tokens. ``groups``: a label (e.g. the loss) -> its runs (e.g. one per seed); a group's runs share a colour and
+    differ in line style. None when no run logged any of these series."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ("-", "--", ":", "-.")
+    drawn = False
+    for g, (group, runs) in enumerate(groups.items()):
+        for r, (label, records) in enumerate(runs.items()):
+            dyn = candidate_dynamics(records)
+            for ax, (name, _) in zip(axes.flat, DYNAMICS_PANELS):
+                if name in dyn:
+                    colour, style = colours[g % len(colours)], styles[r % len(styles)]
+                    ax.plot(*dyn[name], color=colour, linestyle=style, linewidth=1.3, label=f"{group} {label}")
+                    drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    for ax, (_, ylabel) in zip(axes.flat, DYNAMICS_PANELS):
+        ax.set_title(ylabel, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return _save(fig, Path(path))
+
+
 def plot_entropy(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike) -> Path | None:
     """Mean token entropy over steps (solid) and at high-entropy (forking) tokens (dashed)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = False
     for label, records in runs.items():
@@ -115,7 +158,7 @@ def plot_entropy_histograms(hists: Sequence[Mapping[str, Any]], path: str | os.P
     """Overlaid per-token entropy histograms (records of ``MetricLogger.log_histogram``), one line per step/label."""
     if not hists:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for h in hists:
         edges, counts = h["edges"], h["counts"]
@@ -137,7 +180,7 @@ def plot_pass_at_k(
     """pass@k against k (log2 axis) for each labelled model."""
     if not curves:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, values in curves.items():
         ks = sorted(values)
@@ -161,7 +204,7 @@ def plot_metric_panels(
     present = [k for k in keys if any(series(records, (k,))[0] for records in runs.values())]
     if not present:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     rows = -(-len(present) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.3 * columns, 3.2 * rows), squeeze=False)
     for ax, key in zip(axes.flat, present):

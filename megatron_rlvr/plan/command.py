@@ -15,9 +15,10 @@ import sys
 from typing import Any
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.host_memory import host_json, host_plan, host_text
-from megatron_rlvr.plan.memory import GB, PHASE_PARTS, Layout, Plan, plan_layout
-from megatron_rlvr.plan.model_dims import ModelDims, stage_params
+from megatron_rlvr.plan.memory import ESTIMATED_PARTS, GB, PHASE_PARTS, Layout, Plan, plan_layout
+from megatron_rlvr.plan.stage_params import stage_params
 from megatron_rlvr.plan.suggest import RANKING_RULE, suggest
 
 EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -25,6 +26,7 @@ H200_MEMORY_GB = 141.0
 
 LABELS = {
     "actor_weights": "actor weights",
+    "adapters": "LoRA adapters",
     "actor_grads": "main grads (fp32)",
     "optimizer": "optimizer state",
     "reference": "frozen reference",
@@ -48,45 +50,22 @@ def load_plan_inputs(recipe: str, overrides: list[str], nodes: int | None, gpus_
     recipe header's `--nodes N`, else 1."""
     from megatron_rlvr.config import load_config
     from megatron_rlvr.errors import ConfigError
-    from megatron_rlvr.plan.recipe_files import documented_nodes, find_recipe, load_hf_config
+    from megatron_rlvr.plan.recipe_files import documented_nodes, find_hf_config, find_recipe
 
     path = find_recipe(recipe)
     cfg = load_config(path, overrides)
     nodes = nodes if nodes is not None else documented_nodes(path) or 1
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be >= 1")
-    hf = load_hf_config(cfg.model.hf_dir)
+    hf = find_hf_config(cfg.model.hf_dir)
     if hf is None:
         raise ConfigError(
             f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there or in configs/models/; the plan "
             f"needs the model's shapes"
         )
     validate_model(cfg, hf)
-    shape = {k: hf[k] for k in MODEL_SHAPE_KEYS if k in hf}
-    world = nodes * gpus_per_node
-    cfg.validate(world_size=world, model_shape=shape)
-    actor_world = world - (cfg.rollout.engine_ranks if cfg.rollout.placement == "separate" else 0)
-    a = cfg.actor
-    if actor_world % (a.tp * a.pp * a.cp):
-        raise ConfigError(
-            f"actor.cp={a.cp}: actor.tp * actor.pp * actor.cp = {a.tp * a.pp * a.cp} must divide the actor's "
-            f"{actor_world} ranks"
-        )
-    moe = bool(hf.get("num_experts") or hf.get("num_local_experts"))
-    if moe and a.tp > 1 and not a.sequence_parallel:  # megatron-core's MoE layer asserts it in training
-        raise ConfigError(f"actor.sequence_parallel: must be true for a mixture-of-experts model at actor.tp={a.tp}")
+    cfg.validate(world_size=nodes * gpus_per_node, dims=ModelDims.from_hf(hf))
     return cfg, hf, nodes
-
-
-# what Config.validate checks against the model: heads and layers for TP/PP, the experts for EP/ETP (docs/moe.md)
-MODEL_SHAPE_KEYS = (
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_hidden_layers",
-    "num_experts",
-    "num_local_experts",
-    "moe_intermediate_size",
-)
 
 
 def validate_model(cfg: Any, hf: dict) -> None:
@@ -136,6 +115,7 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
         "peak_rank": worst.name,
         "phases": {k: _gb(v) for k, v in worst.phases.items()},
         "components": {f"{k}_gb": _gb(v) for k, v in worst.components.items()},
+        "estimated_components": list(ESTIMATED_PARTS) if plan.layout.gpu else [],
         "ranks": [
             {
                 "name": r.name,
@@ -147,6 +127,7 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
         ],
         "breaking_component": None if breaker is None else {"name": breaker[0], "gb": _gb(breaker[1])},
         "problems": plan.problems,
+        "notes": plan.notes,
         "layout": dict(vars(plan.layout)),
     }
 
@@ -166,6 +147,8 @@ def describe_layout(lay: Layout) -> str:
     ]
     if lay.reference:
         parts.append("frozen reference")
+    if lay.lora_rank:
+        parts.append(f"LoRA rank {lay.lora_rank} (base frozen, free reference, sync {lay.lora_sync})")
     engine = (
         (
             f"engines colocated, TP={lay.engine_tp}, gpu_memory_utilization={lay.gpu_memory_utilization}, sleep "
@@ -210,7 +193,8 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
                 f"{'x' if name in PHASE_PARTS.get(p, ()) or rank.name == 'engine rank' else '':>11}"
                 for p in rank_phases
             )
-            lines.append(f"  {LABELS.get(name, name):<32}{value / GB:>8.2f}  {marks}")
+            label = LABELS.get(name, name) + (" (estimate)" if name in ESTIMATED_PARTS else "")
+            lines.append(f"  {label:<32}{value / GB:>8.2f}  {marks}")
         lines.append(f"  {'phase total':<32}{'':>8}  " + "".join(f"{rank.phases[p] / GB:>11.1f}" for p in rank_phases))
         lines.append("")
     c = plan.worst.components
@@ -221,6 +205,8 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
             f"update: the engine weights ({c['engine_weights'] / GB:.1f} GB, {where}) and the KV cache "
             f"({c['kv_cache'] / GB:.1f} GB); the workspace ({c['engine_workspace'] / GB:.1f} GB) stays."
         )
+    for note in plan.notes:
+        lines.append(f"note: {note}")
     for problem in plan.problems:
         lines.append(f"problem: {problem}")
     verdict = "fits" if plan.fits else "does NOT fit"
@@ -235,7 +221,17 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
             f"largest part of the {plan.worst.peak_phase} phase, which is {plan.over / GB:.1f} GB over; "
             f"try --suggest"
         )
+    if lay.gpu:
+        lines.extend(MEASURED_NOTE)
     return "\n".join(lines)
+
+
+# What a GPU plan's verdict rests on (docs/plan.md, "What 'fits' rests on").
+MEASURED_NOTE = (
+    "(estimate): a guess for the GPU, not measured; the engine's total is its gpu_memory_utilization budget either way.",
+    "the verdict is arithmetic: the actor's parts are checked against a real actor on CPU (fp32), but nothing in this",
+    "plan was measured on a GPU (bf16 bytes, the vLLM engine, the CUDA context): docs/plan.md",
+)
 
 
 def header_lines(plan: Plan) -> list[str]:
@@ -254,6 +250,8 @@ def header_lines(plan: Plan) -> list[str]:
     )
     if lay.reference:
         actor += f", reference {gb('reference')}"
+    if lay.lora_rank:
+        actor += f", LoRA adapters {gb('adapters')}"
     if c.get("dispatcher"):
         actor += f", dispatcher {gb('dispatcher')}"
     if c.get("cp_kv"):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from megatron_rlvr.plan.model_dims import ModelDims
+from megatron_rlvr.models.dims import ModelDims
 
 
 class Layout(Protocol):

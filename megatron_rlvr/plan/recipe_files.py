@@ -8,7 +8,6 @@ on a login node or a laptop without the weights. `launch/recipes.py` re-exports 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -54,11 +53,15 @@ def hf_config_path(hf_dir: str) -> Path | None:
     return kept if kept.is_file() else None
 
 
-def load_hf_config(hf_dir: str) -> dict[str, Any] | None:
+def find_hf_config(hf_dir: str) -> dict[str, Any] | None:
+    """The JSON of `hf_config_path`'s file (not validated: the plan names its own keys), or None when there is none."""
+    from megatron_rlvr.models.family import UnsupportedModelError
+    from megatron_rlvr.models.hf_config import read_hf_config
+
     path = hf_config_path(hf_dir)
     if path is None:
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model.hf_dir={hf_dir!r}: {path} is not valid JSON: {e}") from e
+        return read_hf_config(path)
+    except UnsupportedModelError as e:
+        raise ConfigError(f"model.hf_dir={hf_dir!r}: {e}") from e

@@ -21,8 +21,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.memory import Layout, Plan, kv_tokens, plan_layout
-from megatron_rlvr.plan.model_dims import ModelDims
 
 RANKING_RULE = (
     "fewer GPUs per actor replica (TP x PP x CP), then fewer pipeline stages, then (long sequences) less TP, then "

@@ -32,12 +32,15 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from megatron_rlvr.models.hf_config import read_hf_config
+from megatron_rlvr.models.tokenizer_check import TokenizerMismatch, check_same_tokenizer
 from megatron_rlvr.rollout.base import Completion, RolloutEngine, Sampling
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 def prefixed_count(fraction: float, n: int) -> int:
@@ -170,33 +173,14 @@ def without_prefixes(engine: RolloutEngine) -> RolloutEngine:
     return engine.target if isinstance(engine, PrefixedEngine) else engine
 
 
-def check_same_tokenizer(model_dir: str | Path, prefix_model: str | Path) -> Any:
-    """The target's tokenizer, after checking that ``prefix_model`` reads token ids the same way (same vocabulary,
-    same special tokens, same embedding rows); only ids travel between the two engines."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    from megatron_rlvr.errors import ConfigError
-
-    weak_dir = Path(prefix_model)
-    if not (weak_dir / "config.json").is_file():
-        raise ConfigError(f"rollout.prefix_model: {str(prefix_model)!r} is not an HF model directory (no config.json)")
-    target_tok, weak_tok = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(weak_dir)
-    problems = []
-    target_vocab, weak_vocab = target_tok.get_vocab(), weak_tok.get_vocab()
-    if target_vocab != weak_vocab:
-        differ = sorted(set(target_vocab.items()) ^ set(weak_vocab.items()), key=lambda kv: kv[1])
-        problems.append(f"vocabularies differ ({len(target_vocab)} vs {len(weak_vocab)} tokens; e.g. {differ[:3]})")
-    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        if getattr(target_tok, key) != getattr(weak_tok, key):
-            problems.append(f"{key} {getattr(target_tok, key)} vs {getattr(weak_tok, key)}")
-    sizes = [json.loads((Path(d) / "config.json").read_text()).get("vocab_size") for d in (model_dir, weak_dir)]
+def check_prefix_model(model_dir: str | Path, prefix_model: str | Path) -> PreTrainedTokenizerBase:
+    """The target's tokenizer, after checking that ``prefix_model`` reads token ids the same way (the one tokenizer
+    check, models/tokenizer_check.py) and has as many embedding rows; only ids travel between the two engines."""
+    tokenizer = check_same_tokenizer("rollout.prefix_model", prefix_model, model_dir)
+    sizes = [read_hf_config(d).get("vocab_size") for d in (model_dir, prefix_model)]
     if sizes[0] != sizes[1]:
-        problems.append(f"config vocab_size {sizes[0]} vs {sizes[1]}")
-    if problems:
-        raise ConfigError(
-            f"rollout.prefix_model: {str(prefix_model)!r} must use the same tokenizer as the model "
-            f"{str(model_dir)!r}: " + "; ".join(problems)
+        raise TokenizerMismatch(
+            f"rollout.prefix_model={str(prefix_model)!r}: config vocab_size {sizes[1]} vs the model's {sizes[0]}; "
+            "the two engines must have the same embedding rows"
         )
-    return target_tok
+    return tokenizer

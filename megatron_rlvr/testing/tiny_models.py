@@ -162,8 +162,9 @@ def write_random_hf_checkpoint(
 ) -> Path:
     """A random HF checkpoint of any size written one tensor at a time (never the whole model in memory), for
     benchmarks and memory tests of conversion and weight sync. Loads with ``AutoModelForCausalLM``."""
-    from megatron_rlvr.bridge.mapping import ModelDims, hf_shapes, mapping_table
+    from megatron_rlvr.bridge.mapping import hf_shapes, mapping_table
     from megatron_rlvr.bridge.safetensors_writer import plan_shards, write_sharded
+    from megatron_rlvr.models.dims import ModelDims
 
     cfg = make_tiny_hf_config(arch, **overrides)
     cfg.dtype = dtype

@@ -79,7 +79,7 @@ def _mask(lengths: list[int], width: int) -> torch.Tensor:
 
 
 def _batch(vocab: int):
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(5)
     width = max(LENGTHS)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.dist
 
 
 def _batch(vocab: int, seed: int = 0):
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     b, s = 4, 10

@@ -132,7 +132,7 @@ def test_pack_to_a_fixed_total_pads_the_tail_and_rejects_a_total_too_small():
 
 
 def _batch(vocab: int):
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(5)
     width = max(LENGTHS)

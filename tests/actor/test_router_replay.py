@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rlvr.actor.batch import SequenceBatch
 from megatron_rlvr.actor.packing import pack
 from megatron_rlvr.actor.router_replay import RouterReplayer, RouterReplayError, _LayerReplay, moe_layer_indices
+from megatron_rlvr.protocols.batch import SequenceBatch
 
 
 def _tcfg(arch: str = "qwen3_moe", **overrides):

@@ -25,7 +25,7 @@ TEMPERATURE = 1.0
 
 
 def _batch(vocab: int, seed: int = 0):
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     b, s = len(LENGTHS), max(LENGTHS)

@@ -17,7 +17,7 @@ ITEMS = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2)
 
 
 def _batch(vocab: int, seed: int = 0):
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     b, s = 4, 10
@@ -51,7 +51,7 @@ def teacher_is_student(hf_dir: str, tp: int):
     with model_parallel(tp=tp, pp=1, seed=11):
         actor = _actor(hf_dir, tp, dict(distill="teacher", teacher_hf_dir=hf_dir, distill_only=True, distill_top_n=3))
         batch = _batch(actor.vocab_size)
-        actor.teacher.attach(actor, batch, ITEMS)
+        actor.teacher.attach(batch, ITEMS)
         no_grad_logp = actor.compute_old_logp(batch)  # the student's own no-grad statistics pass
         return actor.update(batch, mini_batches=1), batch.teacher_logp, no_grad_logp
 
@@ -68,7 +68,7 @@ def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool
     with model_parallel(tp=tp, pp=1, seed=11, cp=cp):
         actor = _actor(hf_dir, tp, algo, pack, cp)
         batch = _batch(actor.vocab_size)
-        actor.teacher.attach(actor, batch, ITEMS)
+        actor.teacher.attach(batch, ITEMS)
         metrics = actor.update(batch, mini_batches=1)
         return batch.teacher_logp, batch.teacher_ids, batch.teacher_logits, metrics
 
@@ -193,7 +193,11 @@ def test_privileged_rows_shift_the_response_and_realign_exactly():
 def test_a_teacher_with_another_tokenizer_is_one_line_naming_the_key(student, tmp_path):
     import shutil
 
-    from megatron_rlvr.actor.teacher import check_same_tokenizer
+    from megatron_rlvr.models.tokenizer_check import check_same_tokenizer as check
+
+    def check_same_tokenizer(student_dir, teacher_dir):
+        return check("algo.teacher_hf_dir", teacher_dir, student_dir)
+
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     check_same_tokenizer(student, student)  # the same tokenizer passes
@@ -235,11 +239,13 @@ def test_reference_answers_of_strings_numbers_and_the_countdown_task():
 
 
 def test_a_teacher_whose_heads_do_not_divide_the_actor_tp_is_one_line(other_model):
-    from types import SimpleNamespace
+    from megatron_rlvr.actor.config import ActorConfig
+    from megatron_rlvr.actor.passes import ActorPasses
+    from megatron_rlvr.actor.teacher import teacher_chunks
 
-    from megatron_rlvr.actor.teacher import _teacher_chunks
-
-    actor = SimpleNamespace(cfg=SimpleNamespace(tp=3, pp=1, vpp=None), vocab_size=1)
+    passes = ActorPasses(ActorConfig(tp=3), None, vocab_size=1, local_vocab=1, temperature=1.0, replay=None)
     with pytest.raises(UserError) as e:
-        _teacher_chunks(actor, other_model, 128)
-    assert str(e.value).startswith(f"algo.teacher_hf_dir={other_model!r}: ") and "TP=3" in str(e.value)
+        teacher_chunks(passes, other_model, 128, use_te=None)
+    message = str(e.value)
+    assert message.startswith(f"algo.teacher_hf_dir={other_model!r}: the actor's layout does not fit it: "), message
+    assert "actor.tp=3 must divide the model's" in message and "\n" not in message

@@ -39,7 +39,7 @@ def _pieces_worker(hf_dir: str, tp: int, pp: int, ep: int, etp: int | None, expo
     from megatron_rlvr.bridge import export_hf_weights
     from megatron_rlvr.bridge.layout import shard_to_hf
     from megatron_rlvr.bridge.local_params import local_entries, shard_rank_and_size, tp_rank_and_size
-    from megatron_rlvr.bridge.mapping import ModelDims
+    from megatron_rlvr.models.dims import ModelDims
     from megatron_rlvr.runtime import distributed
 
     try:

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rlvr.bridge.mapping import ModelDims
 from megatron_rlvr.bridge.reshard import ReshardError, engine_shard, engine_tp_problems, rule_of
+from megatron_rlvr.models.dims import ModelDims
 from tests.models.mp_helpers import build_chunks
 
 ENGINE_TPS = (1, 2, 4)
@@ -64,8 +64,8 @@ def reference_slice(name: str, full: torch.Tensor, dims: ModelDims, tp: int, ran
     if ".q_proj." in name:
         return full.unflatten(0, (dims.heads, d)).chunk(tp)[rank].flatten(0, 1)
     if ".k_proj." in name or ".v_proj." in name:
-        heads = full.unflatten(0, (dims.groups, d))
-        part = heads.chunk(tp)[rank] if tp <= dims.groups else heads[rank * dims.groups // tp][None]
+        heads = full.unflatten(0, (dims.kv_heads, d))
+        part = heads.chunk(tp)[rank] if tp <= dims.kv_heads else heads[rank * dims.kv_heads // tp][None]
         return part.flatten(0, 1)
     if ".gate_proj." in name or ".up_proj." in name:
         return full.chunk(tp, dim=0)[rank]
@@ -82,8 +82,8 @@ def reassemble(name: str, shards: list[torch.Tensor], dims: ModelDims) -> torch.
     if rule in ("replicated", "qk_norm", "router"):
         assert all(torch.equal(s, shards[0]) for s in shards), f"{name}: replicated shards differ"
         return shards[0]
-    if rule == "kv" and tp > dims.groups:
-        replicas = tp // dims.groups
+    if rule == "kv" and tp > dims.kv_heads:
+        replicas = tp // dims.kv_heads
         for r, s in enumerate(shards):
             assert torch.equal(s, shards[r - r % replicas]), f"{name}: replicas of one kv head differ"
         shards = shards[::replicas]
@@ -115,7 +115,7 @@ def _reshard_worker(hf_dir: str, tp: int, pp: int, engine_tps: tuple[int, ...], 
                             problems.append(
                                 f"{name} e={e} rank {r}: shape {list(s.shape)} != {list(want.shape)} or values differ"
                             )
-                    stats["replicated_kv"] += rule_of(name) == "kv" and e > dims.groups
+                    stats["replicated_kv"] += rule_of(name) == "kv" and e > dims.kv_heads
                     if not torch.equal(reassemble(name, shards, dims), t):
                         problems.append(f"{name} e={e}: the shards do not reassemble to the full tensor")
         missing = sorted(set(ref) - seen)
@@ -145,7 +145,7 @@ def test_engine_shards_of_the_export_equal_the_sliced_checkpoint(workers4, tiny_
         assert r["problems"] == [], f"rank {rank}: {r['problems'][:5]}"
         assert r["shards"] > 0
         # the cases the models were chosen for did occur
-        assert (r["replicated_kv"] > 0) == (dims.groups < max(ENGINE_TPS)), f"rank {rank}: kv replication"
+        assert (r["replicated_kv"] > 0) == (dims.kv_heads < max(ENGINE_TPS)), f"rank {rank}: kv replication"
         assert (r["empty_vocab_shards"] > 0) == (model == "tied"), f"rank {rank}: empty vocabulary shards"
 
 
@@ -160,7 +160,7 @@ def _vllm_layers(monkeypatch, dims: ModelDims, tp: int, rank: int):
     kw = dict(params_dtype=torch.float32)
     with set_current_vllm_config(VllmConfig()):
         return types.SimpleNamespace(
-            qkv=QKVParallelLinear(dims.hidden, dims.head_dim, dims.heads, dims.groups, bias=True, **kw),
+            qkv=QKVParallelLinear(dims.hidden, dims.head_dim, dims.heads, dims.kv_heads, bias=True, **kw),
             o=RowParallelLinear(dims.heads * dims.head_dim, dims.hidden, bias=False, **kw),
             gate_up=MergedColumnParallelLinear(dims.hidden, [dims.ffn] * 2, bias=False, **kw),
             down=RowParallelLinear(dims.ffn, dims.hidden, bias=False, **kw),
@@ -180,7 +180,7 @@ def test_engine_shard_is_what_vllms_weight_loaders_keep(monkeypatch, tiny_models
         layers = _vllm_layers(monkeypatch, dims, tp, rank)
         weights, biases = [], []
         for part in ("q", "k", "v"):
-            rows = (dims.heads if part == "q" else dims.groups) * dims.head_dim
+            rows = (dims.heads if part == "q" else dims.kv_heads) * dims.head_dim
             for kind, param, kept in (("weight", layers.qkv.weight, weights), ("bias", layers.qkv.bias, biases)):
                 name = f"{p}self_attn.{part}_proj.{kind}"
                 full = ref[name] if name in ref else torch.randn(rows)  # llama has no qkv bias: vLLM's rule still
@@ -210,7 +210,7 @@ def test_engine_shard_is_what_vllms_weight_loaders_keep(monkeypatch, tiny_models
 
 def test_a_tp_vllm_cannot_split_is_refused_naming_the_tensor_and_sizes():
     dims = ModelDims(
-        hidden=128, heads=8, groups=2, head_dim=16, ffn=256, vocab=1001, layers=2, tied=False, qkv_bias=True
+        hidden=128, heads=8, kv_heads=2, head_dim=16, ffn=256, vocab=1001, layers=2, tied=False, qkv_bias=True
     )
     with pytest.raises(ReshardError, match=r"q_proj\.weight: engine tp=3 does not divide its 8 attention heads"):
         engine_shard("model.layers.1.self_attn.q_proj.weight", torch.zeros(128, 128), dims, 3, 0)
@@ -256,7 +256,7 @@ def test_expert_shards_are_what_vllms_fused_moe_loader_keeps(tiny_models, tp):
     layer = f"model.layers.{dims.moe_layers[0]}.mlp."
     mapping = RoutedExperts.build_expert_params_mapping("gate_proj", "down_proj", "up_proj", dims.experts)
     assert {m[3] for m in mapping} == {"w1", "w2", "w3"} and len(mapping) == 3 * dims.experts
-    n, H, E = dims.moe_ffn // tp, dims.hidden, dims.experts
+    n, H, E = dims.expert_ffn // tp, dims.hidden, dims.experts
     for rank in range(tp):
         loader = _fused_moe_loader(tp)
         w13, w2 = torch.full((E, 2 * n, H), float("nan")), torch.full((E, H, n), float("nan"))

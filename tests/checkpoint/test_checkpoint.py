@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.dist]
 def _batch(seed: int, vocab: int):
     import torch
 
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (8, 12), generator=g)

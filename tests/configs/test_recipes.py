@@ -11,10 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from launch.recipes import CONFIGS_DIR, MODEL_CONFIGS_DIR, find_recipe, load_and_validate, load_hf_config, recipe_names
+from launch.recipes import CONFIGS_DIR, MODEL_CONFIGS_DIR, find_hf_config, find_recipe, load_and_validate, recipe_names
 from megatron_rlvr.errors import ConfigError
 
-CPU_RECIPES = {"demo_cpu", "demo_cpu_grpo", "eval_cpu", "reasoning_gym_cpu"}
+CPU_RECIPES = {
+    "demo_cpu",
+    "demo_cpu_grpo",
+    "eval_cpu",
+    "reasoning_gym_cpu",
+    "smollm2-135m-instruct_arithmetic_casp_cpu",
+    "smollm2-135m-instruct_arithmetic_grpo_cpu",
+}
 PAPER_RECIPES = sorted(set(recipe_names()) - CPU_RECIPES)
 
 # Published parameter counts: the model cards' "Number of Parameters" where they state one (Qwen2.5-7B 7.61B,
@@ -55,7 +62,7 @@ def test_the_paper_and_cpu_recipes_are_all_there():
 
 def load_hf_config_of(name: str) -> dict:
     _, cfg = load_and_validate(name, [], world_size=None)
-    hf = load_hf_config(cfg.model.hf_dir) or {}
+    hf = find_hf_config(cfg.model.hf_dir) or {}
     return {**hf, "_name": Path(cfg.model.hf_dir).name}
 
 
@@ -66,12 +73,15 @@ def test_recipe_loads_and_validates_at_its_documented_world_size(name):
     assert world % (cfg.actor.tp * cfg.actor.pp) == 0
     if name not in CPU_RECIPES:
         assert cfg.model.hf_dir.startswith("/models/"), "cluster recipes read checkpoints from the /models mount"
-        hf = load_hf_config(cfg.model.hf_dir)
+        hf = find_hf_config(cfg.model.hf_dir)
         assert cfg.rollout.max_model_len <= hf["max_position_embeddings"], "responses must fit the model's positions"
         assert hf["num_attention_heads"] % cfg.rollout.tp == 0 and hf["num_key_value_heads"] % cfg.rollout.tp == 0
 
 
-@pytest.mark.parametrize("name", [n for n in PAPER_RECIPES if n.endswith("_casp")] + ["demo_cpu"])
+@pytest.mark.parametrize(
+    "name",
+    [n for n in PAPER_RECIPES if n.endswith("_casp")] + ["demo_cpu", "smollm2-135m-instruct_arithmetic_casp_cpu"],
+)
 def test_casp_recipes_use_the_papers_candidate_count(name):
     _, cfg = load_and_validate(name, [], world_size=None)
     assert cfg.algo.loss == "casp" and cfg.algo.top_n == 3 and cfg.algo.apply_to == "both"
@@ -127,11 +137,11 @@ def analytic_parameter_count(hf: dict) -> int:
 
 @pytest.mark.parametrize("model", sorted(KNOWN_SIZES))
 def test_analytic_parameter_count_matches_the_published_size(model):
-    hf = load_hf_config(f"/models/{model}")
+    hf = find_hf_config(f"/models/{model}")
     count = analytic_parameter_count(hf)
     assert abs(count - KNOWN_SIZES[model]) / KNOWN_SIZES[model] < 0.01, (model, count)
     if model in ACTIVE_SIZES:
-        from megatron_rlvr.plan.model_dims import ModelDims
+        from megatron_rlvr.models.dims import ModelDims
 
         active = ModelDims.from_hf(hf).active_params()
         assert abs(active - ACTIVE_SIZES[model]) / ACTIVE_SIZES[model] < 0.02, (model, active)
@@ -162,7 +172,7 @@ def test_megatron_model_on_meta_device_matches_the_published_size():
     with WorkerGroup(1, timeout_s=600) as group:
         (counts,) = group.run(_meta_parameter_counts, sorted(KNOWN_SIZES))
     for model, count in counts.items():
-        hf = load_hf_config(f"/models/{model}")
+        hf = find_hf_config(f"/models/{model}")
         print(f"{model}: megatron meta build {count / 1e9:.3f}B params, published {KNOWN_SIZES[model] / 1e9:.2f}B")
         assert count == analytic_parameter_count(hf), model
         assert abs(count - KNOWN_SIZES[model]) / KNOWN_SIZES[model] < 0.01, (model, count)
@@ -177,7 +187,7 @@ def test_every_kept_model_config_is_referenced_by_a_recipe():
 
 @pytest.mark.parametrize("name", recipe_names())
 def test_recipe_benchmarks_are_ones_the_eval_runner_knows(name):
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS
 
     _, cfg = load_and_validate(name, [], world_size=None)
     assert set(cfg.eval.benchmarks) <= set(BENCHMARKS), sorted(set(cfg.eval.benchmarks) - set(BENCHMARKS))

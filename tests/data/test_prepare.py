@@ -378,7 +378,7 @@ def test_bad_sources_are_one_clear_error(tmp_path):
 
 def test_countdown_split_is_what_the_eval_reads_and_the_demo_evaluates(tmp_path, capsys):
     from megatron_rlvr.demo.command import _write_eval_split
-    from megatron_rlvr.eval.benchmarks import BenchmarkMissing, load_benchmark
+    from megatron_rlvr.problems.benchmarks import BenchmarkMissing, load_benchmark
     from megatron_rlvr.tasks.countdown import split_of
 
     data = tmp_path / "data"

@@ -85,7 +85,7 @@ def test_tool_writes_a_checkpoint_whose_tokenizer_survives_autotokenizer(tmp_pat
 def test_weak_preset_builds_a_smaller_model_on_the_demo_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_rlvr.rollout.prefixes import check_same_tokenizer
+    from megatron_rlvr.rollout.prefixes import check_prefix_model
 
     demo = TOOL.parents[1] / "megatron_rlvr" / "demo" / "model"
     out = tmp_path / "weak"
@@ -116,14 +116,14 @@ def test_weak_preset_builds_a_smaller_model_on_the_demo_tokenizer(tmp_path):
     weak, base = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(demo)
     assert weak.config.vocab_size == base.config.vocab_size and weak.config.num_hidden_layers == 1
     assert weak.num_parameters() < base.num_parameters()
-    check_same_tokenizer(demo, out)  # what make_engine checks before serving it as rollout.prefix_model
+    check_prefix_model(demo, out)  # what make_engine checks before serving it as rollout.prefix_model
 
 
 def test_committed_weak_model_shares_the_demo_tokenizer_and_is_smaller():
-    from megatron_rlvr.rollout.prefixes import check_same_tokenizer
+    from megatron_rlvr.rollout.prefixes import check_prefix_model
 
     demo = TOOL.parents[1] / "megatron_rlvr" / "demo"
-    check_same_tokenizer(demo / "model", demo / "weak_model")
+    check_prefix_model(demo / "model", demo / "weak_model")
     weak, base = (json.loads((demo / d / "training_info.json").read_text()) for d in ("weak_model", "model"))
     assert weak["parameters"] < base["parameters"]
     assert weak["base_eval"]["pass@1"] < base["base_eval"]["pass@1"]  # measured when each was made (same eval set)

@@ -52,7 +52,7 @@ def encode(text: str) -> list[int]:
 
 def main(argv: list[str]) -> int:
     """fake_engine.py DATA_DIR OUT N CHUNK [REQUEST_SAMPLES]: evaluate two fake models on math500 + countdown."""
-    from megatron_rlvr.eval.command import evaluate
+    from megatron_rlvr.eval.api import evaluate
     from megatron_rlvr.eval.config import EvalConfig
     from megatron_rlvr.rewards.config import RewardConfig
 

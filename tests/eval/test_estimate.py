@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlvr.config import load_config
-from megatron_rlvr.eval.command import estimate, evaluate
+from megatron_rlvr.eval.api import estimate, evaluate
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.estimate import (
     EstimateError,
@@ -22,7 +22,7 @@ from megatron_rlvr.eval.estimate import (
     recipe_estimate,
 )
 from megatron_rlvr.eval.store import load_records
-from megatron_rlvr.plan.eval_estimate import main as estimate_main
+from megatron_rlvr.recipes.estimate import main as estimate_main
 from megatron_rlvr.rewards import RewardConfig
 from tests.eval.fake_engine import FakeEngine, encode
 from tests.eval.test_runner import write_data

@@ -126,22 +126,24 @@ def test_moe_log_probs_match_transformers(workers2, moe_dirs, norm, tp, pp, ep, 
 )
 def test_config_validate_names_every_expert_layout_that_does_not_divide(actor, world, message):
     from megatron_rlvr.config import Config, ConfigError
+    from megatron_rlvr.models.dims import ModelDims
 
     cfg = Config()
     for key, value in actor.items():
         setattr(cfg.actor, key, value)
     with pytest.raises(ConfigError) as e:
-        cfg.validate(world_size=world, model_shape=_config())
+        cfg.validate(world_size=world, dims=ModelDims.from_hf(_config()))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_config_validate_refuses_expert_parallelism_for_a_dense_model_and_accepts_a_good_layout():
     from megatron_rlvr.config import Config, ConfigError
+    from megatron_rlvr.models.dims import ModelDims
 
     cfg = Config()
     cfg.actor.ep = 2
     dense = make_tiny_hf_config("qwen3").to_dict()
     with pytest.raises(ConfigError, match="actor.ep=2.*dense model"):
-        cfg.validate(world_size=2, model_shape=dense)
-    cfg.actor.tp, cfg.actor.etp = 2, 1
-    assert cfg.validate(world_size=4, model_shape=_config())
+        cfg.validate(world_size=2, dims=ModelDims.from_hf(dense))
+    cfg.actor.tp, cfg.actor.etp, cfg.actor.sequence_parallel = 2, 1, True
+    assert cfg.validate(world_size=4, dims=ModelDims.from_hf(_config()))

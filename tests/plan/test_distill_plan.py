@@ -8,10 +8,11 @@ import json
 
 import pytest
 
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan import command
 from megatron_rlvr.plan.memory import GB
-from megatron_rlvr.plan.model_dims import ModelDims, stage_params
-from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, load_hf_config
+from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, find_hf_config
+from megatron_rlvr.plan.stage_params import stage_params
 
 RECIPE = "qwen2.5-7b_synlogic_casp"  # actor TP=2, bf16
 
@@ -19,7 +20,7 @@ RECIPE = "qwen2.5-7b_synlogic_casp"  # actor TP=2, bf16
 @pytest.fixture(scope="module")
 def teacher_14b(tmp_path_factory) -> str:
     """Qwen2.5-14B's shape (hidden 5120, 48 layers, ffn 13824, 40 heads, 8 KV heads): 1.94x the 7B's parameters."""
-    hf = load_hf_config(str(MODEL_CONFIGS_DIR / "Qwen2.5-7B"))
+    hf = find_hf_config(str(MODEL_CONFIGS_DIR / "Qwen2.5-7B"))
     hf.update(
         hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8
     )
@@ -36,7 +37,7 @@ def _plan(capsys, *overrides: str) -> tuple[int, dict]:
 def test_a_teacher_twice_the_students_size_is_counted_in_every_phase(capsys, teacher_14b):
     _, alone = _plan(capsys)
     code, plan = _plan(capsys, "algo.distill=teacher", f"algo.teacher_hf_dir={teacher_14b}")
-    student = ModelDims.from_hf(load_hf_config(str(MODEL_CONFIGS_DIR / "Qwen2.5-7B")))
+    student = ModelDims.from_hf(find_hf_config(str(MODEL_CONFIGS_DIR / "Qwen2.5-7B")))
     teacher = ModelDims.from_hf(json.loads(open(f"{teacher_14b}/config.json").read()))
     assert 1.9 < teacher.hf_params() / student.hf_params() < 2.0
     expected = stage_params(teacher, 2, 1, 0) * 2 / GB  # bf16 at the actor's TP = 2

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.command import load_plan_inputs, main, make_plan
 from megatron_rlvr.plan.host_memory import (
     GB,
@@ -20,7 +21,6 @@ from megatron_rlvr.plan.host_memory import (
     host_plan,
     staged_bytes,
 )
-from megatron_rlvr.plan.model_dims import ModelDims
 from megatron_rlvr.plan.recipe_files import find_recipe, recipe_names
 
 H200_TRAIN = [
@@ -57,7 +57,6 @@ def test_the_staging_arithmetic_is_what_the_shard_stage_keeps(tmp_path):
     import torch
 
     from megatron_rlvr.bridge import HFCheckpointReader
-    from megatron_rlvr.bridge.mapping import ModelDims as BridgeDims
     from megatron_rlvr.models import load_hf_config
     from megatron_rlvr.rollout.shard_stage import ShardStage
     from megatron_rlvr.rollout.weight_manifest import WeightManifest
@@ -69,7 +68,7 @@ def test_the_staging_arithmetic_is_what_the_shard_stage_keeps(tmp_path):
         weights = [(n, reader.read(n)) for n in reader.names()]
     manifest = WeightManifest.from_model_dir(hf_dir)
     for tp in (1, 2):
-        staged = ShardStage(manifest, BridgeDims.from_hf(hf), tp, tp - 1).stage(iter(weights))
+        staged = ShardStage(manifest, ModelDims.from_hf(hf), tp, tp - 1).stage(iter(weights))
         assert staged.peak_bytes == staged_bytes(ModelDims.from_hf(hf), tp, torch.float32.itemsize)
 
 
@@ -101,10 +100,10 @@ LARGER_QWEN2 = dict(
 def _cpu_host(overrides: list[str] = (), hf_overrides: dict | None = None, world: int = 2):
     from megatron_rlvr.config import load_config
     from megatron_rlvr.plan.memory import Layout
-    from megatron_rlvr.plan.recipe_files import load_hf_config
+    from megatron_rlvr.plan.recipe_files import find_hf_config
 
     cfg = load_config("configs/demo_cpu.yaml", list(overrides))
-    hf = {**load_hf_config(cfg.model.hf_dir), **(hf_overrides or {})}
+    hf = {**find_hf_config(cfg.model.hf_dir), **(hf_overrides or {})}
     lay = Layout.from_config(cfg, world, gpu=False)
     return host_plan(cfg, hf, lay, world, world, 0), ModelDims.from_hf(hf), cfg
 
@@ -150,7 +149,7 @@ def test_cpu_first_sync_is_the_peak_when_several_engines_load_a_model_of_little_
 
 def test_the_engine_plain_bytes_are_the_checkpoints_plain_tensors(tmp_path):
     """A lent-fed engine keeps, of its own, each tensor that is not a GEMM weight once (the twin of an adopted view)
-    and the packed biases (and a padded vocabulary's tables) twice: live and twin (rollout/cpu_weights.py)."""
+    and the packed biases (and a padded vocabulary's tables) twice: live and twin (rollout/cpu/weights.py)."""
     from megatron_rlvr.bridge import HFCheckpointReader
     from megatron_rlvr.models import load_hf_config
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model

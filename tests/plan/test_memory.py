@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan import command
 from megatron_rlvr.plan.memory import GB, Layout, plan_layout
-from megatron_rlvr.plan.model_dims import ModelDims, stage_params
-from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, load_hf_config
+from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, find_hf_config
+from megatron_rlvr.plan.stage_params import stage_params
 from megatron_rlvr.plan.suggest import _rank, suggest
 from tests.configs.test_recipes import KNOWN_SIZES, analytic_parameter_count
 
@@ -20,12 +21,12 @@ BIG = "qwen2.5-32b_math-l3to5_casp"
 
 
 def dims_of(model: str) -> ModelDims:
-    return ModelDims.from_hf(load_hf_config(str(MODEL_CONFIGS_DIR / model)))
+    return ModelDims.from_hf(find_hf_config(str(MODEL_CONFIGS_DIR / model)))
 
 
 @pytest.mark.parametrize("model", sorted(KNOWN_SIZES))
 def test_stage_counts_add_up_to_the_models_count(model):
-    hf = load_hf_config(str(MODEL_CONFIGS_DIR / model))
+    hf = find_hf_config(str(MODEL_CONFIGS_DIR / model))
     dims = ModelDims.from_hf(hf)
     whole = stage_params(dims, tp=1, pp=1, stage=0)
     padding = (-dims.vocab % 128) * dims.hidden * (1 if dims.tied else 2)  # megatron pads the vocab rows
@@ -146,7 +147,7 @@ def test_a_tiny_kv_cache_is_a_problem_even_when_the_bytes_add_up(capsys):
 
 
 def test_suggest_lists_fitting_layouts_best_first(capsys):
-    hf = load_hf_config(str(MODEL_CONFIGS_DIR / "Qwen2.5-32B"))
+    hf = find_hf_config(str(MODEL_CONFIGS_DIR / "Qwen2.5-32B"))
     from megatron_rlvr.config import load_config
     from megatron_rlvr.plan.recipe_files import find_recipe
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.command import main
 from megatron_rlvr.plan.memory import FP32, Layout, plan_layout
-from megatron_rlvr.plan.model_dims import ModelDims, stage_params, stage_split
 from megatron_rlvr.plan.parallel_terms import dispatcher_bytes
-from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, load_hf_config
+from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, find_hf_config
+from megatron_rlvr.plan.stage_params import stage_params, stage_split
 from megatron_rlvr.plan.suggest import suggest
 from tools.measure_memory import Case, measure_rank, predicted
 
@@ -24,7 +25,7 @@ MOE = "Qwen3-30B-A3B"
 
 
 def dims_of(model: str) -> ModelDims:
-    return ModelDims.from_hf(load_hf_config(str(MODEL_CONFIGS_DIR / model)))
+    return ModelDims.from_hf(find_hf_config(str(MODEL_CONFIGS_DIR / model)))
 
 
 def components(dims: ModelDims, **layout) -> dict[str, int]:
@@ -122,7 +123,7 @@ def test_recipes_json_names_the_moe_and_cp_layouts(capsys):
 
 
 def _recipe_with_model(tmp_path: Path, hf_changes: dict, overrides: str = "") -> str:
-    hf = load_hf_config(str(MODEL_CONFIGS_DIR / MOE)) | hf_changes
+    hf = find_hf_config(str(MODEL_CONFIGS_DIR / MOE)) | hf_changes
     model = tmp_path / "Qwen3-30B-A3B"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(hf))
@@ -166,7 +167,7 @@ def test_plan_refuses_ep_on_a_dense_model_and_cp_that_does_not_divide(capsys):
     assert "actor.ep=2" in capsys.readouterr().err
     assert main(["qwen2.5-32b_math-16k_casp", "actor.cp=3"]) == 2
     err = capsys.readouterr().err  # Config.validate's layout check names the product and its factors
-    assert "actor.cp" in err and "4 * 1 * 3 must divide the world size 32" in err, err
+    assert "actor.cp" in err and "4 * 1 * 3 = 12 must divide the world size 32; nearest layout that fits:" in err, err
 
 
 # ---------------------------------------------------------------------------------------------------------------

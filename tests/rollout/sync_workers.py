@@ -54,13 +54,14 @@ def sync_and_compare(
         for chunk in chunks:
             chunk.eval()  # forward passes only (MoE at TP > 1 runs only in eval mode on CPU, docs/moe.md)
         if dist.get_rank() == 0:
+            from megatron_rlvr.models.dims import ModelDims
             from megatron_rlvr.rollout import RolloutConfig, make_engine
             from megatron_rlvr.rollout.readback import unreadable
 
             cfg = RolloutConfig(  # check_sync reads the weights back: not possible for experts (readback.unreadable)
                 max_model_len=256,
                 kv_cache_memory_bytes=32 << 20,
-                check_sync=unreadable(hf) is None,
+                check_sync=unreadable(ModelDims.from_hf(hf)) is None,
                 sync_staging=staging,
             )
             engine = make_engine(hf_dir, cfg)

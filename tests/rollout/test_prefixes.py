@@ -17,7 +17,7 @@ import torch
 
 from megatron_rlvr.rollout import RolloutConfig, RolloutEngine, Sampling
 from megatron_rlvr.rollout.base import Completion
-from megatron_rlvr.rollout.prefixes import PrefixedEngine, check_same_tokenizer, prefixed_count
+from megatron_rlvr.rollout.prefixes import PrefixedEngine, check_prefix_model, prefixed_count
 from megatron_rlvr.testing.engines import ScriptedEngineBase
 
 EOS = 0
@@ -222,7 +222,7 @@ DEMO = Path(__file__).resolve().parents[2] / "megatron_rlvr" / "demo"
 def test_tokenizer_mismatch_is_a_clear_error(tmp_path):
     from megatron_rlvr.errors import ConfigError
 
-    check_same_tokenizer(DEMO / "model", DEMO / "weak_model")
+    check_prefix_model(DEMO / "model", DEMO / "weak_model")
     other = tmp_path / "other"
     shutil.copytree(DEMO / "weak_model", other)
     tok = json.loads((other / "tokenizer.json").read_text())
@@ -231,14 +231,14 @@ def test_tokenizer_mismatch_is_a_clear_error(tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: same strings, other meaning of the ids
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ConfigError, match="rollout.prefix_model.*vocabularies differ"):
-        check_same_tokenizer(DEMO / "model", other)
+        check_prefix_model(DEMO / "model", other)
     shutil.copy(DEMO / "weak_model" / "tokenizer.json", other / "tokenizer.json")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(config | {"vocab_size": config["vocab_size"] + 8}))
     with pytest.raises(ConfigError, match="config vocab_size"):
-        check_same_tokenizer(DEMO / "model", other)
+        check_prefix_model(DEMO / "model", other)
     with pytest.raises(ConfigError, match="not an HF model directory"):
-        check_same_tokenizer(DEMO / "model", tmp_path / "missing")
+        check_prefix_model(DEMO / "model", tmp_path / "missing")
 
 
 @pytest.mark.engine

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, routed_experts, routing_of
 
 
@@ -23,7 +24,7 @@ def moe_dir(tmp_path_factory):
 def test_vllm_rows_become_the_completions_layout(moe_dir):
     from megatron_rlvr.models import load_hf_config
 
-    moe_layers, top_k = routing_of(load_hf_config(moe_dir))
+    moe_layers, top_k = routing_of(ModelDims.from_hf(load_hf_config(moe_dir)))
     assert moe_layers == (0, 2, 3) and top_k == 2  # layer 1 is dense (mlp_only_layers)
     prompt, response = 5, 3
     rows = np.arange((prompt + response - 1) * 4 * top_k, dtype=np.uint8).reshape(prompt + response - 1, 4, top_k)

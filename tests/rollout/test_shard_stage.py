@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlvr.bridge.mapping import ModelDims
 from megatron_rlvr.bridge.reshard import engine_shard
 from megatron_rlvr.models import load_hf_config
+from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.rollout.shard_stage import ShardStage
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError
 from megatron_rlvr.testing.tiny_models import make_tiny_hf_model

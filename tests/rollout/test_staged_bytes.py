@@ -64,9 +64,9 @@ def _member(hf_dir: str, plan: list[tuple[int, int, bool]]) -> dict:
     """Sender (member 0) or engine rank; ``plan``: (version, engine tp, bad stream) per transfer."""
     import torch.distributed as dist
 
-    from megatron_rlvr.bridge.mapping import ModelDims
     from megatron_rlvr.bridge.reshard import engine_shard
     from megatron_rlvr.models import load_hf_config
+    from megatron_rlvr.models.dims import ModelDims
     from megatron_rlvr.rollout.shard_stage import ShardStage
     from megatron_rlvr.rollout.transfer import WeightReceiver, WeightSender
     from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError

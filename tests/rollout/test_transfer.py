@@ -41,8 +41,8 @@ def hf_dir(tmp_path_factory):
 
 def _model(hf_dir: str, only: str | None = None):
     from megatron_rlvr.bridge import HFCheckpointReader
-    from megatron_rlvr.bridge.mapping import ModelDims
     from megatron_rlvr.models import load_hf_config
+    from megatron_rlvr.models.dims import ModelDims
 
     with HFCheckpointReader(hf_dir) as reader:
         ref = {n: reader.read(n) for n in reader.names() if only is None or only in n}

@@ -90,12 +90,12 @@ def preflight(args: argparse.Namespace) -> list[str]:
     import megatron.core.pipeline_parallel  # noqa: F401
     import torch  # noqa: F401
 
-    from megatron_rlvr.actor.batch import SequenceBatch  # noqa: F401
     from megatron_rlvr.actor.config import ActorConfig  # noqa: F401
     from megatron_rlvr.actor.megatron_actor import MegatronActor  # noqa: F401
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig  # noqa: F401
     from megatron_rlvr.ops import backends  # noqa: F401
+    from megatron_rlvr.protocols.batch import SequenceBatch  # noqa: F401
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
 
     AlgoConfig(loss="casp")
@@ -114,7 +114,7 @@ def make_batch(vocab: int, args: argparse.Namespace):
     """Right-padded rollouts: a prompt, then a response of random length; advantages of both signs."""
     import torch
 
-    from megatron_rlvr.actor.batch import SequenceBatch
+    from megatron_rlvr.protocols.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(args.seed)
     b, s = args.sequences, args.prompt_len + args.max_response

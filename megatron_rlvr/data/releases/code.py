@@ -13,12 +13,7 @@ import json
 from typing import Any
 
 from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, first
-
-STDIN_INSTRUCTION = (
-    "\n\nRead the input from standard input and write the answer to standard output."
-    "\n\nReturn the complete program in one ```python code block."
-)
-STARTER_INSTRUCTION = "\n\nComplete this starter code:\n```python\n{starter}\n```\n\nReturn the complete program in one ```python code block."
+from megatron_rlvr.problems.benchmarks import CODE_SUFFIX, STARTER_INSTRUCTION, STDIN_INSTRUCTION
 
 
 def _tests(value: Any) -> Any:
@@ -38,7 +33,7 @@ def _io(inputs: list, outputs: list) -> dict:
 
 
 def convert_deepcoder(record: dict, options: Options) -> Prepared:
-    from megatron_rlvr.eval.benchmarks import _lcb_functional_tests
+    from megatron_rlvr.problems.benchmarks import functional_tests_as_asserts
 
     problem = first(record, "problem", "question")
     if not isinstance(problem, str):
@@ -50,7 +45,9 @@ def convert_deepcoder(record: dict, options: Options) -> Prepared:
             raise Skip("call-based tests (fn_name) have no harness in the code verifier")
         if not tests.get("inputs"):
             raise Skip("no test cases")
-        return Prepared(problem, _io(tests["inputs"], tests.get("outputs", [])), "code", problem + STDIN_INSTRUCTION)
+        return Prepared(
+            problem, _io(tests["inputs"], tests.get("outputs", [])), "code", problem + STDIN_INSTRUCTION + CODE_SUFFIX
+        )
     if not isinstance(tests, list) or not tests:
         raise Skip("no test cases in 'tests'")
     kinds = {str(t.get("testtype") or t.get("type")) for t in tests if isinstance(t, dict)}
@@ -58,7 +55,10 @@ def convert_deepcoder(record: dict, options: Options) -> Prepared:
         if any(not isinstance(t.get("input"), str) or not isinstance(t.get("output"), str) for t in tests):
             raise Skip("a stdin/stdout case without string 'input' and 'output'")
         return Prepared(
-            problem, _io([t["input"] for t in tests], [t["output"] for t in tests]), "code", problem + STDIN_INSTRUCTION
+            problem,
+            _io([t["input"] for t in tests], [t["output"] for t in tests]),
+            "code",
+            problem + STDIN_INSTRUCTION + CODE_SUFFIX,
         )
     if kinds == {"functional"}:
         metadata = record.get("metadata") or {}
@@ -67,15 +67,15 @@ def convert_deepcoder(record: dict, options: Options) -> Prepared:
         if not func_name:
             raise Skip("functional tests without metadata.func_name")
         try:
-            reference = {"tests": _lcb_functional_tests(tests, func_name)}
+            reference = {"tests": functional_tests_as_asserts(tests, func_name)}
         except (ValueError, KeyError, TypeError) as e:
             raise Skip(f"functional test cases are not one JSON value per line ({e})") from None
-        return Prepared(problem, reference, "code", problem + STARTER_INSTRUCTION.format(starter=starter))
+        return Prepared(problem, reference, "code", problem + STARTER_INSTRUCTION.format(starter=starter) + CODE_SUFFIX)
     raise Skip(f"test type {sorted(kinds)} has no harness in the code verifier")
 
 
 def convert_livecodebench(record: dict, options: Options) -> Prepared:
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS, Row
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS, Row
 
     spec = BENCHMARKS["livecodebench"]
     try:

@@ -6,13 +6,11 @@ from __future__ import annotations
 import re
 
 from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, chat_text, first
-
-# the instruction the eval gives math problems (eval/benchmarks.py), so training and eval prompts agree
-MATH_INSTRUCTION = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+from megatron_rlvr.problems.benchmarks import MATH_SUFFIX
 
 
 def _with_instruction(problem: str, options: Options) -> str:
-    return problem + MATH_INSTRUCTION if options.instruction else problem
+    return problem + MATH_SUFFIX if options.instruction else problem
 
 
 def _level(value: object) -> int | None:
@@ -21,7 +19,7 @@ def _level(value: object) -> int | None:
 
 
 def convert_math(record: dict, options: Options) -> Prepared:
-    from megatron_rlvr.rewards.math_verifier import _last_boxed
+    from megatron_rlvr.rewards.answers import last_boxed
 
     problem = first(record, "problem", "Problem")
     if not isinstance(problem, str):
@@ -33,7 +31,7 @@ def convert_math(record: dict, options: Options) -> Prepared:
         if level not in options.levels:
             raise Skip(f"level {level} not in --levels")
     solution = first(record, "solution", "Solution")
-    answer = _last_boxed(str(solution)) if solution is not None else None
+    answer = last_boxed(str(solution)) if solution is not None else None
     if not answer or not answer.strip():
         raise Skip("no \\boxed{} answer in 'solution'")
     return Prepared(

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rlvr.models.dims import ModelDims
+
 
 class CpuMoeReloadError(RuntimeError):
     """A fused-MoE layer this repair cannot put back (the message names it)."""
@@ -44,10 +46,10 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
     return done
 
 
-def ensure_ep_group(hf_config: dict) -> None:
+def ensure_ep_group(dims: ModelDims) -> None:
     """Give a MoE engine the expert-parallel group vLLM's kept parallel state lacks.
 
-    In-process CPU engines reuse the process's vLLM parallel state (`vllm_engine._shutdown_keeping_vllm_parallel_state`);
+    In-process CPU engines reuse the process's vLLM parallel state (`vllm_process.shutdown_keeping_parallel_state`);
     vLLM creates the EP group only when the first engine's model is a MoE one, so a MoE engine after a dense one in the
     same process fails in its MoE block (``expert parallel group is not initialized``). This builds the one-rank EP
     group vLLM would have built (a TP=1 CPU engine: EP = TP x DP = 1). Call inside the engine's private world."""
@@ -55,8 +57,7 @@ def ensure_ep_group(hf_config: dict) -> None:
     from torch.distributed import distributed_c10d as c10d
     from vllm.distributed import parallel_state as ps
 
-    moe = hf_config.get("num_experts") or hf_config.get("num_local_experts")
-    if not moe or not ps.model_parallel_is_initialized() or ps._EP is not None:
+    if not dims.is_moe or not ps.model_parallel_is_initialized() or ps._EP is not None:
         return
     world = ps.get_world_group()
     hidden = c10d.GroupMember.WORLD if dist.is_initialized() else None

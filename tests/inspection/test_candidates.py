@@ -13,7 +13,7 @@ import torch
 
 from megatron_rlvr.demo import MODEL_DIR
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.monitor import candidates as cand
+from megatron_rlvr.inspection import candidates as cand
 
 PROMPT = "9 7 6 9 -> 18:"
 
@@ -143,7 +143,7 @@ def test_sampled_response_with_seed_is_repeatable_through_the_cli(tmp_path):
 def test_benchmark_row_gives_the_eval_prompt(tmp_path):
     rows = [{"id": "a", "numbers": [1, 2, 3, 4], "target": 10}, {"id": "b", "numbers": [9, 7, 6, 9], "target": 18}]
     (tmp_path / "countdown.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from megatron_rlvr.eval.benchmarks import load_benchmark
+    from megatron_rlvr.problems.benchmarks import load_benchmark
 
     expected = load_benchmark("countdown", tmp_path)[1].prompt
     assert cand.benchmark_prompt(str(tmp_path / "countdown.jsonl"), 1) == expected

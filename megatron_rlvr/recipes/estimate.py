@@ -1,8 +1,8 @@
 """`megatron-rlvr estimate RECIPE`: an eval recipe's cost before anything is sampled (samples, tokens, and with
 recorded or given throughput the wall time and GPU-hours) and the widest 95% interval its problem counts allow.
 
-The arithmetic is eval/estimate.py's; this module only reads the recipe (recipes are the plan's input, and eval
-sits below the config layer).
+The arithmetic is eval/estimate.py's (`recipe_estimate`, `format_estimate`); this module only reads the recipe
+through config.py, which eval/ cannot import (config composes eval's section), and prints.
 
     megatron-rlvr estimate configs/eval_k1024_qwen2.5-math-7b.yaml [key=value ...] [--recorded RUN_DIR]
 """

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megatron_rlvr.algos.toy_tree import (
+from megatron_rlvr.inspection.toy_tree import (
     CHOSEN,
     GRID,
     SWEEP_SEEDS,
@@ -91,7 +91,7 @@ def test_the_chosen_coefficients_are_the_grids_first_that_keep_six_modes_on_ever
 
 
 def test_adaptive_method_is_casp_with_adaptive_sets_and_a_bad_mass_is_named(capsys):
-    from megatron_rlvr.algos.toy_tree import method_config
+    from megatron_rlvr.inspection.toy_tree import method_config
 
     cfg = method_config("casp_adaptive", CHOSEN["casp_adaptive"])
     assert (cfg.loss, cfg.candidates, cfg.candidate_mass, cfg.top_n) == ("casp", "adaptive", 0.9, 3)

@@ -2,8 +2,8 @@
 
 Nothing is downloaded. Each benchmark is looked up under ``data_dir`` by the file names in its `BenchmarkSpec`
 (``<name>.jsonl`` or ``<name>.parquet``); field names follow each benchmark's public release, with the alternates
-listed. A missing file or field is an error naming the file (and row) and the expected layout. `LAYOUTS` renders
-the table docs/evaluation.md documents ("Benchmark files").
+listed. A missing file or field is an error naming the file (and row) and the expected layout. `layouts_markdown`
+renders the table docs/evaluation.md documents ("Benchmark files").
 """
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ from typing import Any
 
 from megatron_rlvr.errors import UserError
 
+# The instructions appended to a problem's text. Data prepare's math and code releases (data/releases/) append the
+# same ones to training problems, so training and evaluation prompts agree.
 MATH_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 LOGIC_SUFFIX = '\n\nThink step by step, then finish with "So the answer is <answer>."'
 CODE_SUFFIX = "\n\nReturn the complete program in one ```python code block."
+# a code prompt: the problem, one of these two, then CODE_SUFFIX
+STDIN_INSTRUCTION = "\n\nRead the input from standard input and write the answer to standard output."
+STARTER_INSTRUCTION = "\n\nComplete this starter code:\n```python\n{starter}\n```"
 
 
 class BenchmarkError(UserError, ValueError):
@@ -67,7 +72,7 @@ def _row_id(row: Row, index: int, *names: str) -> str:
 
 
 def _last_boxed(text: str) -> str | None:
-    from megatron_rlvr.rewards.math_verifier import _last_boxed as last_boxed
+    from megatron_rlvr.rewards.answers import last_boxed
 
     found = last_boxed(text)
     return found or None
@@ -159,8 +164,11 @@ class _StringOnlyUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a benchmark file")
 
 
-def _lcb_functional_tests(cases: list[dict], func_name: str) -> str:
-    """LeetCode-style cases (one JSON argument per input line) as asserts against ``Solution().<func_name>``."""
+def functional_tests_as_asserts(cases: list[dict], func_name: str) -> str:
+    """LeetCode-style functional test cases (``input``: one JSON argument per line, ``output``: the JSON result) as
+    a Python test script of asserts against ``Solution().<func_name>``: the code verifier's ``{"tests": ...}``
+    reference. LiveCodeBench's and DeepCoder's functional cases share this layout. A malformed case raises
+    (json.JSONDecodeError for a line that is not JSON, KeyError for a missing field)."""
     lines = ["import json", "_solution = Solution()"]
     for case in cases:
         args = [json.loads(line) for line in case["input"].split("\n") if line.strip()]
@@ -187,13 +195,11 @@ def _livecodebench_row(row: Row, i: int, bench: str) -> Problem:
             raise BenchmarkError(
                 f"{row.where}: functional tests need metadata.func_name; expected layout: {row.layout}"
             )
-        reference: dict = {"tests": _lcb_functional_tests(cases, func_name)}
-        prompt = f"{content}\n\nComplete this starter code:\n```python\n{starter}\n```{CODE_SUFFIX}"
+        reference: dict = {"tests": functional_tests_as_asserts(cases, func_name)}
+        prompt = f"{content}{STARTER_INSTRUCTION.format(starter=starter)}{CODE_SUFFIX}"
     else:
         reference = {"io": [{"input": c["input"], "output": c["output"]} for c in cases]}
-        prompt = (
-            f"{content}\n\nRead the input from standard input and write the answer to standard output.{CODE_SUFFIX}"
-        )
+        prompt = f"{content}{STDIN_INSTRUCTION}{CODE_SUFFIX}"
     return Problem(bench, _row_id(row, i, "question_id", "id"), prompt, "code", reference, str(content))
 
 
@@ -218,6 +224,22 @@ def _countdown_row(row: Row, i: int, bench: str) -> Problem:
     return Problem(
         bench, _row_id(row, i, "id"), str(prompt), "countdown", {"numbers": numbers, "target": target}, str(prompt)
     )
+
+
+def _reasoning_gym_row(row: Row, i: int, bench: str) -> Problem:
+    from megatron_rlvr.rewards.reasoning_gym import TASK_PREFIX, dataset_name
+
+    task, problem, reference = row.get("task"), row.get("problem"), row.get("answer")
+    if not isinstance(task, str) or dataset_name(task) is None:
+        raise BenchmarkError(
+            f"{row.where}: 'task' must be {TASK_PREFIX}NAME, got {task!r:.60}; expected layout: {row.layout}"
+        )
+    if not isinstance(reference, dict) or not isinstance(reference.get("metadata"), dict):
+        raise BenchmarkError(
+            f"{row.where}: 'answer' must be the dataset entry {{'answer', 'metadata': {{...}}}}; expected layout: "
+            f"{row.layout}"
+        )
+    return Problem(bench, _row_id(row, i, "id"), str(problem), task, reference, str(problem))
 
 
 @dataclass(frozen=True)
@@ -286,6 +308,13 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         "countdown (the demo task): 'id', 'numbers' (list of ints), 'target' (int), optional 'prompt'",
         _countdown_row,
         make="megatron-rlvr data prepare countdown --out {data_dir}/countdown.jsonl",
+    ),
+    "reasoning_gym": BenchmarkSpec(
+        ("reasoning_gym",),
+        "reasoning-gym rows as `data prepare reasoning-gym` writes them: 'id', 'problem', 'answer' (the entry less "
+        "its question), 'task' (reasoning_gym:NAME)",
+        _reasoning_gym_row,
+        make="megatron-rlvr data prepare reasoning-gym --tasks NAME --size N --seed S --out {data_dir}/reasoning_gym.jsonl",
     ),
 }
 
