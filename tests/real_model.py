@@ -8,8 +8,10 @@
 - ``smollm2_gguf_reference``: transformers' own loading of the file (``from_pretrained(..., gguf_file=...)``):
   the model in float32, in eval mode, and the tokenizer, once per session (about 30 s). Read-only too.
 - ``smollm2_chat_batch``: `CHAT_PROMPTS` in the ChatML template (problems/prompt_encoding.py), each with a
-  `RESPONSE_TOKENS`-token response that reference model sampled (a fixed seed; no end of turn before the last
-  token), and the reference's log-prob of every response token: what the actor's passes are compared with.
+  `RESPONSE_TOKENS`-token response that transformers sampled from ``smollm2_hf_dir`` (a fixed seed; no end of turn
+  before the last token), and transformers' log-prob of every response token: what the actor's passes are compared
+  with. The model is loaded for this and dropped (``bridge/test_gguf.py`` shows it equals the GGUF file's, bit for
+  bit).
 
 Registered for every test in ``tests/conftest.py`` (``pytest_plugins``). Tests using these are marked ``slow``.
 """
@@ -92,12 +94,14 @@ def smollm2_gguf_reference(smollm2_gguf: Path) -> GGUFReference:
 
 
 @pytest.fixture(scope="session")
-def smollm2_chat_batch(smollm2_gguf_reference: GGUFReference) -> ChatBatch:
+def smollm2_chat_batch(smollm2_hf_dir: Path) -> ChatBatch:
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_rlvr.problems.prompt_encoding import encode_prompt
 
-    model, tokenizer = smollm2_gguf_reference
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir)
     prompts = [encode_prompt(tokenizer, p, chat_template=True).ids for p in CHAT_PROMPTS]
     pad = tokenizer.pad_token_id
     width = max(map(len, prompts))

