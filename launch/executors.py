@@ -12,10 +12,14 @@ imports nemo_run before `_import_nemo_run` has put `--nemorun-home` into the env
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,9 @@ from launch.options import H200_GPUS_PER_NODE, SLURM_EXECUTORS, LaunchError, Lau
 
 # The task's package: torchrun starts `python -m megatron_rlvr.cli <subcommand> ...` on every rank.
 CLI_MODULE = "megatron_rlvr.cli"
+# Local jobs start torchrun as `python -m megatron_rlvr.runtime.console ARGS`: torchrun that ends the job on a rank's
+# user error with that one line and exit status 2, without torchrun's report (docs/development.md).
+CONSOLE_MODULE = "megatron_rlvr.runtime.console"
 # Where a Slurm job sees the nemo-run job directory (code/, configs/) inside its container; fixed by nemo-run.
 CONTAINER_RUN_DIR = "/nemo_run"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -54,20 +61,23 @@ H200_ENV = {
 def _import_nemo_run(opts: LaunchOptions) -> Any:
     if opts.nemorun_home:
         os.environ["NEMORUN_HOME"] = str(Path(opts.nemorun_home).expanduser().resolve())
-    import nemo_run
+    with warnings.catch_warnings():  # its web-server dependencies announce deprecations at import
+        warnings.simplefilter("ignore")
+        import nemo_run
 
     return nemo_run
 
 
 def local_executor(opts: LaunchOptions, run: Any, launcher: str | None = "torchrun") -> Any:
-    """torchrun on this machine, `procs_per_node` processes (gloo on CPU, NCCL on GPUs); or one plain process."""
-    # nemo-run starts `torchrun` from PATH: make it this interpreter's, so ranks import this environment.
+    """One plain process on this machine: the task itself, or (torchrun) `CONSOLE_MODULE` starting
+    `procs_per_node` ranks (gloo on CPU, NCCL on GPUs); `run_task` makes the task."""
+    # nemo-run starts `python` from PATH, and torchrun starts the ranks with that interpreter: make it this one
     bin_dir = str(Path(sys.executable).parent)
     path = os.environ.get("PATH", "")
     if bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
     env = {"PYTHONUNBUFFERED": "1", **opts.env}
-    return run.LocalExecutor(ntasks_per_node=opts.procs_per_node, launcher=launcher, env_vars=env)
+    return run.LocalExecutor(ntasks_per_node=1, launcher=None, env_vars=env)
 
 
 def slurm_h200_executor(
@@ -160,13 +170,34 @@ def run_task(
     `ship` maps file names to contents the job needs (the resolved run config); an argument
     `file_placeholder(name)` in `cli_args` becomes that file's path as the ranks see it. On Slurm the files travel
     in the job directory (written by the packager, when nemo-run writes its own job files); locally they are
-    written under NEMORUN_HOME. With `opts.dryrun` the job script is printed instead of run. `launcher=None`
+    written under NEMORUN_HOME. With `opts.dryrun` the job script is printed instead of run; a dry run without a
+    nemo-run home (`--nemorun-home` or $NEMORUN_HOME) writes nemo-run's files into a temporary directory and removes
+    it, so it leaves nothing behind (with one, they stay there, as a submission writes them). `launcher=None`
     starts the module as plain processes (single-process tools such as convert).
     """
+    if not opts.dryrun or opts.nemorun_home:
+        return _run_task(name, cli_args, opts, dict(ship or {}), module, launcher, keep=True)
+    scratch = tempfile.mkdtemp(prefix="megatron-rlvr-dryrun-")
+    try:
+        scratch_opts = dataclasses.replace(opts, nemorun_home=scratch)
+        return _run_task(name, cli_args, scratch_opts, dict(ship or {}), module, launcher, keep=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_task(
+    name: str,
+    cli_args: Sequence[str],
+    opts: LaunchOptions,
+    ship: dict[str, str],
+    module: str,
+    launcher: str | None,
+    keep: bool,
+) -> int:
+    """`run_task` with its nemo-run home decided; `keep`: a dry run's files stay there (else it is temporary)."""
     run = _import_nemo_run(opts)
     # the git packager archives the repository of the current directory, and local ranks start here too
     os.chdir(REPO_ROOT)
-    ship = dict(ship or {})
     # only `megatron-rlvr train` stops cleanly on the warning signal (megatron_rlvr/runtime/preemption.py)
     executor = make_executor(opts, run, launcher, preemptible=module == CLI_MODULE and cli_args[:1] == ["train"])
     if opts.executor in ("local", "slurm_local"):  # slurm_local: the nodes share this machine's NEMORUN_HOME
@@ -181,34 +212,58 @@ def run_task(
         # torchrun's parser sees the task's options too and refuses an abbreviation of its own (eval's `--n`:
         # "ambiguous option: --n could match --nnodes, ..."); after `--` they are the task's alone
         args = ["--", *args]
+    if launcher == "torchrun" and opts.executor == "local":
+        args = ["--standalone", f"--nproc-per-node={opts.procs_per_node}", "-m", module, *args]
+        module = CONSOLE_MODULE
     task = run.Script(path=module, m=True, entrypoint="python", args=args)
     detach = opts.detach and opts.executor != "local"
     with run.Experiment(opts.job_name or name, executor=executor, log_level="WARN") as exp:
         exp.add(task, executor=executor, name=name)
         if opts.dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
-            print(dryrun_script(exp, opts, module, launcher))
+            print(dryrun_script(exp, opts, module, launcher, kept=keep, shipped=ship))
             return 0
         exp.run(detach=detach, tail_logs=not detach)
     # leaving the `with` block is where nemo-run waits for the tasks and records their final state
     return exit_status(exp, detached=detach)
 
 
-def dryrun_script(exp: Any, opts: LaunchOptions, module: str = CLI_MODULE, launcher: str | None = "torchrun") -> str:
-    """The job script a dry run produced: nemo-run's sbatch file for Slurm, the torchrun line locally."""
+def dryrun_script(
+    exp: Any,
+    opts: LaunchOptions,
+    module: str = CLI_MODULE,
+    launcher: str | None = "torchrun",
+    kept: bool = True,
+    shipped: dict[str, str] | None = None,
+) -> str:
+    """The job script a dry run produced: nemo-run's sbatch file for Slurm, the torchrun line locally. `kept`:
+    nemo-run's files stay where the script's header says; else they were written to a temporary directory (removed
+    when the dry run ends): the header says so, and a line after the script says what each shipped file held."""
     job = exp.jobs[0]
+    note = (
+        ""
+        if kept
+        else " (a dry run without --nemorun-home or $NEMORUN_HOME keeps no files: this was written to a temporary "
+        "directory, now removed)"
+    )
     if opts.executor in SLURM_EXECUTORS:
         path = Path(job.executor.experiment_dir) / f"{job.executor.job_name}_sbatch.sh"
         if not path.is_file():
             raise LaunchError(f"dry run: nemo-run wrote no sbatch script at {path}")
-        return f"# sbatch script: {path}\n{path.read_text()}"
-    args = shlex.join(job.task.args)
-    if launcher is None:
-        return f"# local executor: one process\npython -m {module} {args}"
-    return (
-        f"# local executor: {opts.procs_per_node} processes\n"
-        f"torchrun --nnodes 1 --nproc-per-node {opts.procs_per_node} -m {module} {args}"
-    )
+        script = (
+            f"# sbatch script: {path}\n{path.read_text()}" if kept else f"# sbatch script{note}\n{path.read_text()}"
+        )
+    else:
+        args = shlex.join(job.task.args)
+        if launcher is None:
+            script = f"# local executor: one process{note}\npython -m {module} {args}"
+        else:  # torchrun through CONSOLE_MODULE (its task's module and arguments)
+            script = f"# local executor: {opts.procs_per_node} processes (torchrun){note}\npython -m {module} {args}"
+    if kept:
+        return script
+    for file_name, text in (shipped or {}).items():  # its first line says what it holds (launch/recipes.py)
+        script += f"\n# {file_name}, shipped with the job: {text.splitlines()[0].lstrip('# ')}"
+    return script
 
 
 _SUCCESS = "SUCCEEDED"
@@ -216,15 +271,37 @@ _SUBMITTED_OK = ("SUBMITTED", "PENDING", "RUNNING", "SUCCEEDED")
 
 
 def exit_status(exp: Any, detached: bool = False) -> int:
-    """0 when every task succeeded (or, detached, was accepted by Slurm); 1 otherwise, naming the failed task."""
+    """0 when every task succeeded (or, detached, was accepted by Slurm); 2 with its one line when a local task
+    stopped on a user error; 1 otherwise, naming the failed task."""
     failed = []
     for job in exp.jobs:
         state = job.state.name if hasattr(job.state, "name") else str(job.state)
         ok = state in _SUBMITTED_OK if detached else state == _SUCCESS
         if not ok:
             failed.append(f"{job.id}: {state}")
+    user_error = _user_error_line(exp) if failed else None
+    if user_error:
+        print(user_error, file=sys.stderr)
+        return 2
     if failed:
         logs = exp.jobs[0].executor.job_dir if exp.jobs else "?"
         print(f"[launch] task failed: {'; '.join(failed)} (logs: {logs})", file=sys.stderr)
         return 1
     return 0
+
+
+def _user_error_line(exp: Any) -> str | None:
+    """The ``error: ...`` line a local task left in its error file when it stopped on a user error (the console's
+    torchrun, or a plain `megatron_rlvr.cli` process, writes it to $TORCHELASTIC_ERROR_FILE, which nemo-run's local
+    scheduler gives each task as ``<job dir>/nemo_run/<app>/<role>/<replica>/error.json``), or None."""
+    import json
+
+    for job in exp.jobs:
+        for path in sorted(Path(job.executor.job_dir).glob("nemo_run/*/*/*/error.json")):
+            try:
+                message = json.loads(path.read_text()).get("message")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(message, str) and message.startswith("error: "):
+                return message
+    return None

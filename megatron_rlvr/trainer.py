@@ -1,7 +1,8 @@
 """The RLVR loop: experience (generate -> reward -> advantages) -> statistics -> update -> sync weights ->
 validate / log / checkpoint.
 
-Run under torchrun (one process per GPU, or per CPU worker with gloo): `megatron-rlvr train RECIPE.yaml k=v ...`.
+Run under torchrun (one process per GPU, or per CPU worker with gloo): `megatron-rlvr train RECIPE.yaml k=v ...`;
+on one machine `megatron-rlvr train --nproc-per-node N RECIPE.yaml k=v ...` checks the run and starts the N ranks.
 Every rank runs the same loop; rank 0 alone writes metrics and the progress bar. Under separate placement the last
 ``rollout.engine_ranks`` ranks serve the engines instead (experience/engine_server.py) and the loop reads their
 experience through the same `ExperienceSource` (docs/design.md, "One training step").
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -86,12 +89,9 @@ class Run:
 def train(cfg: Config) -> list[dict[str, float]]:
     """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics.
     On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the run returns early."""
-    from megatron_rlvr.models import load_hf_config
-    from megatron_rlvr.models.dims import ModelDims
-
     with Preemption.installed() as preemption:
         distributed.init_process_group()
-        cfg.validate(distributed.world_size(), ModelDims.from_hf(load_hf_config(cfg.model.hf_dir)))
+        cfg.preflight(distributed.world_size())
         roles = None
         if cfg.rollout.placement == "separate":  # the last rollout.engine_ranks ranks serve engines from here on
             from megatron_rlvr.experience.engine_server import serve
@@ -141,7 +141,8 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
     if resume_from is not None:
         state = checkpoint.load(resume_from, actor)
         prompts.loader.load_state_dict(state["loader"])
-        pending = checkpoint.load_object(resume_from, "pending_rollout")  # one-step-off: the step sampled ahead
+        # one-step-off: the step sampled ahead; streamed: the stream's state (finished groups, responses in flight)
+        pending = checkpoint.load_object(resume_from, "pending_rollout")
         changed = differences(state["config"], to_dict(cfg)) if "config" in state else []
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
             print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
@@ -182,6 +183,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
         source.close()
     if t.save_hf and not preempted:
         checkpoint.save_hf(actor, cfg.model.hf_dir, out / "hf", cfg.rollout.bucket_bytes)
+        checkpoint.save_adapter(actor, out / "adapter", cfg.rollout.bucket_bytes)  # actor.lora: PEFT's format too
     if logger is not None:
         logger.close()
         progress.close()
@@ -226,6 +228,11 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
         if run.logger is not None:
             if (step + 1) % t.log_every == 0 or last or preempted:
                 run.logger.log(step + 1, metrics)
+                if exp.staleness is not None:  # streamed: each trained response's staleness (docs/async.md)
+                    k = cfg.rollout.max_staleness  # one bin per update of lag, 0 .. k
+                    run.logger.log_histogram(
+                        step + 1, "rollout/staleness", exp.staleness.tolist(), k + 1, (-0.5, k + 0.5)
+                    )
             run.progress.update(1)
             run.progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
         if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):
@@ -277,11 +284,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume", default=None, help="'latest' (default from the recipe), a checkpoint dir, or 'none'"
     )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N ranks on this machine (torchrun --standalone), after checking the config, its layout for N "
+        "ranks and its input files here: a mistake is one line before any rank starts",
+    )
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={'null' if args.resume == 'none' else args.resume}")
+    if args.nproc_per_node is not None:
+        return _start_ranks(args.config, overrides, args.nproc_per_node)
     cfg = load_config(args.config, overrides)
+    if "RANK" not in os.environ:  # one process, a world of one (runtime/distributed.py): checked before it writes
+        _check_one_process(cfg, args.config, overrides)
     if not has_log_file():  # the demo has its own; `train` alone: <output_dir>/logs/train-rank<r>.log
         attach_log_file(cfg.trainer.output_dir, "train")  # vLLM / megatron-core lines go there, off the console
     history = train(cfg)
@@ -289,3 +308,38 @@ def main(argv: list[str] | None = None) -> int:
         last = history[-1]
         print(f"done: {len(history)} steps, final reward {last['reward/mean']:.3f}", flush=True)
     return 0 if all(math.isfinite(h.get("actor/loss", 0.0)) for h in history) else 1
+
+
+def _check_one_process(cfg: Config, config: str, overrides: list[str]) -> None:
+    """`train` outside torchrun is a world of one process: `Config.preflight` for it, and a layout that needs more
+    ranks (and fits them) is also told how to start them."""
+    from megatron_rlvr.errors import UserError
+    from megatron_rlvr.models.layout import LayoutError
+
+    try:
+        cfg.preflight(1)
+    except LayoutError as error:
+        separate = cfg.rollout.placement == "separate"
+        ranks = cfg.actor.layout().model_parallel + (cfg.rollout.engine_ranks if separate else 0)
+        try:
+            cfg.preflight(ranks)
+        except UserError:
+            raise error from None
+        command = shlex.join(["megatron-rlvr", "train", "--nproc-per-node", str(ranks), config, *overrides])
+        raise LayoutError(f"{error}; or start {ranks} ranks: {command}") from None
+
+
+def _start_ranks(config: str, overrides: list[str], nproc: int) -> int:
+    """`train --nproc-per-node N`: `Config.preflight` for N ranks here, then torchrun on this machine through
+    `console.torchrun`, so that a user error met inside a rank is one line and exit 2 as well."""
+    from megatron_rlvr.errors import ConfigError
+    from megatron_rlvr.runtime.console import torchrun
+
+    if "RANK" in os.environ:
+        raise ConfigError("--nproc-per-node: this process is already a rank of a world (RANK is set); drop it")
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node: expected >= 1, got {nproc}")
+    load_config(config, overrides).preflight(nproc)
+    return torchrun(
+        ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_rlvr.cli", "train", config, *overrides]
+    )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from megatron_rlvr.config import Config, dump_config, load_config
-from megatron_rlvr.errors import ConfigError
+from megatron_rlvr.errors import ConfigError, UserError
 from megatron_rlvr.models.dims import ModelDims
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _dims(**shape) -> ModelDims:
@@ -181,6 +184,8 @@ def test_an_unknown_key_names_the_nearest_known_one():
 def test_a_removed_key_names_its_replacement(tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.dtype: removed; set actor\.bf16 .*eval\.dtype"):
         load_config(_write(tmp_path, "model:\n  hf_dir: x\n  dtype: bfloat16\n"))
+    with pytest.raises(ConfigError, match=r"^trainer\.off_policy_steps: removed; set rollout\.max_staleness \(0: "):
+        load_config(None, ["trainer.off_policy_steps=1"])
 
 
 def _config_fields(cls, prefix=""):
@@ -208,3 +213,43 @@ def test_every_config_key_is_read_by_the_package():
             if not re.search(rf"\.{name}\b|getattr\([^)]*[\"']{name}[\"']", sources):
                 unread.append(key)
     assert not unread, f"config keys nothing reads: {unread}"
+
+
+def test_preflight_names_the_missing_input_and_its_fix(tmp_path, monkeypatch):
+    demo = ["model.hf_dir=megatron_rlvr/demo/model"]
+    monkeypatch.chdir(REPO)
+    cfg = load_config(REPO / "configs" / "demo_cpu.yaml", demo)
+    assert cfg.preflight(2) is cfg
+    with pytest.raises(ConfigError, match=r"must divide the world size 3; nearest layout that fits: actor.tp=1"):
+        cfg.preflight(3)
+    cases = {
+        f"model.hf_dir={tmp_path}": rf"model.hf_dir={tmp_path}: not an HF model directory .*`megatron-rlvr convert",
+        "model.hf_dir=nowhere": r"model.hf_dir=nowhere \(relative to .*\): not an HF model directory",
+        f"model.load={tmp_path / 'ckpt'}": r"model.load=.*: not found; .*megatron-rlvr convert hf-to-mcore",
+        f"data.path={tmp_path / 'x.jsonl'}": r"data.path: dataset file .*x.jsonl: not found; write it with "
+        r"`megatron-rlvr data prepare NAME ... --out .*x.jsonl`",
+    }
+    for override, message in cases.items():
+        with pytest.raises(UserError, match=message):
+            load_config(REPO / "configs" / "demo_cpu.yaml", [override]).check_inputs()
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "vllm" else object())
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: the vllm package is not installed; pip install"):
+        cfg.check_inputs()
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["rollout.check_sync=true"], "rollout.check_sync=true reads weights back"),
+        (
+            ["rollout.placement=separate", "rollout.engine_ranks=1", "rollout.max_staleness=2"],
+            "actor.lora.sync=adapters with rollout.max_staleness=2: responses in flight cannot change adapter",
+        ),
+    ],
+)
+def test_served_adapters_refuse_what_the_engines_cannot_do(overrides, says):
+    lora = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.sync=adapters"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, lora + overrides).validate(world_size=3, dims=_dims())
+    assert says in str(e.value) and "\n" not in str(e.value)
+    load_config(None, [*lora[:2], "actor.lora.sync=merged", *overrides]).validate(world_size=3, dims=_dims())

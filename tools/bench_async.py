@@ -1,26 +1,31 @@
-"""Benchmark: one-step-off training against on-policy training, both with the engine on a rank of its own.
+"""Benchmark: on-policy, one-step-off and fully asynchronous training side by side, the engine on a rank of its own.
 
-One run of this tool trains the demo recipe twice on 2 processes (torchrun): actor TP=1 on rank 0, one CPU vLLM
-engine on rank 1 (``rollout.placement=separate rollout.engine_ranks=1``; each rank pinned to its own core), first
-with ``trainer.off_policy_steps=0`` (the engine waits for each update, the actor for each generation), then with 1
-(the engine samples step t+1 while the actor runs update t). The ideal speedup is 2 when generation and the update
-take the same time; the answer length sets that balance. Every answer is exactly ``--max-new-tokens`` long
-(``rollout.min_new_tokens`` = max: the demo model would end most answers with EOS after ~8 tokens), and the update is
-one mini-batch without the KL term (no statistics or reference pass). ``gen_s`` and ``update_s`` show the balance.
+One run of this tool trains the demo recipe once per mode on 2 processes (torchrun): actor TP=1 on rank 0, one CPU
+vLLM engine on rank 1 (``rollout.placement=separate rollout.engine_ranks=1``; each rank pinned to its own core), with
+``rollout.max_staleness`` 0 (on-policy: the engine waits for each update, the actor for each generation), 1
+(one-step-off: the engine samples step t+1 while the actor runs update t) and each ``--async-k`` (fully
+asynchronous: the engine streams within the bound, docs/async.md). Decoupled PPO (``algo.rollout_correction=tis``)
+in every mode; one mini-batch without the KL term (no statistics or reference pass).
 
-A step's time is the trainer's own per-step breakdown summed (rollout wait, statistics, update, weight sync; logging
-and the first steps, which include the engine start, are left out); each figure is the median over the measured
-steps. ``transfer_s`` is the weight transfer's median (rollout/transfer.py), ``gen_s`` the engine's time per step
-(generation, scoring) and ``update_s`` the actor's (statistics + update) in the on-policy run. The last line is one
+The workload has long-tailed answer lengths, as reasoning responses have: the demo model would end most answers
+after ~8 tokens, so megatron_rlvr/testing/long_tail makes every answer to a prompt exactly L tokens, L log-normal
+per prompt (``--median``, ``--sigma``), cut at ``--max-new-tokens``. The same prompt gets the same L in every mode;
+the lengths of the measured steps' prompts are reported (median, longest).
+
+Per mode, over the steps after ``--warmup`` (the first ones include the engine start): samples/s (trained responses
+over the trainer's wall time: the sum of its per-step breakdown, rollout wait + statistics + update + weight sync),
+the trainer's idle share (its rollout wait over that time), the engine's idle share (1 - the engine's busy time,
+``rollout/engine_seconds``, over that time) and the mean staleness of the trained responses. The last line is one
 JSON object.
 
-    python tools/bench_async.py                      # 10 steps each (3 warm-up), 96-token answers
-    python tools/bench_async.py --steps 6 --warmup 2 --max-new-tokens 64
+    python tools/bench_async.py                          # 12 steps per mode (4 warm-up), median 8 tokens, sigma 1.2
+    python tools/bench_async.py --steps 6 --warmup 2 --async-k 2
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -31,11 +36,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+HOOK = ROOT / "megatron_rlvr" / "testing" / "long_tail"
 _STEP_PARTS = ("time/rollout+reward", "time/statistics", "time/update", "time/sync", "time/eval")
 
 
-def _train(out: Path, off_policy: int, args: argparse.Namespace) -> list[dict]:
+def _train(out: Path, k: int, args: argparse.Namespace, recompute: bool = False) -> list[dict]:
     overrides = [
+        f"rollout.recompute_kv_after_sync={str(recompute).lower()}",
         f"trainer.steps={args.steps}",
         f"trainer.output_dir={out}",
         "trainer.eval_every=0",
@@ -46,10 +53,8 @@ def _train(out: Path, off_policy: int, args: argparse.Namespace) -> list[dict]:
         "rollout.placement=separate",
         "rollout.engine_ranks=1",
         "actor.tp=1",
-        f"trainer.off_policy_steps={off_policy}",
+        f"rollout.max_staleness={k}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"rollout.min_new_tokens={args.max_new_tokens}",
-        "rollout.stop=[]",
         f"eval.max_new_tokens={args.max_new_tokens}",
         f"trainer.prompts_per_step={args.prompts}",
         "algo.rollout_correction=tis",
@@ -69,67 +74,119 @@ def _train(out: Path, off_policy: int, args: argparse.Namespace) -> list[dict]:
         str(ROOT / "configs" / "demo_cpu.yaml"),
         *overrides,
     ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HOOK), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "MEGATRON_RLVR_LONG_TAIL": f"{args.median},{args.sigma}",
+    }
     log = out.with_suffix(".log")
     started = time.perf_counter()
     with open(log, "w") as f:
-        done = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=args.timeout,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        done = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, env=env)
     if done.returncode != 0:
-        sys.exit(f"off_policy_steps={off_policy}: training exited {done.returncode}; see {log}")
+        sys.exit(f"max_staleness={k}: training exited {done.returncode}; see {log}")
     print(
-        f"off_policy_steps={off_policy}: {args.steps} steps in {time.perf_counter() - started:.1f} s "
-        f"(engine start included); log {log}",
+        f"max_staleness={k}: {args.steps} steps in {time.perf_counter() - started:.1f} s (engine start included); "
+        f"log {log}",
         flush=True,
     )
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _median(rows: list[dict], key) -> float:
-    return statistics.median(key(r) for r in rows)
+def _step_s(row: dict) -> float:
+    return sum(row.get(k, 0.0) for k in _STEP_PARTS)
+
+
+def summarize(rows: list[dict], responses_per_step: int) -> dict:
+    """One mode's figures over its measured steps (see the module doc)."""
+    wall = sum(_step_s(r) for r in rows)
+    return {
+        "samples_per_s": len(rows) * responses_per_step / wall,
+        "step_s": statistics.median(_step_s(r) for r in rows),
+        "trainer_idle": sum(r["time/rollout+reward"] for r in rows) / wall,
+        "engine_idle": max(0.0, 1.0 - sum(r["rollout/engine_seconds"] for r in rows) / wall),
+        "mean_staleness": statistics.fmean(r["rollout/staleness"] for r in rows),
+        "max_staleness": max(r.get("rollout/staleness_max", r["rollout/staleness"]) for r in rows),
+        "mixed_version_frac": statistics.fmean(r.get("rollout/mixed_version_frac", 0.0) for r in rows),
+        "dropped": sum(r.get("async/dropped", 0.0) for r in rows),
+        "response_length": statistics.fmean(r["response/length"] for r in rows),
+    }
+
+
+def workload_lengths(args: argparse.Namespace, steps: range) -> list[int]:
+    """The answer lengths the long-tail hook gives the prompts of ``steps`` (those the step path samples; the stream
+    admits the same prompts in the same order, with the same seeds)."""
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.experience.collect import sampling_seed
+    from megatron_rlvr.rollout.base import prompt_seed
+
+    spec = importlib.util.spec_from_file_location("long_tail_hook", HOOK / "sitecustomize.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)  # type: ignore[union-attr]
+    seed = load_config(ROOT / "configs" / "demo_cpu.yaml").trainer.seed
+    return [
+        hook.length(prompt_seed(sampling_seed(seed, s, 0, 0), i), args.max_new_tokens, args.median, args.sigma)
+        for s in steps
+        for i in range(args.prompts)
+    ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the figures")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="answer budget (prompt <= 32 of 128 tokens)")
+    parser.add_argument("--median", type=float, default=8.0, help="median answer length (tokens)")
+    parser.add_argument("--sigma", type=float, default=1.2, help="log-space spread of the answer lengths")
     parser.add_argument("--prompts", type=int, default=16, help="trainer.prompts_per_step")
+    parser.add_argument("--async-k", default="2,4", help="the fully asynchronous modes' max_staleness values")
+    parser.add_argument(
+        "--recompute-k",
+        default="",
+        help="fully asynchronous modes to run once more with rollout.recompute_kv_after_sync=true (its cost)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run")
     parser.add_argument("--out", default=None, help="output directory (default: a temporary one)")
-    parser.add_argument("overrides", nargs="*", help="more key=value overrides for both runs")
+    parser.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_async_"))
     out.mkdir(parents=True, exist_ok=True)
-    runs = {off: _train(out / f"off{off}", off, args)[args.warmup :] for off in (0, 1)}
-
-    def step_s(row: dict) -> float:
-        return sum(row.get(k, 0.0) for k in _STEP_PARTS)
-
-    sync_rows, async_rows = runs[0], runs[1]
-    result = {
-        "sync_step_s": _median(sync_rows, step_s),
-        "async_step_s": _median(async_rows, step_s),
-        "transfer_s": _median(sync_rows + async_rows, lambda r: r.get("transfer/seconds", 0.0)),
-        "transfer_bytes": _median(sync_rows, lambda r: r.get("transfer/bytes", 0.0)),
-        "gen_s": _median(sync_rows, lambda r: r["rollout/engine_seconds"]),
-        "update_s": _median(sync_rows, lambda r: r["time/statistics"] + r["time/update"]),
-        "async_wait_s": _median(async_rows, lambda r: r["time/rollout+reward"]),
-        "async_staleness": _median(async_rows, lambda r: r["rollout/staleness"]),
-        "response_length": _median(sync_rows, lambda r: r["response/length"]),
-        "steps_measured": len(sync_rows),
+    load_before = os.getloadavg()
+    ks = [0, 1, *(int(k) for k in args.async_k.split(",") if k)]
+    group = 8  # the demo recipe's rollout.group_size
+    modes, recomputed = {}, {}
+    for k in ks:
+        rows = _train(out / f"k{k}", k, args)[args.warmup :]
+        modes[k] = summarize(rows, args.prompts * group)
+        print(f"max_staleness={k}: " + ", ".join(f"step {r['step']} {_step_s(r):.2f} s" for r in rows), flush=True)
+    for k in (int(k) for k in args.recompute_k.split(",") if k):
+        rows = _train(out / f"k{k}_recompute", k, args, recompute=True)[args.warmup :]
+        recomputed[k] = summarize(rows, args.prompts * group)
+    lengths = sorted(workload_lengths(args, range(args.warmup, args.steps)))
+    names = {0: "on_policy", 1: "one_step_off"}
+    result: dict = {names.get(k, f"async_k{k}"): {n: round(v, 4) for n, v in m.items()} for k, m in modes.items()}
+    base = modes[1]["samples_per_s"]
+    for k in ks[2:]:
+        result[f"async_k{k}_over_one_step_off"] = round(modes[k]["samples_per_s"] / base, 3)
+    for k, m in recomputed.items():
+        result[f"async_k{k}_recompute"] = {n: round(v, 4) for n, v in m.items()}
+        result[f"async_k{k}_recompute_over_keep"] = round(m["samples_per_s"] / modes[k]["samples_per_s"], 3)
+    result["one_step_off_over_on_policy"] = round(base / modes[0]["samples_per_s"], 3)
+    streamed = [m for k, m in modes.items() if k >= 2] + list(recomputed.values())
+    result["max_staleness_seen"] = max((m["max_staleness"] for m in streamed), default=None)
+    result["dropped"] = sum(m["dropped"] for m in [*modes.values(), *recomputed.values()])
+    result["lengths"] = {
+        "median": statistics.median(lengths),
+        "longest": max(lengths),
+        "mean": round(statistics.fmean(lengths), 2),
+        "distribution": f"per prompt, log-normal: median {args.median:g}, sigma {args.sigma:g}, cut at "
+        f"{args.max_new_tokens}",
     }
-    result["async_speedup"] = result["sync_step_s"] / result["async_step_s"]
-    for off, rows in runs.items():
-        print(f"off_policy_steps={off}: " + ", ".join(f"step {r['step']} {step_s(r):.2f} s" for r in rows), flush=True)
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}), flush=True)
+    result["loadavg_before_after"] = [round(load_before[0], 1), round(os.getloadavg()[0], 1)]
+    print(json.dumps(result), flush=True)
     return 0
 
 

@@ -117,7 +117,7 @@ def _worker(hf_dir: str, cfg: BenchConfig) -> dict[str, Any]:
                 stats_peak_bytes=int(peaks[0]),
                 update_peak_bytes=int(peaks[1]),
                 grads=torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()]),
-                cp_padding=actor.last_cp_padding,
+                cp_padding=actor.passes.last_cp_padding,
             )
             actor = None  # free the layout's model before the next is built
     a, b = results["cp1"]["grads"], results["cp2"]["grads"]

@@ -13,7 +13,7 @@
 #            largest shard: the rerun must name the file, fall back to the previous checkpoint and still match
 # key=value arguments are passed to both runs (e.g. algo.drop_uniform_groups=true). PYTHON overrides the interpreter,
 # NPROC the number of processes (default 2: the recipe's actor TP=2, or actor.tp=1 beside one engine rank with
-# rollout.placement=separate rollout.engine_ranks=1; with trainer.off_policy_steps=1 a checkpoint also holds the
+# rollout.placement=separate rollout.engine_ranks=1; with rollout.max_staleness=1 a checkpoint also holds the
 # rollout sampled ahead, so a kill at any point resumes to the same steps).
 set -euo pipefail
 cd "$(dirname "$0")/.."

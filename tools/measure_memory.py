@@ -1,7 +1,8 @@
 """The plan's arithmetic against measured bytes: real MegatronActors at small layouts on CPU (gloo workers).
 
 For each layout (TP, PP, with or without the distributed optimizer and the frozen reference; with ``--moe`` a random
-Qwen3-MoE and the expert-parallel size too) every rank builds the actor on a random Qwen2, runs the statistics pass and two updates, and reports the bytes of its parameters, of DDP's
+Qwen3-MoE and the expert-parallel size too; ``loraR``: LoRA adapters of rank R on a frozen base, docs/lora.md) every
+rank builds the actor on a random Qwen2, runs the statistics pass and two updates, and reports the bytes of its parameters, of DDP's
 grad buffer, of the optimizer state (Adam moments + main params that are not the model's own tensors), of the
 reference, and the peak anonymous resident memory during an update (the second: the optimizer state exists) above
 what the process held before the actor was built, with glibc told to return every freed tensor at once. Each is
@@ -11,6 +12,7 @@ printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline
     python tools/measure_memory.py --layouts 1,1,dist,ref 2,1,local --world 2 --markdown
     OMP_NUM_THREADS=1 python tools/measure_memory.py --moe --markdown   # the small Qwen3-MoE at EP=1 and EP=2
 
+    python tools/measure_memory.py --layouts 1,1,dist,ref,lora8 2,1,dist,ref,lora8 --markdown   # LoRA, rank 8
     python tools/measure_memory.py --host "configs/demo_cpu.yaml trainer.steps=2"   # host memory of a whole run
 
 CPU runs fp32 without TE: weights 4 B, main grads 4 B, Adam 8 B (fp32 params are their own main params), unfused
@@ -70,28 +72,32 @@ class Case:
     seq_len: int = 512
     sequences: int = 4  # one mini-batch
     ep: int = 1  # expert-parallel size (a MoE model)
+    lora: int = 0  # LoRA rank (0: full fine-tuning)
 
     @classmethod
     def parse(cls, text: str, **kw) -> Case:
         parts = text.split(",")
         flags = set(parts[2:])
         eps = [int(f[2:]) for f in flags if f.startswith("ep") and f[2:].isdigit()]
-        unknown = flags - {"dist", "local", "ref"} - {f"ep{e}" for e in eps}
+        ranks = [int(f[4:]) for f in flags if f.startswith("lora") and f[4:].isdigit()]
+        unknown = flags - {"dist", "local", "ref"} - {f"ep{e}" for e in eps} - {f"lora{r}" for r in ranks}
         if len(parts) < 2 or unknown:
-            raise SystemExit(f"--layouts {text!r}: expected TP,PP[,dist|local][,ref][,epN]")
-        return cls(int(parts[0]), int(parts[1]), "local" not in flags, "ref" in flags, ep=max(eps or [1]), **kw)
+            raise SystemExit(f"--layouts {text!r}: expected TP,PP[,dist|local][,ref][,epN][,loraR]")
+        flags_kw = dict(ep=max(eps or [1]), lora=max(ranks or [0]))
+        return cls(int(parts[0]), int(parts[1]), "local" not in flags, "ref" in flags, **flags_kw, **kw)
 
     @property
     def label(self) -> str:
         return (
             f"TP={self.tp} PP={self.pp}{f' EP={self.ep}' if self.ep > 1 else ''} "
             f"{'dist-opt' if self.distributed_optimizer else 'local-opt'}{' +ref' if self.reference else ''}"
+            f"{f' LoRA r={self.lora}' if self.lora else ''}"
         )
 
 
 def config_of(case: Case, hf_dir: str, world: int):
     """The run Config of a case (CPU: fp32), as the plan reads it."""
-    from megatron_rlvr.actor.config import ActorConfig
+    from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.config import Config, TrainerConfig
     from megatron_rlvr.models.config import ModelConfig
@@ -106,6 +112,7 @@ def config_of(case: Case, hf_dir: str, world: int):
             ep=case.ep,
             lr=1e-4,
             use_distributed_optimizer=case.distributed_optimizer,
+            lora=LoraConfig(rank=case.lora, alpha=32.0) if case.lora else None,
         ),
         algo=AlgoConfig(loss="casp", kl_coef=0.05 if case.reference else 0.0),
         rollout=RolloutConfig(max_model_len=case.seq_len, max_new_tokens=case.seq_len // 2, group_size=case.sequences),
@@ -128,7 +135,7 @@ def predicted(case: Case, hf_dir: str, world: int) -> list[dict[str, int]]:
         c = plan.components
         out.append(
             {
-                "weights": c["actor_weights"],
+                "weights": c["actor_weights"] + c["adapters"],
                 "grads": c["actor_grads"],
                 "optimizer": c["optimizer"],
                 "reference": c["reference"],
@@ -228,7 +235,7 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
             mask[:, case.seq_len // 4 :] = True
             batch = SequenceBatch(tokens, mask, torch.linspace(-1, 1, case.sequences))
             batch.old_logp = actor.compute_old_logp(batch)
-            if actor.reference is not None:
+            if actor.has_reference:  # a frozen copy, or (LoRA) the base with the adapters off
                 batch.ref_logp = actor.compute_ref_logp(batch)
             # The first step creates Adam's state lazily, on top of a heap that glibc has not handed back after the
             # backward (on GPU the caching allocator reuses those blocks): measure the steady state, the second update.

@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rlvr.models.layout import ParallelLayout
+from megatron_rlvr.models.lora import TARGETS, AdapterSpec, check_spec
+
+
+@dataclass
+class LoraConfig:
+    """LoRA on the actor (docs/lora.md): the base is frozen, adapters of rank ``rank`` on the ``targets`` linears
+    train, and the KL reference is the base with the adapters off."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input, in training passes
+    # megatron-core's names of the adapted linears; "experts": every routed expert's linear_fc1 and linear_fc2
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    # what the engines load after each update: "merged" (W + alpha/r B A, in the existing weight stream) or
+    # "adapters" (the adapter alone, loaded by vLLM's LoRA under a new name each sync)
+    sync: Literal["merged", "adapters"] = "merged"
+    seed: int = 0  # the adapters' init (A drawn per linear from this seed and its name; B = 0)
+
+    def __post_init__(self) -> None:
+        check_spec(self.rank, self.alpha, self.dropout, self.targets)
+
+    def spec(self) -> AdapterSpec:
+        return AdapterSpec(self.rank, self.alpha, self.dropout, tuple(self.targets))
 
 
 @dataclass
@@ -48,6 +71,7 @@ class ActorConfig:
     bf16: bool = False  # bf16 compute with fp32 main grads and params in the optimizer
     stats_chunk_tokens: int = 4096  # token chunk of the fused statistics op (bounds its scratch memory)
     max_nonfinite_in_a_row: int = 3
+    lora: LoraConfig | None = None  # LoRA adapters on a frozen base (docs/lora.md); null: full fine-tuning
 
     def layout(self) -> ParallelLayout:
         """The parallel layout these sizes make (its rules: models/layout.py)."""

@@ -19,7 +19,8 @@ whole micro-batch loss; its gradient share is summed over DP x CP by megatron's 
 
 With ``algo.kl_coef > 0`` (or PBA with ``algo.pba_kl_coef > 0``) the actor also holds a frozen reference policy (the
 same chunks, loaded from the same initial weights, never trained) whose log-probs feed the loss's k3 KL term; without
-it nothing extra is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
+it nothing extra is built. With ``actor.lora`` (actor/lora.py, docs/lora.md) the base is frozen, adapters train, and
+the reference is the policy's own chunks with the adapters off: no copy is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
 With ``algo.distill`` the actor also holds a frozen teacher (actor/teacher.py), scored beside the reference; its scores
 travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms.
 With ``actor.router_replay`` (MoE models, docs/routing-replay.md) every forward routes each token to the experts its
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from megatron_rlvr.actor.chunks import build_chunks, freeze
 from megatron_rlvr.actor.config import ActorConfig
 from megatron_rlvr.actor.gathering import across_data_parallel, from_last_stage
+from megatron_rlvr.actor.lora import LoraPolicy
 from megatron_rlvr.actor.optimizer import build_optimizer, load_schedule, prepare_for_load, restore_torch_adam_steps
 from megatron_rlvr.actor.packing import MicroBatch
 from megatron_rlvr.actor.passes import ActorPasses
@@ -116,9 +118,14 @@ class MegatronActor:
             dist_checkpoint=model_cfg.load,
         )
         chunks = initial()
+        # actor.lora: the base frozen, adapters on the chunks; the reference is then these chunks with them off
+        self.lora = LoraPolicy(chunks, actor_cfg.lora, model_cfg.hf_dir, model_cfg.load) if actor_cfg.lora else None
+        if self.lora is not None:
+            self.tcfg.finalize_model_grads_func = self.lora.finalize_grads(finalize_model_grads)
         # The KL term's frozen reference: the same initial weights, never trained. Checkpoints do not hold it: a
         # resumed run rebuilds it from the same initial weights, which is the reference it had.
-        self.reference: list[torch.nn.Module] | None = freeze(initial()) if needs_reference(algo_cfg) else None
+        separate = needs_reference(algo_cfg) and self.lora is None
+        self.reference: list[torch.nn.Module] | None = freeze(initial()) if separate else None
         self.replay.install(chunks, self.reference)  # actor.router_replay hooks on both models' routers
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -161,7 +168,7 @@ class MegatronActor:
         (a KL reference: algo.kl_coef > 0, or PBA's anchor) and the ``teacher_*`` fields (algo.distill)."""
         if self.needs_statistics_pass(mini_batches):
             batch.old_logp = self.compute_old_logp(batch)
-        if self.reference is not None:
+        if self.has_reference:
             batch.ref_logp = self.compute_ref_logp(batch)
         if self.teacher is not None:
             self.teacher.attach(batch, items)
@@ -173,12 +180,20 @@ class MegatronActor:
     def compute_ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
         """The frozen reference's log-probs of the whole batch [B, S - 1], on every rank (needs a reference model:
         algo.kl_coef > 0, or algo.pba with algo.pba_kl_coef > 0)."""
-        if self.reference is None:
+        if not self.has_reference:
             raise RuntimeError(
                 "compute_ref_logp: the actor has no reference model (algo.kl_coef = 0 and no PBA "
                 "anchor: algo.pba false or algo.pba_kl_coef = 0)"
             )
+        if self.lora is not None:  # the base: the policy's chunks with every adapter off
+            with self.lora.base():
+                return self.passes.per_token(batch, "logp", self.model, "other", self.algo_cfg.top_n)
         return self.passes.per_token(batch, "logp", self.reference, "other", self.algo_cfg.top_n)
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss reads a KL reference: a frozen copy, or under LoRA the base with the adapters off."""
+        return self.reference is not None or (self.lora is not None and needs_reference(self.algo_cfg))
 
     def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
         """The policy's entropy at every position of the whole batch [B, S - 1], on every rank (0 past a
@@ -197,7 +212,7 @@ class MegatronActor:
         """Whether the update needs old log-probs from a statistics pass first. Not when it is exactly on-policy:
         one mini-batch per step (the weights the update starts from are those that would compute them) and no
         reference model; then ``update`` takes the log-probs of its own forward, detached, as the old ones."""
-        return mini_batches > 1 or self.reference is not None
+        return mini_batches > 1 or self.has_reference
 
     # --- the update ---------------------------------------------------------------------------------------------
     def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
@@ -312,17 +327,44 @@ class MegatronActor:
     def export_weights(
         self, bucket_bytes: int, include_lm_head: bool = True, lend: bool = False
     ) -> Iterator[WeightBucket]:
-        """The bridge's HF-layout buckets (``lend``: views valid until the next bucket; see export_hf_weights)."""
+        """The bridge's HF-layout buckets (``lend``: views valid until the next bucket; see export_hf_weights); under
+        LoRA the adapted weights merged, W + (alpha / r) B A."""
         from megatron_rlvr.bridge import export_hf_weights
 
+        scale = self.lora.scale if self.lora is not None else None
         return export_hf_weights(
-            self.model_chunks, self.hf, bucket_bytes=bucket_bytes, include_lm_head=include_lm_head, lend=lend
+            self.model_chunks,
+            self.hf,
+            bucket_bytes=bucket_bytes,
+            include_lm_head=include_lm_head,
+            lend=lend,
+            lora_scale=scale,
         )
 
+    def engine_weights(self, bucket_bytes: int, lend: bool = False) -> Iterator[WeightBucket]:
+        """What the engines load after an update: ``export_weights``, or under ``actor.lora.sync: adapters`` the
+        adapter alone in PEFT's names (bridge/peft.py)."""
+        if self.lora is not None and self.lora.cfg.sync == "adapters":
+            return self.export_adapter(bucket_bytes)
+        return self.export_weights(bucket_bytes, lend=lend)
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """PEFT's adapter_config.json of the LoRA adapter (None: full fine-tuning)."""
+        return self.lora.adapter_config(self.hf) if self.lora is not None else None
+
+    def export_adapter(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The LoRA adapter alone in PEFT's names and layout (bridge/adapter_export.py)."""
+        if self.lora is None:
+            raise RuntimeError("export_adapter: the actor has no LoRA adapter (actor.lora is null)")
+        return self.lora.export_adapter(self.model_chunks, self.hf, bucket_bytes)
+
     def sharded_state_dict(self, metadata: Mapping[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
-        """The chunks' and the optimizer's sharded state (one ``model`` key, or ``model{i}`` per virtual stage)."""
+        """The chunks' and the optimizer's sharded state (one ``model`` key, or ``model{i}`` per virtual stage; under
+        LoRA the adapters alone and the base they need: actor/lora.py)."""
         chunks = self.model_chunks
-        if len(chunks) == 1:
+        if self.lora is not None:
+            state = self.lora.sharded_state()
+        elif len(chunks) == 1:
             state: dict[str, Any] = {"model": chunks[0].sharded_state_dict()}
         else:
             state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
@@ -333,7 +375,9 @@ class MegatronActor:
 
     def load_sharded_state_dict(self, loaded: Mapping[str, Any]) -> None:
         chunks = self.model_chunks
-        for i, chunk in enumerate(chunks):
+        if self.lora is not None:
+            self.lora.load_sharded_state(loaded)
+        for i, chunk in enumerate(chunks if self.lora is None else []):
             chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
         with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
             self.optimizer.load_state_dict(loaded["optimizer"])

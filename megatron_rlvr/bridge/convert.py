@@ -27,13 +27,12 @@ from typing import Any
 import torch
 
 from megatron_rlvr.bridge.dist_ckpt import HF_SUBDIR, checkpoint_sharded_state_dict, save_lazily, write_hf_side_files
-from megatron_rlvr.bridge.gguf import GGUFCheckpoint, GGUFError
-from megatron_rlvr.bridge.hf_reader import HFCheckpointError, HFCheckpointReader
+from megatron_rlvr.bridge.gguf import GGUFCheckpoint
+from megatron_rlvr.bridge.hf_reader import HFCheckpointReader
 from megatron_rlvr.bridge.layout import load_shard, to_hf
 from megatron_rlvr.bridge.mapping import hf_shapes, mapping_table, megatron_local_shape
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.models.dims import ModelDims
-from megatron_rlvr.models.family import UnsupportedModelError
 from megatron_rlvr.models.hf_config import load_hf_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -219,8 +218,11 @@ def mcore_to_hf(
                 for m in table:
                     key, prefix, _, shape = request_of[m.megatron]
                     full = stored.read(key, prefix + (0,) * len(shape), (1,) * len(prefix) + shape).reshape(shape)
-                    yield from to_hf(m, full, dims, tp=1)
+                    parts = to_hf(m, full, dims, tp=1)  # views of `full`, which is held anyway
+                    # counted before they are handed over: the writer stops pulling after the last tensor, so an
+                    # update after the last yield would never run (the bar stopped at 23/24)
                     bar.update(1)
+                    yield from parts
 
         with _staged_output(out, overwrite) as tmp:
             write_sharded(tmp, plan_shards(specs, max_shard_bytes), tensors())
@@ -251,8 +253,8 @@ def gguf_to_hf(
 
             def tensors() -> Iterator[tuple[str, torch.Tensor]]:
                 for item in source.hf_tensors(dtype):
+                    bar.update(1)  # before the hand-over: the writer stops pulling after the last tensor
                     yield item
-                    bar.update(1)
 
             write_sharded(tmp, plan_shards(source.tensor_specs(dtype), max_shard_bytes), tensors())
         source.write_side_files(tmp, dtype)
@@ -320,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gguf_to_hf(args.gguf_file, args.out, DTYPES[args.dtype], _parse_size(args.max_shard_size), args.overwrite)
         else:
             mcore_to_hf(args.mcore_dir, args.out, args.hf_config, _parse_size(args.max_shard_size), args.overwrite)
-    except (ConversionError, HFCheckpointError, GGUFError, UnsupportedModelError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:  # ConversionError, HFCheckpointError, GGUFError, a missing model...
         print(f"convert: error: {e}", file=sys.stderr)
         return 2
     if args.report_memory:

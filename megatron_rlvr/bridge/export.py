@@ -45,7 +45,14 @@ from megatron_rlvr.bridge.expert_export import (
 )
 from megatron_rlvr.bridge.layout import shard_to_hf
 from megatron_rlvr.bridge.lent_slots import LENDING_SEGMENTS, held_slots
-from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
+from megatron_rlvr.bridge.local_params import (
+    BridgeError,
+    as_chunks,
+    experts_laid_out_apart,
+    local_entries,
+    raise_everywhere,
+)
+from megatron_rlvr.bridge.lora_merge import with_adapters
 from megatron_rlvr.bridge.mapping import ParamMapping, hf_shapes
 from megatron_rlvr.bridge.shm_exchange import ShmExchange as _ShmExchange
 from megatron_rlvr.bridge.shm_exchange import aligned as _aligned
@@ -114,17 +121,6 @@ def _local_name(m: ParamMapping, dims: ModelDims, experts: ExpertLayout | None) 
     return stand_in_name(m.megatron, dims, experts) if experts is not None and m.expert else m.megatron
 
 
-def _raise_everywhere(problems: list[str], group) -> None:
-    """One all-reduce decides whether any rank found a problem; if so all ranks raise with everyone's messages."""
-    flag = torch.tensor([1 if problems else 0], dtype=torch.int64)
-    dist.all_reduce(flag, group=group)
-    if flag.item():
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, problems, group=group)
-        messages = sorted({p for rank_problems in gathered for p in rank_problems})
-        raise BridgeError("weight export refused before sending anything: " + "; ".join(messages))
-
-
 def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.Tensor]]:
     """(plan, this rank's parameters by global Megatron name); validates on every call, builds the plan once."""
     global PLAN_BUILDS
@@ -139,7 +135,7 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
             p = params.get(_local_name(pe.mapping, dims, cached.experts))
             if pe.owner_stage == pp_rank and (p is None or tuple(p.shape) != pe.local_shape):
                 problems.append(f"{pe.mapping.megatron}: missing or re-shaped since the export plan was built")
-        _raise_everywhere(problems, mp_group)
+        raise_everywhere(problems, mp_group)
         return cached, params
     # Experts laid out apart from TP (EP > 1 or ETP != TP) go through bridge/expert_export.py; each global expert
     # is then planned from this rank's parameter of the same local index.
@@ -160,7 +156,7 @@ def _plan(model_chunks, hf: Mapping[str, Any]) -> tuple[_Plan, dict[str, torch.T
         owner = owners[-1] if name == "output_layer.weight" else owners[0]
         shape, dtype = stages[owner][name]
         plan_entries.append(_PlanEntry(e.mapping, owner, dtype, shape))
-    _raise_everywhere(problems, mp_group)
+    raise_everywhere(problems, mp_group)
     plan = _Plan(dims, tp, tp_rank, pp_rank, dist.get_process_group_ranks(pp_group), plan_entries, experts)
     cache_owner._megatron_rlvr_export_plan = plan
     PLAN_BUILDS += 1
@@ -271,7 +267,8 @@ def _gathered_round(
     out = []
     for pe in batch:
         views = per_rank.get(pe.mapping.megatron)
-        own = [(plan.tp_rank, by_name[pe.mapping.megatron].detach())]
+        # read once per call: a LoRA-merged weight is merged when read (lora_merge.py)
+        own = [(plan.tp_rank, by_name[pe.mapping.megatron].detach())] if views is None else []
         shards = list(enumerate(views)) if views is not None else own
         out.append(_assemble(pe, shards, plan, dtype))
     return out
@@ -366,6 +363,7 @@ def export_hf_weights(
     dtype: torch.dtype | None = None,
     receive: bool = True,
     lend: bool = False,
+    lora_scale: float | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` in HF layout, vocab padding stripped, yielded on every rank of the
     model-parallel group that passes ``receive=True``. A bucket exceeds ``bucket_bytes`` only when it is one tensor
@@ -380,16 +378,20 @@ def export_hf_weights(
     (see the module docstring); each bucket then holds whole parameters, at most ``bucket_bytes`` unless one
     parameter is larger. Where lending is not possible (PP > 1, TP = 1, no shared memory) the tensors are fresh, which
     satisfies the same contract. Every rank of the TP group must pass the same ``dtype`` for lending to be used.
+
+    ``lora_scale``: the model carries LoRA adapters (models/lora.py), scaled by ``lora_scale`` = alpha / r; each
+    adapted weight is exported merged, ``W + lora_scale * B A``, merged shard by shard as it is read (lora_merge.py).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan, by_name = _plan(model_chunks, hf)
+    plan.lend_whole = LEND_WHOLE_CALLS and all(p.device.type == "cpu" for p in by_name.values())  # agreed below
+    by_name = with_adapters(model_chunks, by_name, lora_scale)
     tp_group, pp_group = _groups()[:2]
     if plan.tp > 1 and not plan.exchange_tried:
         plan.exchange = _ShmExchange.open(tp_group, plan.tp_rank, _slot_bytes(plan)) if SHM_EXCHANGE else None
         plan.exchange_tried = True
     pp = len(plan.pp_ranks)
-    plan.lend_whole = LEND_WHOLE_CALLS and all(p.device.type == "cpu" for p in by_name.values())  # agreed below
     # others_read: every owner-stage rank builds what it broadcasts (PP > 1), else whether another TP rank receives
     # experts laid out apart come as fresh tensors (their gather is not lent): the whole call then lends nothing
     others_read, lending = _lending(plan, tp_group, receive, lend and plan.experts is None, dtype, pp)
@@ -450,16 +452,19 @@ def export_local_shards(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     include_lm_head: bool = True,
     dtype: torch.dtype | None = None,
+    lora_scale: float | None = None,
 ) -> Iterator[list[HFShard]]:
     """Buckets of :class:`HFShard`: this rank's own TP shard of every HF tensor, re-laid out locally with no
     all-gather, for an engine whose TP equals the actor's and whose rank r holds Megatron's shard r.
 
     Pipeline stages broadcast their shards to the other stages of the same TP rank. Vocab padding is stripped
     (the last ranks' vocab slices may be shorter or empty); ``start``/``stop`` say which rows each shard holds.
+    ``lora_scale``: as for `export_hf_weights`.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan, by_name = _plan(model_chunks, hf)
+    by_name = with_adapters(model_chunks, by_name, lora_scale)
     if plan.experts is not None:  # every rank holds the same names here; an engine at the actor's TP holds all experts
         raise BridgeError(
             "export_local_shards: experts laid out apart from TP (EP > 1 or ETP != TP); use export_hf_weights"

@@ -5,11 +5,14 @@ Float16Module), and their mapping entries."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlvr.bridge.mapping import ParamMapping, mapping_table, megatron_local_shape
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.models.lora import A_NAME, B_NAME
 
 
 class BridgeError(ValueError):
@@ -52,6 +55,11 @@ def _expert_rank() -> int:
     return parallel_state.get_expert_model_parallel_rank()
 
 
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter's half (models/lora.py): exported merged into its base weight, or on its own (peft.py)."""
+    return name.rsplit(".", 1)[-1] in (A_NAME, B_NAME)
+
+
 def uses_te_names(params: dict[str, torch.Tensor]) -> bool:
     return any(n.endswith("layer_norm_weight") for n in params)
 
@@ -63,8 +71,9 @@ class LocalEntry:
 
 
 def local_entries(model_chunks, dims: ModelDims, tp: int) -> tuple[list[LocalEntry], list[str]]:
-    """The mapping table with this rank's parameter for each entry, and shape/unknown-name problems found."""
-    params = global_named_params(model_chunks)
+    """The mapping table with this rank's parameter for each entry, and shape/unknown-name problems found (LoRA
+    adapters are not the model's parameters: see bridge/lora_merge.py)."""
+    params = {n: p for n, p in global_named_params(model_chunks).items() if not is_adapter(n)}
     table = mapping_table(dims, te_names=uses_te_names(params))
     known = {m.megatron for m in table}
     problems = [f"{n}: Megatron parameter with no HF mapping" for n in sorted(set(params) - known)]
@@ -105,3 +114,14 @@ def experts_laid_out_apart(tp: int) -> bool:
     from megatron.core import parallel_state as ps
 
     return ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() != tp
+
+
+def raise_everywhere(problems: list[str], group) -> None:
+    """One all-reduce decides whether any rank found a problem; if so all ranks raise with everyone's messages."""
+    flag = torch.tensor([1 if problems else 0], dtype=torch.int64)
+    dist.all_reduce(flag, group=group)
+    if flag.item():
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, problems, group=group)
+        messages = sorted({p for rank_problems in gathered for p in rank_problems})
+        raise BridgeError("weight export refused before sending anything: " + "; ".join(messages))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.checkpoint.manifest import MANIFEST, Report, verify, write_manifest
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.protocols.actor import TrainState, WeightSource
+from megatron_rlvr.protocols.actor import AdapterSource, TrainState, WeightSource
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -282,6 +282,30 @@ def save_hf(
         for name in HF_SIDE_FILES:
             if (Path(hf_src_dir) / name).is_file():
                 shutil.copy2(Path(hf_src_dir) / name, tmp / name)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    _barrier()
+    return out_dir if _rank() == 0 else None
+
+
+def save_adapter(actor: AdapterSource, out_dir: str | Path, bucket_bytes: int = 1 << 30) -> Path | None:
+    """Write the actor's LoRA adapter as a PEFT adapter directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``: bridge/peft.py), which ``peft`` and vLLM load onto the base. A collective; rank 0
+    writes, into a temp dir renamed at the end. Returns the directory on rank 0 (None elsewhere, or without LoRA)."""
+    from megatron_rlvr.bridge.peft import write_adapter
+
+    config = actor.adapter_config()
+    if config is None:
+        return None
+    tensors = {}
+    for bucket in actor.export_adapter(bucket_bytes):
+        if _rank() == 0:
+            tensors.update(bucket)
+    out_dir = Path(out_dir)
+    if _rank() == 0:
+        tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_adapter(tmp, tensors, config)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
     _barrier()

@@ -93,7 +93,9 @@ def items_from_rows(
                 stats.bad_examples.append(str(e))
             continue
         try:
-            encoded = encode_prompt(tokenizer, problem, chat_template=cfg.chat_template)
+            encoded = encode_prompt(
+                tokenizer, problem, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt
+            )
         except ChatTemplateMissing:
             raise DataError(
                 "data.chat_template=true but the tokenizer has no chat template; set data.chat_template=false "

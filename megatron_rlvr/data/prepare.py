@@ -16,6 +16,8 @@ reports training problems found in the eval benchmarks under DIR (the eval's --d
 
 reasoning-gym is generated, not read (no --src): --size rows of each of --tasks from --seed (--config NAME.KEY=VALUE
 sets a field of a task's config), scored by each task's own score_answer (see data/releases/reasoning_gym.py).
+A small task space repeats questions across seeds: --disjoint-from FILE drops the rows whose question is one of a
+prepared file's (the held-out set), by exact text.
 """
 
 from __future__ import annotations
@@ -133,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME.KEY=VALUE",
         help="a field of task NAME's reasoning-gym config (repeatable)",
     )
+    g.add_argument(
+        "--disjoint-from",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a prepared reasoning-gym file (e.g. the held-out set): drop rows whose question is one of its "
+        "questions, exact text (repeatable)",
+    )
     return parser
 
 
@@ -218,6 +228,8 @@ def _write(rows: list[dict], path: str) -> Path:
 def _prepare_reasoning_gym(args: argparse.Namespace) -> int:
     from megatron_rlvr.data.releases import reasoning_gym as gym
 
+    if args.disjoint_from and args.tasks is None:
+        raise DataError("--disjoint-from: only with reasoning-gym")
     for flag, value in (
         ("--src", args.src),
         ("--add", args.add),
@@ -231,8 +243,9 @@ def _prepare_reasoning_gym(args: argparse.Namespace) -> int:
         raise DataError(f"{REASONING_GYM}: give {', '.join(missing)} (e.g. --tasks leg_counting --size 1000 --seed 1)")
     tasks = gym.parse_tasks(args.tasks)
     report = gym.GymReport()
+    held_out = gym.questions_of(args.disjoint_from)
     rows = gym.generate_rows(
-        tasks, args.size, args.seed, gym.parse_config(args.config, tasks), not args.no_instruction, report
+        tasks, args.size, args.seed, gym.parse_config(args.config, tasks), not args.no_instruction, report, held_out
     )
     if not rows:
         raise DataError(f"{REASONING_GYM} {','.join(tasks)}: no usable rows ({gym.summary(report)})")

@@ -36,7 +36,7 @@ def read_rows(path: str | Path) -> Iterator[Row]:
     """Rows of a JSONL or Parquet file, in file order. Blank JSONL lines are not rows."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"dataset file {path}: not found")
+        raise missing_dataset(path)
     name = path.name.lower()
     if name.endswith(PARQUET_SUFFIXES):
         yield from _read_parquet(path)
@@ -46,6 +46,18 @@ def read_rows(path: str | Path) -> Iterator[Row]:
         raise DataError(
             f"dataset file {path}: unknown format; expected one of {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}"
         )
+
+
+def missing_dataset(path: str | Path, key: str = "") -> DataError:
+    """The error for a dataset file that is not there: it names the command that writes one (``key``: the config
+    key that named the file, e.g. data.path)."""
+    where = f"{key}: " if key else ""
+    relative = "" if Path(path).is_absolute() else f" (relative to {Path.cwd()})"
+    return DataError(
+        f"{where}dataset file {path}{relative}: not found; write it with `megatron-rlvr data prepare NAME ... "
+        f"--out {path}` (the recipe's header gives its command; the names: `megatron-rlvr data prepare --help`; "
+        "docs/data.md)"
+    )
 
 
 def _read_jsonl(path: Path) -> Iterator[Row]:

@@ -4,8 +4,10 @@ rollouts, then a pass@k evaluation of the base and the trained model, and a repo
     megatron-rlvr demo [--out outputs/demo] [--algo casp|grpo] [--seed N] [key=value ...]
     megatron-rlvr demo report --runs OUT1 OUT2 ... [--group-by algo]     (one table over finished runs: multi_run.py)
 
-Training runs as `torchrun --nproc-per-node 2 -m megatron_rlvr.cli train configs/demo_cpu.yaml`; rerunning the same
-command after an interruption resumes from the last checkpoint (and the evaluation from its last sample chunk).
+Training runs as `megatron-rlvr train --nproc-per-node 2 configs/demo_cpu.yaml` (torchrun, 2 ranks); rerunning the
+same command after an interruption resumes from the last checkpoint (and the evaluation from its last sample chunk).
+A mistake in the overrides, --nproc or a file they name is one line and exit 2 before anything is written; one that
+training meets later is one line from the training command, and the demo exits 2 with it.
 ``--seed`` is the training seed only: the eval prompts and their samples' seeds are fixed (the recipe's data seed and
 EVAL_SEED), so runs with different seeds are compared on the same evaluation draws.
 """
@@ -13,6 +15,7 @@ EVAL_SEED), so runs with different seeds are compared on the same evaluation dra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -21,30 +24,50 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rlvr.demo import RECIPE, REPO
+from megatron_rlvr.demo import MODEL_DIR, RECIPE, REPO
 
 EVAL_SEED = 1234  # the eval's sampling seed: the same for every demo run, whatever --seed trains with
 CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the recipe's N = 3, and two beyond)
 
 
-def _train(out: Path, algo: str, overrides: list[str], nproc: int) -> None:
+def _check(overrides: list[str], nproc: int) -> None:
+    """`Config.preflight` of the recipe with the demo's and the user's overrides, for `nproc` ranks, reading relative
+    paths from the repository root as training will: a user error (one line) before the demo writes anything."""
+    from megatron_rlvr.config import load_config
+
+    cfg = load_config(RECIPE, [f"model.hf_dir={MODEL_DIR}", *overrides])
+    with contextlib.chdir(REPO):  # where the training command runs
+        cfg.preflight(nproc)
+
+
+def _train(out: Path, overrides: list[str], nproc: int) -> int:
+    """Training's exit status: 0, 2 when it stopped on a user error (it has printed the line), else a failure."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
         "megatron_rlvr.cli",
         "train",
+        f"--nproc-per-node={nproc}",
         str(RECIPE),
         f"trainer.output_dir={out / 'train'}",
-        f"algo.loss={algo}",
         *overrides,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print("+ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=REPO, env=env)
+    return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def _run_note(config_yaml: Path, prompts: int, n: int) -> str:
+    """What the report measured, from the config training ran with (the recipe and every override)."""
+    from megatron_rlvr.config import load_config
+
+    cfg = load_config(config_yaml)
+    t = cfg.trainer
+    return (
+        f"trained {t.steps} steps of {t.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
+        f"(algo.loss={cfg.algo.loss}, seed {t.seed}; its config: {config_yaml}); evaluated on {prompts} held-out "
+        f"prompts x {n} samples (eval seed {EVAL_SEED})"
+    )
 
 
 def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
@@ -169,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
             raise UserError("--seed and trainer.seed=... both given; give one")
         args.overrides.append(f"trainer.seed={args.seed}")
+    overrides = [f"algo.loss={args.algo}", *args.overrides]
+    _check(overrides, args.nproc)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()
     from megatron_rlvr.runtime.console import attach_log_file
@@ -177,9 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     # the base model is copied first: the evaluation compares against exactly the weights training started from
     base_model = out / "base_model"
     if not (base_model / "config.json").is_file():
-        shutil.copytree(REPO / "megatron_rlvr" / "demo" / "model", base_model, dirs_exist_ok=True)
+        shutil.copytree(MODEL_DIR, base_model, dirs_exist_ok=True)
     start = time.perf_counter()
-    _train(out, args.algo, [f"model.hf_dir={base_model}", *args.overrides], args.nproc)
+    status = _train(out, [f"model.hf_dir={base_model}", *overrides], args.nproc)
+    if status == 2:
+        return 2  # a user error: the training command has printed its one line
+    if status != 0:
+        raise SystemExit(
+            f"megatron-rlvr demo: training failed with exit status {status} (its output is above; the ranks' "
+            f"logs: {out / 'logs'})"
+        )
     trained = out / "train" / "hf"
     if not (trained / "config.json").is_file():
         raise SystemExit(f"megatron-rlvr demo: training finished without writing {trained}")
@@ -190,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
 
     figure = _candidate_figure(out, samples, models, out / "report")
     minutes = (time.perf_counter() - start) / 60
-    notes = [f"training {train_s / 60:.1f} min, total {minutes:.1f} min on this machine ({os.cpu_count()} cores)"]
+    notes = [
+        _run_note(out / "train" / "config.yaml", args.eval_prompts, args.eval_n),
+        "these are this run's numbers: the tables in README.md and docs/demo.md are other runs of the same command; "
+        "the base rows share their evaluation seeds, the trained rows move from run to run (docs/demo.md)",
+        f"training {train_s / 60:.1f} min, total {minutes:.1f} min on this machine ({os.cpu_count()} cores)",
+    ]
     if args.seed is not None:
         notes.append(
             f"training seed {args.seed}; the evaluation's seeds are the same for every run (eval seed {EVAL_SEED})"

@@ -34,7 +34,7 @@ from megatron_rlvr.eval.results import BenchmarkCounts, problems_digest, results
 from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, run_settings, validate_eval_config
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.problems.benchmarks import BENCHMARKS, Problem, load_benchmark
-from megatron_rlvr.problems.prompt_encoding import encode_prompt, has_chat_template
+from megatron_rlvr.problems.prompt_encoding import encode_prompt, end_of_turn_id, has_chat_template
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.pool import RewardPool
 from megatron_rlvr.rollout.base import RolloutEngine
@@ -71,9 +71,20 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         )
         if kv_cache_memory_bytes:
             rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
-        return VLLMEngine(model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype)
+        return VLLMEngine(
+            model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype, stop_token_ids=chat_stop_ids(model_dir, cfg)
+        )
 
     return build
+
+
+def chat_stop_ids(model_dir: str, cfg: EvalConfig) -> tuple[int, ...]:
+    """Under ``--chat-template``, the template's end-of-turn id, where every answer ends; else ()."""
+    if not cfg.chat_template:
+        return ()
+    from transformers import AutoTokenizer
+
+    return (end_of_turn_id(AutoTokenizer.from_pretrained(model_dir)),)
 
 
 def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[int]]:
@@ -85,13 +96,23 @@ def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[
         raise EvalConfigError(f"--chat-template: the tokenizer of {model_dir} defines no chat template")
 
     def encode(text: str) -> list[int]:
-        return list(encode_prompt(tokenizer, text, chat_template=cfg.chat_template).ids)
+        return list(
+            encode_prompt(tokenizer, text, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt).ids
+        )
 
     return encode
 
 
-def model_tags(models: Sequence[str]) -> list[str]:
-    """Short distinct names for the table and the run directories (the last path parts that tell them apart)."""
+def model_tags(models: Sequence[str], labels: Sequence[str] | None = None) -> list[str]:
+    """Short distinct names for the table, the run directories and the progress bar: ``labels`` (one per model,
+    `eval --label`), else the last path parts that tell the models apart."""
+    if labels:
+        tags = [re.sub(r"[^A-Za-z0-9._-]+", "_", label.strip()) for label in labels]
+        if len(tags) != len(models):
+            raise EvalConfigError(f"--label: one per --model ({len(models)} models, {len(tags)} labels)")
+        if len(set(tags)) != len(tags) or not all(tags):
+            raise EvalConfigError(f"--label: names must be distinct and non-empty, got {list(labels)}")
+        return tags
     parts = [Path(m).resolve().parts for m in models]
     for depth in range(1, max(len(p) for p in parts) + 1):
         tags = ["-".join(p[-depth:]) for p in parts]
@@ -119,6 +140,7 @@ def _sample_model(
     world: int,
     tp: int,
     max_requests: int | None,
+    answer: str,
 ) -> tuple[EvalRunner, Throughput]:
     """Start the model's engine, draw (up to ``max_requests`` requests of) its missing samples, close the engine;
     rank 0 appends the session's timing (what `--estimate` reads later as recorded figures). A run directory that
@@ -140,6 +162,8 @@ def _sample_model(
             rank=rank,
             world=world,
             tp=tp,
+            label=run_dir.name,  # the model's tag
+            answer=answer,
         )
         runner.run(problems, max_requests)
     finally:
@@ -187,9 +211,10 @@ def evaluate(
     encoder_factory: EncoderFactory,
     tp: int = 1,
     spec: IntervalSpec = IntervalSpec(),
+    labels: Sequence[str] | None = None,
 ) -> tuple[list[int], list[dict], list[Path]]:
     """Run (or resume) every model on every benchmark, then write and return the comparison table (rank 0); each
-    model's results.json keeps its per-problem (n, c)."""
+    model's results.json keeps its per-problem (n, c). ``labels``: the models' names (`model_tags`)."""
     problems = _load_problems(cfg)
     rank, world = _join_world()
     out = Path(cfg.output_dir)
@@ -201,9 +226,20 @@ def evaluate(
     with contextlib.ExitStack() as stack:
         # each engine replica's first rank verifies its replica's samples
         pool = stack.enter_context(RewardPool(reward_cfg)) if rank % tp == 0 else None
-        for model, tag in zip(models, model_tags(models)):
+        for model, tag in zip(models, model_tags(models, labels)):
             runner, _ = _sample_model(
-                model, out / tag, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, None
+                model,
+                out / tag,
+                cfg,
+                problems,
+                pool,
+                engine_factory,
+                encoder_factory,
+                rank,
+                world,
+                tp,
+                None,
+                reward_cfg.answer,
             )
             log.info(
                 "%s: %d requests, %d samples drawn in %.1f s, reward counters %s",
@@ -218,14 +254,18 @@ def evaluate(
     if rank != 0:
         return [], [], []
     ks, rows = pass_at_k_rows(counts, spec)
-    for model, tag in zip(models, model_tags(models)):
+    for model, tag in zip(models, model_tags(models, labels)):
         digests = {b: problems_digest([p for p in problems if p.benchmark == b]) for b in counts[tag]}
         ids = {b: [p.problem_id for p in problems if p.benchmark == b] for b in counts[tag]}
         per_bench = {b: BenchmarkCounts(ids[b], n, c, digests[b]) for b, (n, c) in counts[tag].items()}
         write_results(
             out / tag,
             results_json(
-                str(Path(model).resolve()), run_settings(cfg, str(Path(model).resolve())), per_bench, ks, spec
+                str(Path(model).resolve()),
+                run_settings(cfg, str(Path(model).resolve()), reward_cfg.answer),
+                per_bench,
+                ks,
+                spec,
             ),
         )
     return ks, rows, write_reports(ks, rows, out, spec)
@@ -239,6 +279,7 @@ def estimate(
     encoder_factory: EncoderFactory,
     tp: int = 1,
     recorded: str | None = None,
+    labels: Sequence[str] | None = None,
 ) -> JobEstimate | None:
     """`--estimate`: per model, figures from ``recorded`` (a run directory of the same model and settings) or from
     the model's own run directory's timing.jsonl; else a calibration: its first missing request, drawn and stored.
@@ -255,10 +296,14 @@ def estimate(
     estimates, overhead = [], 0.0
     with contextlib.ExitStack() as stack:
         pool = None
-        for model, tag in zip(models, model_tags(models)):
+        for model, tag in zip(models, model_tags(models, labels)):
             run_dir = out / tag
             resolved = str(Path(model).resolve())
-            figures = recorded_throughput(recorded, run_settings(cfg, resolved)) if recorded else read_timing(run_dir)
+            figures = (
+                recorded_throughput(recorded, run_settings(cfg, resolved, reward_cfg.answer))
+                if recorded
+                else read_timing(run_dir)
+            )
             if figures is not None:
                 kept = sum(1 for _, _, s in load_records(run_dir) if s < cfg.n_samples) if run_dir.is_dir() else 0
                 estimates.append(ModelEstimate(resolved, total, total - kept, cfg.max_new_tokens, figures))
@@ -268,7 +313,18 @@ def estimate(
             if not overhead:
                 overhead = _process_age()
             runner, figures = _sample_model(
-                model, run_dir, cfg, problems, pool, engine_factory, encoder_factory, rank, world, tp, 1
+                model,
+                run_dir,
+                cfg,
+                problems,
+                pool,
+                engine_factory,
+                encoder_factory,
+                rank,
+                world,
+                tp,
+                1,
+                reward_cfg.answer,
             )
             if not runner.samples_drawn:
                 figures = read_timing(run_dir)  # nothing was missing: the run's own recorded figures

@@ -1,7 +1,7 @@
 """`megatron-rlvr eval`: sample n answers per problem from one or several HF models, verify, tabulate pass@k.
 
-    megatron-rlvr eval --model MODEL_DIR [MODEL_DIR ...] --benchmarks math500 aime24 --data-dir data \
-        --n 1024 --out outputs/eval
+    megatron-rlvr eval --model MODEL_DIR [MODEL_DIR ...] [--label NAME ...] --benchmarks math500 aime24 \
+        --data-dir data --n 1024 --out outputs/eval
 
     megatron-rlvr eval --estimate ...same flags...     (draws each model's first request, prints the cost: estimate.py)
     megatron-rlvr estimate RECIPE [key=value ...]       (a recipe's cost without sampling: recipes/estimate.py)
@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.eval.api import estimate, evaluate, hf_encoder_factory, vllm_engine_factory
+from megatron_rlvr.eval.api import estimate, evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
 from megatron_rlvr.eval.bootstrap import IntervalSpec
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.estimate import format_estimate
 from megatron_rlvr.eval.report import markdown_table
 from megatron_rlvr.eval.runner import EvalConfigError
 from megatron_rlvr.problems.benchmarks import BENCHMARKS
+from megatron_rlvr.rewards.answers import ANSWER_FORMATS
 from megatron_rlvr.rewards.config import RewardConfig
 
 
@@ -37,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlvr eval", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model", nargs="+", required=True, help="HF model directories (several: one comparison table)"
+    )
+    parser.add_argument(
+        "--label",
+        nargs="+",
+        default=None,
+        help="a name for each --model, in order: its row in the table, its run directory under --out and its "
+        "progress bar (default: the last path parts that tell the models apart, e.g. 'hf')",
     )
     parser.add_argument(
         "--benchmarks", nargs="+", required=True, help=f"any of {', '.join(BENCHMARKS)} (space or comma separated)"
@@ -67,7 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (0 = all)")
-    parser.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
+    parser.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap prompts with the tokenizer's chat template; answers end at its end-of-turn token",
+    )
+    parser.add_argument(
+        "--system-prompt",
+        default=None,
+        help="the system turn under --chat-template (default: the template's own system prompt)",
+    )
+    parser.add_argument(
+        "--answer",
+        choices=ANSWER_FORMATS,
+        default=RewardConfig().answer,
+        help="how a reasoning-gym answer is read from the response (reward.answer): tagged, last_number, boxed",
+    )
     parser.add_argument("--no-text", action="store_true", help="do not keep sample texts in the records")
     parser.add_argument("--max-model-len", type=int, default=4096, help="engine context: prompt + new tokens")
     parser.add_argument(
@@ -118,11 +141,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
         output_dir=args.out,
         limit=args.limit,
         chat_template=args.chat_template,
+        system_prompt=args.system_prompt,
         save_text=not args.no_text,
         request_samples=args.request_samples,
         dtype=args.dtype,
     )
-    return cfg, RewardConfig(workers=args.workers)
+    if args.system_prompt is not None and not args.chat_template:
+        raise EvalConfigError("--system-prompt: a system turn needs --chat-template")
+    return cfg, RewardConfig(workers=args.workers, answer=args.answer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,15 +167,27 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.model:
             if not (Path(model) / "config.json").is_file():
                 raise ModelDirError(f"--model {model}: not an HF model directory (no config.json)")
+        model_tags(args.model, args.label)  # a bad --label: before any engine starts
         if args.recorded and not args.estimate:
             raise EvalConfigError("--recorded: only with --estimate")
         factory = vllm_engine_factory(args.max_model_len, tp=args.tp)
         if args.estimate:
-            job = estimate(args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, recorded=args.recorded)
+            job = estimate(
+                args.model,
+                cfg,
+                reward_cfg,
+                factory,
+                hf_encoder_factory,
+                tp=args.tp,
+                recorded=args.recorded,
+                labels=args.label,
+            )
             if job is not None:
                 print(format_estimate(job), end="")
             return 0
-        ks, rows, written = evaluate(args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, spec=spec)
+        ks, rows, written = evaluate(
+            args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, spec=spec, labels=args.label
+        )
     except UserError as exc:
         return report_user_error(exc)
     if rows:  # rank 0 only

@@ -29,7 +29,16 @@ from megatron_rlvr.eval.bootstrap import Interval, IntervalSpec, bootstrap_pass_
 from megatron_rlvr.eval.report import k_values
 from megatron_rlvr.eval.results import BenchmarkCounts, RunCounts, load_run
 
-SAMPLING_FIELDS = ("temperature", "top_p", "max_new_tokens", "stop", "chat_template", "prompt_format")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "stop",
+    "chat_template",
+    "system_prompt",
+    "prompt_format",
+    "answer",
+)
 DISCORDANT_LISTED = 20  # problem ids listed per side in compare.md (compare.json holds them all)
 
 
@@ -60,9 +69,12 @@ def check_comparable(a: RunCounts, b: RunCounts) -> None:
         only_a = [p for p in ca.problem_ids if p not in set(cb.problem_ids)]
         only_b = [p for p in cb.problem_ids if p not in set(ca.problem_ids)]
         if only_a or only_b:
+            sides = [
+                f"{len(ids)} only in {side}: {_preview(ids)}" for side, ids in (("A", only_a), ("B", only_b)) if ids
+            ]
             raise CompareMismatch(
-                f"{where}: the runs differ in problems of {bench} ({len(only_a)} only in A: "
-                f"{_preview(only_a)}; {len(only_b)} only in B: {_preview(only_b)})"
+                f"{where}: the runs differ in problems of {bench} ({'; '.join(sides)}); compare runs over the same "
+                "problems: the same benchmark files and --limit"
             )
         if ca.digest and cb.digest and ca.digest != cb.digest:
             raise CompareMismatch(

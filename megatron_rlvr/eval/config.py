@@ -23,5 +23,8 @@ class EvalConfig:
     data_dir: str = "data"
     output_dir: str = "outputs/eval"
     limit: int = 0  # problems per benchmark (0 = all)
-    chat_template: bool = False  # wrap each prompt with the tokenizer's chat template
+    chat_template: bool = (
+        False  # wrap each prompt with the tokenizer's chat template (sampling stops at its end of turn)
+    )
+    system_prompt: str | None = None  # the system turn under the chat template; None: the template's own default
     save_text: bool = True  # keep each sample's text in the records (large at n = 1024)

@@ -329,7 +329,9 @@ def recipe_estimate(
     total = sum(sizes.values()) * e.n_samples
     throughput = None
     if recorded:
-        throughput = recorded_throughput(recorded, run_settings(e, str(Path(cfg.model.hf_dir).resolve())))
+        throughput = recorded_throughput(
+            recorded, run_settings(e, str(Path(cfg.model.hf_dir).resolve()), cfg.reward.answer)
+        )
     model = ModelEstimate(cfg.model.hf_dir, total, total, e.max_new_tokens, throughput, tokens_per_second)
     if gpus is None:
         gpus = cfg.rollout.tp if cfg.eval.dtype != "float32" else 0

@@ -58,9 +58,11 @@ def problems_per_request(cfg: EvalConfig) -> int:
     return max(1, cfg.request_samples // cfg.chunk)
 
 
-def run_settings(cfg: EvalConfig, model: str) -> dict:
-    """What the stored samples depend on (n may grow between runs: more chunks, same earlier ones)."""
-    return {
+def run_settings(cfg: EvalConfig, model: str, answer: str = "tagged") -> dict:
+    """What the stored samples depend on (n may grow between runs: more chunks, same earlier ones). ``answer`` is
+    the reward's answer format (reward.answer), which the stored rewards depend on. A system prompt and an answer
+    format other than the defaults are recorded only when set, so runs stored before either existed still match."""
+    settings = {
         "model": model,
         "seed": cfg.seed,
         "chunk": cfg.chunk,
@@ -72,6 +74,11 @@ def run_settings(cfg: EvalConfig, model: str) -> dict:
         "prompt_format": PROMPT_FORMAT_VERSION,
         "problems_per_request": problems_per_request(cfg),
     }
+    if cfg.system_prompt is not None:
+        settings["system_prompt"] = cfg.system_prompt
+    if answer != "tagged":
+        settings["answer"] = answer
+    return settings
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
@@ -126,12 +133,16 @@ class EvalRunner:
         broadcast: Callable = torch_broadcast,
         world: int = 1,
         tp: int = 1,
+        label: str = "",  # the progress bar's name for the model (its tag); default: the directory's name
+        answer: str = "tagged",  # the pool's reward.answer: recorded in the run's settings
     ):
         validate_eval_config(cfg)
         if tp < 1 or world % tp:
             raise EvalConfigError(f"--tp {tp}: the world of {world} processes must be a multiple of it")
         self.engine, self.encode, self.cfg, self.pool, self.model = engine, encode, cfg, pool, model
+        self.answer = answer
         self.run_dir = Path(run_dir)
+        self.label = label or Path(model).name or model
         self.rank, self.broadcast, self.tp = rank, broadcast, tp
         self.replica, self.replicas = rank // tp, world // tp
         self.writes = rank % tp == 0  # the replica's first rank scores and writes
@@ -177,7 +188,7 @@ class EvalRunner:
             plan: object = None
             if self.rank == 0:
                 try:
-                    store = writer = SampleStore(self.run_dir, run_settings(self.cfg, self.model))
+                    store = writer = SampleStore(self.run_dir, run_settings(self.cfg, self.model, self.answer))
                     plan = self._plan(problems, store)
                 except Exception as exc:
                     self.broadcast(("error", f"{type(exc).__name__}: {exc}"))  # the other ranks must not wait
@@ -206,7 +217,7 @@ class EvalRunner:
         started = time.monotonic()
         total = sum(_request_samples(r, chunks) for r in requests)
         # this replica's samples; tqdm's remaining-time figure is its measured rate over what is left
-        progress = _progress(writer is not None and self.rank == 0, total, Path(self.model).name or self.model)
+        progress = _progress(writer is not None and self.rank == 0, total, self.label)
         kept = 0
         with progress, ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-scorer") as scorer:
             scoring: Future | None = None

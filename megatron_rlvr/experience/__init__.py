@@ -3,8 +3,10 @@
 - `collect`: prompts -> sampled responses -> rewards -> group advantages -> one `SequenceBatch` (a whole step).
 - `source`: the `ExperienceSource` protocol the trainer holds, and `make_source` for ``rollout.placement``.
 - `colocated`: every rank samples with its own engine, then trains (they take turns).
-- `engine_ranks`: the actor side of separate placement (engines on ranks of their own, one-step-off).
+- `engine_ranks`: the actor side of separate placement (engines on ranks of their own, one-step-off, streamed).
 - `engine_server`: the engine ranks' side: serve the actor's commands.
+- `admission`, `stream`, `stream_server`: fully asynchronous training (``rollout.max_staleness >= 2``): the staleness
+  bound by admission, one engine rank's stream, and the engine ranks' loop around it.
 - `wire`: the messages between the two sides.
 - `validation`, `base_evidence`: sampling on the actor's behalf (val/pass@k; PBA's base evidence).
 """

@@ -53,11 +53,14 @@ class Experience:
     reward_counters: dict[str, int]
     # reward/*, response/* over every response sampled this step (all rounds); batch/* about what trains
     metrics: dict[str, float] = field(default_factory=dict)
+    # streamed (docs/async.md): per response, the updates between its oldest token's weights and the step training it
+    staleness: torch.Tensor | None = None
 
 
 @dataclass
-class _Group:
-    """One prompt's G responses, sampled in round ``round`` at position ``index`` of that round's draw."""
+class Group:
+    """One prompt's G responses, sampled in round ``round`` at position ``index`` of that round's draw (streamed:
+    round 0, ``index`` its admission order)."""
 
     round: int
     index: int
@@ -124,10 +127,13 @@ def generate(
     return completions  # type: ignore[return-value]
 
 
-def score(pool, items: list[PromptItem], completions: list[list[Completion]]) -> tuple[torch.Tensor, dict[str, int]]:
-    """Rewards of every response, in (prompt, sample) order. Each rank scores a share; all ranks get all."""
+def score(
+    pool, items: list[PromptItem], completions: list[list[Completion]], *, shared: bool = True
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """Rewards of every response, in (prompt, sample) order. ``shared``: each rank scores a share and all ranks get
+    all; otherwise this rank scores them all alone."""
     flat = [(item, c) for item, group in zip(items, completions) for c in group]
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if shared and dist.is_initialized() else (1, 0)
     mine = list(range(rank, len(flat), world))
     rewards, counters = pool.score_batch(
         [flat[i][0].task for i in mine], [flat[i][1].text for i in mine], [flat[i][0].answer for i in mine]
@@ -166,21 +172,27 @@ def _sample_round(
     step: int,
     refill_round: int,
     counters: dict[str, int],
-) -> list[_Group]:
+) -> list[Group]:
     completions = generate(engine, items, cfg.rollout, run_seed=run_seed, step=step, refill_round=refill_round)
     rewards, round_counters = score(pool, items, completions)
     for key, value in round_counters.items():
         counters[key] = counters.get(key, 0) + value
-    lengths = torch.tensor([len(c.token_ids) for group in completions for c in group])
+    g = cfg.rollout.group_size
+    return [
+        group_of(refill_round, i, item, group, rewards[i * g : (i + 1) * g], cfg)
+        for i, (item, group) in enumerate(zip(items, completions))
+    ]
+
+
+def group_of(
+    refill_round: int, index: int, item: PromptItem, completions: list[Completion], rewards: torch.Tensor, cfg: Config
+) -> Group:
+    """One prompt's scored responses as a `Group`, with DAPO's overlong penalty added to ``rewards``."""
+    lengths = torch.tensor([len(c.token_ids) for c in completions])
     penalty = overlong_penalty(
         lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty
     )
-    rewards = rewards + penalty
-    g = cfg.rollout.group_size
-    return [
-        _Group(refill_round, i, item, group, rewards[i * g : (i + 1) * g], penalty[i * g : (i + 1) * g])
-        for i, (item, group) in enumerate(zip(items, completions))
-    ]
+    return Group(refill_round, index, item, completions, rewards + penalty, penalty)
 
 
 def _refill_count(missing: int, drawn: int, informative: int, prompts_per_step: int) -> int:
@@ -212,6 +224,21 @@ def collect(
             engine, pool, items, cfg, run_seed=run_seed, step=step, refill_round=rounds, counters=counters
         )
     chosen = _choose_groups(groups, want, refill)
+    return assemble(chosen, groups, cfg, pad_id=pad_id, counters=counters, rounds=rounds, refill=refill)
+
+
+def assemble(
+    chosen: list[Group],
+    sampled: list[Group],
+    cfg: Config,
+    *,
+    pad_id: int,
+    counters: dict[str, int],
+    rounds: int,
+    refill: bool,
+) -> Experience:
+    """The `Experience` that trains ``chosen`` (in batch order); the metrics cover every group ``sampled`` for this
+    step (the chosen ones and those dynamic sampling dropped)."""
     rewards = torch.cat([g.rewards for g in chosen])
     advantages, keep = compute_advantages(rewards, cfg.rollout.group_size, cfg.algo)
     items, completions = [g.item for g in chosen], [g.completions for g in chosen]
@@ -222,10 +249,10 @@ def collect(
         truncated = torch.tensor([c.finish_reason == "length" for group in completions for c in group])
         batch.response_mask &= ~truncated[:, None]
     trained = sum(not g.uniform for g in chosen) if refill else len(chosen)
-    metrics = _sampled_metrics(groups, cfg.reward.overlong_buffer > 0)
+    metrics = _sampled_metrics(sampled, cfg.reward.overlong_buffer > 0)
     metrics.update(
         {
-            "batch/uniform_groups_dropped": float(sum(g.uniform for g in groups)) if refill else 0.0,
+            "batch/uniform_groups_dropped": float(sum(g.uniform for g in sampled)) if refill else 0.0,
             "batch/refill_rounds": float(rounds),
             "batch/groups_trained": float(trained),
         }
@@ -233,7 +260,7 @@ def collect(
     return Experience(items, completions, rewards, batch, engine_logp, counters, metrics)
 
 
-def _choose_groups(groups: list[_Group], want: int, refill: bool) -> list[_Group]:
+def _choose_groups(groups: list[Group], want: int, refill: bool) -> list[Group]:
     """The step's ``want`` groups in draw order: without dropping, the first round's; with it, the first ``want``
     informative ones, topped up with dropped groups (masked out later) when the rounds ran out."""
     if not refill:
@@ -243,7 +270,7 @@ def _choose_groups(groups: list[_Group], want: int, refill: bool) -> list[_Group
     return sorted(informative + padding, key=lambda g: (g.round, g.index))
 
 
-def _sampled_metrics(groups: list[_Group], penalized: bool) -> dict[str, float]:
+def _sampled_metrics(groups: list[Group], penalized: bool) -> dict[str, float]:
     """The policy's behaviour on every prompt it sampled this step (all rounds: each an unbiased draw of prompts)."""
     rewards = torch.cat([g.rewards for g in groups])
     responses = [c for g in groups for c in g.completions]

@@ -25,7 +25,7 @@ def sync_weights(actor: WeightSource, engine: RolloutEngine, bucket_bytes: int) 
     """Stream the actor's weights (HF names) into this rank's engine; a collective over the model-parallel group.
     The buckets are lent (views of the exchange's shared memory where TP ranks share a host): the engine consumes
     each tensor before it draws the next bucket, so no rank allocates the model's size anew per sync."""
-    engine.update_weights(itertools.chain.from_iterable(actor.export_weights(bucket_bytes, lend=True)), lent=True)
+    engine.update_weights(itertools.chain.from_iterable(actor.engine_weights(bucket_bytes, lend=True)), lent=True)
 
 
 def build_engine(cfg: Config, actor: WeightSource) -> RolloutEngine:

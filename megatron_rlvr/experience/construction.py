@@ -8,13 +8,28 @@ from typing import Any
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import LoadStats, PromptItem, PromptLoader, load_items
+from megatron_rlvr.problems.prompt_encoding import end_of_turn_id
 from megatron_rlvr.rollout import RolloutEngine, make_engine
 
 
 def make_rollout_engine(cfg: Config, rank: int) -> RolloutEngine:
-    """The engine of ``rank``; the ranks of one engine's TP group share its seed."""
+    """The engine of ``rank``; the ranks of one engine's TP group share its seed. Under the chat template (training
+    or validation prompts) it stops at the template's end of turn, which ends the response the actor trains on."""
     seed = cfg.trainer.seed + rank // cfg.rollout.tp
-    return make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype="bfloat16" if cfg.actor.bf16 else "float32")
+    lora = cfg.actor.lora  # sync=adapters: the engine serves the actor's adapter on its base, one per sync
+    adapter = lora.spec() if lora is not None and lora.sync == "adapters" else None
+    dtype = "bfloat16" if cfg.actor.bf16 else "float32"
+    stops = chat_stop_ids(cfg)
+    return make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype=dtype, adapter=adapter, stop_token_ids=stops)
+
+
+def chat_stop_ids(cfg: Config) -> tuple[int, ...]:
+    """The chat template's end-of-turn id when training or validation prompts use the template, else ()."""
+    if not (cfg.data.chat_template or cfg.eval.chat_template):
+        return ()
+    from transformers import AutoTokenizer
+
+    return (end_of_turn_id(AutoTokenizer.from_pretrained(cfg.model.hf_dir)),)
 
 
 @dataclass

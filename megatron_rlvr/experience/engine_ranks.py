@@ -1,18 +1,23 @@
 """Separate placement, the actor's side (``rollout.placement: separate``): the engine ranks (engine_server.py)
 generate, score and refill whole steps from their own copy of the prompt stream; actor rank 0 commands them over the
 cross group (wire.py), sends the weights (rollout/transfer.py) and receives each step's experience, which it hands to
-the other actor ranks. With ``trainer.off_policy_steps: 1`` the engines sample step t+1 with the weights the update
-t starts from, while the actor runs update t: one update stale, logged as ``rollout/staleness``.
+the other actor ranks. With ``rollout.max_staleness: 1`` the engines sample step t+1 with the weights the update t
+starts from, while the actor runs update t: one update stale, logged as ``rollout/staleness``. With
+``rollout.max_staleness >= 2`` the engines stream (stream_server.py, docs/async.md): each step "takes" what the
+admission ledger selects, and the weights of every update go in while responses are in flight.
 
 Exact resume: a step's rollout is a function of the run seed, the step, the prompt stream's state and the weight
-version that samples it. With off_policy_steps 0 that version is the checkpoint's own weights, so a resumed run
+version that samples it. With max_staleness 0 that version is the checkpoint's own weights, so a resumed run
 regenerates the step. With 1, the step after a checkpoint was sampled by the weights before the last update, which
 the checkpoint no longer holds: that rollout is received before the checkpoint is written and stored with it
-(`pending`), and a resumed run trains on it.
+(`pending`), and a resumed run trains on it. Streamed, a checkpoint stores the stream's state instead (finished
+groups and every response in flight, `stream.StreamState`), which a resumed run continues; timing decides which
+version samples which token there, so a resumed run is not the uninterrupted one (docs/async.md says what holds).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -41,10 +46,11 @@ class EngineRanksSource:
         pad_id: int,
         *,
         start_step: int,
-        pending: Rollout | None = None,
+        pending: Any = None,
     ) -> None:
         self.cfg, self.roles, self.actor, self.pool, self.loader = cfg, roles, actor, pool, loader
-        self.off_policy = cfg.trainer.off_policy_steps
+        self.off_policy = cfg.rollout.max_staleness == 1
+        self.streaming = cfg.rollout.max_staleness >= 2
         self.group = roles.cross_objects  # None on actor ranks other than 0
         self.sender = None
         if roles.cross is not None:
@@ -52,15 +58,21 @@ class EngineRanksSource:
 
             self.sender = WeightSender(roles.cross, timeout_s=ROLE_TIMEOUT_S)
         self.engine_version: int | None = None  # the weight version the engines hold
-        self.inflight: int | None = None  # the step the engines are collecting (off_policy_steps 1)
-        self.prefetched = pending
+        self.inflight: int | None = None  # the step the engines are collecting (max_staleness 1)
+        self.prefetched: Rollout | None = None if self.streaming else pending
+        self.snapshot = pending if self.streaming else None  # streamed: the stream's state for the next checkpoint
         self.transfer: dict[str, float] = {}
         self.engine = RemoteEngine(self)  # validation samples through it (validation.validate)
         self._ensure_weights(start_step)
+        if self.streaming:  # from here on the engines admit prompts and generate without pause
+            self._command(Command("start", step=start_step, loader=self.loader.state_dict(), state=pending))
+        self.stepped = time.perf_counter()  # when the last experience was handed over
 
     # -- the trainer's interface
 
     def next(self, step: int) -> tuple[Experience, dict[str, float]]:
+        if self.streaming:
+            return self._take(step)
         self._drain()
         rollout, self.prefetched = self.prefetched, None
         if rollout is None:
@@ -80,9 +92,27 @@ class EngineRanksSource:
         metrics |= self.take_transfer_metrics()
         return rollout.experience, metrics
 
+    def _take(self, step: int) -> tuple[Experience, dict[str, float]]:
+        """Streamed: step ``step``'s groups as the engines' admission ledger selects them (they go on generating)."""
+        started = time.perf_counter()
+        self._command(Command("take", step=step))
+        rollout = self._receive()
+        if rollout.step != step:
+            raise EngineRankError(f"the engine ranks sent step {rollout.step}'s experience for step {step}")
+        self.loader.load_state_dict(rollout.loader_after)
+        now = time.perf_counter()
+        metrics = {
+            "rollout/engine_seconds": rollout.seconds,
+            # the actor's wait for this step's experience over the whole cycle since the last one was handed over
+            "async/trainer_idle_frac": (now - started) / max(now - self.stepped, 1e-9),
+        }
+        self.stepped = now
+        return rollout.experience, metrics | self.take_transfer_metrics()
+
     def after_update(self, step: int) -> dict[str, float]:
+        # the next step samples with the weights just trained; streamed, they go in while responses are in flight
         if not self.off_policy and step + 1 < self.cfg.trainer.steps:
-            self._ensure_weights(step + 1)  # the next step samples with the weights just trained
+            self._ensure_weights(step + 1)
         return self.take_transfer_metrics()
 
     def validate(self, step: int, val_items: list[PromptItem], pad_id: int) -> tuple[dict[str, float], np.ndarray]:
@@ -91,11 +121,15 @@ class EngineRanksSource:
         return validate(self.engine, self.pool, self.actor, val_items, self.cfg, pad_id)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.streaming:  # the stream's state: finished groups and every response in flight (docs/async.md)
+            self._command(Command("snapshot"))
+            self.snapshot = self._receive()
+            return {"loader": self.snapshot.loader}
         self._drain()  # a checkpoint holds the rollout the engines sampled with weights it no longer has
         return {"loader": self.loader.state_dict()}
 
-    def pending(self) -> Rollout | None:
-        return self.prefetched
+    def pending(self) -> Any:
+        return self.snapshot if self.streaming else self.prefetched
 
     def close(self) -> None:
         """Tell the engine ranks to stop (they exit their loop); the reply of an outstanding request is dropped."""
@@ -146,7 +180,7 @@ class EngineRanksSource:
             return
         self._drain()
         self._command(Command("weights", version=version))
-        buckets = self.actor.export_weights(self.cfg.rollout.bucket_bytes, lend=True)
+        buckets = self.actor.engine_weights(self.cfg.rollout.bucket_bytes, lend=True)
         if self.sender is not None:
 
             def send():

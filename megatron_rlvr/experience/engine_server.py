@@ -29,12 +29,18 @@ from megatron_rlvr.experience.construction import make_rollout_engine, prompt_st
 from megatron_rlvr.experience.wire import Failure, Rollout
 from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout.prefixes import without_prefixes
-from megatron_rlvr.rollout.transfer import WeightReceiver
+from megatron_rlvr.rollout.transfer import WeightReceiver, load_weights
 from megatron_rlvr.runtime.roles import Roles, broadcast_object, send_object
 
 
 def serve(cfg: Config, roles: Roles) -> None:
-    """Run this engine rank until the actor's "stop" (returns) or a failure (raises)."""
+    """Run this engine rank until the actor's "stop" (returns) or a failure (raises). ``rollout.max_staleness >= 2``:
+    the engines stream instead (stream_server.py)."""
+    if cfg.rollout.max_staleness >= 2:
+        from megatron_rlvr.experience.stream_server import serve_stream
+
+        serve_stream(cfg, roles)
+        return
     stream = prompt_stream(cfg)
     loader, pad_id = stream.loader, stream.pad_id
     rank, tp = dist.get_rank(), cfg.rollout.tp
@@ -79,23 +85,6 @@ def serve(cfg: Config, roles: Roles) -> None:
                 send_object(group, reply, 0)
             if isinstance(reply, Failure):
                 raise RuntimeError(f"engine rank {roles.global_rank} stopped: {reply.what}")
-
-
-def load_weights(engine, receiver) -> int:
-    """Receive one transfer into ``engine``; returns its weight version. The stream is read to its end whatever
-    the engine made of it (the sender waits for every engine rank to finish it).
-
-    Each tensor is copied as it arrives: the receiver's views live only until the next item, while the engine's
-    lent path (``lent=True``) keeps the parts of a packed weight (q/k/v) until the last one arrives, which holds for
-    the bridge's buckets but not for the transfer's messages (with actor PP=2 q and k/v came in different messages
-    and q was overwritten)."""
-    version, stream = receiver.receive()
-    try:
-        engine.update_weights(((name, tensor.clone()) for name, tensor in stream), lent=False)
-    finally:
-        for _ in stream:
-            pass
-    return version
 
 
 def answer(engine, requests: list[Any], tp: int) -> list[Any]:

@@ -14,6 +14,7 @@ from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.experience.collect import Experience
 from megatron_rlvr.experience.colocated import ColocatedSource
 from megatron_rlvr.experience.engine_ranks import EngineRanksSource
+from megatron_rlvr.experience.stream import StreamState
 from megatron_rlvr.experience.wire import Rollout
 from megatron_rlvr.protocols.actor import Actor
 from megatron_rlvr.rewards import RewardPool
@@ -38,8 +39,9 @@ class ExperienceSource(Protocol):
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must hold to resume the stream exactly (the prompt loader's position)."""
 
-    def pending(self) -> Rollout | None:
-        """A rollout sampled ahead (one-step-off) that the next checkpoint stores."""
+    def pending(self) -> Rollout | StreamState | None:
+        """What the next checkpoint stores beside the weights: a rollout sampled ahead (one-step-off), or the
+        stream's state (fully asynchronous: finished groups, responses in flight)."""
 
     def close(self) -> None:
         """Release the engines (not after an error: a rank that raised alone must exit, not wait here)."""
@@ -54,7 +56,7 @@ def make_source(
     pad_id: int,
     *,
     start_step: int,
-    pending: Rollout | None = None,
+    pending: Rollout | StreamState | None = None,
 ) -> ExperienceSource:
     """The run's experience source for ``rollout.placement``."""
     if cfg.rollout.placement == "separate":

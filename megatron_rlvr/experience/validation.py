@@ -34,7 +34,9 @@ def load_validation_items(cfg: Config, tokenizer) -> list[PromptItem]:
         return load_items(cfg.data, tokenizer, "eval")[0][:limit]
     from megatron_rlvr.problems.benchmarks import load_benchmark
 
-    data_cfg = dataclasses.replace(cfg.data, chat_template=cfg.eval.chat_template, skip_bad_rows=False)
+    data_cfg = dataclasses.replace(
+        cfg.data, chat_template=cfg.eval.chat_template, system_prompt=cfg.eval.system_prompt, skip_bad_rows=False
+    )
     items: list[PromptItem] = []
     for bench in cfg.eval.benchmarks:
         rows = problem_rows(load_benchmark(bench, cfg.eval.data_dir, limit), data_cfg)

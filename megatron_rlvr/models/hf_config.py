@@ -12,8 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.models import llama, qwen2, qwen3, qwen3_moe
 from megatron_rlvr.models.family import ModelFamily, UnsupportedModelError
+
+
+class ModelConfigMissing(UserError, FileNotFoundError):
+    """No ``config.json`` where a model directory was named; the message names the path and what writes one."""
+
 
 FAMILIES: dict[str, ModelFamily] = {
     qwen2.ARCHITECTURE: qwen2,
@@ -31,10 +37,14 @@ def config_path(source: str | Path) -> Path:
 
 def read_hf_config(source: str | Path) -> dict[str, Any]:
     """The JSON of ``config.json`` (a directory or the file) as written, not validated. A missing file raises
-    `FileNotFoundError`, a broken one `UnsupportedModelError`, each naming the file."""
+    `ModelConfigMissing` (a `FileNotFoundError`), a broken one `UnsupportedModelError`, each naming the file."""
     path = config_path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"HF config {path}: not found (expected an HF model directory or its config.json)")
+        relative = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        raise ModelConfigMissing(
+            f"HF config {path}{relative}: not found (expected an HF model directory or its config.json); download "
+            "the model there, or write one with `megatron-rlvr convert mcore-to-hf|gguf-to-hf` (docs/checkpoints.md)"
+        )
     try:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -45,12 +45,27 @@ def series(records: Sequence[Mapping[str, Any]], keys: Iterable[str]) -> tuple[l
     return steps, values
 
 
+def top_mass(records: Sequence[Mapping[str, Any]], keys: Mapping[int, Iterable[str]]) -> tuple[list[int], list[float]]:
+    """(steps, rank-1 + rank-2 + rank-3 probability): the mass of the top-3 candidates (CaSP's N = 3), at the steps
+    whose record holds all three ranks (``keys``: RANK_KEYS or RANK_HIGH_ENTROPY_KEYS)."""
+    steps, values = [], []
+    for r in records:
+        ranks = [first_present(r, keys[k]) for k in (1, 2, 3)]
+        if "step" in r and all(p is not None for p in ranks):
+            steps.append(int(r["step"]))
+            values.append(float(sum(ranks)))  # type: ignore[arg-type]
+    return steps, values
+
+
 def candidate_dynamics(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
-    """The series the paper's evidence needs: rank-1/2/3 probabilities (all tokens and forking tokens), entropy."""
+    """The series the paper's evidence needs: rank-1/2/3 probabilities and the top-3 mass (all tokens and forking
+    tokens), entropy, reward."""
     out = {}
     for k in (1, 2, 3):
         out[f"rank{k}_prob"] = series(records, RANK_KEYS[k])
         out[f"rank{k}_prob_high_entropy"] = series(records, RANK_HIGH_ENTROPY_KEYS[k])
+    out["top3_mass"] = top_mass(records, RANK_KEYS)
+    out["top3_mass_high_entropy"] = top_mass(records, RANK_HIGH_ENTROPY_KEYS)
     out["entropy"] = series(records, ENTROPY_KEYS)
     out["entropy_high_entropy"] = series(records, ENTROPY_HIGH_KEYS)
     out["reward"] = series(records, REWARD_KEYS)

@@ -84,6 +84,49 @@ def plot_rank_probs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
     return _save(fig, Path(path))
 
 
+DYNAMICS_PANELS = (
+    ("reward", "mean reward"),
+    ("rank1_prob", "rank-1 probability"),
+    ("top3_mass", "top-3 mass (rank 1 + 2 + 3)"),
+    ("entropy", "entropy (nats)"),
+    ("rank1_prob_high_entropy", "rank-1 probability, forking tokens"),
+    ("top3_mass_high_entropy", "top-3 mass, forking tokens"),
+)
+
+
+def plot_candidate_dynamics(
+    groups: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], path: str | os.PathLike, title: str = ""
+) -> Path | None:
+    """Candidate dynamics of several runs (metrics.jsonl records) in six panels: reward, rank-1 probability, top-3
+    mass and entropy over all response tokens, and rank-1 probability and top-3 mass over the high-entropy (forking)
+    tokens. ``groups``: a label (e.g. the loss) -> its runs (e.g. one per seed); a group's runs share a colour and
+    differ in line style. None when no run logged any of these series."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ("-", "--", ":", "-.")
+    drawn = False
+    for g, (group, runs) in enumerate(groups.items()):
+        for r, (label, records) in enumerate(runs.items()):
+            dyn = candidate_dynamics(records)
+            for ax, (name, _) in zip(axes.flat, DYNAMICS_PANELS):
+                if name in dyn:
+                    colour, style = colours[g % len(colours)], styles[r % len(styles)]
+                    ax.plot(*dyn[name], color=colour, linestyle=style, linewidth=1.3, label=f"{group} {label}")
+                    drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    for ax, (_, ylabel) in zip(axes.flat, DYNAMICS_PANELS):
+        ax.set_title(ylabel, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return _save(fig, Path(path))
+
+
 def plot_entropy(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike) -> Path | None:
     """Mean token entropy over steps (solid) and at high-entropy (forking) tokens (dashed)."""
     plt = pyplot()

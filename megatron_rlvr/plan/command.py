@@ -17,7 +17,7 @@ from typing import Any
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.host_memory import host_json, host_plan, host_text
-from megatron_rlvr.plan.memory import GB, PHASE_PARTS, Layout, Plan, plan_layout
+from megatron_rlvr.plan.memory import ESTIMATED_PARTS, GB, PHASE_PARTS, Layout, Plan, plan_layout
 from megatron_rlvr.plan.stage_params import stage_params
 from megatron_rlvr.plan.suggest import RANKING_RULE, suggest
 
@@ -26,6 +26,7 @@ H200_MEMORY_GB = 141.0
 
 LABELS = {
     "actor_weights": "actor weights",
+    "adapters": "LoRA adapters",
     "actor_grads": "main grads (fp32)",
     "optimizer": "optimizer state",
     "reference": "frozen reference",
@@ -114,6 +115,7 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
         "peak_rank": worst.name,
         "phases": {k: _gb(v) for k, v in worst.phases.items()},
         "components": {f"{k}_gb": _gb(v) for k, v in worst.components.items()},
+        "estimated_components": list(ESTIMATED_PARTS) if plan.layout.gpu else [],
         "ranks": [
             {
                 "name": r.name,
@@ -125,6 +127,7 @@ def plan_json(plan: Plan, recipe: str, nodes: int, gpus_per_node: int) -> dict[s
         ],
         "breaking_component": None if breaker is None else {"name": breaker[0], "gb": _gb(breaker[1])},
         "problems": plan.problems,
+        "notes": plan.notes,
         "layout": dict(vars(plan.layout)),
     }
 
@@ -144,6 +147,8 @@ def describe_layout(lay: Layout) -> str:
     ]
     if lay.reference:
         parts.append("frozen reference")
+    if lay.lora_rank:
+        parts.append(f"LoRA rank {lay.lora_rank} (base frozen, free reference, sync {lay.lora_sync})")
     engine = (
         (
             f"engines colocated, TP={lay.engine_tp}, gpu_memory_utilization={lay.gpu_memory_utilization}, sleep "
@@ -193,7 +198,8 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
                 f"{'x' if name in PHASE_PARTS.get(p, ()) or rank.name == 'engine rank' else '':>11}"
                 for p in rank_phases
             )
-            lines.append(f"  {LABELS.get(name, name):<32}{value / GB:>8.2f}  {marks}")
+            label = LABELS.get(name, name) + (" (estimate)" if name in ESTIMATED_PARTS else "")
+            lines.append(f"  {label:<32}{value / GB:>8.2f}  {marks}")
         lines.append(f"  {'phase total':<32}{'':>8}  " + "".join(f"{rank.phases[p] / GB:>11.1f}" for p in rank_phases))
         lines.append("")
     c = plan.worst.components
@@ -204,6 +210,8 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
             f"update: the engine weights ({c['engine_weights'] / GB:.1f} GB, {where}) and the KV cache "
             f"({c['kv_cache'] / GB:.1f} GB); the workspace ({c['engine_workspace'] / GB:.1f} GB) stays."
         )
+    for note in plan.notes:
+        lines.append(f"note: {note}")
     for problem in plan.problems:
         lines.append(f"problem: {problem}")
     verdict = "fits" if plan.fits else "does NOT fit"
@@ -218,7 +226,17 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
             f"largest part of the {plan.worst.peak_phase} phase, which is {plan.over / GB:.1f} GB over; "
             f"try --suggest"
         )
+    if lay.gpu:
+        lines.extend(MEASURED_NOTE)
     return "\n".join(lines)
+
+
+# What a GPU plan's verdict rests on (docs/plan.md, "What 'fits' rests on").
+MEASURED_NOTE = (
+    "(estimate): a guess for the GPU, not measured; the engine's total is its gpu_memory_utilization budget either way.",
+    "the verdict is arithmetic: the actor's parts are checked against a real actor on CPU (fp32), but nothing in this",
+    "plan was measured on a GPU (bf16 bytes, the vLLM engine, the CUDA context): docs/plan.md",
+)
 
 
 def header_lines(plan: Plan) -> list[str]:
@@ -237,6 +255,8 @@ def header_lines(plan: Plan) -> list[str]:
     )
     if lay.reference:
         actor += f", reference {gb('reference')}"
+    if lay.lora_rank:
+        actor += f", LoRA adapters {gb('adapters')}"
     if c.get("dispatcher"):
         actor += f", dispatcher {gb('dispatcher')}"
     if c.get("cp_kv"):

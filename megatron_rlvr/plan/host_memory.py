@@ -3,7 +3,8 @@ table, beside the per-GPU one (plan/memory.py). Nothing here imports torch.
 
 Per rank, from what this project's code allocates in host memory (docs/weight-sync.md):
 - staging (``rollout.sync_staging: full``): the engine rank's shard of the weight stream, checked whole and kept
-  until the commit (rollout/shard_stage.py): HF bytes / engine TP + the replicated norms. "streaming": none. On CPU
+  until the commit (rollout/shard_stage.py): HF bytes / engine TP + the replicated norms. "streaming": none. With
+  ``actor.lora.sync: adapters`` the stream is the adapter alone, kept whole (rollout/lora_adapters.py). On CPU
   with fresh tensors (actor TP 1, PP > 1, separate placement) the in-process engine's direct loader keeps a second
   buffer of every weight instead (rollout/cpu/weights.py): the model's bytes, held from the second sync on; with lent
   tensors (colocated, actor TP > 1, PP 1, a dense model) it stages nothing: the stream stays in the export's slot.
@@ -18,6 +19,10 @@ Per rank, from what this project's code allocates in host memory (docs/weight-sy
 - the data loader: every rank holds the tokenized train split (an estimate from the row count and prompt length).
 - the rank's own process: Python, torch, megatron-core, vLLM, the CUDA host-side runtime (an estimate on GPU; on
   CPU measured on this machine); the node's launcher (torchrun), once per node.
+- fully asynchronous training (``rollout.max_staleness`` k >= 2, docs/async.md): engine rank 0 keeps every group the
+  admission bound lets in, finished or in flight, as Python lists (token ids, log-probs, weight versions): at most
+  (k + 1) x ``trainer.prompts_per_step`` x ``rollout.group_size`` responses of up to ``rollout.max_new_tokens``
+  tokens (an estimate per token, below), counted on the fullest node once.
 - on CPU only, the actor and the engine themselves live in host memory (plan/memory.py's CPU arithmetic for the
   actor; the engine's fp32 weights and its ``kv_cache_memory_bytes``), and the end-of-run HF export
   (``trainer.save_hf``: fresh buckets on every rank; not counted on GPU, where the buckets are on the device
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.plan.lora_terms import adapter_hf_params
 from megatron_rlvr.plan.memory import FP32, GB, Layout, actor_rank_plan
 
 # Assumptions not measured here (GPU nodes), named:
@@ -50,6 +56,9 @@ VERIFIER_RESIDENT_BYTES = int(0.1 * GB)
 DATA_ROW_OVERHEAD_BYTES = 2048  # one prompt row's Python objects beyond its token ids (text, answer, id, dict)
 BYTES_PER_TOKEN_ID = 36  # a token id in a Python list: the 8-byte slot and a 28-byte int object
 DEFAULT_DATA_ROWS = 100_000  # rows assumed when the data file is not readable here
+# a streamed response's token on engine rank 0: its id (36, as above), its log-prob (an 8-byte slot and a 24-byte
+# float object), its weight version (a slot; small ints are shared) and ~4 bytes of text
+BYTES_PER_STREAMED_TOKEN = 80
 HOST_HEADROOM_FRACTION = 0.10
 # Measured on this project's CPU machine: one process's PSS after importing torch, megatron-core, the trainer and
 # vLLM and starting a vLLM engine for the demo model, less the engine's weights and KV cache (0.50 GB; alone in its
@@ -67,6 +76,7 @@ LABELS = {
     "data_loader": "data loader (estimate)",
     "process": "rank processes (estimate)",
     "launcher": "launcher (torchrun)",
+    "stream_buffer": "streamed responses, k + 1 steps (estimate)",
     "actor": "actor (CPU)",
     "engine": "engine weights + KV (CPU)",
     "hf_export": "end-of-run HF export (CPU)",
@@ -163,6 +173,13 @@ def hf_export_bytes(dims: ModelDims, lay: Layout) -> int:
     return 2 * max(min(lay.bucket_bytes, dims.hf_params() * FP32), largest)
 
 
+def stream_buffer_bytes(cfg: Any) -> int:
+    """Engine rank 0's groups under fully asynchronous training: (k + 1) steps of responses at the answer budget."""
+    r = cfg.rollout
+    responses = (r.max_staleness + 1) * cfg.trainer.prompts_per_step * r.group_size
+    return responses * r.max_new_tokens * BYTES_PER_STREAMED_TOKEN
+
+
 def reward_pool_bytes(cfg: Any) -> int:
     r = cfg.reward
     if cfg.data.task == "code":
@@ -231,7 +248,9 @@ def host_plan(
         c["data_loader"] += count * data_loader_bytes(cfg)
         if has_actor:
             c["transfer_buckets"] += count * transfer_bucket_bytes(dims, lay)
-        if has_engine and full and not adopts:
+        if has_engine and lay.lora_rank and lay.lora_sync == "adapters":  # the adapter alone, checked whole
+            c["staging"] += count * adapter_hf_params(dims, lay.lora_rank, lay.lora_targets) * value_bytes
+        elif has_engine and full and not adopts:
             # GPU: the staged shard; CPU with fresh tensors: the direct loader's second buffer (or, for a model it
             # does not cover, vLLM's reload behind the shard stage at TP 1): the model's bytes
             c["staging"] += count * (staged_bytes(dims, engine_tp, value_bytes) if lay.gpu else model)
@@ -249,6 +268,8 @@ def host_plan(
                 if adopts:  # the first sync: the weights vLLM loaded are live until its commit, one slot written
                     first["engine"] = first.get("engine", 0) + count * (model + kv)
                     first["transfer_buckets"] = first.get("transfer_buckets", 0) + count * model // lay.tp
+    if kinds.get("engine") and lay.max_staleness >= 2:
+        c["stream_buffer"] = stream_buffer_bytes(cfg)
     moment = ""
     if first:
         # the exchange is first touched, and the HF export runs, only after the first sync

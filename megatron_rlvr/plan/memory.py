@@ -11,6 +11,8 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
   experts over the expert-data-parallel ranks; none of the three divides by cp;
 - the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``): a second copy of the
   weights, no grads, no optimizer;
+- LoRA (``actor.lora``, plan/lora_terms.py): the frozen base's weights, the adapters' weights, and grads and
+  optimizer state of the adapters alone; the reference is free (the base with the adapters off);
 - the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
   actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
   like the statistics pass); ``self`` holds a copy of the student unless the reference is that copy already;
@@ -35,6 +37,7 @@ from typing import Any
 
 from megatron_rlvr.models.builder import padded_vocab_size
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.plan.lora_terms import adapter_hf_params, adapter_saved_bytes, adapter_split, largest_adapter_grad
 from megatron_rlvr.plan.parallel_terms import (
     cp_kv_bytes,
     dispatcher_bytes,
@@ -50,6 +53,9 @@ RUNTIME_BYTES = int(2.0 * GB)
 # vLLM's profiled activation peak, sampler logits and CUDA graphs inside its gpu_memory_utilization budget; sleep
 # mode does not free it. An estimate from vLLM's profile run at its default batch limits, not measured here.
 ENGINE_WORKSPACE_BYTES = int(2.0 * GB)
+# The components that are the two estimates above, not derived from the recipe and the model: `megatron-rlvr plan`
+# marks them, as the host table marks its own.
+ESTIMATED_PARTS = ("runtime", "engine_workspace")
 # Kept free on every GPU for the caching allocator's fragmentation and what the estimates above miss.
 HEADROOM_FRACTION = 0.05
 
@@ -84,6 +90,15 @@ class Layout:
     engine_ranks: int = 0
     bucket_bytes: int = 256 * 1024**2
     gpu: bool = True  # GPU: TE flash attention, a CUDA runtime, a vLLM engine; CPU: unfused attention, none of those
+    # what the engines keep in flight (separate placement): rollout.max_staleness, and the sequences of one step
+    max_staleness: int = 0
+    step_sequences: int = 0  # trainer.prompts_per_step x rollout.group_size
+    # GPU attention: TE's fused kernel (no score matrix); model.use_transformer_engine=off: the local spec's unfused
+    # attention, as on CPU (None: follow ``gpu``)
+    fused_attention: bool | None = None
+    lora_rank: int = 0  # actor.lora.rank (0: full fine-tuning)
+    lora_targets: tuple[str, ...] = ()  # actor.lora.targets
+    lora_sync: str = "merged"  # actor.lora.sync: what the engines load
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, gpu: bool = True) -> Layout:
@@ -100,13 +115,19 @@ class Layout:
         micro_tokens = max(budget, seq_share) if budget else a.micro_batch_size * seq_share
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * seq_share
-        reference = cfg.algo.kl_coef > 0 or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
+        needs_reference = cfg.algo.kl_coef > 0 or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
+        lora = a.lora
+        reference = needs_reference and lora is None  # LoRA's reference is the base with the adapters off: free
         teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""
         if teacher:
             teacher_dims(teacher)  # a bad teacher directory fails here, naming the key
         return cls(
             teacher=teacher,
             teacher_copy=cfg.algo.distill == "self" and not reference,
+            fused_attention=gpu and cfg.model.use_transformer_engine != "off",
+            lora_rank=lora.rank if lora is not None else 0,
+            lora_targets=tuple(lora.targets) if lora is not None else (),
+            lora_sync=lora.sync if lora is not None else "merged",
             tp=a.tp,
             pp=a.pp,
             dp=dp,
@@ -131,6 +152,8 @@ class Layout:
             engine_ranks=engine_ranks,
             bucket_bytes=r.bucket_bytes,
             gpu=gpu,
+            max_staleness=r.max_staleness,
+            step_sequences=cfg.trainer.prompts_per_step * r.group_size,
         )
 
 
@@ -153,12 +176,17 @@ def actor_static(dims: ModelDims, lay: Layout, stage: int) -> dict[str, int]:
     dense, expert = stage_split(dims, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp)
     n = dense + expert
     per_value = 2 * FP32 + (FP32 if lay.param_bytes != FP32 else 0)  # Adam m, v (+ fp32 main params)
+    if lay.lora_rank:  # the base frozen: grads and optimizer state of the adapters alone (plan/lora_terms.py)
+        base_weights = n * lay.param_bytes
+        dense, expert = adapter_split(dims, lay, stage)
+        n = dense + expert
     if lay.distributed_optimizer:  # dense state over DP x CP, expert state over the expert-data-parallel ranks
         shard = math.ceil(dense / (lay.dp * lay.cp)) + math.ceil(expert / expert_shard_ranks(lay))
     else:
         shard = n
     return {
-        "actor_weights": n * lay.param_bytes,
+        "actor_weights": base_weights if lay.lora_rank else n * lay.param_bytes,
+        "adapters": n * lay.param_bytes if lay.lora_rank else 0,
         "actor_grads": n * FP32,
         "optimizer": shard * per_value,
         "reference": n * lay.param_bytes if lay.reference else 0,
@@ -185,9 +213,10 @@ def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None =
     mlp = 0 if moe else 4 * dims.ffn
     per_token = 4 * h_part + (2 * dims.q_width + 2 * dims.kv_width + mlp) // lay.tp
     stored = t * per_token * e + 2 * t * FP32  # + the norms' fp32 inverse RMS
+    stored += adapter_saved_bytes(dims, lay, moe)
     if moe:
         stored += moe_mlp_saved_bytes(dims, lay)
-    if recompute == "none" and not lay.gpu:
+    if recompute == "none" and not (lay.gpu if lay.fused_attention is None else lay.fused_attention):
         s = min(lay.max_seq_len, t * lay.cp)  # keys: the whole sequence, gathered over CP
         score_values = dims.heads // lay.tp * s * t  # local queries t, each against its sequence's s keys
         stored += score_values * (FP32 + (e if e != FP32 else 0))
@@ -246,6 +275,8 @@ def engine_components(dims: ModelDims, lay: Layout, gpu_memory: int) -> dict[str
         return {"engine_weights": 0, "kv_cache": 0, "engine_workspace": 0, "engine_budget": 0}
     budget = int(lay.gpu_memory_utilization * gpu_memory)
     weights = dims.hf_params() * lay.param_bytes // lay.engine_tp
+    if lay.lora_sync == "adapters" and lay.lora_rank:  # vLLM's LoRA: the adapter beside the base it serves
+        weights += adapter_hf_params(dims, lay.lora_rank, lay.lora_targets) * lay.param_bytes // lay.engine_tp
     kv = budget - weights - ENGINE_WORKSPACE_BYTES
     return {
         "engine_weights": weights,
@@ -291,6 +322,7 @@ class Plan:
     ranks: list[RankPlan]
     headroom: int = 0  # bytes that must stay free for the plan to fit
     problems: list[str] = field(default_factory=list)  # reasons it cannot run that are not a byte total
+    notes: list[str] = field(default_factory=list)  # what it runs with that is not a failure (e.g. KV for k in flight)
 
     @property
     def worst(self) -> RankPlan:
@@ -318,59 +350,14 @@ class Plan:
         return max(shown.items(), key=lambda kv: kv[1])
 
 
-# the components each phase adds up (the engine's share differs while it sleeps)
+# the components each phase adds up (the engine's share differs while it sleeps); every phase holds the actor's state
+_HELD = ("actor_weights", "adapters", "actor_grads", "optimizer", "reference", "teacher")
+_PASS = ("dispatcher", "cp_kv", "logits", "op_scratch", "runtime")
 PHASE_PARTS: dict[str, tuple[str, ...]] = {
-    "rollout": (
-        "actor_weights",
-        "actor_grads",
-        "optimizer",
-        "reference",
-        "teacher",
-        "engine_weights",
-        "kv_cache",
-        "engine_workspace",
-        "runtime",
-    ),
-    "statistics": (
-        "actor_weights",
-        "actor_grads",
-        "optimizer",
-        "reference",
-        "teacher",
-        "engine_workspace",
-        "forward_working",
-        "dispatcher",
-        "cp_kv",
-        "logits",
-        "op_scratch",
-        "runtime",
-    ),
-    "update": (
-        "actor_weights",
-        "actor_grads",
-        "optimizer",
-        "reference",
-        "teacher",
-        "engine_workspace",
-        "activations",
-        "backward_working",
-        "dispatcher",
-        "cp_kv",
-        "logits",
-        "op_scratch",
-        "runtime",
-    ),
-    "sync": (
-        "actor_weights",
-        "actor_grads",
-        "optimizer",
-        "reference",
-        "teacher",
-        "engine_workspace",
-        "engine_weights",
-        "sync_buckets",
-        "runtime",
-    ),
+    "rollout": (*_HELD, "engine_weights", "kv_cache", "engine_workspace", "runtime"),
+    "statistics": (*_HELD, "engine_workspace", "forward_working", *_PASS),
+    "update": (*_HELD, "engine_workspace", "activations", "backward_working", *_PASS),
+    "sync": (*_HELD, "engine_workspace", "engine_weights", "sync_buckets", "runtime"),
 }
 ENGINE_RANK_PARTS = ("engine_weights", "kv_cache", "engine_workspace", "runtime")
 
@@ -387,6 +374,8 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
     largest_weight = max(
         vocab_shard, dims.hidden * 2 * dims.ffn // lay.tp, dims.hidden * 2 * dims.expert_ffn // lay.etp
     )
+    if lay.lora_rank:  # the frozen base computes no weight gradient: an adapter's is the largest
+        largest_weight = largest_adapter_grad(dims, lay)
     # one layer at a time: its saved tensors, and what it gathers while it runs (CP's K/V, the MoE dispatcher's rows)
     one_layer = largest_layer_bytes(dims, lay, recompute="none")
     c["dispatcher"] = dispatcher_bytes(dims, lay)
@@ -446,7 +435,33 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
                 f"kv_cache: {engine['kv_cache'] / GB:.1f} GB holds {held} tokens, fewer than one sequence of "
                 f"rollout.max_model_len={lay.max_seq_len} (vLLM refuses to start)"
             )
+        if lay.placement == "separate" and lay.step_sequences:
+            plan.notes.append(in_flight_kv_note(dims, lay, engine["kv_cache"]))
     return plan
+
+
+def in_flight_sequences(lay: Layout) -> int:
+    """Sequences one engine replica may hold at once: a step's (on-policy), two steps' (one-step-off: the step sampled
+    ahead while the last one trains), or (k + 1) steps' under fully asynchronous training (the admission bound,
+    experience/admission.py), shared by the replicas."""
+    steps = 1 if lay.max_staleness == 0 else (2 if lay.max_staleness == 1 else lay.max_staleness + 1)
+    replicas = max(1, lay.engine_ranks // lay.engine_tp)
+    return math.ceil(steps * lay.step_sequences / replicas)
+
+
+def in_flight_kv_note(dims: ModelDims, lay: Layout, kv_cache: int) -> str:
+    """The KV the sequences in flight would take at full length against the engine's KV cache. The cache is a fixed
+    budget (gpu_memory_utilization), so k steps in flight cost no GPU memory beyond it: what does not fit waits in
+    vLLM's queue (or is preempted and recomputed), which costs time, not memory."""
+    sequences = in_flight_sequences(lay)
+    need = sequences * lay.max_seq_len * dims.kv_bytes_per_token(lay.param_bytes) // lay.engine_tp
+    runnable = kv_tokens(dims, lay, kv_cache) // max(1, lay.max_seq_len)
+    share = "all of them" if runnable >= sequences else f"{runnable} of them at once; the others wait in vLLM's queue"
+    return (
+        f"in flight: rollout.max_staleness={lay.max_staleness} lets one engine replica hold up to {sequences} "
+        f"sequences, {need / GB:.1f} GB of KV at rollout.max_model_len={lay.max_seq_len}; its KV cache "
+        f"({kv_cache / GB:.1f} GB) holds {share}"
+    )
 
 
 def plan_config(

@@ -72,7 +72,7 @@ def _row_id(row: Row, index: int, *names: str) -> str:
 
 
 def _last_boxed(text: str) -> str | None:
-    from megatron_rlvr.rewards.math_verifier import _last_boxed as last_boxed
+    from megatron_rlvr.rewards.answers import last_boxed
 
     found = last_boxed(text)
     return found or None
@@ -226,6 +226,22 @@ def _countdown_row(row: Row, i: int, bench: str) -> Problem:
     )
 
 
+def _reasoning_gym_row(row: Row, i: int, bench: str) -> Problem:
+    from megatron_rlvr.rewards.reasoning_gym import TASK_PREFIX, dataset_name
+
+    task, problem, reference = row.get("task"), row.get("problem"), row.get("answer")
+    if not isinstance(task, str) or dataset_name(task) is None:
+        raise BenchmarkError(
+            f"{row.where}: 'task' must be {TASK_PREFIX}NAME, got {task!r:.60}; expected layout: {row.layout}"
+        )
+    if not isinstance(reference, dict) or not isinstance(reference.get("metadata"), dict):
+        raise BenchmarkError(
+            f"{row.where}: 'answer' must be the dataset entry {{'answer', 'metadata': {{...}}}}; expected layout: "
+            f"{row.layout}"
+        )
+    return Problem(bench, _row_id(row, i, "id"), str(problem), task, reference, str(problem))
+
+
 @dataclass(frozen=True)
 class BenchmarkSpec:
     files: tuple[str, ...]  # stems tried under data_dir, each as .jsonl then .parquet
@@ -292,6 +308,13 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         "countdown (the demo task): 'id', 'numbers' (list of ints), 'target' (int), optional 'prompt'",
         _countdown_row,
         make="megatron-rlvr data prepare countdown --out {data_dir}/countdown.jsonl",
+    ),
+    "reasoning_gym": BenchmarkSpec(
+        ("reasoning_gym",),
+        "reasoning-gym rows as `data prepare reasoning-gym` writes them: 'id', 'problem', 'answer' (the entry less "
+        "its question), 'task' (reasoning_gym:NAME)",
+        _reasoning_gym_row,
+        make="megatron-rlvr data prepare reasoning-gym --tasks NAME --size N --seed S --out {data_dir}/reasoning_gym.jsonl",
     ),
 }
 

@@ -6,7 +6,7 @@ partners are typed with them, and nobody reaches into the actor's insides. Impor
 heavy.
 """
 
-from megatron_rlvr.protocols.actor import Actor, EntropyScorer, TrainState, WeightSource
+from megatron_rlvr.protocols.actor import Actor, AdapterSource, EntropyScorer, TrainState, WeightSource
 from megatron_rlvr.protocols.batch import SequenceBatch
 
-__all__ = ["Actor", "EntropyScorer", "SequenceBatch", "TrainState", "WeightSource"]
+__all__ = ["Actor", "AdapterSource", "EntropyScorer", "SequenceBatch", "TrainState", "WeightSource"]

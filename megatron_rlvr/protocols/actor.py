@@ -1,6 +1,8 @@
 """The actor as its partners see it: small protocols, one per partner's need.
 
-- `WeightSource`: the weights streamed out in the bridge's HF layout (engine syncs, the HF export).
+- `WeightSource`: the weights streamed out in the bridge's HF layout (the HF export), and what the engines load after
+  each update (the same, or a LoRA adapter alone).
+- `AdapterSource`: the actor's LoRA adapter in PEFT's format (the HF export's adapter directory).
 - `TrainState`: what a checkpoint saves and restores (the weights' and the optimizer's sharded state, the LR
   schedule), in megatron-core's dist-checkpoint form.
 - `EntropyScorer`: the policy's entropy over sampled answers (validation's histogram).
@@ -27,8 +29,20 @@ class WeightSource(Protocol):
     def export_weights(
         self, bucket_bytes: int, include_lm_head: bool = True, lend: bool = False
     ) -> Iterator[WeightBucket]:
-        """The weights in HF names and layout, in buckets of at most ``bucket_bytes``; ``lend``: views valid until
-        the next bucket is drawn (bridge/export.py)."""
+        """The weights in HF names and layout (LoRA adapters merged), in buckets of at most ``bucket_bytes``;
+        ``lend``: views valid until the next bucket is drawn (bridge/export.py)."""
+
+    def engine_weights(self, bucket_bytes: int, lend: bool = False) -> Iterator[WeightBucket]:
+        """What the engines load after an update: ``export_weights``' buckets, or under ``actor.lora.sync:
+        adapters`` the adapter alone in PEFT's names (bridge/peft.py), which the engines serve on their base."""
+
+
+class AdapterSource(Protocol):
+    def adapter_config(self) -> dict[str, Any] | None:
+        """PEFT's ``adapter_config.json`` of the actor's LoRA adapter; None: no adapter (full fine-tuning)."""
+
+    def export_adapter(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The adapter alone in PEFT's names and layout (a collective over the model-parallel group)."""
 
 
 class TrainState(Protocol):
@@ -50,7 +64,7 @@ class EntropyScorer(Protocol):
         """The policy's entropy at every position of ``batch`` [B, S - 1], on every rank."""
 
 
-class Actor(WeightSource, TrainState, EntropyScorer, Protocol):
+class Actor(WeightSource, AdapterSource, TrainState, EntropyScorer, Protocol):
     def score(self, batch: SequenceBatch, items: Sequence[PromptItem], *, mini_batches: int) -> None:
         """Fill every per-token field of ``batch`` the update will read: ``old_logp`` (unless an update of
         ``mini_batches`` mini-batches is exactly on-policy and takes its own), ``ref_logp`` (a KL reference),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rlvr.rewards.answers import ANSWER_FORMATS, AnswerFormat
+
 
 @dataclass
 class RewardConfig:
@@ -12,6 +14,9 @@ class RewardConfig:
     timeout_s: float = 10.0  # wall time per math item; a worker past it is killed and replaced
     worker_memory_mb: int = 4096  # address-space limit of each verifier process (0 = none)
     logic_match: Literal["normalized", "exact"] = "normalized"
+    # how the answer string of a reasoning_gym:NAME row is read from the response (answers.py): "tagged" (the last
+    # <answer>...</answer>, else the whole response), "last_number" or "boxed" (chat answers, which carry no tags)
+    answer: AnswerFormat = "tagged"
     code_cpu_s: float = 5.0  # per program run
     code_wall_s: float = 10.0  # per program run; a code item's pool timeout is this times its runs, plus slack
     # one budget for the whole program, all its processes together (a memory cgroup; else rlimits sized so that
@@ -32,3 +37,7 @@ class RewardConfig:
     # a checkout of github.com/MiniMax-AI/SynLogic: logic rows whose data_source it verifies use its official verifier
     synlogic_dir: str = ""
     logic_fallback: bool = True  # other logic rows: the generic matcher (true) or an error naming the row (false)
+
+    def __post_init__(self) -> None:
+        if self.answer not in ANSWER_FORMATS:
+            raise ValueError(f"reward.answer: expected one of {list(ANSWER_FORMATS)}, got {self.answer!r}")

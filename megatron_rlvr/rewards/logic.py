@@ -29,9 +29,9 @@ def extract_logic_answer(response: str) -> str | None:
     tags = _ANSWER_TAG.findall(response)
     if tags:
         return tags[-1].strip()
-    from megatron_rlvr.rewards.math_verifier import _last_boxed  # the same brace-balanced \boxed reader
+    from megatron_rlvr.rewards.answers import last_boxed  # the same brace-balanced \boxed reader
 
-    boxed = _last_boxed(response)
+    boxed = last_boxed(response)
     if boxed is not None and boxed.strip():
         return boxed.strip()
     last = None

@@ -29,6 +29,8 @@ from __future__ import annotations
 import re
 import threading
 
+from megatron_rlvr.rewards.answers import last_boxed
+
 MAX_ANSWER_CHARS = 512
 MAX_RESPONSE_CHARS = 100_000  # only the response's tail is read: the final answer is at the end
 _LAST_NUMBER_WINDOW = 4096
@@ -39,30 +41,6 @@ VERIFY_TIMEOUT_S = 3
 _ANSWER_PHRASE = re.compile(r"(?:final answer is|answer is|answer:)", re.IGNORECASE)
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-
-
-def _last_boxed(text: str) -> str | None:
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text):
-        return None
-    if text[i] != "{":  # "\boxed 5": up to the next whitespace or "$"
-        match = re.match(r"[^\s$]+", text[i:])
-        return match.group(0) if match else None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return ""  # unbalanced: the answer was cut off (e.g. at the token limit); nothing may rescue it
 
 
 def _after_phrase(text: str) -> str | None:
@@ -85,7 +63,7 @@ def extract_answer(response: str) -> str | None:
     if think_end >= 0:
         response = response[think_end + len("</think>") :]
     response = response[-MAX_RESPONSE_CHARS:]
-    boxed = _last_boxed(response)
+    boxed = last_boxed(response)
     if boxed is not None:
         return boxed.strip() or None
     found = _after_phrase(response)

@@ -2,9 +2,11 @@
 
 A row's task is ``reasoning_gym:NAME`` (NAME a registered reasoning-gym dataset, e.g. ``countdown``); its reference
 is the dataset entry less its question: ``{"answer": <gold or null>, "metadata": {...}}`` (what
-``data prepare reasoning-gym`` writes). The response's answer is the content of its last ``<answer>...</answer>``
-(reasoning-gym's ``extract_answer``, the format its prompts ask for), else the whole response, stripped; the reward
-is ``score_answer(answer, entry)`` of the dataset with its default config, exactly as returned: some datasets give
+``data prepare reasoning-gym`` writes). The response's answer is read under ``reward.answer`` (`answers.py`): by
+default (``tagged``) the content of its last ``<answer>...</answer>`` (reasoning-gym's ``extract_answer``, the
+format its prompts ask for), else the whole response, stripped; ``last_number`` and ``boxed`` read chat answers that
+carry no tags. The reward is ``score_answer(answer, entry)`` of the dataset with its default config, exactly as
+returned: some datasets give
 partial credit for a wrong answer in the right form (countdown: 0.05 for a wrong expression over the right
 numbers, 0.01 for one that does not parse), and a row counts as correct (pass@k, PBA) only at 1.0.
 """
@@ -17,6 +19,7 @@ from functools import cache
 from typing import Any
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.rewards.answers import read_answer
 
 TASK_PREFIX = "reasoning_gym:"
 INSTALL_HINT = "pip install 'megatron-rlvr[tasks]' (or pip install reasoning-gym==0.1.25)"
@@ -66,18 +69,12 @@ def scorer(name: str) -> Callable[[str | None, dict], float]:
     return reasoning_gym.get_score_answer_fn(name)
 
 
-def extract(response: str) -> str:
-    from reasoning_gym.utils import extract_answer
-
-    tagged = extract_answer(response)
-    return tagged if tagged is not None else response.strip()
-
-
-def score(task: str, response: str, reference: Mapping[str, Any]) -> float:
-    """``score_answer`` of the ``reasoning_gym:NAME`` dataset for one response; outside [0, 1] is an error."""
+def score(task: str, response: str, reference: Mapping[str, Any], answer: str = "tagged") -> float:
+    """``score_answer`` of the ``reasoning_gym:NAME`` dataset for one response, its answer read under the format
+    ``answer`` (reward.answer); outside [0, 1] is an error."""
     name = dataset_name(task) or ""
     entry = {"question": "", **reference}
-    value = scorer(name)(extract(response), entry)
+    value = scorer(name)(read_answer(response, answer), entry)
     reward = float(value)
     if not 0.0 <= reward <= 1.0:
         raise ValueError(f"{task}: score_answer returned {value!r}; expected a float in [0, 1]")

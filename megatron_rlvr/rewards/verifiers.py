@@ -6,7 +6,8 @@ the task or the key when it cannot be scored); that name is also the metric the 
 
 - ``extra:<task>``: a scorer handed to the pool in code (``extra_scorers``);
 - ``plugin:<task>``: a task of ``reward.plugins`` (`plugins.py`);
-- ``reasoning_gym:<NAME>``: a ``reasoning_gym:NAME`` task, scored by that dataset's ``score_answer``;
+- ``reasoning_gym:<NAME>``: a ``reasoning_gym:NAME`` task, scored by that dataset's ``score_answer`` on the answer
+  ``reward.answer`` reads (`answers.py`);
 - ``synlogic:<data_source>``: a ``logic`` row whose reference names a ``data_source`` that the checkout at
   ``reward.synlogic_dir`` has an official verifier for (`synlogic.py`);
 - ``logic``: any other logic row, by the generic matcher (`logic.py`), only while ``reward.logic_fallback`` is true
@@ -113,7 +114,7 @@ class VerifierTable:
         if kind == "synlogic":
             return self.synlogic.verify(name, response, reference)
         if reasoning_gym.dataset_name(verifier) is not None:
-            return reasoning_gym.score(verifier, response, reference)
+            return reasoning_gym.score(verifier, response, reference, self.cfg.answer)
         if kind == "logic":
             return score("logic", response, _logic_gold(reference), self.cfg)
         return score(task, response, reference, self.cfg)

@@ -1,4 +1,6 @@
-"""The one rollout protocol: every engine (vLLM on GPU, vLLM on CPU, test fakes) implements `RolloutEngine`."""
+"""The rollout protocols: every engine (vLLM on GPU, vLLM on CPU, test fakes) implements `RolloutEngine`; an engine that
+also generates one engine step at a time, so that its weights can change between steps, gives a `StreamingEngine`
+(fully asynchronous training, docs/async.md)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,11 @@ class Completion:
     ``routed_experts``: MoE engines that capture their routing: [prompt + response tokens, MoE layers, top_k] expert
     ids, the experts each token of the sequence went to (what ``actor.router_replay: rollout`` replays). The last
     token's row is -1 where the engine never ran it through the model (vLLM: the last sampled token, whose routing
-    affects no log-prob of the sequence); rollout/routed_experts.py."""
+    affects no log-prob of the sequence); rollout/routed_experts.py.
+
+    ``versions``: streamed responses (docs/async.md): the weight version that sampled each token of ``token_ids``
+    (non-decreasing; more than one value when weights changed while it was in flight). None: one version sampled the
+    whole response (the step's, `experience.wire.Rollout.version`)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -43,6 +49,17 @@ class Completion:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     prefix_len: int = 0
     routed_experts: torch.Tensor | None = None
+    versions: list[int] | None = None
+
+
+_PROMPT_SEED_STRIDE = 104_729  # a prime above any n: the n samples of one prompt never reuse another's seeds
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed of the ``index``-th prompt of one `generate` call (its j-th response: that + j). vLLM seeds each
+    request alone, so one seed for all would give every prompt the same random draws (the same prompt twice: the same
+    samples)."""
+    return None if seed is None else (seed + index * _PROMPT_SEED_STRIDE) % 2**31
 
 
 class EngineDiedError(RuntimeError):
@@ -76,3 +93,35 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine now (not from ``__del__`` at interpreter exit). Idempotent."""
+
+
+@dataclass
+class Progress:
+    """What one engine step did for one response: the tokens it sampled, their log-probs and text, and its end."""
+
+    key: str  # the request (prompt) it belongs to
+    index: int  # which of the request's n responses
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None  # None while it runs; then "stop" or "length"
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """Requests in flight, advanced one engine step at a time; weights change between steps (docs/async.md)."""
+
+    def submit(self, key: str, prompt_token_ids: list[int], n: int, sampling: Sampling) -> None:
+        """Start ``n`` responses to one prompt under ``key``, the j-th seeded ``sampling.seed + j``."""
+
+    def step(self) -> list[Progress]:
+        """One engine step over every request in flight; what it sampled, per response."""
+
+    def in_flight(self) -> int:
+        """Requests with a response still running."""
+
+    def refresh_kv(self) -> None:
+        """Recompute the running requests' KV cache with the weights now loaded, and empty the prefix cache."""
+
+    def cancel(self) -> None:
+        """Abort every request in flight."""

@@ -43,6 +43,16 @@ class RolloutConfig:
     # the torchrun world serve engines only, the others are the actor (docs/separate-placement.md)
     placement: Placement = "colocated"
     engine_ranks: int = 0
+    # weight updates a response may lag (separate placement, docs/async.md): a response whose oldest token came from
+    # the weights of version v trains at a step <= v + max_staleness. 0: on-policy; 1: one-step-off (the engines
+    # sample step t+1 while the actor runs update t); >= 2: fully asynchronous (the engines stream: they admit a
+    # prompt only when it can train within the bound, take new weights between engine steps, and responses in flight
+    # continue with them)
+    max_staleness: int = 0
+    # max_staleness >= 2: after a weight update in flight, recompute the KV cache of the responses in flight (and
+    # drop the prefix cache) with the new weights, so each token's engine log-prob is exactly its version's; false
+    # keeps the KV computed with the older weights (cheaper; the log-prob is still the one the token was sampled with)
+    recompute_kv_after_sync: bool = False
     # outer prefixes: a prefix_fraction share of each group continues a weaker model's answer (an HF directory with
     # the same tokenizer), cut at a uniform fraction in prefix_cut of its tokens; the prefix is context, not trained
     prefix_model: str | None = None
@@ -80,6 +90,11 @@ class RolloutConfig:
         if len(self.prefix_cut) != 2 or not 0 <= self.prefix_cut[0] <= self.prefix_cut[1] <= 1:
             raise ValueError(
                 f"rollout.prefix_cut: expected a range [lo, hi] with 0 <= lo <= hi <= 1, got {list(self.prefix_cut)!r}"
+            )
+        if self.max_staleness < 0:
+            raise ValueError(
+                f"rollout.max_staleness: expected >= 0 (0: on-policy, 1: one-step-off, k >= 2: fully asynchronous), "
+                f"got {self.max_staleness!r}"
             )
         if self.sync_staging not in ("full", "streaming"):
             raise ValueError(f"rollout.sync_staging: expected 'full' or 'streaming', got {self.sync_staging!r}")

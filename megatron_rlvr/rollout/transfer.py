@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megatron_rlvr.bridge.export import DEFAULT_BUCKET_BYTES
 from megatron_rlvr.bridge.reshard import engine_shard
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.rollout.base import RolloutEngine
 
 MAGIC = 0x57E1647  # first word of every header: a member out of step reads garbage instead of a header
 _TAG_READY = 731  # point-to-point tag of the handshakes (gloo; NCCL ignores tags)
@@ -375,3 +376,20 @@ class WeightReceiver:
         self.count += 1
         self.last_version = meta["version"]
         self._open = False
+
+
+def load_weights(engine: RolloutEngine, receiver: WeightReceiver) -> int:
+    """Receive one transfer into ``engine``; returns its weight version. The stream is read to its end whatever
+    the engine made of it (the sender waits for every engine rank to finish it).
+
+    Each tensor is copied as it arrives: the receiver's views live only until the next item, while the engine's
+    lent path (``lent=True``) keeps the parts of a packed weight (q/k/v) until the last one arrives, which holds for
+    the bridge's buckets but not for the transfer's messages (with actor PP=2 q and k/v came in different messages
+    and q was overwritten)."""
+    version, stream = receiver.receive()
+    try:
+        engine.update_weights(((name, tensor.clone()) for name, tensor in stream), lent=False)
+    finally:
+        for _ in stream:
+            pass
+    return version

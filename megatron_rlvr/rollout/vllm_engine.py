@@ -8,7 +8,7 @@ Device-specific choices live in `_engine_kwargs` and in `sleep`/`wake` only:
   of `cfg.tp` consecutive ranks), sleep mode between rollout and training. The ranks of one engine's TP group run
   in lockstep: they must build it with the same seed and pass the same prompts and sampling to every `generate`.
   Not run here (no GPU on the development machine); written from vLLM 0.32's code.
-- CPU beside a multi-rank actor: `_vllm_private_world` (see there).
+- CPU beside a multi-rank actor: `rollout/vllm_process.py`'s `private_world`.
 
 Weights arrive as HF (name, tensor) pairs. On CPU they go straight into the model's live parameters and GEMM handles
 (`cpu.weights.DirectLoader`, routes resolved once at start); elsewhere, or for a model it does not cover, through the
@@ -38,13 +38,17 @@ import torch  # noqa: E402
 
 from megatron_rlvr.models.dims import ModelDims  # noqa: E402
 from megatron_rlvr.models.hf_config import read_hf_config  # noqa: E402
-from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling  # noqa: E402
+from megatron_rlvr.models.lora import AdapterSpec  # noqa: E402
+from megatron_rlvr.rollout.base import Completion, EngineDiedError, Sampling, prompt_seed  # noqa: E402
 from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rlvr.rollout.cpu.moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
 from megatron_rlvr.rollout.cpu.weights import DirectLoader  # noqa: E402
+from megatron_rlvr.rollout.lora_adapters import AdapterSlot  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
+from megatron_rlvr.rollout.vllm_process import private_world, shutdown_keeping_parallel_state  # noqa: E402
+from megatron_rlvr.rollout.vllm_stream import VLLMStream, request_params  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -55,12 +59,25 @@ class VLLMEngine:
 
     ranks_per_engine: int | None = None  # colocated: the recipe's rollout.tp ranks drive it together
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: RolloutConfig,
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        adapter: AdapterSpec | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> None:
         self._llm: Any = None  # set first: close() (also run by __del__) must work if a check below raises
+        self._adapters: AdapterSlot | None = None
         self._death: str | None = None
         self.model_dir = str(model_dir)
         self.cfg = cfg
         self.seed = seed
+        # every completion also ends at these ids (a chat template's end of turn), kept as its last token like EOS;
+        # vLLM stops at the model's EOS ids (generation_config.json) on its own
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.on_gpu = torch.cuda.is_available()
         self.manifest = WeightManifest.from_model_dir(model_dir)
         self.dims = ModelDims.from_hf(read_hf_config(self.model_dir))
@@ -68,6 +85,8 @@ class VLLMEngine:
             _check_cpu_model(self.dims, cfg)
         if cfg.check_sync and unreadable(self.dims):
             raise ValueError(f"rollout.check_sync=true: {unreadable(self.dims)}; set it false")
+        if adapter is not None:  # actor.lora.sync=adapters: the base stays, each sync is a new adapter
+            self._adapters = AdapterSlot(adapter, self.model_dir, self.dims, check_sync=cfg.check_sync)
         self._asleep = False
         self._weights_discarded = False  # sleep level 2 dropped them: only update_weights brings weights back
         self._llm = self._start(dtype)
@@ -83,6 +102,15 @@ class VLLMEngine:
             self._llm.apply_model(_tp_rank)[0] if self.on_gpu else 0,
         )
         self.last_staged_bytes = 0  # peak staged bytes of the last "full" sync through vLLM's reload (0: none)
+        self._stream: VLLMStream | None = None
+
+    def stream(self) -> VLLMStream:
+        """This engine driven one engine step at a time (vllm_stream.py); `generate` refuses while it has requests."""
+        if self._stream is None:
+            self._stream = VLLMStream(
+                self._require_alive(), self.dims.vocab, self.cfg.max_model_len, self._die, self.stop_token_ids
+            )
+        return self._stream
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
@@ -93,12 +121,13 @@ class VLLMEngine:
         # vLLM's CPU worker pins torch to 1 thread and replaces torch.set_num_threads with a no-op for the whole
         # process; the actor trains in this process too, so both are put back once the engine is up.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-        private_world = contextlib.nullcontext() if self.on_gpu else _vllm_private_world()
+        engine_world = contextlib.nullcontext() if self.on_gpu else private_world()
         try:
-            with private_world:
+            with engine_world:
                 if not self.on_gpu:
                     ensure_ep_group(self.dims)
-                llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype))
+                lora = self._adapters.engine_kwargs() if self._adapters is not None else {}
+                llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype), **lora)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
@@ -112,10 +141,12 @@ class VLLMEngine:
         self._death = self._death or "the engine was closed"
         if getattr(self, "_direct", None) is not None:
             self._direct.release_lent()
+        if self._adapters is not None:
+            self._adapters.close()
         if llm is None:
             return
         try:
-            _shutdown_keeping_vllm_parallel_state(llm.llm_engine.engine_core)
+            shutdown_keeping_parallel_state(llm.llm_engine.engine_core)
         except Exception as e:  # the engine may already be broken; closing must still succeed
             logger.warning("vLLM engine shutdown raised %r", e)
         del llm
@@ -162,25 +193,16 @@ class VLLMEngine:
             )
         if self._asleep:
             self.wake()
-        from vllm import SamplingParams
-
+        if self._stream is not None and self._stream.in_flight():
+            raise RuntimeError("generate: responses are streaming in this engine (stream()); submit these there")
         params = [
-            SamplingParams(
-                n=n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
-                max_tokens=sampling.max_tokens,
-                min_tokens=sampling.min_tokens,
-                stop=list(sampling.stop) or None,
-                seed=prompt_seed(sampling.seed, i),
-                logprobs=0 if sampling.logprobs else None,  # 0 = only the sampled token's log-prob
-            )
+            request_params(sampling, n=n, seed=prompt_seed(sampling.seed, i), stop_token_ids=self.stop_token_ids)
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            lora = self._adapters.request if self._adapters is not None else None  # None: the base alone
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         except Exception as e:
             raise self._die("generate", e) from e
         routing = routing_of(self.dims) if self.cfg.return_routed_experts else None
@@ -214,7 +236,10 @@ class VLLMEngine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         try:
-            outputs = llm.generate([{"prompt_token_ids": list(s)} for s in token_ids], params, use_tqdm=False)
+            lora = self._adapters.request if self._adapters is not None else None
+            outputs = llm.generate(
+                [{"prompt_token_ids": list(s)} for s in token_ids], params, use_tqdm=False, lora_request=lora
+            )
         except Exception as e:
             raise self._die("prompt_logprobs", e) from e
         return [
@@ -239,6 +264,9 @@ class VLLMEngine:
         if self._death is not None:
             _drain(source)
             self._require_alive()
+        if self._adapters is not None:  # the adapter alone: checked whole, then served under a new name
+            self._adapters.load(source)
+            return
         full = self.cfg.sync_staging == "full"
         kept: dict[str, torch.Tensor] | None = {} if self.cfg.check_sync else None
 
@@ -346,56 +374,21 @@ class VLLMEngine:
         self._asleep = False
 
 
-_PROMPT_SEED_STRIDE = 104_729  # a prime above any n: the n samples of one prompt never reuse another's seeds
-
-
-def prompt_seed(seed: int | None, index: int) -> int | None:
-    """The seed of the ``index``-th prompt of one `generate` call. vLLM seeds each request alone, so one seed for
-    all would give every prompt the same random draws (the same prompt twice: the same samples)."""
-    return None if seed is None else (seed + index * _PROMPT_SEED_STRIDE) % 2**31
-
-
-def make_engine(model_dir: str | Path, cfg: RolloutConfig, *, seed: int = 0, dtype: str = "float32") -> VLLMEngine:
+def make_engine(
+    model_dir: str | Path,
+    cfg: RolloutConfig,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    adapter: AdapterSpec | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+) -> VLLMEngine:
     """Build an engine from an HF directory (the trainer's way to replace a dead engine; then sync the actor's
-    weights into it -- the directory's weights are only a starting point)."""
+    weights into it -- the directory's weights are only a starting point). ``adapter``: the engine serves LoRA
+    adapters of that spec on these base weights, and each sync is one (``actor.lora.sync: adapters``)."""
     if cfg.engine != "vllm":
         raise ValueError(f"rollout.engine: got {cfg.engine!r}; allowed values: 'vllm'")
-    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype)
-
-
-# Process-group names vLLM's private groups take (torch names unnamed groups by a per-process counter; see below).
-_private_group_count = 1 << 20
-
-
-@contextlib.contextmanager
-def _vllm_private_world():
-    """Let an in-process CPU engine set up its own one-rank torch.distributed world beside the actor's.
-
-    vLLM builds its process groups on top of torch.distributed's default group when one exists; in a trainer rank of
-    a multi-rank gloo group (rank 0 holds the engine) that makes vLLM's group creation a collective the other ranks
-    never join, and the engine start hangs. With the default group hidden, vLLM initializes a private one-rank world
-    (a file store); its groups stay valid after the actor's default group is put back. torch names new groups by a
-    per-process counter that must advance alike on every actor rank, so vLLM's groups take numbers from a range of
-    their own and the actor's counter is restored. A TP=1 engine runs no collectives, and `close()` destroys no
-    process group (see `_shutdown_keeping_vllm_parallel_state`).
-    """
-    global _private_group_count
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    actor_world = c10d.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None
-    if actor_world is None:
-        yield
-        return
-    actor_group_count = c10d._world.group_count
-    c10d._world.group_count = _private_group_count
-    c10d._update_default_pg(None)
-    try:
-        yield
-    finally:
-        _private_group_count = c10d._world.group_count
-        c10d._world.group_count = actor_group_count
-        c10d._update_default_pg(actor_world)
+    return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype, adapter=adapter, stop_token_ids=stop_token_ids)
 
 
 def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> dict[str, Any]:
@@ -408,6 +401,8 @@ def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> d
     )
     if cfg.return_routed_experts:
         kwargs["enable_return_routed_experts"] = True
+    if cfg.max_staleness >= 2:  # streamed (vllm_stream.py): a step's tokens must come from the weights of that step
+        kwargs["async_scheduling"] = False
     if on_gpu:
         kwargs.update(
             distributed_executor_backend="external_launcher",
@@ -448,24 +443,6 @@ def _completion(output: Any, with_logprobs: bool, routing: tuple | None = None, 
             raise RuntimeError("rollout.return_routed_experts: vLLM returned no routed experts for a completion")
         experts = routed_experts(output.routed_experts, prompt_len, len(token_ids), *routing)
     return Completion(token_ids, logprobs, output.text, output.finish_reason, routed_experts=experts)
-
-
-def _shutdown_keeping_vllm_parallel_state(client: Any) -> None:
-    """vLLM's `EngineCore.shutdown()` without its last step, `cleanup_dist_env_and_memory()`.
-
-    That step destroys vLLM's parallel state, which is process-global and shared by every engine in the process
-    (closing one engine broke another: "pipeline model parallel group is not initialized", measured), and then
-    calls destroy_process_group() on the default group, which beside an actor is the actor's world (on GPU with
-    external_launcher always). Kept, the state is reused by the next engine built in this process.
-    """
-    client._finalizer.detach()  # the in-process client's GC finalizer would otherwise run the full shutdown
-    core = client.engine_core
-    core.structured_output_manager.clear_backend()
-    if core.model_executor:
-        core.model_executor.shutdown()
-    if core.scheduler:
-        core.scheduler.shutdown()
-    gc.unfreeze()  # EngineCore froze its start-up objects; unfrozen, the weights and KV cache can be collected
 
 
 def _tp_rank(model: torch.nn.Module) -> int:

@@ -2,8 +2,10 @@
 
 - A `UserError` (a config key, a data row, a file, a checkpoint, a model) prints ``error: <message>`` on stderr and
   the command exits 2, without a traceback; ``--debug`` or ``MEGATRON_RLVR_DEBUG=1`` adds the traceback. Under
-  torchrun only rank 0 prints the line; every rank also writes it to torchrun's error file
-  (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure report names it instead of "To enable traceback see ...".
+  torchrun the first rank of a node to meet one prints the line (it claims a marker file beside the ranks' error
+  files; the others stay silent), and every rank writes it to torchrun's error file (``TORCHELASTIC_ERROR_FILE``),
+  so torchrun's failure report names it instead of "To enable traceback see ...". `torchrun` below is torchrun that
+  then exits 2 without its report.
 - vLLM, megatron-core, torch and transformers log INFO/WARNING lines (and Python warnings) on every step; they go to
   a log file only (``<run dir>/logs/<command>[-rank<r>].log``, where the command has a run directory) and reach the
   console from ERROR up. ``--verbose`` or ``MEGATRON_RLVR_VERBOSE=1`` shows them all. Until a command names its run
@@ -23,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 DEBUG_ENV = "MEGATRON_RLVR_DEBUG"
@@ -44,6 +47,12 @@ def debug_enabled() -> bool:
 
 def verbose_enabled() -> bool:
     return _flag(VERBOSE_ENV)
+
+
+def quiet_import_warnings() -> None:
+    """Keep off the console what megatron-core announces once per process at import on a machine without optional
+    GPU libraries (Apex, Transformer Engine missing; cuda_graph_scope). Call before it is imported."""
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
 
 
 def configure_environment(debug: bool = False, verbose: bool = False) -> None:
@@ -141,30 +150,65 @@ def attach_log_file(log_dir: str | Path, name: str | None = None) -> Path:
     return path
 
 
+_REPORTED_MARKER = "megatron-rlvr-user-error"  # in the directory of one torchrun attempt's per-rank error files
+
+
+def _first_to_report() -> bool:
+    """Whether this process prints its user error: always outside torchrun; under torchrun the first local rank to
+    claim the attempt's marker file (torchrun keeps each rank's error file in ``<attempt dir>/<local rank>/``), so
+    the rank that met the error first says it and the ranks failing after it (or on the same input) stay silent.
+    Where that layout is not found, rank 0 alone."""
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return True
+    error_file = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))
+    if error_file.name and error_file.parent.name == os.environ.get("LOCAL_RANK"):
+        try:
+            os.close(os.open(error_file.parent.parent / _REPORTED_MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            pass
+    return int(rank) == 0
+
+
 def report_user_error(exc: BaseException) -> int:
-    """Print ``error: <message>`` once (rank 0), tell torchrun, return the exit status 2."""
+    """Print ``error: <message>`` once (the first rank to meet it), tell torchrun, return the exit status 2."""
     message = f"error: {exc}"
     if debug_enabled():
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _first_to_report():
         print(message, file=sys.stderr, flush=True)
+    _write_error_file(message)
+    return 2
+
+
+def _write_error_file(message: str) -> None:
+    """Leave ``message`` where torchrun (or another launcher) looks for a process's error: $TORCHELASTIC_ERROR_FILE."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:
             with open(error_file, "w") as f:
                 json.dump({"message": message, "timestamp": int(time.time())}, f)
         except OSError:
-            pass  # torchrun then reports the exit status alone
-    return 2
+            pass  # the launcher then reports the exit status alone
 
 
 def torchrun(argv: list[str]) -> int:
     """torchrun (same arguments), exiting 2 without its failure report when every failed rank failed on a user error
-    (rank 0 has printed the line): ``python -m megatron_rlvr.runtime.console --nproc-per-node 2 -m megatron_rlvr.cli train ...``.
+    (a rank has printed the line): what ``megatron-rlvr train --nproc-per-node N`` runs, and
+    ``python -m megatron_rlvr.runtime.console --nproc-per-node 2 -m megatron_rlvr.cli train ...``. The agent's own
+    log lines ("Sending process ... closing signal", "failed (exitcode: 2)") stay off the console unless --verbose.
     Any other failure keeps torchrun's report."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    if not verbose_enabled():
+        for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+            agent_log = logging.getLogger(name)
+            agent_log.addHandler(logging.NullHandler())
+            agent_log.propagate = False
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as e:
@@ -177,6 +221,7 @@ def torchrun(argv: list[str]) -> int:
         _, first = e.get_first_failure()
         terminated = -signal.SIGTERM
         if user_error(first) and all(user_error(f) or f.exitcode == terminated for f in e.failures.values()):
+            _write_error_file(first.message)  # for whoever started this process (a nemo-run local job)
             return 2
         raise
     return 0

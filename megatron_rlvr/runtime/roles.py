@@ -164,6 +164,36 @@ def broadcast_object(group: Any, obj: Any = None, root: int = 0) -> Any:
     return obj if group.rank() == root else pickle.loads(buf.numpy().tobytes())
 
 
+class ObjectListener:
+    """The receiving end of `broadcast_object` from member ``root``, without waiting: `arrived` polls between units
+    of other work (an engine step), `take` then reads the object. The receive of the next object is posted at the
+    first `arrived` after a `take`; the group must carry nothing else meanwhile but point-to-point messages."""
+
+    def __init__(self, group: Any, root: int = 0) -> None:
+        self.group, self.root = group, root
+        self._size: torch.Tensor | None = None
+        self._work: Any = None
+
+    def arrived(self) -> bool:
+        if self._work is None:
+            self._size = torch.empty(1, dtype=torch.int64)
+            self._work = self.group.broadcast(self._size, self.root)
+        return bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        """Until the next object arrives (up to the group's timeout); `take` then reads it."""
+        self.arrived()
+        self._work.wait()
+
+    def take(self) -> Any:
+        """The next object (waits for it, up to the group's timeout)."""
+        self.wait()
+        buf = torch.empty(int(self._size), dtype=torch.uint8)
+        self._work = None
+        self.group.broadcast(buf, self.root).wait()
+        return pickle.loads(buf.numpy().tobytes())
+
+
 def pin_cpu_cores() -> list[int]:
     """Separate placement on CPU: give this process its own share of the host's cores (by LOCAL_RANK), so that an
     engine rank and an actor rank do not run on the same cores and an overlap measures overlap, not contention.

@@ -5,6 +5,7 @@ naming the file/tensor and leaves the output directory untouched."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -93,6 +94,15 @@ def test_script_entry_point(models, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "hf-to-mcore" in proc.stderr and (out / "metadata.json").is_file()
+    assert "Transformer Engine" not in proc.stderr and "Apex" not in proc.stderr, "quiet, as `megatron-rlvr convert`"
+
+
+def test_the_progress_bar_ends_at_its_total(models, tmp_path, capsys):
+    assert convert(["hf-to-mcore", "--hf-dir", str(models["qwen2"]), "--out", str(tmp_path / "mcore")]) == 0
+    capsys.readouterr()
+    assert convert(["mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf")]) == 0
+    done, total = re.findall(r"mcore-to-hf: .*?(\d+)/(\d+)", capsys.readouterr().err)[-1]
+    assert done == total, f"the bar stopped at {done}/{total}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

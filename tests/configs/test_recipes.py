@@ -14,7 +14,14 @@ import pytest
 from launch.recipes import CONFIGS_DIR, MODEL_CONFIGS_DIR, find_hf_config, find_recipe, load_and_validate, recipe_names
 from megatron_rlvr.errors import ConfigError
 
-CPU_RECIPES = {"demo_cpu", "demo_cpu_grpo", "eval_cpu", "reasoning_gym_cpu"}
+CPU_RECIPES = {
+    "demo_cpu",
+    "demo_cpu_grpo",
+    "eval_cpu",
+    "reasoning_gym_cpu",
+    "smollm2-135m-instruct_arithmetic_casp_cpu",
+    "smollm2-135m-instruct_arithmetic_grpo_cpu",
+}
 PAPER_RECIPES = sorted(set(recipe_names()) - CPU_RECIPES)
 
 # Published parameter counts: the model cards' "Number of Parameters" where they state one (Qwen2.5-7B 7.61B,
@@ -71,7 +78,10 @@ def test_recipe_loads_and_validates_at_its_documented_world_size(name):
         assert hf["num_attention_heads"] % cfg.rollout.tp == 0 and hf["num_key_value_heads"] % cfg.rollout.tp == 0
 
 
-@pytest.mark.parametrize("name", [n for n in PAPER_RECIPES if n.endswith("_casp")] + ["demo_cpu"])
+@pytest.mark.parametrize(
+    "name",
+    [n for n in PAPER_RECIPES if n.endswith("_casp")] + ["demo_cpu", "smollm2-135m-instruct_arithmetic_casp_cpu"],
+)
 def test_casp_recipes_use_the_papers_candidate_count(name):
     _, cfg = load_and_validate(name, [], world_size=None)
     assert cfg.algo.loss == "casp" and cfg.algo.top_n == 3 and cfg.algo.apply_to == "both"

@@ -43,6 +43,22 @@ def test_three_tasks_from_a_seed_and_the_same_seed_gives_the_same_rows(tmp_path,
     assert "reasoning-gym leg_counting,syllogism,family_relationships (seed 6)" in capsys.readouterr().out
 
 
+def test_disjoint_from_drops_the_held_out_questions_by_exact_text(tmp_path):
+    held_out = prepare(tmp_path, "held_out", "--seed", "5")
+    # the same seed: every question is held out (with or without the answer instruction), so nothing is left
+    with pytest.raises(DataError, match=r"no usable rows \(generated 36 entries; 36 dropped as held out"):
+        prepare(tmp_path, "train", "--seed", "5", "--disjoint-from", str(held_out), "--no-instruction")
+    other = prepare(tmp_path, "other", "--seed", "300", "--disjoint-from", str(held_out))
+    questions = {json.loads(line)["problem"] for line in held_out.read_text().splitlines()}
+    kept = [json.loads(line)["problem"] for line in other.read_text().splitlines()]
+    assert kept and not questions & set(kept)
+    with pytest.raises(DataError, match=r"--disjoint-from .*nope.jsonl: cannot read it"):
+        prepare(tmp_path, "x", "--seed", "1", "--disjoint-from", str(tmp_path / "nope.jsonl"))
+    (tmp_path / "bad.jsonl").write_text('{"id": 1}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: not a row of `data prepare reasoning-gym`"):
+        prepare(tmp_path, "y", "--seed", "1", "--disjoint-from", str(tmp_path / "bad.jsonl"))
+
+
 def test_a_config_field_reaches_the_generator(tmp_path):
     out = tmp_path / "legs.jsonl"
     main(

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from megatron_rlvr.config import dump_config, load_config
 from megatron_rlvr.demo import MODEL_DIR, command
 from megatron_rlvr.errors import UserError
 
@@ -25,10 +26,12 @@ def fake_run(monkeypatch):
     calls = {}
     monkeypatch.setattr("megatron_rlvr.runtime.console.attach_log_file", lambda *a, **k: None)
 
-    def train(out, algo, overrides, nproc):
+    def train(out, overrides, nproc):
         calls["overrides"] = list(overrides)
         shutil.copytree(MODEL_DIR, out / "train" / "hf")
         (out / "train" / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.2}) + "\n")
+        (out / "train" / "config.yaml").write_text(dump_config(load_config(command.RECIPE, overrides)))
+        return 0
 
     def evaluate(out, models, n, prompts):
         calls["models"] = dict(models)
@@ -63,6 +66,9 @@ def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, f
     report = out / "report"
     md = (report / "report.md").read_text()
     assert "## Candidate matrix" in md and "![candidates](candidates.png)" in md
+    assert "- trained 2 steps of 16 prompts x 8 samples (algo.loss=casp, seed 7;" in md
+    assert "evaluated on 4 held-out prompts x 4 samples (eval seed 1234)" in md
+    assert "the tables in README.md and docs/demo.md are other runs of the same command" in md
     assert (report / "candidates.png").read_bytes()[:4] == b"\x89PNG"
     # the prompt where the trained model gains most on the base (3 vs 0), and its first correct answer
     chosen = json.loads((report / "results.json").read_text())["candidates"]
@@ -72,6 +78,26 @@ def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, f
     numbers = json.loads((report / "candidates.json").read_text())
     assert [m["label"] for m in numbers["models"]] == ["base", "trained (casp)"]
     assert numbers["response"] == "6*3" and numbers["top_n"] == command.CANDIDATES_TOP_N
+
+
+def test_a_user_error_in_training_ends_the_demo_with_exit_2_and_a_failure_names_its_status(tmp_path, monkeypatch):
+    status = {}
+    monkeypatch.setattr("megatron_rlvr.runtime.console.attach_log_file", lambda *a, **k: None)
+    monkeypatch.setattr(command, "_train", lambda out, overrides, nproc: status["rc"])
+    monkeypatch.setattr(command, "_evaluate", lambda *a: pytest.fail("no evaluation after a failed training"))
+    status["rc"] = 2  # the training command has printed its one line
+    assert command.main(["--out", str(tmp_path / "a")]) == 2
+    status["rc"] = 1
+    with pytest.raises(SystemExit, match="training failed with exit status 1"):
+        command.main(["--out", str(tmp_path / "b")])
+
+
+def test_bad_overrides_and_nproc_fail_before_anything_is_written(tmp_path):
+    with pytest.raises(UserError, match="trainer.stpes: unknown key; did you mean trainer.steps"):
+        command.main(["--out", str(tmp_path / "a"), "trainer.stpes=3"])
+    with pytest.raises(UserError, match="must divide the world size 3; nearest layout that fits"):
+        command.main(["--out", str(tmp_path / "b"), "--nproc", "3"])
+    assert not list(tmp_path.iterdir())
 
 
 def test_seed_and_a_trainer_seed_override_conflict(tmp_path, fake_run):

@@ -135,9 +135,15 @@ def _results(
         (dict(settings={"stop": ["\n"]}), "the runs differ in stop"),
         (dict(settings={"chat_template": True}), "the runs differ in chat_template"),
         (
-            dict(problems=("p1", "p2", "p4")),
-            r"the runs differ in problems of math500 \(1 only in A: 'p3'; 1 only in B: 'p4'\)",
+            dict(settings={"system_prompt": "Be brief."}),
+            r"the runs differ in system_prompt \(A: None, B: 'Be brief.'\)",
         ),
+        (dict(settings={"answer": "last_number"}), r"the runs differ in answer \(A: None, B: 'last_number'\)"),
+        (
+            dict(problems=("p1", "p2", "p4")),
+            r"the runs differ in problems of math500 \(1 only in A: 'p3'; 1 only in B: 'p4'\); compare runs over",
+        ),
+        (dict(problems=("p1", "p2")), r"the runs differ in problems of math500 \(1 only in A: 'p3'\); compare"),
         (dict(n=16), r"the runs differ in n on math500 \(A: 8 samples per problem, B: 16\)"),
         (dict(digest="d2"), "the runs differ in problems of math500: the same ids with other prompt texts"),
         (dict(bench="aime24"), r"the runs differ in benchmarks \(A: \['math500'\], B: \['aime24'\]\)"),

@@ -334,3 +334,18 @@ def test_two_engine_replicas_under_torchrun_store_what_one_process_does(tmp_path
         assert len(shards) == 2 and any(name.endswith("-r1.jsonl") for name in shards)  # each replica wrote its share
         assert texts_of(tmp_path / "two" / tag) == texts_of(tmp_path / "one" / tag)
     assert (tmp_path / "two" / "table.csv").read_text() == (tmp_path / "one" / "table.csv").read_text()
+
+
+def test_the_progress_bar_names_the_model_by_its_label(tmp_path, capsys):
+    data = tmp_path / "data"
+    write_data(data)
+    problems = load_benchmark("math500", data)
+    with RewardPool(RewardConfig(workers=1)) as pool:
+        runner = EvalRunner(
+            FakeEngine(0.5), encode, EvalConfig(n_samples=2, chunk=2), pool, tmp_path / "r", model="a/hf"
+        )
+        assert runner.label == "hf"  # the directory's name without a label
+        EvalRunner(
+            FakeEngine(0.5), encode, EvalConfig(n_samples=2, chunk=2), pool, tmp_path / "r", model="a/hf", label="a-hf"
+        ).run(problems)
+    assert "eval a-hf" in capsys.readouterr().err

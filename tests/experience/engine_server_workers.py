@@ -16,7 +16,7 @@ class _ExportingActor:
     def __init__(self, chunks, hf) -> None:
         self.chunks, self.hf = chunks, hf
 
-    def export_weights(self, bucket_bytes: int, lend: bool = False):
+    def engine_weights(self, bucket_bytes: int, lend: bool = False):
         from megatron_rlvr.bridge import export_hf_weights
 
         return export_hf_weights(self.chunks, self.hf, bucket_bytes=bucket_bytes, lend=lend)
@@ -37,9 +37,8 @@ def separate_sync_and_compare(
     rollout = RolloutConfig(max_model_len=256, kv_cache_memory_bytes=32 << 20, bucket_bytes=bucket_bytes)
     try:
         if roles.is_engine:
-            from megatron_rlvr.experience.engine_server import load_weights
             from megatron_rlvr.rollout import make_engine
-            from megatron_rlvr.rollout.transfer import WeightReceiver
+            from megatron_rlvr.rollout.transfer import WeightReceiver, load_weights
 
             engine = make_engine(hf_dir, rollout)
             receiver = WeightReceiver(roles.cross, engine_tp=1, engine_tp_rank=0, dims=None, shard=False)
@@ -54,7 +53,7 @@ def separate_sync_and_compare(
         hf, chunks = build_chunks(hf_dir, tp, pp, ep=ep, etp=1 if ep > 1 else None)
         for chunk in chunks:
             chunk.eval()  # forward passes only (docs/moe.md: MoE at TP > 1 runs in eval mode on CPU)
-        cfg = SimpleNamespace(trainer=SimpleNamespace(off_policy_steps=0, steps=2), rollout=rollout)
+        cfg = SimpleNamespace(trainer=SimpleNamespace(steps=2), rollout=rollout)
         source = EngineRanksSource(cfg, roles, _ExportingActor(chunks, hf), None, None, 0, start_step=0)
         rounds = [{"logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]), "transfer": source.take_transfer_metrics()}]
         _change_weights(chunks)

@@ -1,5 +1,5 @@
 """Separate placement (engines on ranks of their own) and one-step-off training: the cross-section checks of the
-config; the demo recipe trains end to end on 2 processes (actor TP=1, one engine rank) with off_policy_steps=1 and
+config; the demo recipe trains end to end on 2 processes (actor TP=1, one engine rank) with rollout.max_staleness=1 and
 logs the staleness; killing the engine rank mid-run stops the whole run with a non-zero exit within a timeout,
 naming the rank, and leaves no process behind."""
 
@@ -26,8 +26,9 @@ SEPARATE = ["rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=1"
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
-        (["trainer.off_policy_steps=1"], 2, "needs rollout.placement=separate"),
-        (["trainer.off_policy_steps=2", *SEPARATE], 2, "expected 0 (on-policy) or 1"),
+        (["rollout.max_staleness=1"], 2, "rollout.max_staleness=1 needs rollout.placement=separate"),
+        (["rollout.max_staleness=2", "rollout.prefix_model=x", *SEPARATE], 2, "outer prefixes are not streamed"),
+        (["rollout.max_staleness=2", "actor.router_replay=rollout", *SEPARATE], 2, "set actor.router_replay=train"),
         (["rollout.placement=separate", "rollout.engine_ranks=2", "actor.tp=1"], 2, "less than the world size 2"),
         (["rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=2"], 2, "must divide the actor's ranks"),
         (["rollout.placement=separate", "rollout.engine_ranks=3", "rollout.tp=2", "actor.tp=1"], 8, "multiple of"),
@@ -40,11 +41,11 @@ def test_placement_checks_name_the_key(overrides, world, message):
 
 
 def test_separate_layouts_that_fit_pass_and_one_step_off_warns_without_correction():
-    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "trainer.off_policy_steps=1"])
+    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "rollout.max_staleness=1"])
     cfg.validate(2)
     assert any("algo.rollout_correction" in w for w in cfg.warnings())
     corrected = load_config(
-        ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "trainer.off_policy_steps=1", "algo.rollout_correction=tis"]
+        ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "rollout.max_staleness=1", "algo.rollout_correction=tis"]
     )
     assert corrected.validate(2).warnings() == []
     # 4 actor ranks at TP=2 beside 4 engine ranks at engine TP=2
@@ -71,7 +72,7 @@ def _torchrun(out: Path, steps: int, extra: list[str] = ()) -> subprocess.Popen:
         "trainer.prompts_per_step=8",
         f"trainer.output_dir={out}",
         *SEPARATE,
-        "trainer.off_policy_steps=1",
+        "rollout.max_staleness=1",
         *extra,
     ]
     log = open(out.with_suffix(".log"), "w")

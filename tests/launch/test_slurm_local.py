@@ -180,7 +180,7 @@ def test_separate_placement_across_nodes(home):
             "rollout.placement=separate",
             "rollout.engine_ranks=1",
             "actor.tp=1",
-            "trainer.off_policy_steps=1",
+            "rollout.max_staleness=1",
             *TRAIN_OVERRIDES,
             "trainer.steps=3",
             f"trainer.output_dir={home}/out",

@@ -96,6 +96,17 @@ def test_candidate_dynamics_reads_the_actor_and_loss_metric_names():
     assert candidate_dynamics([{"step": 7, "rank2_prob": 0.3}])["rank2_prob"] == ([7], [0.3])
 
 
+def test_the_top3_mass_is_the_sum_of_the_three_ranks_where_all_are_logged():
+    records = [
+        {"step": 1, "loss/rank1_prob": 0.5, "loss/rank2_prob": 0.2, "loss/rank3_prob": 0.1},
+        {"step": 2, "loss/rank1_prob": 0.6, "loss/rank2_prob": 0.2},  # rank 3 missing: no mass at this step
+        {"step": 3, "rank1_prob": 0.7, "rank2_prob": 0.1, "rank3_prob": 0.05, "loss/rank1_prob_high_entropy": 0.3},
+    ]
+    dyn = candidate_dynamics(records)
+    assert dyn["top3_mass"] == ([1, 3], [pytest.approx(0.8), pytest.approx(0.85)])
+    assert "top3_mass_high_entropy" not in dyn  # forking-token ranks 2 and 3 never logged
+
+
 def test_histogram_counts_and_summary():
     h = histogram([0.0, 0.5, 1.0, 1.0, float("nan")], bins=2, value_range=(0.0, 1.0))
     assert h["counts"] == [1, 3] and h["edges"] == [0.0, 0.5, 1.0]
@@ -116,7 +127,9 @@ def test_plots_are_written_as_png(tmp_path):
             {"base": {1: 0.2, 2: 0.35, 4: 0.5}, "trained": {1: 0.4, 2: 0.5, 4: 0.6}}, tmp_path / "passk.png"
         ),
     ]
+    written.append(plots.plot_candidate_dynamics({"grpo": {"s1": _records(), "s2": _records(2)}}, tmp_path / "d.png"))
     for path in written:
         assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plots.plot_candidate_dynamics({"x": {"s": [{"step": 1}]}}, tmp_path / "none_dyn.png") is None
     assert plots.plot_entropy({"x": [{"step": 1, "reward/mean": 1.0}]}, tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()

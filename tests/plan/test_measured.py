@@ -2,11 +2,14 @@
 
 Parameter counts per rank of the paper models (the meta-device build of the recipe tests) at TP/PP 1 and 2, and the
 measured bytes of weights, DDP's grad buffer, optimizer state and the frozen reference of a real MegatronActor after
-one update at (TP, PP) = (1, 1), (2, 1), (1, 2), with and without the distributed optimizer and the reference.
+one update at (TP, PP) = (1, 1), (2, 1), (1, 2), with and without the distributed optimizer and the reference, and
+with LoRA adapters (the frozen base's weights and the adapters', their grads and optimizer state alone, no reference).
 The update's peak memory is compared by tools/measure_memory.py (docs/plan.md), not here: it needs a bigger model to rise
 above allocator noise."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -65,12 +68,15 @@ CASES = [
     Case(1, 1, distributed_optimizer=True),
     Case(2, 1, distributed_optimizer=True, reference=True),
     Case(1, 2, distributed_optimizer=False, reference=True, micro_batch_size=1),
+    # LoRA (docs/lora.md): the base frozen, grads and optimizer of the adapters alone, the reference free
+    Case(2, 1, distributed_optimizer=True, reference=True, lora=4),
+    Case(1, 2, distributed_optimizer=False, reference=True, micro_batch_size=1, lora=4),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label.replace(" ", "_"))
 def test_predicted_bytes_equal_the_measured_actor(workers2, tiny_qwen, case):
-    case = Case(case.tp, case.pp, case.distributed_optimizer, case.reference, case.micro_batch_size, seq_len=16)
+    case = dataclasses.replace(case, seq_len=16)
     measured = workers2.run(measure_rank, case, tiny_qwen, warm_up=False)
     for rank, (m, p) in enumerate(zip(measured, predicted(case, tiny_qwen, 2))):
         assert p["weights"] == m["weights"] and p["reference"] == m["reference"], (rank, p, m)
@@ -79,4 +85,4 @@ def test_predicted_bytes_equal_the_measured_actor(workers2, tiny_qwen, case):
         assert m["optimizer"] == pytest.approx(p["optimizer"], rel=0.02), (rank, p, m)
         if not case.distributed_optimizer:
             assert (m["grads"], m["optimizer"]) == (p["grads"], p["optimizer"]), "no padding without it"
-        assert (m["reference"] > 0) == case.reference
+        assert (m["reference"] > 0) == (case.reference and not case.lora)  # LoRA's reference is the base: no copy

@@ -180,6 +180,27 @@ def test_missing_file_field_and_bad_json_are_clear_errors(tmp_path):
         load_benchmark("mmlu", tmp_path)
 
 
+def test_reasoning_gym_rows_as_data_prepare_writes_them(tmp_path):
+    from megatron_rlvr.data.prepare import main as data_main
+
+    args = ["prepare", "reasoning-gym", "--tasks", "leg_counting", "--size", "4", "--seed", "2", "--no-instruction"]
+    assert data_main([*args, "--out", str(tmp_path / "reasoning_gym.jsonl")]) == 0
+    problems = load_benchmark("reasoning_gym", tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "reasoning_gym.jsonl").read_text().splitlines()]
+    assert [p.problem_id for p in problems] == [r["id"] for r in rows]
+    assert [(p.prompt, p.task, p.reference) for p in problems] == [(r["problem"], r["task"], r["answer"]) for r in rows]
+    from megatron_rlvr.rewards.reasoning_gym import score as gym_score
+
+    gold = rows[0]["answer"]["answer"]
+    assert gym_score(problems[0].task, f"<answer>{gold}</answer>", problems[0].reference) == 1.0
+    write_jsonl(tmp_path / "reasoning_gym.jsonl", [{**rows[0], "task": "math"}])
+    with pytest.raises(ValueError, match=r"row 0: 'task' must be reasoning_gym:NAME, got 'math'"):
+        load_benchmark("reasoning_gym", tmp_path)
+    write_jsonl(tmp_path / "reasoning_gym.jsonl", [{**rows[0], "answer": "4"}])
+    with pytest.raises(ValueError, match=r"row 0: 'answer' must be the dataset entry"):
+        load_benchmark("reasoning_gym", tmp_path)
+
+
 def test_layouts_table_lists_every_benchmark():
     table = layouts_markdown()
     for name in BENCHMARKS:

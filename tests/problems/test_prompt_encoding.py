@@ -1,11 +1,12 @@
 """The one prompt encoding: chat template off (base models) and on (a ChatML instruct template with a default system
-prompt), the special tokens of each, the same ids as the two copies it replaced, and data and eval agreeing."""
+prompt, or a system prompt given in its place), the special tokens of each, the same ids as the two copies it
+replaced, data and eval agreeing, and the template's end of turn (where sampling a chat prompt stops)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_rlvr.problems.prompt_encoding import ChatTemplateMissing, encode_prompt
+from megatron_rlvr.problems.prompt_encoding import ChatTemplateMissing, EndOfTurnUnknown, encode_prompt, end_of_turn_id
 
 SYSTEM = "You are a helpful assistant."
 # Qwen2.5-style ChatML: a default system turn when the conversation has none, <|im_end|> ending each turn
@@ -120,6 +121,34 @@ def test_a_tokenizer_without_a_template_is_refused_only_when_the_template_is_ask
     assert encode_prompt(tokenizer, PROBLEM, chat_template=False).text == PROBLEM
 
 
+@pytest.mark.parametrize("system", ["Answer with a number.", ""])
+def test_a_system_prompt_replaces_the_templates_default_and_needs_the_template(system):
+    tokenizer = chatml_tokenizer()
+    encoded = encode_prompt(tokenizer, PROBLEM, chat_template=True, system_prompt=system)
+    assert encoded.text == (
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{PROBLEM}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert SYSTEM not in encoded.text and tokenizer.decode(encoded.ids) == encoded.text
+    assert encode_prompt(tokenizer, PROBLEM, chat_template=True, system_prompt=None).text.count(SYSTEM) == 1
+    with pytest.raises(ValueError, match="a system prompt needs the chat template"):
+        encode_prompt(tokenizer, PROBLEM, chat_template=False, system_prompt=system)
+
+
+def test_the_end_of_turn_is_the_special_token_the_template_writes_after_an_answer():
+    tokenizer = chatml_tokenizer()
+    assert end_of_turn_id(tokenizer) == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # a Llama-3-style template: the turn ends with its own special token, not the tokenizer's EOS
+    llama_like = chatml_tokenizer(
+        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n\\n' + m['content'] + '<s>' }}{%- endfor %}"
+    )
+    assert end_of_turn_id(llama_like) == llama_like.bos_token_id != llama_like.eos_token_id
+    plain_end = chatml_tokenizer("{%- for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}")
+    with pytest.raises(EndOfTurnUnknown, match=r"writes '\\n' after the assistant's answer, not a special token"):
+        end_of_turn_id(plain_end)
+    with pytest.raises(ChatTemplateMissing, match="no end of turn"):
+        end_of_turn_id(chatml_tokenizer(chat_template=None))
+
+
 @pytest.mark.parametrize("chat_template", [False, True])
 def test_the_trainers_prompts_and_the_evals_prompts_are_the_same_ids(tmp_path, chat_template):
     from megatron_rlvr.data import DataConfig, items_from_rows
@@ -136,3 +165,22 @@ def test_the_trainers_prompts_and_the_evals_prompts_are_the_same_ids(tmp_path, c
     encode = hf_encoder_factory(str(tmp_path / "model"), EvalConfig(chat_template=chat_template))
     assert encode(PROBLEM) == list(item.prompt_ids)
     assert item.prompt_ids == encode_prompt(chatml_tokenizer(), PROBLEM, chat_template=chat_template).ids
+
+
+def test_a_system_prompt_reaches_the_trainers_and_the_evals_prompts_alike(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_rlvr.data import DataConfig, items_from_rows
+    from megatron_rlvr.data.sources import Row
+    from megatron_rlvr.eval.api import hf_encoder_factory
+    from megatron_rlvr.eval.config import EvalConfig
+
+    chatml_tokenizer().save_pretrained(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    cfg = DataConfig(chat_template=True, system_prompt="Be brief.", max_prompt_tokens=4096)
+    (item,), _ = items_from_rows([Row("p:1", "p", 1, {"problem": PROBLEM, "answer": "4"})], cfg, tokenizer)
+    assert item.prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    encode = hf_encoder_factory(str(tmp_path / "model"), EvalConfig(chat_template=True, system_prompt="Be brief."))
+    assert encode(PROBLEM) == list(item.prompt_ids)
+    with pytest.raises(ValueError, match="data.system_prompt: a system turn needs the chat template"):
+        DataConfig(system_prompt="Be brief.")

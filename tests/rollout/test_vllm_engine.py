@@ -31,8 +31,13 @@ def _max_diff(engine: VLLMEngine, hf: torch.nn.Module, seqs=SEQS) -> float:
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    model_dir = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
+def qwen_dir(tmp_path_factory):
+    return make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_dir):
+    model_dir = qwen_dir
     engine = VLLMEngine(model_dir, _cfg(), seed=0)
     hf = load_hf(model_dir)
     yield engine, hf, hf_state_dict(hf)
@@ -167,6 +172,33 @@ def test_max_tokens_and_stop_string_end_generation(qwen):
     assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
     assert stop in tokenizer.decode(stopped.token_ids)  # ids end with the token that completed the stop string
     assert stop not in tokenizer.decode(stopped.token_ids[:-1])
+
+
+def test_stop_token_ids_end_every_completion_and_stay_its_last_token(qwen, qwen_dir):
+    engine, hf, _ = qwen
+    greedy = Sampling(temperature=0.0, max_tokens=16, seed=0)
+    for prompt in ([9, 8, 7], [1, 2, 3, 4], [70, 80, 90], [33, 44]):
+        full = engine.generate([prompt], 1, greedy)[0][0]
+        fresh = [i for i, t in enumerate(full.token_ids) if i >= 2 and t not in full.token_ids[:i]]
+        if fresh:
+            break
+    else:
+        pytest.fail("no greedy completion with a token that is new after its second position")
+    index = fresh[0]
+    turn_end = full.token_ids[index]  # stands for a chat template's end of turn (ChatML: <|im_end|>)
+    stopping = VLLMEngine(qwen_dir, _cfg(), seed=0, stop_token_ids=(turn_end,))
+    try:
+        stopped = stopping.generate([prompt], 1, greedy)[0][0]
+        assert stopped.finish_reason == "stop"
+        assert stopped.token_ids == full.token_ids[: index + 1]  # the end-of-turn id is the last token, kept
+        assert len(stopped.logprobs) == len(stopped.token_ids)
+        sampled = stopping.generate([prompt], 16, Sampling(temperature=1.0, max_tokens=16, seed=3))[0]
+        for c in sampled:  # a stop id never appears before the end of a completion; EOS still ends one too
+            assert turn_end not in c.token_ids[:-1]
+            assert c.finish_reason == "length" or c.token_ids[-1] in (turn_end, hf.config.eos_token_id)
+        assert any(c.token_ids[-1] == turn_end for c in sampled) or all(c.finish_reason == "length" for c in sampled)
+    finally:
+        stopping.close()
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ def _level(value: object) -> int | None:
 
 
 def convert_math(record: dict, options: Options) -> Prepared:
-    from megatron_rlvr.rewards.math_verifier import _last_boxed
+    from megatron_rlvr.rewards.answers import last_boxed
 
     problem = first(record, "problem", "Problem")
     if not isinstance(problem, str):
@@ -31,7 +31,7 @@ def convert_math(record: dict, options: Options) -> Prepared:
         if level not in options.levels:
             raise Skip(f"level {level} not in --levels")
     solution = first(record, "solution", "Solution")
-    answer = _last_boxed(str(solution)) if solution is not None else None
+    answer = last_boxed(str(solution)) if solution is not None else None
     if not answer or not answer.strip():
         raise Skip("no \\boxed{} answer in 'solution'")
     return Prepared(

@@ -36,6 +36,7 @@ SOURCE = "reasoning-gym"
 class GymReport:
     generated: int = 0
     duplicates: int = 0
+    held_out: int = 0  # rows dropped because a --disjoint-from file holds their question
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     first_skipped: dict[str, str] = field(default_factory=dict)  # reason -> row id
 
@@ -137,10 +138,52 @@ def _check_gold(name: str, dataset: Any, entry: dict[str, Any], reference: dict[
         )
 
 
+def questions_of(paths: Sequence[str]) -> frozenset[str]:
+    """The questions (task and exact text) of prepared reasoning-gym files, for `generate_rows`' ``held_out``;
+    DataError naming a file that is missing or holds a row that is not a reasoning-gym row."""
+    import json
+
+    questions = set()
+    for path in paths:
+        try:
+            lines = open(path, encoding="utf-8").read().splitlines()
+        except OSError as e:
+            raise DataError(f"--disjoint-from {path}: cannot read it ({e.strerror})") from None
+        for line_no, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                task, problem = row["task"], row["problem"]
+            except (ValueError, KeyError, TypeError):
+                raise DataError(
+                    f"--disjoint-from {path}:{line_no}: not a row of `data prepare reasoning-gym` "
+                    "(expected JSON with 'task' and 'problem')"
+                ) from None
+            questions.add(_question_key(str(task).removeprefix("reasoning_gym:"), _question(str(problem))))
+    return frozenset(questions)
+
+
+def _question(problem: str) -> str:
+    """The question of a row's problem text: the text less the answer instruction it may carry."""
+    return problem.removesuffix(ANSWER_INSTRUCTION).strip()
+
+
+def _question_key(name: str, question: str) -> str:
+    return name + "\0" + question.strip()  # exact text: "3 + 4" and "3 - 4" are two problems
+
+
 def generate_rows(
-    tasks: Iterable[str], size: int, seed: int, configs: dict[str, dict[str, Any]], instruction: bool, report: GymReport
+    tasks: Iterable[str],
+    size: int,
+    seed: int,
+    configs: dict[str, dict[str, Any]],
+    instruction: bool,
+    report: GymReport,
+    held_out: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """The rows of every task (module docstring), repeated questions kept once, unusable entries counted."""
+    """The rows of every task (module docstring), repeated questions kept once, unusable entries counted; a row
+    whose question is in ``held_out`` (`questions_of`) is dropped and counted."""
     if size < 1:
         raise DataError(f"--size {size}: expected the number of rows per task, >= 1")
     rows, seen = [], set()
@@ -160,7 +203,10 @@ def generate_rows(
                 report.skipped[str(e)] = report.skipped.get(str(e), 0) + 1
                 report.first_skipped.setdefault(str(e), row_id)
                 continue
-            key = name + "\0" + question.strip()  # exact text: "3 + 4" and "3 - 4" are two problems
+            key = _question_key(name, question)
+            if key in held_out:
+                report.held_out += 1
+                continue
             if key in seen:
                 report.duplicates += 1
                 continue
@@ -183,4 +229,6 @@ def summary(report: GymReport) -> str:
         parts.append(f"skipped {count}: {reason} (first: {report.first_skipped[reason]})")
     if report.duplicates:
         parts.append(f"{report.duplicates} repeated questions kept once")
+    if report.held_out:
+        parts.append(f"{report.held_out} dropped as held out (--disjoint-from)")
     return "; ".join(parts)

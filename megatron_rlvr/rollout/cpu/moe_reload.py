@@ -49,7 +49,7 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
 def ensure_ep_group(dims: ModelDims) -> None:
     """Give a MoE engine the expert-parallel group vLLM's kept parallel state lacks.
 
-    In-process CPU engines reuse the process's vLLM parallel state (`vllm_engine._shutdown_keeping_vllm_parallel_state`);
+    In-process CPU engines reuse the process's vLLM parallel state (`vllm_process.shutdown_keeping_parallel_state`);
     vLLM creates the EP group only when the first engine's model is a MoE one, so a MoE engine after a dense one in the
     same process fails in its MoE block (``expert parallel group is not initialized``). This builds the one-rank EP
     group vLLM would have built (a TP=1 CPU engine: EP = TP x DP = 1). Call inside the engine's private world."""

@@ -1,0 +1,351 @@
+"""The engine side of fully asynchronous training (``rollout.max_staleness >= 2``, docs/async.md), apart from its
+transport (stream_server.py): admit prompts within the staleness bound (admission.py), advance the engine one step
+at a time, tag every token with the weight version that sampled it, score each group when its last response ends,
+and hand a step the groups the ledger selects.
+
+One `StreamCore` per engine rank. Its ledger is replicated: every rank applies the same events (groups done, in rank
+order) and makes the same admissions (the prompt stream, drawn alike on every rank, and the replica with the fewest
+groups running), so no rank needs to ask another what to do. A group runs on one replica (rollout DP); only engine
+rank 0 (``shipper``) keeps finished groups and builds the steps.
+
+Seeds: the group admitted a-th is sampled with the seed of prompt ``a % N`` of step ``a // N`` in `collect` (refill
+round 0, rollout rank 0), so with nothing in flight across an update it samples exactly what the step path samples.
+A response continued after a resume takes the seed of refill round ``1 + resumes`` instead.
+
+A checkpoint holds a `StreamState`: the ledger, the finished groups not yet trained, and every response in flight
+with its tokens, log-probs and versions so far. A resumed run puts it back and continues each unfinished response
+from its saved tokens (a new request: prompt + those tokens, the rest of the budget), so every admitted prompt trains
+exactly once and the bound holds across the resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_rlvr.config import Config
+from megatron_rlvr.data import PromptItem, PromptLoader
+from megatron_rlvr.experience.admission import Entry, Ledger
+from megatron_rlvr.experience.collect import Experience, Group, assemble, group_of, sampling_seed, score
+from megatron_rlvr.experience.wire import Rollout
+from megatron_rlvr.rollout import Completion, Progress, Sampling, StreamingEngine, prompt_seed
+
+
+@dataclass
+class Response:
+    """A streamed response so far: its tokens, their engine log-probs and the weight version of each."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    resumed: bool = False  # continued from a checkpoint's saved tokens
+
+    def completion(self, versions: bool = True) -> Completion:
+        return Completion(
+            self.token_ids,
+            self.logprobs,
+            self.text,
+            self.finish_reason or "",
+            versions=self.versions if versions else None,
+        )
+
+
+@dataclass
+class InFlight:
+    """A group running on this replica."""
+
+    entry: Entry
+    item: PromptItem
+    seed: int
+    responses: list[Response]
+    resumes: int = 0
+
+
+@dataclass
+class Done:
+    """A group whose last response ended, scored on its replica: what the other engine ranks learn of it."""
+
+    index: int
+    uniform: bool
+    group: Group
+    counters: dict[str, int]
+
+
+@dataclass
+class StreamState:
+    """What a checkpoint holds of the stream (see the module doc); plain data."""
+
+    version: int
+    next_step: int
+    admitted: int
+    loader: dict[str, Any]
+    entries: list[Entry]
+    in_flight: list[InFlight]
+    finished: list[Group]
+    totals: dict[str, int]  # groups that left the ledger so far: trained, filtered (dynamic sampling)
+
+
+class StreamCore:
+    """One engine rank's part of the stream (see the module doc)."""
+
+    def __init__(
+        self,
+        stream: StreamingEngine,
+        pool,
+        loader: PromptLoader,
+        cfg: Config,
+        *,
+        pad_id: int,
+        replica: int,
+        replicas: int,
+        shipper: bool,
+        start_step: int,
+        version: int,
+    ) -> None:
+        self.stream, self.pool, self.loader, self.cfg, self.pad_id = stream, pool, loader, cfg, pad_id
+        self.replica, self.replicas, self.shipper, self.version = replica, replicas, shipper, version
+        n = cfg.trainer.prompts_per_step
+        budget = cfg.rollout.refill_max_rounds * n if cfg.algo.drop_uniform_groups else 0
+        self.ledger = Ledger(cfg.rollout.max_staleness, n, start_step, budget)
+        self.running: dict[int, InFlight] = {}  # admission index -> group on this replica
+        self.finished: dict[int, Group] = {}  # the shipper's finished groups, not yet trained
+        self.filtered: list[Group] = []  # the shipper's groups dynamic sampling dropped since the last step
+        self.counters: dict[str, int] = {}  # the shipper's reward counters since the last step
+        self.outbox: list[Done] = []
+        self.answers: dict[str, list[Response]] = {}  # "generate" requests (validation, PBA's base evidence)
+        self.busy_s = 0.0  # this rank's time in engine steps and scoring since the last exchange
+        self.engine_s = 0.0  # the replicas' mean busy time since the last step
+        self.last_ship = time.perf_counter()
+        self.totals = {"trained": 0, "filtered": 0}  # groups that left the ledger, each way
+
+    # -- admission and generation
+
+    def sampling(self, max_tokens: int | None = None, min_tokens: int | None = None, seed: int | None = None):
+        r = self.cfg.rollout
+        return Sampling(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=r.max_new_tokens if max_tokens is None else max_tokens,
+            min_tokens=r.min_new_tokens if min_tokens is None else min_tokens,
+            stop=list(r.stop),
+            seed=seed,
+            logprobs=True,
+        )
+
+    def group_seed(self, index: int, round_: int = 0) -> int:
+        n = self.ledger.per_step
+        return prompt_seed(sampling_seed(self.cfg.trainer.seed, index // n, 0, round_), index % n)
+
+    def admit(self) -> int:
+        """Start every prompt the bound allows now (the same decisions on every rank); returns how many."""
+        count = 0
+        while self.ledger.room(self.version):
+            item = self.loader.draw(1)[0]
+            replica = min(range(self.replicas), key=lambda r: (self.ledger.running(r), r))
+            entry = self.ledger.admit(self.version, replica)
+            if replica == self.replica:
+                seed = self.group_seed(entry.index)
+                group = InFlight(entry, item, seed, [Response() for _ in range(self.cfg.rollout.group_size)])
+                self.running[entry.index] = group
+                self.stream.submit(
+                    f"g{entry.index}", list(item.prompt_ids), len(group.responses), self.sampling(seed=seed)
+                )
+            count += 1
+        return count
+
+    def advance(self) -> bool:
+        """One engine step of this replica's requests (False: it had none); groups that ended are scored."""
+        if not self.stream.in_flight():
+            return False
+        started = time.perf_counter()
+        for news in self.stream.step():
+            self._absorb(news)
+        self.busy_s += time.perf_counter() - started
+        return True
+
+    def _absorb(self, news: Progress) -> None:
+        if news.key in self.answers:  # a "generate" request's response
+            self._extend(self.answers[news.key][news.index], news, self.version)
+            return
+        index, _, j = news.key[1:].partition(".")  # "g<index>" (n responses) or "g<index>.<j>" (one, continued)
+        group = self.running[int(index)]
+        self._extend(group.responses[int(j) if j else news.index], news, self.version)
+        if all(r.finish_reason for r in group.responses):
+            self._done(self.running.pop(int(index)))
+
+    @staticmethod
+    def _extend(response: Response, news: Progress, version: int) -> None:
+        response.token_ids += news.token_ids
+        response.logprobs += news.logprobs
+        response.versions += [version] * len(news.token_ids)
+        response.text += news.text
+        response.finish_reason = news.finish_reason or response.finish_reason
+
+    def _done(self, flight: InFlight) -> None:
+        completions = [r.completion() for r in flight.responses]
+        rewards, counters = score(self.pool, [flight.item], [completions], shared=False)
+        group = group_of(0, flight.entry.index, flight.item, completions, rewards, self.cfg)
+        resumed = sum(r.resumed for r in flight.responses)
+        if resumed:
+            counters = {**counters, "resumed_responses": resumed}
+        self.outbox.append(Done(flight.entry.index, group.uniform, group, counters))
+
+    # -- the replicated ledger
+
+    def events(self) -> tuple[list[Done], float]:
+        """This rank's news since the last exchange (groups done, busy seconds); handed to every rank's `apply`."""
+        out, self.outbox = self.outbox, []
+        busy, self.busy_s = self.busy_s, 0.0
+        return out, busy
+
+    def apply(self, reports: list[tuple[list[Done], float]]) -> None:
+        """Every rank's `events`, in rank order: the same ledger changes on every rank."""
+        self.engine_s += sum(busy for _, busy in reports) / len(reports)  # the replicas' mean
+        for done in (d for events, _ in reports for d in events):
+            filtered = done.uniform and self.ledger.may_filter()
+            if filtered:
+                self.ledger.filter(done.index)
+                self.totals["filtered"] += 1
+            else:
+                self.ledger.finish(done.index)
+            if not self.shipper:
+                continue
+            for key, value in done.counters.items():
+                self.counters[key] = self.counters.get(key, 0) + value
+            if filtered:
+                self.filtered.append(done.group)
+            else:
+                self.finished[done.index] = done.group
+
+    def idle(self) -> bool:
+        """Nothing runs anywhere and nothing may start: only a command can change that (every rank agrees)."""
+        return all(e.finished for e in self.ledger.entries.values()) and not self.ledger.room(self.version)
+
+    # -- steps
+
+    def ship(self, step: int) -> Rollout | None:
+        """Step ``step``'s experience once the ledger's selection is ready (the shipper's; None elsewhere), or None
+        while it must wait. Every rank calls it alike."""
+        chosen = self.ledger.select(step)
+        if chosen is None:
+            return None
+        self.ledger.ship(step, chosen)
+        self.totals["trained"] += len(chosen)
+        now = time.perf_counter()
+        wall, engine_s = now - self.last_ship, self.engine_s
+        self.last_ship, self.engine_s = now, 0.0
+        if not self.shipper:
+            return None
+        groups = [self.finished.pop(i) for i in chosen]
+        counters, self.counters = self.counters, {}
+        resumed = counters.pop("resumed_responses", 0)
+        exp = assemble(
+            groups,
+            groups + self.filtered,
+            self.cfg,
+            pad_id=self.pad_id,
+            counters=counters,
+            rounds=0,
+            refill=self.cfg.algo.drop_uniform_groups,
+        )
+        self.filtered = []
+        exp.metrics |= _stream_metrics(exp, step)
+        exp.metrics |= {
+            "async/engine_idle_frac": max(0.0, 1.0 - engine_s / wall) if wall > 0 else 0.0,
+            "async/in_flight_groups": float(len(self.ledger.entries)),
+            "async/resumed_responses": float(resumed),
+            # admitted groups that neither trained, nor were dropped by dynamic sampling, nor wait in the ledger
+            "async/dropped": float(
+                self.ledger.admitted - self.totals["trained"] - self.totals["filtered"] - len(self.ledger.entries)
+            ),
+        }
+        return Rollout(step, step - int(exp.staleness.max()), self.loader.state_dict(), exp, engine_s)
+
+    # -- requests of the actor's own ("generate": validation, PBA's base evidence)
+
+    def answer(self, requests: list[Any], dp_rank: int) -> list[tuple[int, list[list[Completion]]]]:
+        """This replica's share of the requests (prompt ids, n, sampling), answered by the stream while the training
+        requests go on; returns (request index, completions) pairs."""
+        mine = [(i, r) for i, r in enumerate(requests) if i % self.replicas == dp_rank]
+        for i, (prompts, n, sampling) in mine:
+            for p, prompt in enumerate(prompts):
+                self.answers[f"v{i}.{p}"] = [Response() for _ in range(n)]
+                seeded = dataclasses.replace(sampling, seed=prompt_seed(sampling.seed, p))
+                self.stream.submit(f"v{i}.{p}", list(prompt), n, seeded)
+        while not all(r.finish_reason for responses in self.answers.values() for r in responses):
+            self.advance()
+        out = [
+            (i, [[r.completion(versions=False) for r in self.answers[f"v{i}.{p}"]] for p in range(len(prompts))])
+            for i, (prompts, _, _) in mine
+        ]
+        self.answers.clear()
+        return out
+
+    # -- checkpoints
+
+    def local_state(self) -> list[InFlight]:
+        return list(self.running.values())
+
+    def state(self, in_flight: list[InFlight]) -> StreamState:
+        """The shipper's checkpoint of the stream, given every rank's `local_state`."""
+        return StreamState(
+            self.version,
+            self.ledger.next_step,
+            self.ledger.admitted,
+            self.loader.state_dict(),
+            [dataclasses.replace(e) for e in self.ledger.entries.values()],
+            in_flight,
+            list(self.finished.values()),
+            dict(self.totals),
+        )
+
+    def restore(self, state: StreamState) -> None:
+        """Put a checkpoint's stream back (every rank): the ledger, the finished groups (the shipper's) and the
+        responses in flight, each continued from its saved tokens on the replica with the fewest groups running."""
+        self.loader.load_state_dict(state.loader)
+        self.ledger.next_step, self.ledger.admitted = state.next_step, state.admitted
+        self.totals = dict(state.totals)
+        flights = {f.entry.index: f for f in state.in_flight}
+        for entry in sorted(state.entries, key=lambda e: e.index):
+            if not entry.finished:
+                entry.replica = min(range(self.replicas), key=lambda r: (self.ledger.running(r), r))
+            self.ledger.restore(entry)
+            if not entry.finished and entry.replica == self.replica:
+                self._continue(flights[entry.index])
+        if self.shipper:
+            self.finished = {g.index: g for g in state.finished}
+
+    def _continue(self, flight: InFlight) -> None:
+        flight.resumes += 1
+        self.running[flight.entry.index] = flight
+        seed = self.group_seed(flight.entry.index, 1 + flight.resumes)
+        r = self.cfg.rollout
+        for j, response in enumerate(flight.responses):
+            if response.finish_reason:
+                continue
+            response.resumed = bool(response.token_ids)
+            done = len(response.token_ids)
+            sampling = self.sampling(r.max_new_tokens - done, max(0, r.min_new_tokens - done), seed + j)
+            key = f"g{flight.entry.index}.{j}"
+            self.stream.submit(key, list(flight.item.prompt_ids) + response.token_ids, 1, sampling)
+
+
+def _stream_metrics(exp: Experience, step: int) -> dict[str, float]:
+    """Staleness and weight-version metrics of the responses a step trains (sets ``exp.staleness``)."""
+    responses = [c for group in exp.completions for c in group]
+    oldest = torch.tensor([c.versions[0] if c.versions else step for c in responses], dtype=torch.float32)
+    exp.staleness = step - oldest
+    mixed = torch.tensor([bool(c.versions) and c.versions[0] != c.versions[-1] for c in responses])
+    tokens = torch.tensor([len(c.token_ids) for c in responses], dtype=torch.float32)
+    return {
+        "rollout/staleness": float(exp.staleness.mean()),
+        "rollout/staleness_max": float(exp.staleness.max()),
+        "rollout/mixed_version_frac": float(mixed.float().mean()),  # responses sampled by more than one version
+        "rollout/mixed_version_tokens_frac": float((tokens * mixed).sum() / tokens.sum().clamp_min(1)),
+    }

@@ -1,0 +1,62 @@
+"""A workload hook for benchmarks and tests of fully asynchronous training (docs/async.md): with this directory on
+PYTHONPATH and MEGATRON_RLVR_LONG_TAIL="MEDIAN,SIGMA" set, every prompt's answers are exactly L tokens long, L drawn
+per prompt from a log-normal distribution (median MEDIAN tokens, log-space spread SIGMA) by the prompt's sampling seed
+and cut to the answer budget (rollout.max_new_tokens). The demo model ends most answers after ~8 tokens; this gives
+the long tail of reasoning responses instead. It sets vLLM's min_tokens = max_tokens = L where `rollout.vllm_stream.
+request_params` builds a prompt's sampling parameters (the step path's `generate` and the stream both build them
+there), so a prompt gets the same L in every mode. Nothing else changes; the engine's log-probs are then those of the
+distribution without EOS before L (vLLM's processed log-probs), as with rollout.min_new_tokens."""
+
+import importlib.abc
+import importlib.machinery
+import math
+import os
+import random
+import sys
+
+_SPEC = os.environ.get("MEGATRON_RLVR_LONG_TAIL", "")
+_MODULE = "megatron_rlvr.rollout.vllm_stream"
+
+
+def length(seed: int, budget: int, median: float, sigma: float) -> int:
+    return max(1, min(budget, int(round(random.Random(seed).lognormvariate(math.log(median), sigma)))))
+
+
+def _long_tailed(request_params, median: float, sigma: float):
+    def with_length(sampling, *, n, seed, delta=False):
+        params = request_params(sampling, n=n, seed=seed, delta=delta)
+        if seed is not None:
+            params.min_tokens = params.max_tokens = length(seed, sampling.max_tokens, median, sigma)
+        return params
+
+    return with_length
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, median: float, sigma: float) -> None:
+        self.median, self.sigma = median, sigma
+
+    def find_spec(self, name, path, target=None):
+        if name != _MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            module.request_params = _long_tailed(module.request_params, self.median, self.sigma)
+            print(
+                f"[long-tail] answers of log-normal length: median {self.median:g} tokens, sigma {self.sigma:g}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if _SPEC:
+    _median, _sigma = (float(x) for x in _SPEC.split(","))
+    sys.meta_path.insert(0, _PatchOnImport(_median, _sigma))

@@ -1,0 +1,83 @@
+"""Streamed experience on the demo model's vLLM-CPU engine at max_staleness 0: the stream (admission, the step API,
+per-step tagging) samples exactly the batch the step path's `collect` samples with the same seeds, so decoupled PPO's
+loss (clipped ratio to the proximal policy, the off-policy weight to the engine's) equals today's bit for bit, value
+and gradient."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rlvr.algos import AlgoConfig, policy_loss
+from megatron_rlvr.config import load_config
+from megatron_rlvr.experience.collect import collect
+from megatron_rlvr.experience.construction import make_rollout_engine, prompt_stream
+from megatron_rlvr.experience.stream import StreamCore
+from megatron_rlvr.ops import vocab_parallel_token_stats
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Pool:  # the countdown verifier's answer does not matter here: a reward that varies within groups
+    def score_batch(self, tasks, responses, references):
+        return [float(len(r) % 3 == 0) for r in responses], {"items": len(responses)}
+
+
+def _loss(batch, vocab: int):
+    """Decoupled PPO (tis) on token statistics from a fixed random table of logits per token id."""
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    logits = table[batch.tokens[:, :-1]]
+    stats = vocab_parallel_token_stats(logits, batch.tokens[:, 1:], 3)
+    cfg = AlgoConfig(loss="casp", rollout_correction="tis")
+    loss, _ = policy_loss(
+        stats,
+        None,
+        batch.advantages,
+        batch.response_mask,
+        cfg,
+        rollout_logp=batch.rollout_logp,
+        target_ids=batch.tokens[:, 1:],
+    )
+    loss.backward()
+    return loss.detach(), table.grad
+
+
+def test_streamed_at_staleness_0_is_the_step_paths_batch_and_loss_bit_for_bit():
+    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", ["trainer.prompts_per_step=6", "rollout.max_staleness=0"])
+    prompts = prompt_stream(cfg)
+    engine = make_rollout_engine(cfg, 0)
+    try:
+        stepped = collect(engine, Pool(), prompts.loader, cfg, pad_id=prompts.pad_id, run_seed=cfg.trainer.seed, step=0)
+        loader = prompt_stream(cfg).loader  # the same prompts from the start of the stream
+        core = StreamCore(
+            engine.stream(),
+            Pool(),
+            loader,
+            cfg,
+            pad_id=prompts.pad_id,
+            replica=0,
+            replicas=1,
+            shipper=True,
+            start_step=0,
+            version=0,
+        )
+        assert core.admit() == 6 and core.admit() == 0  # k = 0: one step's prompts, no more until new weights
+        while (rollout := core.ship(0)) is None:
+            core.advance()
+            core.apply([core.events()])
+    finally:
+        engine.close()
+    streamed = rollout.experience
+    assert [i.id for i in streamed.items] == [i.id for i in stepped.items]
+    for name in ("tokens", "response_mask", "advantages", "rollout_logp"):
+        assert torch.equal(getattr(streamed.batch, name), getattr(stepped.batch, name)), name
+    assert all(c.versions == [0] * len(c.token_ids) for g in streamed.completions for c in g)
+    assert float(streamed.staleness.max()) == 0 and streamed.metrics["rollout/mixed_version_frac"] == 0
+    vocab = int(max(streamed.batch.tokens.max(), stepped.batch.tokens.max())) + 1
+    (loss_s, grad_s), (loss_t, grad_t) = _loss(streamed.batch, vocab), _loss(stepped.batch, vocab)
+    assert torch.equal(loss_s, loss_t) and torch.equal(grad_s, grad_t)
+    assert streamed.batch.response_mask.any() and grad_s.abs().sum() > 0
