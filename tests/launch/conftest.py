@@ -1,4 +1,4 @@
-"""The `slurm_cluster` fixture: a real two-node Slurm cluster on this machine (tools/slurm_cluster.sh), started once
+"""The `slurm_cluster` fixture: a real two-node Slurm cluster on this machine (tools/env/slurm_cluster.sh), started once
 per test session for the tests marked `slurm`, in a state directory of the session's own, and stopped at its end.
 
 It skips (with the reason) only where the cluster cannot be made: not root, or packages missing and no apt-get.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER_SCRIPT = REPO / "tools" / "slurm_cluster.sh"
+CLUSTER_SCRIPT = REPO / "tools" / "env" / "slurm_cluster.sh"
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "slurmdbd", "mariadb-server")
 START_TIMEOUT_S = 600  # a fresh machine: apt-get update + install (~1 min here) + MariaDB's first start
 
@@ -29,10 +29,10 @@ def _installed(package: str) -> bool:
 def cannot_make_a_cluster() -> str | None:
     """Why this machine cannot run the local cluster, or None when it can."""
     if shutil.which("dpkg-query") is None:
-        return "no dpkg: tools/slurm_cluster.sh installs Debian packages"
+        return "no dpkg: tools/env/slurm_cluster.sh installs Debian packages"
     missing = [p for p in PACKAGES if not _installed(p)]
     if os.geteuid() != 0:
-        return "not root: slurmd and the cluster's packages need root (tools/slurm_cluster.sh)"
+        return "not root: slurmd and the cluster's packages need root (tools/env/slurm_cluster.sh)"
     if missing and shutil.which("apt-get") is None:
         return f"no apt-get to install {', '.join(missing)}"
     return None
@@ -54,7 +54,7 @@ def slurm_cluster():
     )
     conf = state / "etc" / "slurm.conf"
     try:
-        assert start.returncode == 0, f"tools/slurm_cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
+        assert start.returncode == 0, f"tools/env/slurm_cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
         print(start.stdout)
         old = os.environ.get("SLURM_CONF")
         os.environ["SLURM_CONF"] = str(conf)
