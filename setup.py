@@ -1,8 +1,8 @@
 """Packaging for megatron-rlvr, and the build of the token-statistics extension in csrc/.
 
 The CPU extension (`megatron_rlvr._C`) is always built; its CUDA kernels are compiled into it when torch has CUDA.
-Extras: `cpu` pins the stack measured on CPU machines (see tools/requirements-cpu.txt, used by
-tools/setup_env.sh); `gpu` is the cluster stack (transformer-engine and apex come from the NVIDIA container);
+Extras: `cpu` pins the stack measured on CPU machines (see tools/env/requirements-cpu.txt, used by
+tools/env/setup_env.sh); `gpu` is the cluster stack (transformer-engine and apex come from the NVIDIA container);
 `tasks` adds reasoning-gym's procedural tasks and their verifiers.
 """
 

@@ -1,5 +1,5 @@
 """The CPU Slurm executor (`--executor slurm_local`): the Slurm H200 path without GPUs or containers, for a cluster
-whose nodes share this machine's filesystem (`tools/slurm_cluster.sh` runs one on this machine; docs/slurm-local.md).
+whose nodes share this machine's filesystem (`tools/env/slurm_cluster.sh` runs one on this machine; docs/slurm-local.md).
 
 Same nemo-run template as `slurm_h200`: sbatch -> srun one task per node -> torchrun per node with c10d rendezvous ->
 `python -m megatron_rlvr.cli ...`. What differs, and why:

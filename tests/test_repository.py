@@ -1,5 +1,5 @@
 """The repository keeps its own house rules: every document the code cites exists, every module says what it is for
-and stays small, and the package's imports form layers without cycles (tools/check_imports.py)."""
+and stays small, and the package's imports form layers without cycles (tools/checks/check_imports.py)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,10 @@ def test_every_module_has_a_docstring_and_stays_small():
 
 def test_imports_form_layers_without_cycles():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "check_imports.py")], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "tools" / "checks" / "check_imports.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"\d+ modules, \d+ imports: 0 findings", out.stdout)
@@ -84,7 +87,7 @@ def test_imports_form_layers_without_cycles():
 
 def test_the_import_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     """The checker itself: a package with a cycle and an upward import is reported (it can fail)."""
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(ROOT / "tools" / "checks"))
     try:
         import check_imports
     finally:

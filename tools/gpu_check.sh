@@ -136,7 +136,7 @@ if wants ops; then
     stage op_tests 150 "$PY" -m pytest tests/ops/test_token_stats.py -m gpu -q -p no:cacheprovider \
         --junitxml="$WORK/op_tests.xml"
     stage bandwidth 60 "$PY" $G/bandwidth.py --out "$WORK/bandwidth.json"
-    stage op_bench 180 "$PY" tools/bench_token_stats.py --device cuda --tp 1 --tokens 16384 --vocab 151936 \
+    stage op_bench 180 "$PY" tools/benches/bench_token_stats.py --device cuda --tp 1 --tokens 16384 --vocab 151936 \
         --dtypes float32,bfloat16 --repeats 5
 fi
 

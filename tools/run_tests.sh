@@ -12,14 +12,14 @@ wall_time() {
   exit $status
 }
 trap wall_time EXIT
-bash tools/setup_env.sh
+bash tools/env/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The house checks first: seconds each, and a failure names the rule it breaks.
-echo "[checks] ruff check, ruff format --check, lint-imports, tools/check_imports.py"
+echo "[checks] ruff check, ruff format --check, lint-imports, tools/checks/check_imports.py"
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
 .venv/bin/lint-imports --no-cache
-.venv/bin/python tools/check_imports.py
+.venv/bin/python tools/checks/check_imports.py
 # --timeout is a per-test backstop on top of the worker groups' own hang detection; --durations lists the slowest
 # tests, which is where the suite's time goes (the install + tests budget is 30 minutes on 2 cores).
 .venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1200 --durations=25 "$@"

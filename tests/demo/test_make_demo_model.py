@@ -1,4 +1,4 @@
-"""tools/make_demo_model.py end to end at a toy size: the files it writes load back as the same tokenizer and model."""
+"""tools/reports/make_demo_model.py end to end at a toy size: the files it writes load back as the same tokenizer and model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "make_demo_model.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "reports" / "make_demo_model.py"
 
 
 def _tool():
@@ -87,7 +87,7 @@ def test_weak_preset_builds_a_smaller_model_on_the_demo_tokenizer(tmp_path):
 
     from megatron_rlvr.rollout.prefixes import check_prefix_model
 
-    demo = TOOL.parents[1] / "megatron_rlvr" / "demo" / "model"
+    demo = TOOL.parents[2] / "megatron_rlvr" / "demo" / "model"
     out = tmp_path / "weak"
     # --out and the size flags beside --weak override its preset; the tokenizer still comes from the demo model
     assert (
@@ -122,7 +122,7 @@ def test_weak_preset_builds_a_smaller_model_on_the_demo_tokenizer(tmp_path):
 def test_committed_weak_model_shares_the_demo_tokenizer_and_is_smaller():
     from megatron_rlvr.rollout.prefixes import check_prefix_model
 
-    demo = TOOL.parents[1] / "megatron_rlvr" / "demo"
+    demo = TOOL.parents[2] / "megatron_rlvr" / "demo"
     check_prefix_model(demo / "model", demo / "weak_model")
     weak, base = (json.loads((demo / d / "training_info.json").read_text()) for d in ("weak_model", "model"))
     assert weak["parameters"] < base["parameters"]

@@ -57,7 +57,9 @@ def test_every_command_block_says_where_it_runs_and_its_overrides_apply():
             continue
         if block.kind == "cpu" and not block.skip and "setup_env.sh" in text:
             # its `pip install -e .` would re-point the shared editable install at the scratch copy
-            problems.append(f"{block.where}: runs tools/setup_env.sh; skip it or sub it out with a doc-test directive")
+            problems.append(
+                f"{block.where}: runs tools/env/setup_env.sh; skip it or sub it out with a doc-test directive"
+            )
     assert not problems, "\n".join(problems)
     assert CPU and SYNTAX_ONLY  # the docs show both kinds; none found means the parser broke
 
@@ -86,7 +88,7 @@ def scratch(tmp_path_factory) -> Path:
         if src.is_file():
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, root / rel)
-    for so in (REPO / "megatron_rlvr").glob("_C*.so"):  # built by tools/setup_env.sh, not tracked
+    for so in (REPO / "megatron_rlvr").glob("_C*.so"):  # built by tools/env/setup_env.sh, not tracked
         shutil.copy2(so, root / "megatron_rlvr" / so.name)
     # a repository, as a clone is: the Slurm launcher's dry run packs the job from git (nemo-run's packager)
     git = ["git", "-c", "user.name=doc-test", "-c", "user.email=doc-test@localhost", "-c", "commit.gpgsign=false"]
@@ -94,7 +96,7 @@ def scratch(tmp_path_factory) -> Path:
         subprocess.run(git + args, cwd=root, check=True, capture_output=True)
     venv = (REPO / ".venv").resolve()
     if not (venv / "bin" / "python").exists():
-        pytest.fail(f"{REPO / '.venv'}: no virtual environment; run the quick start (tools/setup_env.sh) first")
+        pytest.fail(f"{REPO / '.venv'}: no virtual environment; run the quick start (tools/env/setup_env.sh) first")
     (root / ".venv").symlink_to(venv)
     found = subprocess.run(
         [str(root / ".venv/bin/python"), "-c", "import megatron_rlvr; print(megatron_rlvr.__file__)"],

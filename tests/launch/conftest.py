@@ -1,4 +1,4 @@
-"""The `slurm_cluster` fixture: a real two-node Slurm cluster on this machine (tools/slurm_cluster.sh), started once
+"""The `slurm_cluster` fixture: a real two-node Slurm cluster on this machine (tools/env/slurm_cluster.sh), started once
 per test session for the tests marked `slurm`, in a state directory of the session's own, and stopped at its end.
 
 The start (on a fresh machine: apt-get install, MariaDB's first start; a minute or more, mostly waiting on disk and
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER_SCRIPT = REPO / "tools" / "slurm_cluster.sh"
+CLUSTER_SCRIPT = REPO / "tools" / "env" / "slurm_cluster.sh"
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "slurmdbd", "mariadb-server")
 START_TIMEOUT_S = 600  # a fresh machine: apt-get update + install (~1 min here) + MariaDB's first start
 
@@ -33,17 +33,17 @@ def _installed(package: str) -> bool:
 def cannot_make_a_cluster() -> str | None:
     """Why this machine cannot run the local cluster, or None when it can."""
     if shutil.which("dpkg-query") is None:
-        return "no dpkg: tools/slurm_cluster.sh installs Debian packages"
+        return "no dpkg: tools/env/slurm_cluster.sh installs Debian packages"
     missing = [p for p in PACKAGES if not _installed(p)]
     if os.geteuid() != 0:
-        return "not root: slurmd and the cluster's packages need root (tools/slurm_cluster.sh)"
+        return "not root: slurmd and the cluster's packages need root (tools/env/slurm_cluster.sh)"
     if missing and shutil.which("apt-get") is None:
         return f"no apt-get to install {', '.join(missing)}"
     return None
 
 
 class _Cluster:
-    """One `tools/slurm_cluster.sh start`, begun in the background, in a state directory of its own."""
+    """One `tools/env/slurm_cluster.sh start`, begun in the background, in a state directory of its own."""
 
     def __init__(self) -> None:
         # a directory of our own, not under pytest's basetemp: pytest deletes all but the newest 3 of those when any
@@ -66,7 +66,7 @@ class _Cluster:
             status = self.start.wait()
         self.log.seek(0)
         output = self.log.read()
-        assert status == 0, f"tools/slurm_cluster.sh start failed (status {status}):\n{output}"
+        assert status == 0, f"tools/env/slurm_cluster.sh start failed (status {status}):\n{output}"
         return output
 
     def stop(self) -> str:

@@ -170,7 +170,7 @@ def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | No
 
 
 def assert_metrics_equal(reference: list[dict], resumed: list[dict]) -> None:
-    """Step by step, within 1e-6 relative (as tools/check_kill_resume.sh), every step exactly once."""
+    """Step by step, within 1e-6 relative (as tools/checks/check_kill_resume.sh), every step exactly once."""
     assert [m["step"] for m in resumed] == [m["step"] for m in reference], [m["step"] for m in resumed]
     for a, b in zip(reference, resumed):
         for key in METRIC_KEYS:

@@ -1,4 +1,4 @@
-"""Fully asynchronous training across the local Slurm cluster's two nodes (tools/slurm_cluster.sh): the actor rank on
+"""Fully asynchronous training across the local Slurm cluster's two nodes (tools/env/slurm_cluster.sh): the actor rank on
 one node, the engine rank on the other, ``rollout.max_staleness=2``, answers made long-tailed
 (megatron_rlvr/testing/long_tail) so that responses are in flight at every weight update. `scancel --signal=USR1
 --full` after the first logged step: the ranks finish their step and checkpoint it with the stream's state

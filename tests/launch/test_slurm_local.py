@@ -1,4 +1,4 @@
-"""The launch path on a real Slurm cluster (two slurmd nodes on this machine, tools/slurm_cluster.sh): nemo-run ->
+"""The launch path on a real Slurm cluster (two slurmd nodes on this machine, tools/env/slurm_cluster.sh): nemo-run ->
 sbatch -> srun one task per node -> torchrun per node with c10d rendezvous -> the trainer, with gloo across the nodes.
 
 Every scenario runs the demo recipe tiny (4 steps of 4 prompts) and checks what a cluster user would see: nemo-run's

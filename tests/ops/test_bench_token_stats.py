@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.bench_token_stats import BenchConfig, bench_rank, summarize
+from tools.benches.bench_token_stats import BenchConfig, bench_rank, summarize
 
 pytestmark = pytest.mark.dist
 

@@ -4,7 +4,7 @@ Parameter counts per rank of the paper models (the meta-device build of the reci
 measured bytes of weights, DDP's grad buffer, optimizer state and the frozen reference of a real MegatronActor after
 one update at (TP, PP) = (1, 1), (2, 1), (1, 2), with and without the distributed optimizer and the reference, and
 with LoRA adapters (the frozen base's weights and the adapters', their grads and optimizer state alone, no reference).
-The update's peak memory is compared by tools/measure_memory.py (docs/plan.md), not here: it needs a bigger model to rise
+The update's peak memory is compared by tools/benches/measure_memory.py (docs/plan.md), not here: it needs a bigger model to rise
 above allocator noise."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from tools.measure_memory import Case, measure_rank, predicted
+from tools.benches.measure_memory import Case, measure_rank, predicted
 
 pytestmark = pytest.mark.dist
 

@@ -19,7 +19,7 @@ from megatron_rlvr.plan.parallel_terms import dispatcher_bytes
 from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, find_hf_config
 from megatron_rlvr.plan.stage_params import stage_params, stage_split
 from megatron_rlvr.plan.suggest import suggest
-from tools.measure_memory import Case, measure_rank, predicted
+from tools.benches.measure_memory import Case, measure_rank, predicted
 
 MOE = "Qwen3-30B-A3B"
 

@@ -1,10 +1,10 @@
-"""tools/plan_tables.py: the README's plan tables, one row per recipe, from `megatron-rlvr plan --json`."""
+"""tools/reports/plan_tables.py: the README's plan tables, one row per recipe, from `megatron-rlvr plan --json`."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools import plan_tables
+from tools.reports import plan_tables
 
 
 def test_every_training_recipe_is_listed_and_no_cpu_or_eval_config():

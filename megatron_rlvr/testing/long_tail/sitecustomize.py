@@ -23,8 +23,8 @@ def length(seed: int, budget: int, median: float, sigma: float) -> int:
 
 
 def _long_tailed(request_params, median: float, sigma: float):
-    def with_length(sampling, *, n, seed, delta=False, stop_token_ids=()):
-        params = request_params(sampling, n=n, seed=seed, delta=delta, stop_token_ids=stop_token_ids)
+    def with_length(sampling, *, n, seed, **options):
+        params = request_params(sampling, n=n, seed=seed, **options)
         if seed is not None:
             params.min_tokens = params.max_tokens = length(seed, sampling.max_tokens, median, sigma)
         return params

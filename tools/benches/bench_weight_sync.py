@@ -1,7 +1,7 @@
 """Weight-sync time of a random ~0.3B model from a TP=2 Megatron actor into a CPU vLLM engine, beside a plain copy of
 the same bytes, measured in one run on the same ranks and threads.
 
-    .venv/bin/python tools/bench_weight_sync.py [--layers 20] [--repeats 3] [--bucket-mb 256] [--check]
+    .venv/bin/python tools/benches/bench_weight_sync.py [--layers 20] [--repeats 3] [--bucket-mb 256] [--check]
 
 Rank 0 holds the engine; both ranks run the bridge's export (TP gather + HF re-layout; rank 1 passes
 ``receive=False``: it only serves its shards, as a rank without an engine) and rank 0 feeds it to

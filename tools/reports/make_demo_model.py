@@ -1,8 +1,8 @@
 """Build the demo's tokenizer and tiny Qwen2 model, warm-started by supervised training on correct countdown answers.
 
-    python tools/make_demo_model.py [--out megatron_rlvr/demo/model] [--seed 0] [--steps 300]
-    python tools/make_demo_model.py --init-from DIR --out DIR2 --seed 1 ...   # continue SFT from a checkpoint
-    python tools/make_demo_model.py --weak     # the weaker prefix model (megatron_rlvr/demo/weak_model)
+    python tools/reports/make_demo_model.py [--out megatron_rlvr/demo/model] [--seed 0] [--steps 300]
+    python tools/reports/make_demo_model.py --init-from DIR --out DIR2 --seed 1 ...   # continue SFT from a checkpoint
+    python tools/reports/make_demo_model.py --weak     # the weaker prefix model (megatron_rlvr/demo/weak_model)
 
 ``--weak`` builds the demo's weaker model for outer prefixes (``rollout.prefix_model``): the demo model's tokenizer
 (``--tokenizer-from``), two small layers and a short training, written to megatron_rlvr/demo/weak_model; any flag
@@ -157,7 +157,7 @@ def train(model, ids: torch.Tensor, labels: torch.Tensor, steps: int, batch: int
     model.eval()
 
 
-DEMO = Path(__file__).resolve().parent.parent / "megatron_rlvr/demo"
+DEMO = Path(__file__).resolve().parents[2] / "megatron_rlvr/demo"
 # ours: a model that solves some countdown prompts (its prefixes are plausible starts) but clearly fewer than the
 # demo model; measured figures in its training_info.json
 WEAK_PRESET = dict(

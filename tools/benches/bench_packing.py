@@ -11,9 +11,9 @@ lr = 0 so every repeat starts from the same weights), medians of repeats after a
 a pass allocates (counted by a dispatch mode in a separate, untimed call). grad_max_rel_diff compares the two
 updates' gradients: max |packed - padded| / max |padded|. The last line is one JSON object.
 
-    python tools/bench_packing.py            # 48 rollouts up to 768 tokens, a 2-layer model of width 256
-    python tools/bench_packing.py --quick    # 32 rollouts up to 384 tokens, the tiny test model; ~1.5 minutes here
-    python tools/bench_packing.py --hf-dir megatron_rlvr/demo/model --sequences 64 --max-len 56 --median-len 40 \
+    python tools/benches/bench_packing.py            # 48 rollouts up to 768 tokens, a 2-layer model of width 256
+    python tools/benches/bench_packing.py --quick    # 32 rollouts up to 384 tokens, the tiny test model; ~1.5 minutes here
+    python tools/benches/bench_packing.py --hf-dir megatron_rlvr/demo/model --sequences 64 --max-len 56 --median-len 40 \
         --prompt-len 20 --micro-batch-size 8      # the demo's shapes: short rollouts, little padding to remove
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
 

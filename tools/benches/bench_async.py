@@ -18,8 +18,8 @@ the trainer's idle share (its rollout wait over that time), the engine's idle sh
 ``rollout/engine_seconds``, over that time) and the mean staleness of the trained responses. The last line is one
 JSON object.
 
-    python tools/bench_async.py                          # 12 steps per mode (4 warm-up), median 8 tokens, sigma 1.2
-    python tools/bench_async.py --steps 6 --warmup 2 --async-k 2
+    python tools/benches/bench_async.py                          # 12 steps per mode (4 warm-up), median 8 tokens, sigma 1.2
+    python tools/benches/bench_async.py --steps 6 --warmup 2 --async-k 2
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOOK = ROOT / "megatron_rlvr" / "testing" / "long_tail"
 _STEP_PARTS = ("time/rollout+reward", "time/statistics", "time/update", "time/sync", "time/eval")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 QWEN2_0_5B = dict(
     vocab_size=151936,

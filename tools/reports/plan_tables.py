@@ -1,8 +1,8 @@
 """Print the memory plan of every training recipe as two markdown tables: GPU memory per phase and host memory per
 node. What the README's "Recipes and their plans" section shows, regenerated from `megatron-rlvr plan --json`.
 
-    .venv/bin/python tools/plan_tables.py            # every training recipe in configs/
-    .venv/bin/python tools/plan_tables.py RECIPE...  # just these
+    .venv/bin/python tools/reports/plan_tables.py            # every training recipe in configs/
+    .venv/bin/python tools/reports/plan_tables.py RECIPE...  # just these
 
 Exit status 3 when a recipe does not fit (its row says which component breaks it), 2 for a recipe plan refuses.
 """
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOST_PARTS = ("staging", "sleep_offload", "transfer_buckets", "reward_pool", "data_loader", "process", "launcher")
 
 

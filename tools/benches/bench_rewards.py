@@ -1,6 +1,6 @@
 """Throughput of the verifiers on this machine: items/s of the math pool (and of the other tasks, for scale).
 
-    python tools/bench_rewards.py [--items 2000] [--workers 1 2] [--only math|code]
+    python tools/benches/bench_rewards.py [--items 2000] [--workers 1 2] [--only math|code]
 
 Math items are realistic responses (a few hundred characters of reasoning, then a final answer in one of the
 extraction forms) against gold answers in varied forms, half equivalent. Prints one line per setting and the ratio

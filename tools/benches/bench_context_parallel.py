@@ -9,8 +9,8 @@ median time of the update (actor.update, one mini-batch, lr = 0 so every repeat 
 of the statistics pass (compute_old_logp) after a warm-up. grad_max_rel_diff compares the two updates' full
 gradients: max |cp2 - cp1| / max |cp1|. The last line is one JSON object.
 
-    python tools/bench_context_parallel.py            # 4 sequences of 4096..6144 tokens, 2 layers
-    python tools/bench_context_parallel.py --quick    # 2 sequences of 4096 and 4099 tokens, 2 layers, 1 repeat
+    python tools/benches/bench_context_parallel.py            # 4 sequences of 4096..6144 tokens, 2 layers
+    python tools/benches/bench_context_parallel.py --quick    # 2 sequences of 4096 and 4099 tokens, 2 layers, 1 repeat
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
 

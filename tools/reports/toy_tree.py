@@ -1,6 +1,6 @@
 """The didactic tree (CaSP paper Section 4.3): thin entry point; the logic is megatron_rlvr/inspection/toy_tree.py.
 
-python tools/toy_tree.py [--sweep] [--seeds 0 1 2] [--plot outputs/toy_tree.png]
+python tools/reports/toy_tree.py [--sweep] [--seeds 0 1 2] [--plot outputs/toy_tree.png]
 """
 
 import sys

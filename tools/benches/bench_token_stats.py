@@ -8,9 +8,9 @@ in a separate untimed call):
               (max, sum exp, sum p*z) + all-gather of the full vocabulary then top-N of its log-softmax
 Prints a table and, as its last line, one JSON object (fp32 figures at the top level, every dtype under "by_dtype").
 
-    python tools/bench_token_stats.py                  # T=4096, V=151936, TP=2 over gloo, fp32 and bf16
-    python tools/bench_token_stats.py --quick          # a smaller shape, under a minute
-    python tools/bench_token_stats.py --device cuda --tp 1 --tokens 16384   # the GPU check
+    python tools/benches/bench_token_stats.py                  # T=4096, V=151936, TP=2 over gloo, fp32 and bf16
+    python tools/benches/bench_token_stats.py --quick          # a smaller shape, under a minute
+    python tools/benches/bench_token_stats.py --device cuda --tp 1 --tokens 16384   # the GPU check
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
 
@@ -274,7 +274,7 @@ def isa_sweep(tokens: int, vocab: int, repeats: int) -> None:
     import os
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     print(f"CPU instruction sets: T={tokens} V={vocab} fp32, one thread, TP=1 (median of {repeats})")
     print(
         f"  {'isa':8s} {'logsumexp s':>12s} {'ours fwd s':>11s} {'fwd/floor':>10s} {'fwd+bwd s':>10s} (fwd+bwd: "

@@ -1,8 +1,8 @@
 """Import cycles and upward imports in megatron_rlvr, counting every import (function-local and TYPE_CHECKING ones
 too: a cycle that only a local import keeps working is still a cycle a reader has to untangle).
 
-    python tools/check_imports.py            # exit 0 when there is none, 1 with one line per finding
-    python tools/check_imports.py --graph    # also print the package-level graph (who imports whom)
+    python tools/checks/check_imports.py            # exit 0 when there is none, 1 with one line per finding
+    python tools/checks/check_imports.py --graph    # also print the package-level graph (who imports whom)
 
 The layers are read from the `layers` contract in pyproject.toml ([tool.importlinter]), the one list that
 `lint-imports` checks too; this script adds what that contract cannot say: cycles between modules of one package.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "megatron_rlvr"
 
 

@@ -1,9 +1,9 @@
-"""The real-model table and candidate-dynamics figure of the README ("A real model"), from finished runs: each
+"""The real-model table and candidate-dynamics figure of docs/real-model.md ("CaSP and GRPO on the real model"), from finished runs: each
 training run's metrics.jsonl and each model's `megatron-rlvr eval` run directory (its results.json).
 
-    .venv/bin/python tools/real_model_report.py --base outputs/smollm2-arith/eval/base/smollm2-135m-instruct \
-        --run GRPO s1 outputs/smollm2-arith/grpo_s1 outputs/smollm2-arith/eval/grpo_s1/hf \
-        --run CaSP s1 outputs/smollm2-arith/casp_s1 outputs/smollm2-arith/eval/casp_s1/hf \
+    .venv/bin/python tools/reports/real_model_report.py --base outputs/smollm2-arith/eval/base \
+        --run GRPO s1 outputs/smollm2-arith/grpo_s1 outputs/smollm2-arith/eval/grpo_s1 \
+        --run CaSP s1 outputs/smollm2-arith/casp_s1 outputs/smollm2-arith/eval/casp_s1 \
         --figure docs/real_model_dynamics.png
 
 Prints two markdown tables: pass@k [95% bootstrap interval over problems] of the base and of every run, with the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megatron_rlvr.eval.bootstrap import IntervalSpec, bootstrap_pass_at_k, paired_difference  # noqa: E402
