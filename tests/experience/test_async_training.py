@@ -54,7 +54,7 @@ def _torchrun(out: Path, steps: int, extra: list[str] = (), log_name: str = "run
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": f"{HOOK}:{ROOT}",
-        "MEGATRON_RLVR_LONG_TAIL": "40,0.6",
+        "MEGATRON_RLVR_LONG_TAIL": "40,0.6,0.05",  # a forced slow engine: updates land mid-response
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600",
     }
     log = open(out.parent / f"{log_name}.log", "w")

@@ -5,7 +5,11 @@ and cut to the answer budget (rollout.max_new_tokens). The demo model ends most 
 the long tail of reasoning responses instead. It sets vLLM's min_tokens = max_tokens = L where `rollout.vllm_stream.
 request_params` builds a prompt's sampling parameters (the step path's `generate` and the stream both build them
 there), so a prompt gets the same L in every mode. Nothing else changes; the engine's log-probs are then those of the
-distribution without EOS before L (vLLM's processed log-probs), as with rollout.min_new_tokens."""
+distribution without EOS before L (vLLM's processed log-probs), as with rollout.min_new_tokens.
+
+"MEDIAN,SIGMA,DELAY" also makes each engine step of the stream (`VLLMStream.step`) take DELAY seconds longer: a
+forced slow engine, so that weight updates land while responses are in flight however fast the machine is (on an
+idle machine the demo model finishes its answers before the trainer's next update)."""
 
 import importlib.abc
 import importlib.machinery
@@ -13,6 +17,7 @@ import math
 import os
 import random
 import sys
+import time
 
 _SPEC = os.environ.get("MEGATRON_RLVR_LONG_TAIL", "")
 _MODULE = "megatron_rlvr.rollout.vllm_stream"
@@ -32,9 +37,17 @@ def _long_tailed(request_params, median: float, sigma: float):
     return with_length
 
 
+def _slowed(step, delay: float):
+    def slow_step(self):
+        time.sleep(delay)
+        return step(self)
+
+    return slow_step
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def __init__(self, median: float, sigma: float) -> None:
-        self.median, self.sigma = median, sigma
+    def __init__(self, median: float, sigma: float, delay: float) -> None:
+        self.median, self.sigma, self.delay = median, sigma, delay
 
     def find_spec(self, name, path, target=None):
         if name != _MODULE:
@@ -47,8 +60,11 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         def exec_and_patch(module):
             exec_module(module)
             module.request_params = _long_tailed(module.request_params, self.median, self.sigma)
+            if self.delay > 0:
+                module.VLLMStream.step = _slowed(module.VLLMStream.step, self.delay)
             print(
-                f"[long-tail] answers of log-normal length: median {self.median:g} tokens, sigma {self.sigma:g}",
+                f"[long-tail] answers of log-normal length: median {self.median:g} tokens, sigma {self.sigma:g}; "
+                f"{self.delay:g} s added to each engine step",
                 file=sys.stderr,
                 flush=True,
             )
@@ -58,5 +74,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 if _SPEC:
-    _median, _sigma = (float(x) for x in _SPEC.split(","))
-    sys.meta_path.insert(0, _PatchOnImport(_median, _sigma))
+    _median, _sigma, _delay = ([float(x) for x in _SPEC.split(",")] + [0.0])[:3]
+    sys.meta_path.insert(0, _PatchOnImport(_median, _sigma, _delay))
