@@ -34,7 +34,7 @@ from megatron_rlvr.eval.results import BenchmarkCounts, problems_digest, results
 from megatron_rlvr.eval.runner import EvalConfigError, EvalRunner, problem_counts, run_settings, validate_eval_config
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.problems.benchmarks import BENCHMARKS, Problem, load_benchmark
-from megatron_rlvr.problems.prompt_encoding import encode_prompt, end_of_turn_id, has_chat_template
+from megatron_rlvr.problems.prompt_encoding import encode_prompt, has_chat_template, stop_ids
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.pool import RewardPool
 from megatron_rlvr.rollout.base import RolloutEngine
@@ -72,19 +72,10 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         if kv_cache_memory_bytes:
             rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
         return VLLMEngine(
-            model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype, stop_token_ids=chat_stop_ids(model_dir, cfg)
+            model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype, stop_token_ids=stop_ids(model_dir, cfg.chat_template)
         )
 
     return build
-
-
-def chat_stop_ids(model_dir: str, cfg: EvalConfig) -> tuple[int, ...]:
-    """Under ``--chat-template``, the template's end-of-turn id, where every answer ends; else ()."""
-    if not cfg.chat_template:
-        return ()
-    from transformers import AutoTokenizer
-
-    return (end_of_turn_id(AutoTokenizer.from_pretrained(model_dir)),)
 
 
 def hf_encoder_factory(model_dir: str, cfg: EvalConfig) -> Callable[[str], list[int]]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import LoadStats, PromptItem, PromptLoader, load_items
-from megatron_rlvr.problems.prompt_encoding import end_of_turn_id
+from megatron_rlvr.problems.prompt_encoding import stop_ids
 from megatron_rlvr.rollout import RolloutEngine, make_engine
 
 
@@ -25,11 +25,7 @@ def make_rollout_engine(cfg: Config, rank: int) -> RolloutEngine:
 
 def chat_stop_ids(cfg: Config) -> tuple[int, ...]:
     """The chat template's end-of-turn id when training or validation prompts use the template, else ()."""
-    if not (cfg.data.chat_template or cfg.eval.chat_template):
-        return ()
-    from transformers import AutoTokenizer
-
-    return (end_of_turn_id(AutoTokenizer.from_pretrained(cfg.model.hf_dir)),)
+    return stop_ids(cfg.model.hf_dir, cfg.data.chat_template or cfg.eval.chat_template)
 
 
 @dataclass

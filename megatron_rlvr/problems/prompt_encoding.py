@@ -4,6 +4,7 @@ in-training validation and evaluation (eval/api.py's encoder) share, so a model 
     encoded = encode_prompt(tokenizer, problem_text, chat_template=True, system_prompt=None)
     encoded.text, encoded.ids      # what the model continues, and its token ids
     end_of_turn_id(tokenizer)      # the token the template closes the assistant's answer with (ChatML: <|im_end|>)
+    stop_ids(model_dir, chat)      # what an engine of that model stops at besides EOS: () or (end of turn,)
 
 Nothing else in the package applies a chat template or chooses whether special tokens are added to a prompt.
 """
@@ -118,3 +119,13 @@ def end_of_turn_id(tokenizer: EndOfTurnTokenizer) -> int:
             "no end-of-turn token to stop sampling at"
         )
     return int(ids[0])
+
+
+def stop_ids(model_dir: str, chat_template: bool) -> tuple[int, ...]:
+    """The token ids an engine serving ``model_dir`` stops at besides EOS: under the chat template its end of turn
+    (`end_of_turn_id` of the model's tokenizer), else none."""
+    if not chat_template:
+        return ()
+    from transformers import AutoTokenizer
+
+    return (end_of_turn_id(AutoTokenizer.from_pretrained(model_dir)),)

@@ -11,13 +11,13 @@ distribution without EOS before L (vLLM's processed log-probs), as with rollout.
 forced slow engine, so that weight updates land while responses are in flight however fast the machine is (on an
 idle machine the demo model finishes its answers before the trainer's next update)."""
 
-import importlib.abc
-import importlib.machinery
 import math
 import os
 import random
 import sys
 import time
+
+from megatron_rlvr.testing.import_hooks import patch_after_import
 
 _SPEC = os.environ.get("MEGATRON_RLVR_LONG_TAIL", "")
 _MODULE = "megatron_rlvr.rollout.vllm_stream"
@@ -45,34 +45,18 @@ def _slowed(step, delay: float):
     return slow_step
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def __init__(self, median: float, sigma: float, delay: float) -> None:
-        self.median, self.sigma, self.delay = median, sigma, delay
-
-    def find_spec(self, name, path, target=None):
-        if name != _MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            module.request_params = _long_tailed(module.request_params, self.median, self.sigma)
-            if self.delay > 0:
-                module.VLLMStream.step = _slowed(module.VLLMStream.step, self.delay)
-            print(
-                f"[long-tail] answers of log-normal length: median {self.median:g} tokens, sigma {self.sigma:g}; "
-                f"{self.delay:g} s added to each engine step",
-                file=sys.stderr,
-                flush=True,
-            )
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
+def _patch(module, median: float, sigma: float, delay: float) -> None:
+    module.request_params = _long_tailed(module.request_params, median, sigma)
+    if delay > 0:
+        module.VLLMStream.step = _slowed(module.VLLMStream.step, delay)
+    print(
+        f"[long-tail] answers of log-normal length: median {median:g} tokens, sigma {sigma:g}; "
+        f"{delay:g} s added to each engine step",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 if _SPEC:
     _median, _sigma, _delay = ([float(x) for x in _SPEC.split(",")] + [0.0])[:3]
-    sys.meta_path.insert(0, _PatchOnImport(_median, _sigma, _delay))
+    patch_after_import(_MODULE, lambda module: _patch(module, _median, _sigma, _delay))

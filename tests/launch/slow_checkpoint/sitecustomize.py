@@ -4,11 +4,11 @@ run first sleeps that long, so the stop's checkpoint takes longer than torchrun'
 hazard the launcher must avoid). The requeued rerun (SLURM_RESTART_COUNT >= 1) saves at its normal pace: its
 checkpoints are not the ones signalled. Nothing else changes: the checkpoint written is the real one."""
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import time
+
+from megatron_rlvr.testing.import_hooks import patch_after_import
 
 _DELAY = float(os.environ.get("MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S", "0") or 0)
 _MODULE = "megatron_rlvr.checkpoint"
@@ -27,24 +27,7 @@ def _slowed(save):
     return save_slowly
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != _MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            module.save = _slowed(module.save)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
 _FIRST_RUN = os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0")
 
 if _DELAY > 0 and _FIRST_RUN and "RANK" in os.environ:  # the first run's ranks only, not torchrun
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_after_import(_MODULE, lambda module: setattr(module, "save", _slowed(module.save)))

@@ -4,11 +4,11 @@ not yet written), so the test's `scancel` lands mid-run at a known point however
 an unloaded machine finished the whole eval before the cancel arrived. Nothing else changes: the samples stored
 are the real ones, through the store's own `append`."""
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import time
+
+from megatron_rlvr.testing.import_hooks import patch_after_import
 
 _STALL = float(os.environ.get("MEGATRON_RLVR_TEST_EVAL_STALL_S", "0") or 0)
 _MODULE = "megatron_rlvr.eval.store"
@@ -33,24 +33,11 @@ def _stalling(append):
     return append_or_stall
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != _MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            for store in _STORES:
-                cls = getattr(module, store)
-                cls.append = _stalling(cls.append)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
+def _stall_stores(module) -> None:
+    for store in _STORES:
+        cls = getattr(module, store)
+        cls.append = _stalling(cls.append)
 
 
 if _STALL > 0 and "RANK" in os.environ:  # the ranks only, not torchrun
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_after_import(_MODULE, _stall_stores)
