@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # imported when the loop starts (they import megatron-core, v
 
     from megatron_rlvr.experience.anchors import AnchorRollout
     from megatron_rlvr.experience.collect import Experience
+    from megatron_rlvr.experience.demonstrations import Demonstrations
     from megatron_rlvr.experience.source import ExperienceSource
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.runtime.roles import Roles
@@ -79,6 +80,7 @@ class Run:
     nonfinite_in_a_row: int
     anchor: Anchor | None = None
     anchors: AnchorRollout | None = None  # ARMOR: the reference's correct samples, one per group
+    demonstrations: Demonstrations | None = None  # SFT: the prompts' reference solutions replace the samples
 
     def validate(self, step: int, timer: Timer | None = None) -> dict[str, float]:
         with timer("eval") if timer else contextlib.nullcontext():
@@ -112,6 +114,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
     from megatron_rlvr.experience.anchors import AnchorRollout, policy_rollout
     from megatron_rlvr.experience.base_evidence import pba_anchor
     from megatron_rlvr.experience.construction import prompt_stream
+    from megatron_rlvr.experience.demonstrations import Demonstrations
     from megatron_rlvr.experience.source import make_source
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.rewards import RewardPool
@@ -171,6 +174,9 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
             if cfg.algo.anchor_rollout
             else None
         )
+        demonstrations = (
+            Demonstrations(cfg, prompts.tokenizer, pool, prompts.pad_id) if cfg.algo.demonstrations else None
+        )
         anchor = (
             pba_anchor(cfg, source.engine, pool, prompts.items, out / "base_evidence.json", start_step)
             if cfg.algo.pba
@@ -190,6 +196,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
             nonfinite_in_a_row,
             anchor,
             anchors,
+            demonstrations,
         )
         history, preempted = _loop(run)
         # not after an error: a rank that raised alone must exit (engine ranks see it go and exit too), not wait here
@@ -221,6 +228,8 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
             exp, source_metrics = source.next(step)
             if run.anchors is not None:
                 exp = run.anchors.attach(step, exp)
+            if run.demonstrations is not None:
+                exp = run.demonstrations(exp)
             source_metrics |= anchor_metrics
         if run.anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
             exp.batch.kl_coef, pba_stats = run.anchor(exp.items)

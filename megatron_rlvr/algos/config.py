@@ -87,6 +87,8 @@ class AlgoConfig:
     # advantage: group (GRPO / Dr.GRPO by normalize_std), reward (A = r: REINFORCE without a baseline; with psr, NLL
     # on the rewarded samples, rejection-sampling fine-tuning), signed_reward (A = 2r - 1: +-1 for 0/1 rewards)
     advantage: Literal["group", "reward", "signed_reward"] = "group"
+    # demonstrations: every response is the prompt's reference solution (SFT's off-policy data; experience/demonstrations.py)
+    demonstrations: bool = False
 
     def __post_init__(self) -> None:
         def bad(key: str, expected: str) -> ValueError:
@@ -174,6 +176,14 @@ class AlgoConfig:
             raise bad("mixed_ratio_share", "a share in (0, 1] (a of the mixed ratio; null = the plain ratio)")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"algo.advantage: got {self.advantage!r}; allowed values: {', '.join(ADVANTAGES)}")
+        if self.demonstrations and self.advantage == "group":
+            raise bad(
+                "advantage",
+                "'reward' or 'signed_reward' under algo.demonstrations (a group of one "
+                "demonstration has group advantages 0)",
+            )
+        if self.demonstrations and self.anchor_rollout:
+            raise bad("demonstrations", "false under algo.anchor_rollout (the anchors join policy samples)")
         if self.anchor_rollout or share is not None:
             for key, off in (("kl_coef", 0), ("pba", False), ("distill", "none"), ("rollout_correction", "none")):
                 if getattr(self, key) != off:

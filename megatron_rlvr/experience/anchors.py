@@ -109,7 +109,8 @@ class AnchorRollout:
 
     def _draw(self, start: int) -> Interval:
         cfg = self.cfg
-        count = min(cfg.algo.anchor_reset_every, cfg.trainer.steps - start)
+        # the whole interval, even past trainer.steps: a resumed run with more steps finds its anchors
+        count = cfg.algo.anchor_reset_every
         position = self.loader.state_dict()
         try:
             per_step = [self.loader.next_batch() for _ in range(count)]
