@@ -18,7 +18,7 @@ def compute_advantages(rewards: Tensor, group_size: int, cfg: AlgoConfig) -> tup
     ``reward`` is ``A_i = r_i`` and ``signed_reward`` is ``A_i = 2 r_i - 1``, in every group, uniform ones included.
     Returns ``(advantages [B] float32, keep [B] bool)``: keep is False for every response of a group whose rewards
     are all equal when ``cfg.drop_uniform_groups`` (such groups carry no signal: the caller refills or drops them),
-    and True everywhere otherwise. A uniform group's advantages are exactly 0 either way.
+    and True everywhere otherwise. Under ``group`` a uniform group's advantages are exactly 0 either way.
     """
     if not isinstance(rewards, Tensor) or rewards.dim() != 1:
         raise ValueError(
