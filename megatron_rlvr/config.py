@@ -75,6 +75,15 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    def __post_init__(self) -> None:
+        algo, g = self.algo, self.rollout.group_size
+        if algo.anchor_rollout and algo.mixed_ratio_share is None:  # ARMOR's a: the on-policy share of each group
+            if g < 2:
+                raise ConfigError(
+                    f"algo.anchor_rollout: rollout.group_size={g} leaves no policy sample beside the anchor; set >= 2"
+                )
+            algo.mixed_ratio_share = (g - 1) / g
+
     def validate(self, world_size: int | None = None, dims: ModelDims | None = None) -> Config:
         """Cross-section checks against the world size and the model's shapes (``dims``), when known. The parallel
         layout's own rules are `ParallelLayout.problems` (models/layout.py), the same the actor and the builder run."""
@@ -91,6 +100,7 @@ class Config:
         a.layout().check(dims, actors, world_name=world_name)
         self._validate_experts(dims)
         self._validate_lora(dims)
+        self._validate_anchors()
         budgets = [("rollout.max_new_tokens", self.rollout.max_new_tokens, "")]
         if self.trainer.eval_every:
             budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens, " (validation: trainer.eval_every > 0)"))
@@ -186,6 +196,32 @@ class Config:
             raise ConfigError(
                 f"actor.lora.sync=adapters with rollout.max_staleness={self.rollout.max_staleness}: responses in flight "
                 "cannot change adapter between engine steps; set actor.lora.sync=merged (or rollout.max_staleness<=1)"
+            )
+
+    def _validate_anchors(self) -> None:
+        """ARMOR (docs/algorithms.md, "ARMOR"): its reference is a frozen copy that the actor resets to the policy."""
+        algo = self.algo
+        if algo.mixed_ratio_share is None and not algo.anchor_rollout:
+            return
+        if self.actor.lora is not None:
+            raise ConfigError(
+                "algo.anchor_rollout / algo.mixed_ratio_share: ARMOR needs a reference model it can reset to the "
+                "policy, and under actor.lora the reference is the base with the adapters off; drop actor.lora"
+            )
+        if algo.anchor_rollout and self.rollout.placement != "colocated":
+            raise ConfigError(
+                "algo.anchor_rollout: the anchors are drawn from the colocated engines while they hold the reference's "
+                f"weights; rollout.placement={self.rollout.placement!r} is not supported: set colocated"
+            )
+        if algo.anchor_rollout and self.actor.router_replay == "rollout":
+            raise ConfigError(
+                "algo.anchor_rollout: the anchors carry no engine routing to replay; set actor.router_replay=train "
+                "or none"
+            )
+        if algo.anchor_rollout and algo.drop_uniform_groups:
+            raise ConfigError(
+                "algo.anchor_rollout: ARMOR's prompt filter already drops groups whose policy rewards are all equal, "
+                "without refilling; set algo.drop_uniform_groups=false"
             )
 
     def actor_world(self, world_size: int | None) -> tuple[int | None, str | None]:

@@ -35,7 +35,9 @@ if TYPE_CHECKING:  # imported when the loop starts (they import megatron-core, v
     import torch
     from tqdm import tqdm
 
+    from megatron_rlvr.experience.anchors import AnchorRollout
     from megatron_rlvr.experience.collect import Experience
+    from megatron_rlvr.experience.demonstrations import Demonstrations
     from megatron_rlvr.experience.source import ExperienceSource
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.runtime.roles import Roles
@@ -77,6 +79,8 @@ class Run:
     start_step: int
     nonfinite_in_a_row: int
     anchor: Anchor | None = None
+    anchors: AnchorRollout | None = None  # ARMOR: the reference's correct samples, one per group
+    demonstrations: Demonstrations | None = None  # SFT: the prompts' reference solutions replace the samples
 
     def validate(self, step: int, timer: Timer | None = None) -> dict[str, float]:
         with timer("eval") if timer else contextlib.nullcontext():
@@ -107,8 +111,10 @@ def train(cfg: Config) -> list[dict[str, float]]:
 
 def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dict[str, float]]:
     from megatron_rlvr.actor.megatron_actor import MegatronActor
+    from megatron_rlvr.experience.anchors import AnchorRollout, policy_rollout
     from megatron_rlvr.experience.base_evidence import pba_anchor
     from megatron_rlvr.experience.construction import prompt_stream
+    from megatron_rlvr.experience.demonstrations import Demonstrations
     from megatron_rlvr.experience.source import make_source
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.rewards import RewardPool
@@ -156,8 +162,20 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
 
     with RewardPool(cfg.reward) as pool:
         # colocated: this rank's engine; separate: the engine ranks, fed with the actor's weights
+        # ARMOR: the source samples G - 1 policy responses per prompt, the anchor rollout adds the reference's one
+        source_cfg = policy_rollout(cfg) if cfg.algo.anchor_rollout else cfg
         source = make_source(
-            cfg, roles, actor, pool, prompts.loader, prompts.pad_id, start_step=start_step, pending=pending
+            source_cfg, roles, actor, pool, prompts.loader, prompts.pad_id, start_step=start_step, pending=pending
+        )
+        anchors = (
+            AnchorRollout(
+                cfg, source.engine, pool, prompts.loader, actor.reset_reference, out / "anchors", pad_id=prompts.pad_id
+            )
+            if cfg.algo.anchor_rollout
+            else None
+        )
+        demonstrations = (
+            Demonstrations(cfg, prompts.tokenizer, pool, prompts.pad_id) if cfg.algo.demonstrations else None
         )
         anchor = (
             pba_anchor(cfg, source.engine, pool, prompts.items, out / "base_evidence.json", start_step)
@@ -177,6 +195,8 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
             start_step,
             nonfinite_in_a_row,
             anchor,
+            anchors,
+            demonstrations,
         )
         history, preempted = _loop(run)
         # not after an error: a rank that raised alone must exit (engine ranks see it go and exit too), not wait here
@@ -203,7 +223,14 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
     for step in range(run.start_step, t.steps):
         timer = Timer()
         with timer("rollout+reward"):
+            # ARMOR: every anchor_reset_every steps the reference becomes the policy and draws its anchors
+            anchor_metrics = run.anchors.prepare(step) if run.anchors is not None else {}
             exp, source_metrics = source.next(step)
+            if run.anchors is not None:
+                exp = run.anchors.attach(step, exp)
+            if run.demonstrations is not None:
+                exp = run.demonstrations(exp)
+            source_metrics |= anchor_metrics
         if run.anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
             exp.batch.kl_coef, pba_stats = run.anchor(exp.items)
             source_metrics |= pba_stats

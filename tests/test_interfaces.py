@@ -60,7 +60,9 @@ def test_the_loops_run_has_no_any_field_and_its_types_resolve():
     from tqdm import tqdm
 
     from megatron_rlvr import trainer
+    from megatron_rlvr.experience.anchors import AnchorRollout
     from megatron_rlvr.experience.collect import Experience
+    from megatron_rlvr.experience.demonstrations import Demonstrations
     from megatron_rlvr.experience.source import ExperienceSource
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.runtime.roles import Roles
@@ -74,6 +76,8 @@ def test_the_loops_run_has_no_any_field_and_its_types_resolve():
         "ExperienceSource": ExperienceSource,
         "MetricLogger": MetricLogger,
         "Roles": Roles,
+        "AnchorRollout": AnchorRollout,
+        "Demonstrations": Demonstrations,
     }
     hints = get_type_hints(trainer.Run, globalns=names)
     assert hints["actor"].__name__ == "Actor" and hints["source"] is ExperienceSource

@@ -387,3 +387,42 @@ def test_failed_checkpoint_keeps_previous(workers2, tiny_model, tmp_path):
     assert (root / "latest").read_text().strip() == "step-000001"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
     assert (root / "step-000001" / "trainer_state.json").is_file()
+
+
+def _even_first_token_rewards(pool, items, completions):
+    """A scripted verifier for ARMOR: 1 when the response's first token id is even (about half the samples), so most
+    prompts find a correct anchor among 4 candidates and most groups of 3 policy samples are not uniform."""
+    import torch
+
+    rewards = [float(bool(c.token_ids) and c.token_ids[0] % 2 == 0) for group in completions for c in group]
+    return torch.tensor(rewards), {"items": len(rewards)}
+
+
+def _train_armor(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
+    """_train with _even_first_token_rewards scoring both the policy's samples and the anchors' candidates."""
+    from megatron_rlvr.experience import anchors, collect
+
+    real = collect.score, anchors.score
+    collect.score = anchors.score = _even_first_token_rewards
+    try:
+        return _train(hf_dir, out_dir, tp, pp, steps, extra)
+    finally:
+        collect.score, anchors.score = real
+
+
+_ARMOR = ["algo.loss=grpo", "algo.anchor_rollout=true", "algo.anchor_reset_every=2"]
+
+
+def test_armor_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):
+    """ARMOR: references reset at steps 0 and 2, a checkpoint at step 3 (mid-interval), and the resumed step 4 equals
+    the uninterrupted run's: the reset reference comes back from the checkpoint (kl_ref to it is compared), the
+    interval's anchors from their file."""
+    full = workers2.run(_train_armor, tiny_model, str(tmp_path / "full"), 2, 1, 4, _ARMOR, timeout_s=900)[0]
+    cut = [*_ARMOR, "checkpoint.save_every=3"]
+    workers2.run(_train_armor, tiny_model, str(tmp_path / "cut"), 2, 1, 3, cut, timeout_s=900)
+    resumed = workers2.run(_train_armor, tiny_model, str(tmp_path / "cut"), 2, 1, 4, cut, timeout_s=900)[0]
+    assert [m["step"] for m in resumed] == [4]
+    assert [m["anchor/reset"] for m in full] == [1.0, 0.0, 1.0, 0.0]
+    assert full[3]["anchor/groups_trained"] > 0 and full[3]["loss/kl_ref"] > 0  # the policy moved off the reference
+    for key in (*_COMPARED, "loss/kl_ref", "anchor/groups_trained", "anchor/found_frac", "response/tokens_trained"):
+        assert resumed[0][key] == pytest.approx(full[3][key], rel=1e-6, abs=1e-9), key

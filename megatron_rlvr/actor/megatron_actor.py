@@ -50,6 +50,7 @@ from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.algos.metrics import combine_micro_batches, finish_subset_means, summed_over_data_parallel
+from megatron_rlvr.algos.mixed_ratio import mixing
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.models.config import ModelConfig
 from megatron_rlvr.protocols.actor import WeightBucket
@@ -123,7 +124,8 @@ class MegatronActor:
         if self.lora is not None:
             self.tcfg.finalize_model_grads_func = self.lora.finalize_grads(finalize_model_grads)
         # The KL term's frozen reference: the same initial weights, never trained. Checkpoints do not hold it: a
-        # resumed run rebuilds it from the same initial weights, which is the reference it had.
+        # resumed run rebuilds it from the same initial weights, which is the reference it had. ARMOR's reference
+        # (algo.mixed_ratio_share) is reset to the policy (reset_reference), so checkpoints hold that one.
         separate = needs_reference(algo_cfg) and self.lora is None
         self.reference: list[torch.nn.Module] | None = freeze(initial()) if separate else None
         self.replay.install(chunks, self.reference)  # actor.router_replay hooks on both models' routers
@@ -189,6 +191,11 @@ class MegatronActor:
             with self.lora.base():
                 return self.passes.per_token(batch, "logp", self.model, "other", self.algo_cfg.top_n)
         return self.passes.per_token(batch, "logp", self.reference, "other", self.algo_cfg.top_n)
+
+    @property
+    def resets_reference(self) -> bool:
+        """ARMOR's reference: a frozen copy that ``reset_reference`` sets to the policy (saved in checkpoints)."""
+        return self.reference is not None and mixing(self.algo_cfg)
 
     @property
     def has_reference(self) -> bool:
@@ -358,9 +365,21 @@ class MegatronActor:
             raise RuntimeError("export_adapter: the actor has no LoRA adapter (actor.lora is null)")
         return self.lora.export_adapter(self.model_chunks, self.hf, bucket_bytes)
 
+    def reset_reference(self) -> None:
+        """ARMOR: the frozen reference takes the policy's current weights (docs/algorithms.md, "ARMOR"). Both are
+        this rank's chunks at one layout, so the copy is local: no communication."""
+        if self.reference is None or self.lora is not None:
+            raise RuntimeError(
+                "reset_reference: the actor has no resettable reference (ARMOR needs algo.mixed_ratio_share)"
+            )
+        with torch.no_grad():
+            for ref, policy in zip(self.reference, self.model_chunks):
+                ref.load_state_dict(policy.state_dict())
+
     def sharded_state_dict(self, metadata: Mapping[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
         """The chunks' and the optimizer's sharded state (one ``model`` key, or ``model{i}`` per virtual stage; under
-        LoRA the adapters alone and the base they need: actor/lora.py)."""
+        LoRA the adapters alone and the base they need: actor/lora.py); under ARMOR also the reference's chunks
+        (``reference{i}``), which a reset made differ from the initial weights."""
         chunks = self.model_chunks
         if self.lora is not None:
             state = self.lora.sharded_state()
@@ -371,6 +390,9 @@ class MegatronActor:
         if is_loading:
             prepare_for_load(self.optimizer)
         state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=dict(metadata))
+        if self.resets_reference:  # after the optimizer's request: its parameter map covers the policy alone
+            for i, chunk in enumerate(self.reference):
+                state[f"reference{i}"] = chunk.sharded_state_dict(prefix=f"reference{i}.")
         return state
 
     def load_sharded_state_dict(self, loaded: Mapping[str, Any]) -> None:
@@ -379,6 +401,9 @@ class MegatronActor:
             self.lora.load_sharded_state(loaded)
         for i, chunk in enumerate(chunks if self.lora is None else []):
             chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
+        if self.resets_reference:
+            for i, chunk in enumerate(self.reference):
+                chunk.load_state_dict(_unprefixed(loaded[f"reference{i}"], f"reference{i}."))
         with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
             self.optimizer.load_state_dict(loaded["optimizer"])
         restore_torch_adam_steps(self.optimizer)
@@ -391,5 +416,10 @@ class MegatronActor:
 
 
 def needs_reference(cfg: AlgoConfig) -> bool:
-    """Whether the loss has a KL-to-reference term: a global coefficient, or PBA's anchor on risky prompts."""
-    return cfg.kl_coef > 0 or (cfg.pba and cfg.pba_kl_coef > 0)
+    """Whether the loss reads a reference: a KL term (a global coefficient, or PBA's anchor on risky prompts), or
+    ARMOR's mixed ratio."""
+    return cfg.kl_coef > 0 or (cfg.pba and cfg.pba_kl_coef > 0) or mixing(cfg)
+
+
+def _unprefixed(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}

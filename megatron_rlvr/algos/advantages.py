@@ -1,4 +1,5 @@
-"""Group-relative advantages: GRPO (std-normalized), Dr.GRPO (mean-centred only), and uniform-group filtering."""
+"""Advantages: group-relative (GRPO std-normalized, Dr.GRPO mean-centred only) or the raw reward (the SFT-to-RL grid's
+REINFORCE without a baseline), and uniform-group filtering."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ def compute_advantages(rewards: Tensor, group_size: int, cfg: AlgoConfig) -> tup
 
     ``rewards`` is [B] with B = prompts * group_size, each prompt's group contiguous. The group std is the unbiased
     (Bessel-corrected) one, as in the GRPO reference implementations; a group of one response has std 0.
+    ``cfg.advantage`` other than ``group`` takes no group statistics (docs/algorithms.md, "The SFT-to-RL grid"):
+    ``reward`` is ``A_i = r_i`` and ``signed_reward`` is ``A_i = 2 r_i - 1``, in every group, uniform ones included.
     Returns ``(advantages [B] float32, keep [B] bool)``: keep is False for every response of a group whose rewards
     are all equal when ``cfg.drop_uniform_groups`` (such groups carry no signal: the caller refills or drops them),
-    and True everywhere otherwise. A uniform group's advantages are exactly 0 either way.
+    and True everywhere otherwise. Under ``group`` a uniform group's advantages are exactly 0 either way.
     """
     if not isinstance(rewards, Tensor) or rewards.dim() != 1:
         raise ValueError(
@@ -36,6 +39,10 @@ def compute_advantages(rewards: Tensor, group_size: int, cfg: AlgoConfig) -> tup
         std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
         centred = centred / (std + cfg.adv_eps)
     advantages = torch.where(uniform, torch.zeros_like(centred), centred)
+    if cfg.advantage == "reward":
+        advantages = groups
+    elif cfg.advantage == "signed_reward":
+        advantages = 2 * groups - 1
     if cfg.drop_uniform_groups:
         keep = ~uniform.expand_as(groups)
     else:

@@ -20,6 +20,7 @@ DISTILL_MODES: tuple[str, ...] = get_args(DistillMode)
 DistillSignal = Literal["reverse_kl_sampled", "topn_forward_kl", "both"]
 DISTILL_SIGNALS: tuple[str, ...] = get_args(DistillSignal)
 ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
+ADVANTAGES: tuple[str, ...] = ("group", "reward", "signed_reward")
 
 
 @dataclass
@@ -74,6 +75,20 @@ class AlgoConfig:
     kappa: float = 2.0  # entropy_adv cap |A| / kappa
     cov_fraction: float = 0.002  # kl_cov / clip_cov: fraction k of the tokens selected (at least one)
     lambda_pos: float = 0.1  # w_reinforce: weight of positive samples
+    # ARMOR and the SFT-to-RL grid (docs/algorithms.md, "ARMOR" and "The SFT-to-RL grid")
+    # anchor_rollout: each group is G - 1 policy samples plus one anchor, a correct sample of the reference pi_ref
+    # found among anchor_candidates pi_ref samples; pi_ref is reset to the policy every anchor_reset_every steps
+    anchor_rollout: bool = False
+    anchor_candidates: int = 4
+    anchor_reset_every: int = 160
+    # a of the mixed ratio (a pi + (1 - a) pi_ref) / (a pi_old + (1 - a) pi_ref) that replaces rho in every loss;
+    # None: the plain ratio, or under anchor_rollout the on-policy share (G - 1) / G (set by the run's Config)
+    mixed_ratio_share: float | None = None
+    # advantage: group (GRPO / Dr.GRPO by normalize_std), reward (A = r: REINFORCE without a baseline; with psr, NLL
+    # on the rewarded samples, rejection-sampling fine-tuning), signed_reward (A = 2r - 1: +-1 for 0/1 rewards)
+    advantage: Literal["group", "reward", "signed_reward"] = "group"
+    # demonstrations: every response is the prompt's reference solution (SFT's off-policy data; experience/demonstrations.py)
+    demonstrations: bool = False
 
     def __post_init__(self) -> None:
         def bad(key: str, expected: str) -> ValueError:
@@ -151,3 +166,29 @@ class AlgoConfig:
             raise bad("kappa", "> 0")
         if not 0 <= self.cov_fraction <= 1:
             raise bad("cov_fraction", "a fraction in [0, 1]")
+        # ARMOR and the SFT-to-RL grid
+        if self.anchor_candidates < 1:
+            raise bad("anchor_candidates", ">= 1 (the reference samples an anchor is chosen from)")
+        if self.anchor_reset_every < 1:
+            raise bad("anchor_reset_every", ">= 1 (steps between resets of the reference to the policy)")
+        share = self.mixed_ratio_share
+        if share is not None and not 0 < share <= 1:
+            raise bad("mixed_ratio_share", "a share in (0, 1] (a of the mixed ratio; null = the plain ratio)")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"algo.advantage: got {self.advantage!r}; allowed values: {', '.join(ADVANTAGES)}")
+        if self.demonstrations and self.advantage == "group":
+            raise bad(
+                "advantage",
+                "'reward' or 'signed_reward' under algo.demonstrations (a group of one "
+                "demonstration has group advantages 0)",
+            )
+        if self.demonstrations and self.anchor_rollout:
+            raise bad("demonstrations", "false under algo.anchor_rollout (the anchors join policy samples)")
+        if self.anchor_rollout or share is not None:
+            for key, off in (("kl_coef", 0), ("pba", False), ("distill", "none"), ("rollout_correction", "none")):
+                if getattr(self, key) != off:
+                    raise bad(
+                        key,
+                        f"{off!r} under ARMOR (algo.anchor_rollout / algo.mixed_ratio_share): its reference is reset "
+                        "to the policy, and the mixed ratio is its only use of it",
+                    )

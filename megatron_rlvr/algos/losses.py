@@ -7,8 +7,9 @@ and a loss name only chooses how its tokens are shaped (see ``_Shaping``):
 - CaSP's label-smoothed target on positive samples, and
 - extra per-token terms (kl_cov's penalty, the entropy bonus, the optional k3 KL to a reference).
 So ``grpo`` is ``casp`` with alpha = lambda_top1 = 0, by construction.
-Two options act on every loss alike: the KL coefficient may be given per sequence (PBA anchors only risky prompts'
-responses, pba.py), and the rollout correction reweights ``w``.
+Three options act on every loss alike: the KL coefficient may be given per sequence (PBA anchors only risky prompts'
+responses, pba.py), the rollout correction reweights ``w``, and ARMOR's mixed ratio (mixed_ratio.py) replaces the
+ratio and the target's log-prob by their mixtures with the reference.
 
 The returned loss's value is the clipped surrogate ``-scale * min(rho * A, clip(rho) * A)`` (plus the extra terms),
 while its gradient is exactly that of the detached-weight form: ``value.detach() + (form - form.detach())``.
@@ -53,6 +54,7 @@ from megatron_rlvr.algos.distill import (
     topn_forward_kl,
 )
 from megatron_rlvr.algos.metrics import loss_metrics
+from megatron_rlvr.algos.mixed_ratio import mixed_log_probs, mixing
 from megatron_rlvr.algos.rollout_correction import correction_weights
 from megatron_rlvr.algos.token_masks import adaptive_candidates, high_entropy_mask, top_covariance_mask
 from megatron_rlvr.algos.token_view import TokenView
@@ -245,7 +247,17 @@ def policy_loss(
         check_teacher(teacher, tuple(view.logp.shape), student_at_teacher_ids, cfg)
         if distilling and cfg.distill_signal in ("reverse_kl_sampled", "both"):
             adv = adv + cfg.distill_coef * reverse_kl_advantage(view.logp, teacher.logp, view.mask)
-    log_ratio = view.logp - view.old_logp
+    # ARMOR (mixed_ratio.py): the mixed log-probs of policy and behaviour replace logp and old_logp in the ratio and
+    # the target, so every loss's weight, clip and value read the mixed ratio; the plain pair otherwise
+    policy_logp, behaviour_logp = view.logp, view.old_logp
+    if mixing(cfg):
+        if ref_logp is None:
+            raise ValueError(
+                f"ref_logp: algo.mixed_ratio_share = {cfg.mixed_ratio_share} (ARMOR's mixed ratio) needs the "
+                "reference model's log-probs [B, T]"
+            )
+        policy_logp, behaviour_logp = mixed_log_probs(view.logp, view.old_logp, ref_logp, cfg.mixed_ratio_share)
+    log_ratio = policy_logp - behaviour_logp
     rho = torch.exp(log_ratio)
     clipped = ((adv > 0) & (rho > 1 + cfg.eps_high)) | ((adv < 0) & (rho < 1 - cfg.eps_low))
     scale = torch.ones_like(rho) if shaping.weight_scale is None else shaping.weight_scale.detach()
@@ -257,7 +269,7 @@ def policy_loss(
     zero = torch.zeros_like(rho)
     weight = torch.where(contributes & ~clipped, adv * rho * scale, zero).detach()
 
-    target = view.logp
+    target = policy_logp
     if shaping.smoothing is not None:
         s = shaping.smoothing.detach()
         if shaping.candidates is None:
@@ -267,8 +279,8 @@ def policy_loss(
             u = candidate_weights(view.topn_logp, cfg.weights, shaping.candidates)
             terms = u * view.topn_logp
             spread = torch.where(shaping.candidates, terms, torch.zeros_like(terms)).sum(dim=-1)
-        smoothed = (1 - s) * view.logp + s * spread
-        target = torch.where(s > 0, smoothed, view.logp)
+        smoothed = (1 - s) * policy_logp + s * spread
+        target = torch.where(s > 0, smoothed, policy_logp)
     pg_form = agg(-weight * target)
     with torch.no_grad():
         clipped_rho = rho.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)

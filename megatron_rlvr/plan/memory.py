@@ -9,8 +9,9 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
 - optimizer: Adam's two fp32 moments plus fp32 main params when the model params are not fp32 (megatron keeps fp32
   params themselves as the main params), sharded with the distributed optimizer: dense parameters over DP x CP,
   experts over the expert-data-parallel ranks; none of the three divides by cp;
-- the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``): a second copy of the
-  weights, no grads, no optimizer;
+- the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``, or ARMOR's
+  ``algo.mixed_ratio_share``): a second copy of the weights, no grads, no optimizer (ARMOR's anchors are sampled by
+  the rollout engine itself and its checkpoints also hold the reference: no other term);
 - LoRA (``actor.lora``, plan/lora_terms.py): the frozen base's weights, the adapters' weights, and grads and
   optimizer state of the adapters alone; the reference is free (the base with the adapters off);
 - the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
@@ -115,7 +116,13 @@ class Layout:
         micro_tokens = max(budget, seq_share) if budget else a.micro_batch_size * seq_share
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * seq_share
-        needs_reference = cfg.algo.kl_coef > 0 or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
+        # ARMOR's mixed ratio reads a reference too (reset to the policy: a copy, never LoRA's base); its anchors come
+        # from the rollout engine itself (experience/anchors.py), so they add no engine memory
+        needs_reference = (
+            cfg.algo.kl_coef > 0
+            or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
+            or cfg.algo.mixed_ratio_share is not None
+        )
         lora = a.lora
         reference = needs_reference and lora is None  # LoRA's reference is the base with the adapters off: free
         teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""

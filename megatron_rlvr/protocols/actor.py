@@ -72,3 +72,6 @@ class Actor(WeightSource, AdapterSource, TrainState, EntropyScorer, Protocol):
 
     def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
         """One optimizer step per mini-batch; the averaged loss metrics, the same on every rank."""
+
+    def reset_reference(self) -> None:
+        """ARMOR: the frozen reference takes the policy's current weights (needs algo.mixed_ratio_share)."""

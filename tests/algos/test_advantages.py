@@ -44,3 +44,15 @@ def test_bad_inputs_are_named():
         compute_advantages(torch.zeros(2, 3), 3, AlgoConfig())
     with pytest.raises(ValueError, match="rewards"):
         compute_advantages(torch.tensor([1.0, float("nan")]), 2, AlgoConfig())
+
+
+def test_raw_reward_advantages_take_no_group_statistics():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0])
+    adv, keep = compute_advantages(rewards, 4, AlgoConfig(advantage="reward"))
+    assert torch.equal(adv, rewards) and keep.all()  # an all-correct group trains too
+    signed, _ = compute_advantages(rewards, 4, AlgoConfig(advantage="signed_reward"))
+    assert torch.equal(signed, 2 * rewards - 1)
+    _, keep = compute_advantages(rewards, 2, AlgoConfig(advantage="reward", drop_uniform_groups=True))
+    assert keep.tolist() == [True, True, False, False, False, False, True, True]  # dynamic sampling still drops
+    with pytest.raises(ValueError, match=r"^algo.advantage: got 'baseline'; allowed values: group, reward"):
+        AlgoConfig(advantage="baseline")
