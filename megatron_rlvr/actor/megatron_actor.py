@@ -22,7 +22,8 @@ same chunks, loaded from the same initial weights, never trained) whose log-prob
 it nothing extra is built. With ``actor.lora`` (actor/lora.py, docs/lora.md) the base is frozen, adapters train, and
 the reference is the policy's own chunks with the adapters off: no copy is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
 With ``algo.distill`` the actor also holds a frozen teacher (actor/teacher.py), scored beside the reference; its scores
-travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms.
+travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms. Under ``algo.distill: crpo`` each mini-batch
+first runs a forward-only pass of the policy (actor/contrast.py) for CRPO's group-coupled weights, then its update.
 With ``actor.router_replay`` (MoE models, docs/routing-replay.md) every forward routes each token to the experts its
 statistics pass recorded or its engine chose (actor/router_replay.py), carried in ``SequenceBatch.routed_experts``.
 """
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.actor.chunks import build_chunks, freeze
 from megatron_rlvr.actor.config import ActorConfig
+from megatron_rlvr.actor.contrast import contrast_weights
 from megatron_rlvr.actor.gathering import across_data_parallel, from_last_stage
 from megatron_rlvr.actor.lora import LoraPolicy
 from megatron_rlvr.actor.optimizer import build_optimizer, load_schedule, prepare_for_load, restore_torch_adam_steps
@@ -236,6 +238,10 @@ class MegatronActor:
         totals: dict[str, list[float]] = {}
         for i in range(mini_batches):
             mini = batch.select(slice(i * per_mini, (i + 1) * per_mini))
+            contrast: dict[str, float] = {}
+            if self.algo_cfg.distill == "crpo" and self.algo_cfg.crpo_coef > 0:  # mini-batches hold whole groups
+                with self.replay.pass_over(mini, self.passes.plan(mini)[0], "other"):
+                    mini.crpo_weights, contrast = contrast_weights(self.passes, self.model, mini, self.algo_cfg)
             plan, micro = self.passes.plan(mini)
             scale = len(micro) * dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
             num_tokens = float(mini.response_mask.sum())
@@ -269,6 +275,7 @@ class MegatronActor:
                     kl_coef=seqs.kl_coef,
                     teacher=teacher,
                     student_at_teacher_ids=student_at,
+                    crpo_weights=seqs.crpo_weights,
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()
@@ -291,7 +298,7 @@ class MegatronActor:
                 "actor/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                 "actor/nonfinite": float(not ok),
                 "actor/lr": self.optimizer.param_groups[0]["lr"],
-            }
+            } | contrast
             if self.cfg.cp > 1:  # the share of stream tokens that CP's per-sequence padding adds (the mini-batch)
                 step_metrics["actor/cp_padding"] = self.passes.last_cp_padding
             if outputs:

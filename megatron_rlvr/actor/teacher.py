@@ -6,6 +6,10 @@
 - ``self``: the frozen initial policy (the reference's chunks when the actor has a reference, else a copy built the
   same way) reading a privileged context: ``algo.self_distill_template`` with the item's reference answer, put
   before the whole sequence (prompt + response).
+- ``crpo``: the same frozen initial policy, its privileged context being a correct response of the row's own group
+  (``CorrectResponseContext``: its token ids in the template's ``{answer}``), scored on its top-K
+  (``algo.crpo_top_k``, capped at the vocabulary); the batch's ``crpo_group`` / ``crpo_context`` say which rows
+  form a group and whether it had a correct response.
 
 ``Teacher.attach(batch, items)`` runs ONE forward-only pass of the teacher over the batch (planned, packed and
 scheduled by the actor's own `ActorPasses`) and fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and
@@ -82,6 +86,46 @@ class PrivilegedContext:
         return self._ids[item.id]
 
 
+class CorrectResponseContext:
+    """CRPO's privileged prefixes: ``template`` with a correct response of the row's group (its sampled token ids,
+    exactly) in place of ``{answer}``. Row i of a group uses the next correct response after it (cyclically) other
+    than itself, itself when it is the group's only correct one; a group without a correct response (no reward
+    ``>= correct_reward``) has no context: its rows are scored without a prefix and its CRPO term is 0."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, correct_reward: float) -> None:
+        marker = "\x00"
+        parts = template.format(answer=marker).split(marker)
+        self.parts = [list(tokenizer(part, add_special_tokens=False)["input_ids"]) for part in parts]
+        self.correct_reward = correct_reward
+
+    def prefixes(self, batch: SequenceBatch, group_size: int) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """(each row's prefix, its group index [B], whether its group has a correct response [B])."""
+        if batch.rewards is None or tuple(batch.rewards.shape) != (len(batch),):
+            raise ValueError(
+                f"batch.rewards: algo.distill=crpo needs the rewards [B] = [{len(batch)}] to choose each row's "
+                "correct response"
+            )
+        correct = (batch.rewards >= self.correct_reward).tolist()
+        group = torch.arange(len(batch)) // group_size
+        context = torch.zeros(len(batch), dtype=torch.bool)
+        prefixes: list[list[int]] = []
+        for i in range(len(batch)):
+            first = int(group[i]) * group_size
+            members = [j for j in range(first, first + group_size) if correct[j]]
+            others = [j for j in members if j != i]
+            if not members:
+                prefixes.append([])
+                continue
+            context[i] = True
+            j = next((j for j in others if j > i), others[0]) if others else i
+            response = batch.tokens[j, 1:][batch.response_mask[j].to(torch.bool)].tolist()
+            prefix = list(self.parts[0])
+            for part in self.parts[1:]:
+                prefix += response + part
+            prefixes.append(prefix)
+        return prefixes, group, context
+
+
 def privileged_batch(
     batch: SequenceBatch, prefixes: Sequence[Sequence[int]], pad_id: int = 0
 ) -> tuple[SequenceBatch, torch.Tensor]:
@@ -118,10 +162,12 @@ class Teacher:
         chunks: list[torch.nn.Module],
         local_vocab: int,
         cfg: AlgoConfig,
-        context: PrivilegedContext | None,
+        context: PrivilegedContext | CorrectResponseContext | None,
         passes: ActorPasses,
     ) -> None:
         self.chunks, self.local_vocab, self.cfg, self.context, self.passes = chunks, local_vocab, cfg, context, passes
+        # the teacher's top-N: distill_top_n, or CRPO's support (top-K; at most the vocabulary: then all of it)
+        self.top_n = min(cfg.crpo_top_k, passes.vocab_size) if cfg.distill == "crpo" else cfg.distill_top_n
 
     def attach(self, batch: SequenceBatch, items: Sequence[PromptItem]) -> None:
         """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields."""
@@ -130,7 +176,10 @@ class Teacher:
             per_item = len(batch) // max(len(items), 1)
             if per_item * len(items) != len(batch):
                 raise ValueError(f"items: {len(items)} prompts do not divide the batch's {len(batch)} sequences")
-            prefixes = [self.context.ids(item) for item in items for _ in range(per_item)]
+            if isinstance(self.context, CorrectResponseContext):
+                prefixes, batch.crpo_group, batch.crpo_context = self.context.prefixes(batch, per_item)
+            else:
+                prefixes = [self.context.ids(item) for item in items for _ in range(per_item)]
             scored, shifts = privileged_batch(batch, prefixes)
         scores = self.score(scored)
         if shifts is not None:
@@ -149,7 +198,7 @@ class Teacher:
         passes = self.passes
         for m in self.chunks:
             m.eval()
-        n = self.cfg.distill_top_n
+        n = self.top_n
         plan, micro = passes.plan(batch)
         width = batch.response_mask.shape[1]
         start = passes.vocab_start(self.local_vocab)
@@ -238,7 +287,7 @@ def build_teacher(
     initial_policy: Callable[[], list[torch.nn.Module]],
 ) -> Teacher | None:
     """The teacher of ``algo.distill`` on this rank (frozen), or None under ``none``. ``initial_policy`` gives the
-    frozen initial policy's chunks under ``self`` (the reference's when the actor has one: the same weights)."""
+    frozen initial policy's chunks under ``self`` and ``crpo`` (the reference's when the actor has one: the same weights)."""
     if cfg.distill == "none":
         return None
     context = None
@@ -249,5 +298,9 @@ def build_teacher(
         from transformers import AutoTokenizer
 
         chunks, local_vocab = initial_policy(), passes.local_vocab
-        context = PrivilegedContext(AutoTokenizer.from_pretrained(model_cfg.hf_dir), cfg.self_distill_template)
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.hf_dir)
+        if cfg.distill == "crpo":
+            context = CorrectResponseContext(tokenizer, cfg.self_distill_template, cfg.crpo_correct_reward)
+        else:
+            context = PrivilegedContext(tokenizer, cfg.self_distill_template)
     return Teacher(freeze(chunks), local_vocab, cfg, context, passes)
