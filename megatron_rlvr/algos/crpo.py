@@ -95,7 +95,7 @@ def group_weights(
     kept = len(losses)
     metrics = {
         "crpo/loss": sum(losses) / max(len(ids), 1),
-        "crpo/groups_without_context": float(len(ids) - kept),
+        "crpo/no_context_share": (len(ids) - kept) / max(len(ids), 1),
         "crpo/sim": float(torch.stack(all_sims).mean()) if kept else 0.0,
         "crpo/positive_sim": float(torch.stack(positive_sims).mean()) if kept else 0.0,
     }

@@ -155,7 +155,7 @@ def test_loss_and_gradient_against_the_dense_oracle():
         ref_loss, ref_grad = dense_total(p, _cfg())
         assert loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12), seed
         torch.testing.assert_close(grad, ref_grad, **FP64)
-        assert first["crpo/groups_without_context"] == 1.0 and first["crpo/loss"] > 0.1  # a term that matters
+        assert first["crpo/no_context_share"] == 1 / GROUPS and first["crpo/loss"] > 0.1  # a term that matters
         assert first["crpo/loss"] == pytest.approx(float(dense_crpo(p, _cfg(), p["logits"])), rel=1e-10)
 
 
