@@ -153,6 +153,7 @@ class MegatronActor:
             algo_cfg,
             use_te=use_te,
             initial_policy=lambda: self.reference if self.reference is not None else initial(),
+            fresh_policy=initial,
         )
 
     @property
@@ -294,6 +295,8 @@ class MegatronActor:
                 ok, grad_norm = False, math.nan
             if ok:
                 self.scheduler.step(increment=1)
+                if self.teacher is not None:  # CRPO's EMA teacher follows the updated policy (else nothing)
+                    self.teacher.follow(self.model_chunks)
             step_metrics = {
                 "actor/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                 "actor/nonfinite": float(not ok),
@@ -378,6 +381,8 @@ class MegatronActor:
         if is_loading:
             prepare_for_load(self.optimizer)
         state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=dict(metadata))
+        if self.teacher is not None:  # CRPO's EMA teacher is state (a frozen one is rebuilt from the initial weights)
+            state |= self.teacher.sharded_state()
         return state
 
     def load_sharded_state_dict(self, loaded: Mapping[str, Any]) -> None:
@@ -389,6 +394,8 @@ class MegatronActor:
         with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
             self.optimizer.load_state_dict(loaded["optimizer"])
         restore_torch_adam_steps(self.optimizer)
+        if self.teacher is not None:
+            self.teacher.load_state(loaded)
 
     def scheduler_state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

@@ -9,7 +9,9 @@
 - ``crpo``: the same frozen initial policy, its privileged context being a correct response of the row's own group
   (``CorrectResponseContext``: its token ids in the template's ``{answer}``), scored on its top-K
   (``algo.crpo_top_k``, capped at the vocabulary); the batch's ``crpo_group`` / ``crpo_context`` say which rows
-  form a group and whether it had a correct response.
+  form a group and whether it had a correct response. With ``algo.crpo_teacher: ema`` the teacher is a copy of
+  its own that follows the policy after every optimizer step (``Teacher.follow``), and its weights are part of the
+  actor's checkpointed state (``sharded_state`` / ``load_state``).
 
 ``Teacher.attach(batch, items)`` runs ONE forward-only pass of the teacher over the batch (planned, packed and
 scheduled by the actor's own `ActorPasses`) and fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and
@@ -24,8 +26,8 @@ its logits / temperature at the teacher's ids (ops.given_ids), in the padded vie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +47,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_rlvr.models.config import ModelConfig
+
+
+EMA_KEY = "crpo_teacher"  # the EMA teacher's checkpoint keys: crpo_teacher0, crpo_teacher1, ... (one per chunk)
 
 
 def reference_text(item: PromptItem) -> str:
@@ -169,6 +174,41 @@ class Teacher:
         # the teacher's top-N: distill_top_n, or CRPO's support (top-K; at most the vocabulary: then all of it)
         self.top_n = min(cfg.crpo_top_k, passes.vocab_size) if cfg.distill == "crpo" else cfg.distill_top_n
 
+    @property
+    def follows(self) -> bool:
+        """Whether the teacher is CRPO's EMA of the policy (state to follow and to checkpoint) rather than frozen."""
+        return self.cfg.distill == "crpo" and self.cfg.crpo_teacher == "ema"
+
+    @torch.no_grad()
+    def follow(self, policy: Sequence[torch.nn.Module]) -> None:
+        """After an optimizer step: ``teacher = decay * teacher + (1 - decay) * policy``, parameter by parameter
+        (the same chunks, built alike: names must match). Nothing unless ``follows``."""
+        if not self.follows:
+            return
+        decay = self.cfg.crpo_ema_decay
+        for mine, theirs in zip(self.chunks, policy, strict=True):
+            pairs = zip(mine.named_parameters(), theirs.named_parameters(), strict=True)
+            for (name, t), (other, p) in pairs:
+                if name != other:
+                    raise RuntimeError(
+                        f"Teacher.follow: parameter {name!r} of the teacher meets the policy's {other!r}"
+                    )
+                t.mul_(decay).add_(p.detach().to(t.dtype), alpha=1 - decay)
+
+    def sharded_state(self) -> dict[str, Any]:
+        """The EMA teacher's chunks as megatron sharded state under their own keys ({} unless ``follows``)."""
+        if not self.follows:
+            return {}
+        return {f"{EMA_KEY}{i}": c.sharded_state_dict(prefix=f"{EMA_KEY}{i}.") for i, c in enumerate(self.chunks)}
+
+    def load_state(self, loaded: Mapping[str, Any]) -> None:
+        """Restore the EMA teacher's chunks from a loaded ``sharded_state`` (nothing unless ``follows``)."""
+        if not self.follows:
+            return
+        for i, chunk in enumerate(self.chunks):
+            prefix = f"{EMA_KEY}{i}."
+            chunk.load_state_dict({k[len(prefix) :]: v for k, v in loaded[f"{EMA_KEY}{i}"].items()})
+
     def attach(self, batch: SequenceBatch, items: Sequence[PromptItem]) -> None:
         """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields."""
         scored, shifts = batch, None
@@ -285,9 +325,11 @@ def build_teacher(
     *,
     use_te: bool | None,
     initial_policy: Callable[[], list[torch.nn.Module]],
+    fresh_policy: Callable[[], list[torch.nn.Module]],
 ) -> Teacher | None:
     """The teacher of ``algo.distill`` on this rank (frozen), or None under ``none``. ``initial_policy`` gives the
-    frozen initial policy's chunks under ``self`` and ``crpo`` (the reference's when the actor has one: the same weights)."""
+    frozen initial policy's chunks under ``self`` and ``crpo`` (``fresh_policy``: a copy of its own, for CRPO's EMA
+    teacher, which moves) (the reference's when the actor has one: the same weights)."""
     if cfg.distill == "none":
         return None
     context = None
@@ -297,7 +339,8 @@ def build_teacher(
     else:
         from transformers import AutoTokenizer
 
-        chunks, local_vocab = initial_policy(), passes.local_vocab
+        ema = cfg.distill == "crpo" and cfg.crpo_teacher == "ema"
+        chunks, local_vocab = (fresh_policy() if ema else initial_policy()), passes.local_vocab
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.hf_dir)
         if cfg.distill == "crpo":
             context = CorrectResponseContext(tokenizer, cfg.self_distill_template, cfg.crpo_correct_reward)

@@ -77,6 +77,8 @@ class AlgoConfig:
     crpo_tau: float = 1.0  # temperature of the contrast's softmax over sim
     crpo_coef: float = 5.0  # lambda: loss = RL loss + crpo_coef * L_CRPO
     crpo_correct_reward: float = 1.0  # a response is correct (a privileged context) when its reward is at least this
+    crpo_teacher: Literal["frozen", "ema"] = "frozen"  # the initial policy, or an EMA of the policy (checkpointed)
+    crpo_ema_decay: float = 0.1  # ema: after every optimizer step, teacher = decay * teacher + (1 - decay) * policy
     # baselines
     beta: float = 0.01  # entropy_bonus / entropy_adv / kl_cov coefficient
     kappa: float = 2.0  # entropy_adv cap |A| / kappa
@@ -165,6 +167,10 @@ class AlgoConfig:
             raise bad("crpo_coef", "a finite number >= 0")
         if not abs(self.crpo_correct_reward) < float("inf"):
             raise bad("crpo_correct_reward", "a finite reward")
+        if self.crpo_teacher not in ("frozen", "ema"):
+            raise bad("crpo_teacher", "'frozen' or 'ema'")
+        if not 0 <= self.crpo_ema_decay <= 1:
+            raise bad("crpo_ema_decay", "a decay in [0, 1]")
         if self.distill == "crpo" and self.distill_only:
             raise bad("distill_only", "false under algo.distill=crpo (CRPO is added to the RL loss: crpo_coef)")
         if not self.kappa > 0:

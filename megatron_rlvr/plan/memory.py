@@ -16,7 +16,7 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
 - the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
   actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
   like the statistics pass); ``self`` and ``crpo`` hold a copy of the student unless the reference is that copy
-  already. Its pass runs the fused op with the teacher's top-N (``crpo``: top-K, ``algo.crpo_top_k``) and gathers its
+  already (CRPO's EMA teacher is always a copy of its own). Its pass runs the fused op with the teacher's top-N (``crpo``: top-K, ``algo.crpo_top_k``) and gathers its
   scores of the whole step, (1 + 2N) float32 values per position of the privileged sequences (under ``crpo`` up to
   two sequence lengths: the prefix is a response), to every rank (``teacher_scores``, the statistics phase);
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware;
@@ -124,11 +124,12 @@ class Layout:
         lora = a.lora
         reference = needs_reference and lora is None  # LoRA's reference is the base with the adapters off: free
         teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""
+        ema_teacher = cfg.algo.distill == "crpo" and cfg.algo.crpo_teacher == "ema"  # moves: never the reference
         if teacher:
             teacher_dims(teacher)  # a bad teacher directory fails here, naming the key
         return cls(
             teacher=teacher,
-            teacher_copy=cfg.algo.distill in ("self", "crpo") and not reference,
+            teacher_copy=cfg.algo.distill in ("self", "crpo") and (not reference or ema_teacher),
             teacher_top_n=_teacher_top_n(cfg.algo),
             teacher_seq_len=r.max_model_len * (2 if cfg.algo.distill == "crpo" else 1),
             fused_attention=gpu and cfg.model.use_transformer_engine != "off",
@@ -165,9 +166,7 @@ class Layout:
 
 
 def _teacher_top_n(algo: Any) -> int:
-    if algo.distill == "none":
-        return 0
-    return algo.crpo_top_k if algo.distill == "crpo" else algo.distill_top_n
+    return {"none": 0, "crpo": algo.crpo_top_k}.get(algo.distill, algo.distill_top_n)
 
 
 def teacher_scores_bytes(dims: ModelDims, lay: Layout) -> int:

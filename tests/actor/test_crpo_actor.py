@@ -53,3 +53,59 @@ def test_crpo_update_tp2_equals_tp1_and_zero_coefficient_is_grpo(workers2, stude
     for rank in tp1 + tp2:
         for key in ("actor/loss", "actor/grad_norm", "crpo/loss", "loss/crpo_loss", "crpo/sim", "crpo/positive_sim"):
             assert rank[0][key] == pytest.approx(crpo[key], rel=1e-6, abs=1e-6), key
+
+
+def _teacher_params(actor) -> list[torch.Tensor]:
+    return [p.detach().clone() for c in actor.teacher.chunks for p in c.parameters()]
+
+
+def ema_teacher_round_trip(hf_dir: str, ckpt_root: str, tp: int):
+    """An EMA teacher after one update (against decay * before + (1 - decay) * policy), then saved, restored into a
+    fresh actor, and both updated once more: the teachers' weights of each stage, live and restored."""
+    from megatron_rlvr import checkpoint
+    from megatron_rlvr.runtime.distributed import model_parallel
+
+    algo = {**CRPO, "crpo_teacher": "ema", "crpo_ema_decay": 0.25}
+
+    def step(actor):
+        batch = _batch(actor.vocab_size)
+        batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+        actor.teacher.attach(batch, ITEMS)
+        return actor.update(batch, mini_batches=1)
+
+    with model_parallel(tp=tp, pp=1, seed=11):
+        live = _actor(hf_dir, tp, algo)
+        before = _teacher_params(live)
+        step(live)
+        policy = [p.detach() for c in live.model_chunks for p in c.parameters()]
+        expected = [b.clone().mul_(0.25).add_(p.to(b.dtype), alpha=0.75) for b, p in zip(before, policy)]
+        followed = _teacher_params(live)
+        checkpoint.save(ckpt_root, 1, live, {"step": 1})
+        restored = _actor(hf_dir, tp, algo)
+        fresh = _teacher_params(restored)
+        checkpoint.load(checkpoint.resolve(ckpt_root, "latest"), restored)
+        loaded = _teacher_params(restored)
+        live_metrics, restored_metrics = step(live), step(restored)
+        return (
+            before,
+            expected,
+            followed,
+            fresh,
+            loaded,
+            (_teacher_params(live), live_metrics),
+            (_teacher_params(restored), restored_metrics),
+        )
+
+
+@pytest.mark.dist
+def test_ema_teacher_follows_the_policy_and_resumes_exactly(workers2, student, tmp_path):
+    for before, expected, followed, fresh, loaded, live, restored in workers2.run(
+        ema_teacher_round_trip, student, str(tmp_path / "ckpt"), 2
+    ):
+        assert any(not torch.equal(b, f) for b, f in zip(before, followed))  # it moved
+        assert all(torch.equal(e, f) for e, f in zip(expected, followed))
+        assert any(not torch.equal(f, x) for f, x in zip(fresh, followed))  # a fresh actor's is the initial one
+        assert all(torch.equal(f, x) for f, x in zip(followed, loaded))  # the checkpoint holds the EMA
+        assert all(torch.equal(a, b) for a, b in zip(live[0], restored[0]))
+        assert live[1]["actor/loss"] == restored[1]["actor/loss"]
+        assert live[1]["crpo/loss"] == restored[1]["crpo/loss"]

@@ -244,6 +244,8 @@ def test_gradient_is_a_weighted_self_distillation_reverse_kl_gradient():
         (dict(crpo_coef=-1.0), "algo.crpo_coef: expected a finite number >= 0"),
         (dict(crpo_correct_reward=float("nan")), "algo.crpo_correct_reward: expected a finite reward"),
         (dict(distill_only=True), "algo.distill_only: expected false under algo.distill=crpo"),
+        (dict(crpo_teacher="current"), "algo.crpo_teacher: expected 'frozen' or 'ema', got 'current'"),
+        (dict(crpo_ema_decay=1.5), "algo.crpo_ema_decay: expected a decay in [0, 1], got 1.5"),
         (dict(self_distill_template="no field"), "algo.self_distill_template: expected a template holding {answer}"),
     ],
 )
@@ -272,3 +274,14 @@ def _grpo_alone_with_teacher_but_no_weights(p: dict) -> None:
         teacher=teacher,
         student_at_teacher_ids=stats.topn_logp,
     )
+
+
+def test_ema_teacher_with_lora_is_one_line():
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.errors import ConfigError
+
+    crpo = ["algo.distill=crpo", "algo.crpo_teacher=ema", "actor.lora.rank=4", "actor.lora.alpha=8"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, crpo).validate()
+    assert str(e.value).startswith("algo.crpo_teacher=ema: not with actor.lora") and "\n" not in str(e.value)
+    load_config(None, [*crpo[:1], *crpo[2:]]).validate()  # the frozen teacher is fine under LoRA

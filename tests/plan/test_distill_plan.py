@@ -89,3 +89,10 @@ def test_crpo_holds_the_student_copy_and_its_top_k_scores_in_the_statistics_phas
     assert scores == pytest.approx(fewer["components"]["teacher_scores_gb"] * 201 / 21, rel=0.01)
     assert scores > 0 and alone["components"].get("teacher_scores_gb", 0.0) == 0.0
     assert plan["phases"]["statistics"] >= alone["phases"]["statistics"] + scores - 0.02
+
+
+def test_crpo_ema_teacher_is_a_copy_of_its_own_beside_the_reference(capsys):
+    _, frozen = _plan(capsys, "algo.distill=crpo", "algo.kl_coef=0.1")
+    _, ema = _plan(capsys, "algo.distill=crpo", "algo.kl_coef=0.1", "algo.crpo_teacher=ema")
+    assert frozen["components"]["teacher_gb"] == 0.0  # the frozen teacher is the reference
+    assert ema["components"]["teacher_gb"] == ema["components"]["reference_gb"] > 0
