@@ -69,9 +69,9 @@ class AlgoConfig:
     distill_top_n: int = 8  # N of the teacher's top-N in topn_forward_kl
     teacher_hf_dir: str = ""
     self_distill_template: str = "Reference answer: {answer}\n\n"
-    # CRPO (docs/distillation.md, algos/crpo.py; algo.distill=crpo): the frozen initial policy reading a correct
-    # response of the same group (in self_distill_template's {answer}) scores the responses; a group-coupled
-    # contrastive term over the teacher's top-K support replaces the distillation signals
+    # CRPO (docs/distillation.md, algos/crpo.py; algo.distill=crpo): the initial policy (frozen, or an EMA of the
+    # policy) reading a correct response of the same group (in self_distill_template's {answer}) scores the
+    # responses; a group-coupled contrastive term over the teacher's top-K support replaces the distillation signals
     crpo_top_k: int = 100  # K of the teacher's top-K support (capped at the vocabulary)
     crpo_positive_share: float = 0.3  # p: the share of a group's positions with the lowest dE that form P
     crpo_tau: float = 1.0  # temperature of the contrast's softmax over sim
