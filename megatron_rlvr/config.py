@@ -101,6 +101,8 @@ class Config:
         self._validate_experts(dims)
         self._validate_lora(dims)
         self._validate_anchors()
+        if self.algo.distill == "crpo" and self.algo.crpo_teacher == "ema" and a.lora is not None:
+            raise ConfigError("algo.crpo_teacher=ema: not with actor.lora (the EMA follows full weights); use frozen")
         budgets = [("rollout.max_new_tokens", self.rollout.max_new_tokens, "")]
         if self.trainer.eval_every:
             budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens, " (validation: trainer.eval_every > 0)"))

@@ -234,6 +234,8 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
         if run.anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
             exp.batch.kl_coef, pba_stats = run.anchor(exp.items)
             source_metrics |= pba_stats
+        # CRPO's teacher picks each row's privileged context (a correct response of its group) by the rewards
+        exp.batch.rewards = exp.rewards
         with timer("statistics"):  # behaviour log-probs, the KL reference's, the teacher's: what the loss reads
             actor.score(exp.batch, exp.items, mini_batches=t.mini_batches_per_step)
         with timer("update"):

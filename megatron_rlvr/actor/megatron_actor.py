@@ -22,7 +22,8 @@ same chunks, loaded from the same initial weights, never trained) whose log-prob
 it nothing extra is built. With ``actor.lora`` (actor/lora.py, docs/lora.md) the base is frozen, adapters train, and
 the reference is the policy's own chunks with the adapters off: no copy is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
 With ``algo.distill`` the actor also holds a frozen teacher (actor/teacher.py), scored beside the reference; its scores
-travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms.
+travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms. Under ``algo.distill: crpo`` each mini-batch
+first runs a forward-only pass of the policy (actor/contrast.py) for CRPO's group-coupled weights, then its update.
 With ``actor.router_replay`` (MoE models, docs/routing-replay.md) every forward routes each token to the experts its
 statistics pass recorded or its engine chose (actor/router_replay.py), carried in ``SequenceBatch.routed_experts``.
 """
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.actor.chunks import build_chunks, freeze
 from megatron_rlvr.actor.config import ActorConfig
+from megatron_rlvr.actor.contrast import contrast_weights
 from megatron_rlvr.actor.gathering import across_data_parallel, from_last_stage
 from megatron_rlvr.actor.lora import LoraPolicy
 from megatron_rlvr.actor.optimizer import build_optimizer, load_schedule, prepare_for_load, restore_torch_adam_steps
@@ -153,6 +155,7 @@ class MegatronActor:
             algo_cfg,
             use_te=use_te,
             initial_policy=lambda: self.reference if self.reference is not None else initial(),
+            fresh_policy=initial,
         )
 
     @property
@@ -243,6 +246,10 @@ class MegatronActor:
         totals: dict[str, list[float]] = {}
         for i in range(mini_batches):
             mini = batch.select(slice(i * per_mini, (i + 1) * per_mini))
+            contrast: dict[str, float] = {}
+            if self.algo_cfg.distill == "crpo" and self.algo_cfg.crpo_coef > 0:  # mini-batches hold whole groups
+                with self.replay.pass_over(mini, self.passes.plan(mini)[0], "other"):
+                    mini.crpo_weights, contrast = contrast_weights(self.passes, self.model, mini, self.algo_cfg)
             plan, micro = self.passes.plan(mini)
             scale = len(micro) * dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
             num_tokens = float(mini.response_mask.sum())
@@ -276,6 +283,7 @@ class MegatronActor:
                     kl_coef=seqs.kl_coef,
                     teacher=teacher,
                     student_at_teacher_ids=student_at,
+                    crpo_weights=seqs.crpo_weights,
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()
@@ -294,11 +302,13 @@ class MegatronActor:
                 ok, grad_norm = False, math.nan
             if ok:
                 self.scheduler.step(increment=1)
+                if self.teacher is not None:  # CRPO's EMA teacher follows the updated policy (else nothing)
+                    self.teacher.follow(self.model_chunks)
             step_metrics = {
                 "actor/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                 "actor/nonfinite": float(not ok),
                 "actor/lr": self.optimizer.param_groups[0]["lr"],
-            }
+            } | contrast
             if self.cfg.cp > 1:  # the share of stream tokens that CP's per-sequence padding adds (the mini-batch)
                 step_metrics["actor/cp_padding"] = self.passes.last_cp_padding
             if outputs:
@@ -393,6 +403,8 @@ class MegatronActor:
         if self.resets_reference:  # after the optimizer's request: its parameter map covers the policy alone
             for i, chunk in enumerate(self.reference):
                 state[f"reference{i}"] = chunk.sharded_state_dict(prefix=f"reference{i}.")
+        if self.teacher is not None:  # CRPO's EMA teacher is state (a frozen one is rebuilt from the initial weights)
+            state |= self.teacher.sharded_state()
         return state
 
     def load_sharded_state_dict(self, loaded: Mapping[str, Any]) -> None:
@@ -407,6 +419,8 @@ class MegatronActor:
         with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
             self.optimizer.load_state_dict(loaded["optimizer"])
         restore_torch_adam_steps(self.optimizer)
+        if self.teacher is not None:
+            self.teacher.load_state(loaded)
 
     def scheduler_state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

@@ -6,6 +6,12 @@
 - ``self``: the frozen initial policy (the reference's chunks when the actor has a reference, else a copy built the
   same way) reading a privileged context: ``algo.self_distill_template`` with the item's reference answer, put
   before the whole sequence (prompt + response).
+- ``crpo``: the same frozen initial policy, its privileged context being a correct response of the row's own group
+  (``CorrectResponseContext``: its token ids in the template's ``{answer}``), scored on its top-K
+  (``algo.crpo_top_k``, capped at the vocabulary); the batch's ``crpo_group`` / ``crpo_context`` say which rows
+  form a group and whether it had a correct response. With ``algo.crpo_teacher: ema`` the teacher is a copy of
+  its own that follows the policy after every optimizer step (``Teacher.follow``), and its weights are part of the
+  actor's checkpointed state (``sharded_state`` / ``load_state``).
 
 ``Teacher.attach(batch, items)`` runs ONE forward-only pass of the teacher over the batch (planned, packed and
 scheduled by the actor's own `ActorPasses`) and fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and
@@ -20,8 +26,8 @@ its logits / temperature at the teacher's ids (ops.given_ids), in the padded vie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +47,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_rlvr.models.config import ModelConfig
+
+
+EMA_KEY = "crpo_teacher"  # the EMA teacher's checkpoint keys: crpo_teacher0, crpo_teacher1, ... (one per chunk)
 
 
 def reference_text(item: PromptItem) -> str:
@@ -82,6 +91,46 @@ class PrivilegedContext:
         return self._ids[item.id]
 
 
+class CorrectResponseContext:
+    """CRPO's privileged prefixes: ``template`` with a correct response of the row's group (its sampled token ids,
+    exactly) in place of ``{answer}``. Row i of a group uses the next correct response after it (cyclically) other
+    than itself, itself when it is the group's only correct one; a group without a correct response (no reward
+    ``>= correct_reward``) has no context: its rows are scored without a prefix and its CRPO term is 0."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, correct_reward: float) -> None:
+        marker = "\x00"
+        parts = template.format(answer=marker).split(marker)
+        self.parts = [list(tokenizer(part, add_special_tokens=False)["input_ids"]) for part in parts]
+        self.correct_reward = correct_reward
+
+    def prefixes(self, batch: SequenceBatch, group_size: int) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """(each row's prefix, its group index [B], whether its group has a correct response [B])."""
+        if batch.rewards is None or tuple(batch.rewards.shape) != (len(batch),):
+            raise ValueError(
+                f"batch.rewards: algo.distill=crpo needs the rewards [B] = [{len(batch)}] to choose each row's "
+                "correct response"
+            )
+        correct = (batch.rewards >= self.correct_reward).tolist()
+        group = torch.arange(len(batch)) // group_size
+        context = torch.zeros(len(batch), dtype=torch.bool)
+        prefixes: list[list[int]] = []
+        for i in range(len(batch)):
+            first = int(group[i]) * group_size
+            members = [j for j in range(first, first + group_size) if correct[j]]
+            others = [j for j in members if j != i]
+            if not members:
+                prefixes.append([])
+                continue
+            context[i] = True
+            j = next((j for j in others if j > i), others[0]) if others else i
+            response = batch.tokens[j, 1:][batch.response_mask[j].to(torch.bool)].tolist()
+            prefix = list(self.parts[0])
+            for part in self.parts[1:]:
+                prefix += response + part
+            prefixes.append(prefix)
+        return prefixes, group, context
+
+
 def privileged_batch(
     batch: SequenceBatch, prefixes: Sequence[Sequence[int]], pad_id: int = 0
 ) -> tuple[SequenceBatch, torch.Tensor]:
@@ -118,10 +167,47 @@ class Teacher:
         chunks: list[torch.nn.Module],
         local_vocab: int,
         cfg: AlgoConfig,
-        context: PrivilegedContext | None,
+        context: PrivilegedContext | CorrectResponseContext | None,
         passes: ActorPasses,
     ) -> None:
         self.chunks, self.local_vocab, self.cfg, self.context, self.passes = chunks, local_vocab, cfg, context, passes
+        # the teacher's top-N: distill_top_n, or CRPO's support (top-K; at most the vocabulary: then all of it)
+        self.top_n = min(cfg.crpo_top_k, passes.vocab_size) if cfg.distill == "crpo" else cfg.distill_top_n
+
+    @property
+    def follows(self) -> bool:
+        """Whether the teacher is CRPO's EMA of the policy (state to follow and to checkpoint) rather than frozen."""
+        return self.cfg.distill == "crpo" and self.cfg.crpo_teacher == "ema"
+
+    @torch.no_grad()
+    def follow(self, policy: Sequence[torch.nn.Module]) -> None:
+        """After an optimizer step: ``teacher = decay * teacher + (1 - decay) * policy``, parameter by parameter
+        (the same chunks, built alike: names must match). Nothing unless ``follows``."""
+        if not self.follows:
+            return
+        decay = self.cfg.crpo_ema_decay
+        for mine, theirs in zip(self.chunks, policy, strict=True):
+            pairs = zip(mine.named_parameters(), theirs.named_parameters(), strict=True)
+            for (name, t), (other, p) in pairs:
+                if name != other:
+                    raise RuntimeError(
+                        f"Teacher.follow: parameter {name!r} of the teacher meets the policy's {other!r}"
+                    )
+                t.mul_(decay).add_(p.detach().to(t.dtype), alpha=1 - decay)
+
+    def sharded_state(self) -> dict[str, Any]:
+        """The EMA teacher's chunks as megatron sharded state under their own keys ({} unless ``follows``)."""
+        if not self.follows:
+            return {}
+        return {f"{EMA_KEY}{i}": c.sharded_state_dict(prefix=f"{EMA_KEY}{i}.") for i, c in enumerate(self.chunks)}
+
+    def load_state(self, loaded: Mapping[str, Any]) -> None:
+        """Restore the EMA teacher's chunks from a loaded ``sharded_state`` (nothing unless ``follows``)."""
+        if not self.follows:
+            return
+        for i, chunk in enumerate(self.chunks):
+            prefix = f"{EMA_KEY}{i}."
+            chunk.load_state_dict({k[len(prefix) :]: v for k, v in loaded[f"{EMA_KEY}{i}"].items()})
 
     def attach(self, batch: SequenceBatch, items: Sequence[PromptItem]) -> None:
         """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields."""
@@ -130,7 +216,10 @@ class Teacher:
             per_item = len(batch) // max(len(items), 1)
             if per_item * len(items) != len(batch):
                 raise ValueError(f"items: {len(items)} prompts do not divide the batch's {len(batch)} sequences")
-            prefixes = [self.context.ids(item) for item in items for _ in range(per_item)]
+            if isinstance(self.context, CorrectResponseContext):
+                prefixes, batch.crpo_group, batch.crpo_context = self.context.prefixes(batch, per_item)
+            else:
+                prefixes = [self.context.ids(item) for item in items for _ in range(per_item)]
             scored, shifts = privileged_batch(batch, prefixes)
         scores = self.score(scored)
         if shifts is not None:
@@ -149,7 +238,7 @@ class Teacher:
         passes = self.passes
         for m in self.chunks:
             m.eval()
-        n = self.cfg.distill_top_n
+        n = self.top_n
         plan, micro = passes.plan(batch)
         width = batch.response_mask.shape[1]
         start = passes.vocab_start(self.local_vocab)
@@ -236,9 +325,11 @@ def build_teacher(
     *,
     use_te: bool | None,
     initial_policy: Callable[[], list[torch.nn.Module]],
+    fresh_policy: Callable[[], list[torch.nn.Module]],
 ) -> Teacher | None:
     """The teacher of ``algo.distill`` on this rank (frozen), or None under ``none``. ``initial_policy`` gives the
-    frozen initial policy's chunks under ``self`` (the reference's when the actor has one: the same weights)."""
+    frozen initial policy's chunks under ``self`` and ``crpo`` (``fresh_policy``: a copy of its own, for CRPO's EMA
+    teacher, which moves) (the reference's when the actor has one: the same weights)."""
     if cfg.distill == "none":
         return None
     context = None
@@ -248,6 +339,11 @@ def build_teacher(
     else:
         from transformers import AutoTokenizer
 
-        chunks, local_vocab = initial_policy(), passes.local_vocab
-        context = PrivilegedContext(AutoTokenizer.from_pretrained(model_cfg.hf_dir), cfg.self_distill_template)
+        ema = cfg.distill == "crpo" and cfg.crpo_teacher == "ema"
+        chunks, local_vocab = (fresh_policy() if ema else initial_policy()), passes.local_vocab
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.hf_dir)
+        if cfg.distill == "crpo":
+            context = CorrectResponseContext(tokenizer, cfg.self_distill_template, cfg.crpo_correct_reward)
+        else:
+            context = PrivilegedContext(tokenizer, cfg.self_distill_template)
     return Teacher(freeze(chunks), local_vocab, cfg, context, passes)

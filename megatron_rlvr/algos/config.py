@@ -15,7 +15,7 @@ LOSS_NAMES: tuple[str, ...] = get_args(LossName)
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 RolloutCorrection = Literal["none", "tis", "mis", "icepop"]
-DistillMode = Literal["none", "teacher", "self"]
+DistillMode = Literal["none", "teacher", "self", "crpo"]
 DISTILL_MODES: tuple[str, ...] = get_args(DistillMode)
 DistillSignal = Literal["reverse_kl_sampled", "topn_forward_kl", "both"]
 DISTILL_SIGNALS: tuple[str, ...] = get_args(DistillSignal)
@@ -70,6 +70,16 @@ class AlgoConfig:
     distill_top_n: int = 8  # N of the teacher's top-N in topn_forward_kl
     teacher_hf_dir: str = ""
     self_distill_template: str = "Reference answer: {answer}\n\n"
+    # CRPO (docs/distillation.md, algos/crpo.py; algo.distill=crpo): the initial policy (frozen, or an EMA of the
+    # policy) reading a correct response of the same group (in self_distill_template's {answer}) scores the
+    # responses; a group-coupled contrastive term over the teacher's top-K support replaces the distillation signals
+    crpo_top_k: int = 100  # K of the teacher's top-K support (capped at the vocabulary)
+    crpo_positive_share: float = 0.3  # p: the share of a group's positions with the lowest dE that form P
+    crpo_tau: float = 1.0  # temperature of the contrast's softmax over sim
+    crpo_coef: float = 5.0  # lambda: loss = RL loss + crpo_coef * L_CRPO
+    crpo_correct_reward: float = 1.0  # a response is correct (a privileged context) when its reward is at least this
+    crpo_teacher: Literal["frozen", "ema"] = "frozen"  # the initial policy, or an EMA of the policy (checkpointed)
+    crpo_ema_decay: float = 0.1  # ema: after every optimizer step, teacher = decay * teacher + (1 - decay) * policy
     # baselines
     beta: float = 0.01  # entropy_bonus / entropy_adv / kl_cov coefficient
     kappa: float = 2.0  # entropy_adv cap |A| / kappa
@@ -155,13 +165,29 @@ class AlgoConfig:
             raise bad("distill_only", "false under algo.distill=none (there is no teacher to distill from)")
         if self.distill == "teacher" and not self.teacher_hf_dir:
             raise bad("teacher_hf_dir", "the teacher's HF model directory under algo.distill=teacher")
-        if self.distill == "self":
+        if self.distill in ("self", "crpo"):
             try:
                 self.self_distill_template.format(answer="")
             except (KeyError, IndexError, ValueError) as e:
                 raise bad("self_distill_template", f"a template whose only field is {{answer}} ({e!r})") from None
             if "{answer}" not in self.self_distill_template:
                 raise bad("self_distill_template", "a template holding {answer} (the privileged context)")
+        if self.crpo_top_k < 1:
+            raise bad("crpo_top_k", ">= 1")
+        if not 0 < self.crpo_positive_share <= 1:
+            raise bad("crpo_positive_share", "a share in (0, 1] (the positive set must hold at least one position)")
+        if not (self.crpo_tau > 0 and self.crpo_tau < float("inf")):
+            raise bad("crpo_tau", "a finite temperature > 0")
+        if not (self.crpo_coef >= 0 and self.crpo_coef < float("inf")):
+            raise bad("crpo_coef", "a finite number >= 0")
+        if not abs(self.crpo_correct_reward) < float("inf"):
+            raise bad("crpo_correct_reward", "a finite reward")
+        if self.crpo_teacher not in ("frozen", "ema"):
+            raise bad("crpo_teacher", "'frozen' or 'ema'")
+        if not 0 <= self.crpo_ema_decay <= 1:
+            raise bad("crpo_ema_decay", "a decay in [0, 1]")
+        if self.distill == "crpo" and self.distill_only:
+            raise bad("distill_only", "false under algo.distill=crpo (CRPO is added to the RL loss: crpo_coef)")
         if not self.kappa > 0:
             raise bad("kappa", "> 0")
         if not 0 <= self.cov_fraction <= 1:

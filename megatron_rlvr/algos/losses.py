@@ -46,6 +46,7 @@ from torch import Tensor
 
 from megatron_rlvr.algos.aggregate import aggregate, response_counts
 from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.algos.crpo import crpo_loss
 from megatron_rlvr.algos.distill import (
     TeacherScores,
     check_teacher,
@@ -188,6 +189,7 @@ def policy_loss(
     kl_coef: Tensor | None = None,
     teacher: TeacherScores | None = None,
     student_at_teacher_ids: Tensor | None = None,
+    crpo_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss ``cfg.loss`` of one (micro-)batch and its metrics (plain floats over this batch's response tokens).
 
@@ -206,6 +208,9 @@ def policy_loss(
     ``teacher`` (distill.TeacherScores, required when cfg.distill is not "none") and ``student_at_teacher_ids``
     [B, T, N] (the student's logits / temperature at the teacher's top-N ids, ops.given_ids; required by the
     topn_forward_kl signal) add the distillation terms of distill.py; metrics ``distill/*`` and ``distill_loss``.
+    Under ``algo.distill: crpo`` those terms are off and ``crpo_weights`` [B, T, 2] (crpo.group_weights over the
+    whole mini-batch) with ``student_at_teacher_ids`` add ``crpo_coef * L_CRPO``'s share (crpo.py); metric
+    ``crpo_loss``.
     """
     if cfg.loss not in LOSSES:
         raise ValueError(f"algo.loss: got {cfg.loss!r}; allowed values: {', '.join(LOSSES)}")
@@ -242,7 +247,8 @@ def policy_loss(
 
     shaping = LOSSES[cfg.loss](view)
     adv = shaping.advantages.detach()
-    distilling = teacher is not None and cfg.distill_coef > 0  # coefficient 0: the RL loss bit for bit
+    # coefficient 0: the RL loss bit for bit; CRPO's teacher feeds its own term below, not these signals
+    distilling = teacher is not None and cfg.distill_coef > 0 and cfg.distill != "crpo"
     if teacher is not None:
         check_teacher(teacher, tuple(view.logp.shape), student_at_teacher_ids, cfg)
         if distilling and cfg.distill_signal in ("reverse_kl_sampled", "both"):
@@ -315,6 +321,12 @@ def policy_loss(
                 extras["distill_loss"] = cfg.distill_coef * agg(forward_kl)
                 loss = loss + extras["distill_loss"] + (term - term.detach())
         distilled = distill_metrics(view.logp, stats.topn_ids[..., 0], teacher, forward_kl, view.mask)
+    if teacher is not None and cfg.distill == "crpo" and cfg.crpo_coef > 0:  # 0: the RL loss bit for bit
+        if crpo_weights is None or student_at_teacher_ids is None:
+            raise ValueError("crpo_weights: algo.distill=crpo needs crpo.group_weights of the mini-batch [B, T, 2]")
+        term, value = crpo_loss(student_at_teacher_ids, teacher.topn_logits, crpo_weights, view.mask)
+        extras["crpo_loss"] = cfg.crpo_coef * value
+        loss = loss + cfg.crpo_coef * term
 
     metrics = loss_metrics(
         view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp, candidates=shaping.candidates

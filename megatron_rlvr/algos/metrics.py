@@ -56,7 +56,15 @@ def loss_metrics(
     return dict(zip(values, torch.stack(list(values.values())).tolist()))
 
 
-LOSS_TERMS: tuple[str, ...] = ("pg_loss", "kl_ref", "kl_loss", "entropy_bonus", "cov_penalty", "distill_loss")
+LOSS_TERMS: tuple[str, ...] = (
+    "pg_loss",
+    "kl_ref",
+    "kl_loss",
+    "entropy_bonus",
+    "cov_penalty",
+    "distill_loss",
+    "crpo_loss",
+)
 # Metrics that average over a subset of the tokens, with the metric holding that subset's count: combined over
 # micro-batches and ranks by that count (a token-weighted mean would count batches without such tokens as 0).
 SUBSET_MEANS: dict[str, str] = {"casp_candidates": "casp_smoothed_tokens"}

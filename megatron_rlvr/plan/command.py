@@ -35,6 +35,7 @@ LABELS = {
     "forward_working": "no-grad pass working set",
     "logits": "logits shard (fused op)",
     "op_scratch": "fused op records",
+    "teacher_scores": "teacher's gathered scores",
     "dispatcher": "MoE dispatcher buffers",
     "cp_kv": "CP-gathered K/V (1 layer)",
     "engine_weights": "engine weights",

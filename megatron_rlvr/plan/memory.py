@@ -16,7 +16,10 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
   optimizer state of the adapters alone; the reference is free (the base with the adapters off);
 - the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
   actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
-  like the statistics pass); ``self`` holds a copy of the student unless the reference is that copy already;
+  like the statistics pass); ``self`` and ``crpo`` hold a copy of the student unless the reference is that copy
+  already (CRPO's EMA teacher is always a copy of its own). Its pass runs the fused op with the teacher's top-N (``crpo``: top-K, ``algo.crpo_top_k``) and gathers its
+  scores of the whole step, (1 + 2N) float32 values per position of the privileged sequences (under ``crpo`` up to
+  two sequence lengths: the prefix is a response), to every rank (``teacher_scores``, the statistics phase);
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware;
   an MoE layer's router and experts, plan/parallel_terms.py), times the micro-batches the 1F1B schedule keeps in
   flight on a pipeline stage; the fused op's logits shard (kept for its in-place backward) and its per-token
@@ -81,7 +84,9 @@ class Layout:
     param_bytes: int = 2
     reference: bool = False
     teacher: str = ""  # algo.distill=teacher: algo.teacher_hf_dir, whose config.json gives the teacher's shapes
-    teacher_copy: bool = False  # algo.distill=self without a reference: one more copy of the student
+    teacher_copy: bool = False  # algo.distill=self / crpo without a reference: one more copy of the student
+    teacher_top_n: int = 0  # the teacher pass's top-N (algo.distill_top_n, or crpo_top_k); 0: no teacher
+    teacher_seq_len: int = 0  # the longest privileged sequence the teacher scores
     top_n: int = 3
     divisible_by: int = 128
     engine_tp: int = 1
@@ -126,11 +131,14 @@ class Layout:
         lora = a.lora
         reference = needs_reference and lora is None  # LoRA's reference is the base with the adapters off: free
         teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""
+        ema_teacher = cfg.algo.distill == "crpo" and cfg.algo.crpo_teacher == "ema"  # moves: never the reference
         if teacher:
             teacher_dims(teacher)  # a bad teacher directory fails here, naming the key
         return cls(
             teacher=teacher,
-            teacher_copy=cfg.algo.distill == "self" and not reference,
+            teacher_copy=cfg.algo.distill in ("self", "crpo") and (not reference or ema_teacher),
+            teacher_top_n=_teacher_top_n(cfg.algo),
+            teacher_seq_len=r.max_model_len * (2 if cfg.algo.distill == "crpo" else 1),
             fused_attention=gpu and cfg.model.use_transformer_engine != "off",
             lora_rank=lora.rank if lora is not None else 0,
             lora_targets=tuple(lora.targets) if lora is not None else (),
@@ -162,6 +170,19 @@ class Layout:
             max_staleness=r.max_staleness,
             step_sequences=cfg.trainer.prompts_per_step * r.group_size,
         )
+
+
+def _teacher_top_n(algo: Any) -> int:
+    return {"none": 0, "crpo": algo.crpo_top_k}.get(algo.distill, algo.distill_top_n)
+
+
+def teacher_scores_bytes(dims: ModelDims, lay: Layout) -> int:
+    """The teacher's gathered scores of the whole step on every rank (teacher.py): its log-prob, top-N ids and
+    logits, (1 + 2N) float32 values per position, this rank's rows and the all-gathered batch (a bound: 2 copies)."""
+    if not lay.teacher_top_n:
+        return 0
+    n = min(lay.teacher_top_n, dims.vocab)
+    return 2 * lay.step_sequences * lay.teacher_seq_len * (1 + 2 * n) * 4
 
 
 def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
@@ -253,7 +274,8 @@ def logits_bytes(dims: ModelDims, lay: Layout) -> int:
 
 def op_scratch_bytes(lay: Layout) -> int:
     """The fused op's per-token fp64 records (4 + 2N values): this rank's and the TP all-gather of everyone's."""
-    return (lay.micro_tokens + 1) * (4 + 2 * lay.top_n) * 8 * (1 + lay.tp)
+    top_n = max(lay.top_n, lay.teacher_top_n)  # the teacher's pass runs the op with its own top-N
+    return (lay.micro_tokens + 1) * (4 + 2 * top_n) * 8 * (1 + lay.tp)
 
 
 def activations(dims: ModelDims, lay: Layout, stage: int) -> int:
@@ -362,7 +384,7 @@ _HELD = ("actor_weights", "adapters", "actor_grads", "optimizer", "reference", "
 _PASS = ("dispatcher", "cp_kv", "logits", "op_scratch", "runtime")
 PHASE_PARTS: dict[str, tuple[str, ...]] = {
     "rollout": (*_HELD, "engine_weights", "kv_cache", "engine_workspace", "runtime"),
-    "statistics": (*_HELD, "engine_workspace", "forward_working", *_PASS),
+    "statistics": (*_HELD, "engine_workspace", "forward_working", "teacher_scores", *_PASS),
     "update": (*_HELD, "engine_workspace", "activations", "backward_working", *_PASS),
     "sync": (*_HELD, "engine_workspace", "engine_weights", "sync_buckets", "runtime"),
 }
@@ -394,6 +416,7 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
         c["forward_working"] = max(c["forward_working"], teacher_layer)
     c["logits"] = logits_bytes(dims, lay) if last else 0
     c["op_scratch"] = op_scratch_bytes(lay) if last else 0
+    c["teacher_scores"] = teacher_scores_bytes(dims, lay)
     c["runtime"] = RUNTIME_BYTES if lay.gpu else 0
     colocated = lay.placement != "separate" and lay.gpu
     engine = engine_components(dims, lay, gpu_memory) if colocated else {}

@@ -68,7 +68,8 @@ class Actor(WeightSource, AdapterSource, TrainState, EntropyScorer, Protocol):
     def score(self, batch: SequenceBatch, items: Sequence[PromptItem], *, mini_batches: int) -> None:
         """Fill every per-token field of ``batch`` the update will read: ``old_logp`` (unless an update of
         ``mini_batches`` mini-batches is exactly on-policy and takes its own), ``ref_logp`` (a KL reference),
-        ``teacher_*`` (distillation; ``items`` are the batch's prompts, ``len(batch) / len(items)`` rows each)."""
+        ``teacher_*`` (distillation; ``items`` are the batch's prompts, ``len(batch) / len(items)`` rows each; CRPO
+        also reads ``batch.rewards`` and fills ``crpo_group`` / ``crpo_context``)."""
 
     def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
         """One optimizer step per mini-batch; the averaged loss metrics, the same on every rank."""

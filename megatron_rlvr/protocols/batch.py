@@ -27,6 +27,13 @@ class SequenceBatch:
     teacher_logp: torch.Tensor | None = None  # [B, S - 1]
     teacher_ids: torch.Tensor | None = None  # [B, S - 1, N]
     teacher_logits: torch.Tensor | None = None  # [B, S - 1, N]
+    # CRPO (algo.distill: crpo, algos/crpo.py): the rewards choose each row's privileged context (a correct response
+    # of its group); the teacher's attach gives each row its group and whether the group has a correct response, and
+    # the update's first pass the per-position (coefficient, value share) of the contrastive term
+    rewards: torch.Tensor | None = None  # [B]
+    crpo_group: torch.Tensor | None = None  # [B] int64
+    crpo_context: torch.Tensor | None = None  # [B] bool
+    crpo_weights: torch.Tensor | None = None  # [B, S - 1, 2]
     # MoE routing replay (actor.router_replay): the top-k experts of every token at every MoE layer
     routed_experts: torch.Tensor | None = None  # [B, S, MoE layers, top_k] integer expert ids
 
@@ -48,6 +55,10 @@ class SequenceBatch:
                     self.teacher_logp,
                     self.teacher_ids,
                     self.teacher_logits,
+                    self.rewards,
+                    self.crpo_group,
+                    self.crpo_context,
+                    self.crpo_weights,
                     self.routed_experts,
                 )
             )

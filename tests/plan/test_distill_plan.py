@@ -77,3 +77,22 @@ def test_a_teacher_directory_without_config_is_one_line_and_exit_2(capsys, tmp_p
     assert command.main([RECIPE, "algo.distill=teacher", f"algo.teacher_hf_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "algo.teacher_hf_dir=" in err and "no config.json" in err and err.count("\n") == 1
+
+
+def test_crpo_holds_the_student_copy_and_its_top_k_scores_in_the_statistics_phase(capsys):
+    _, alone = _plan(capsys)
+    _, plan = _plan(capsys, "algo.distill=crpo", "algo.crpo_top_k=100")
+    assert plan["components"]["teacher_gb"] == plan["components"]["actor_weights_gb"]
+    scores = plan["components"]["teacher_scores_gb"]
+    _, fewer = _plan(capsys, "algo.distill=crpo", "algo.crpo_top_k=10")
+    # (1 + 2K) float32 values per position: K = 100 is 201 / 21 of K = 10's
+    assert scores == pytest.approx(fewer["components"]["teacher_scores_gb"] * 201 / 21, rel=0.01)
+    assert scores > 0 and alone["components"].get("teacher_scores_gb", 0.0) == 0.0
+    assert plan["phases"]["statistics"] >= alone["phases"]["statistics"] + scores - 0.02
+
+
+def test_crpo_ema_teacher_is_a_copy_of_its_own_beside_the_reference(capsys):
+    _, frozen = _plan(capsys, "algo.distill=crpo", "algo.kl_coef=0.1")
+    _, ema = _plan(capsys, "algo.distill=crpo", "algo.kl_coef=0.1", "algo.crpo_teacher=ema")
+    assert frozen["components"]["teacher_gb"] == 0.0  # the frozen teacher is the reference
+    assert ema["components"]["teacher_gb"] == ema["components"]["reference_gb"] > 0
