@@ -18,6 +18,7 @@ class EnvironmentConfig:
     # `Environment` (one per trajectory), imported in the environment's worker processes
     name: str = ""
     max_turns: int = 4  # the policy's turns per trajectory; a trajectory not done after the last one is cut there
+    turn_max_tokens: int = 0  # sampled tokens per turn at most (0: what is left of the trajectory's budget)
     observation_tokens: int = 64  # an observation is cut to this many tokens (before the template's glue)
     observation_role: str = "tool"  # the chat-template role of observations (templates without it: "user")
     workers: int = 2  # processes hosting the environments; a hung or crashed one is killed and replaced
@@ -46,6 +47,8 @@ class EnvironmentConfig:
         for key, value in positive.items():
             if value <= 0:
                 raise ValueError(f"environment.{key}: expected a positive number, got {value}")
+        if self.turn_max_tokens < 0:
+            raise ValueError(f"environment.turn_max_tokens: expected >= 0 (0: no cap), got {self.turn_max_tokens}")
         if not self.observation_role:
             raise ValueError("environment.observation_role: expected a chat role such as 'tool' or 'user'")
 

@@ -8,7 +8,7 @@ its prefix cache and the actor later trains on exactly the ids the engine saw; t
 never encoded back.
 
 Budget: every id after the prompt counts against ``sampling.max_tokens`` (``rollout.max_new_tokens``); a turn may
-sample what is left, and an observation that would leave no room for another sampled token ends the trajectory
+sample what is left (at most ``environment.turn_max_tokens`` when set), and an observation that would leave no room for another sampled token ends the trajectory
 ("length"). A turn's requests are grouped by what is left, one engine call per distinct budget (the engine seeds
 each request of a call by its place in it, `rollout.prompt_seed`); turn k's call for budget b has the seed
 ``seed + k * _TURN_STRIDE + b * _BUDGET_STRIDE``, so the same run samples the same trajectories.
@@ -46,6 +46,7 @@ class _Trajectory:
     failure: str = ""
     replaced_prompt: bool = False
     done: bool = False
+    env_alive: bool = False  # its environment holds state in a worker (released by a "drop" when the runner ends it)
 
 
 class EpisodeRunner:
@@ -86,7 +87,9 @@ class EpisodeRunner:
         for traj, outcome in zip(trajs, resets):
             if outcome.failure:
                 traj.failure, traj.done = outcome.failure, True
-            elif outcome.value:
+                continue
+            traj.env_alive = True
+            if outcome.value:
                 traj.prompt, traj.replaced_prompt = self.glue.prompt(outcome.value), True
         for turn in range(self.cfg.max_turns):
             live = [t for t, traj in enumerate(trajs) if not traj.done]
@@ -96,7 +99,7 @@ class EpisodeRunner:
             steps = self.host.call([("step", t, trajs[t].texts[-1]) for t in live])
             for t, outcome in zip(live, steps):
                 self._take_step(trajs[t], outcome, sampling.max_tokens, last_turn=turn + 1 == self.cfg.max_turns)
-        ends = [t for t, traj in enumerate(trajs) if not traj.done or traj.finish == "length"]
+        ends = [t for t, traj in enumerate(trajs) if traj.env_alive]
         if ends:  # trajectories cut by the runner: their environments are released
             self.host.call([("drop", t, None) for t in ends])
         completions = [self._completion(traj) for traj in trajs]
@@ -105,7 +108,8 @@ class EpisodeRunner:
     def _sample_turn(self, trajs: list[_Trajectory], live: list[int], turn: int, sampling: Sampling) -> None:
         by_budget: dict[int, list[int]] = {}
         for t in live:
-            by_budget.setdefault(sampling.max_tokens - len(trajs[t].ids), []).append(t)
+            left = sampling.max_tokens - len(trajs[t].ids)
+            by_budget.setdefault(min(left, self.cfg.turn_max_tokens or left), []).append(t)
         base = None if sampling.seed is None else sampling.seed + turn * _TURN_STRIDE
         for budget, members in sorted(by_budget.items()):
             seed = None if base is None else (base + budget * _BUDGET_STRIDE) % 2**31
@@ -122,14 +126,15 @@ class EpisodeRunner:
 
     def _take_step(self, traj: _Trajectory, outcome, budget: int, last_turn: bool) -> None:
         if outcome.failure:
-            traj.failure, traj.done = outcome.failure, True
+            traj.failure, traj.done, traj.env_alive = outcome.failure, True, False
             return
         step = outcome.value
         traj.env_return += step.reward
-        if step.done:
-            traj.done = True
+        if step.done:  # the environment ended it: cut only if the budget cut its last turn
+            traj.done, traj.env_alive = True, False
+            traj.finish = "length" if len(traj.ids) >= budget else "stop"
             return
-        if last_turn or traj.finish == "length":
+        if last_turn or len(traj.ids) >= budget:
             traj.done, traj.finish = True, "length"
             return
         glue = self.glue.observation(step.observation, traj.ids)
