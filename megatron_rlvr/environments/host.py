@@ -170,17 +170,14 @@ class EnvironmentHost:
             self._lost |= hosted - {calls[i][1]}
 
         for w in range(len(self._workers)):
+            if queues[w]:
+                self._worker(w)  # every worker started before any clock does
+        for w in range(len(self._workers)):
             hand_over(w)
         while busy:
-            now = time.monotonic()
-            for w in [w for w, _ in busy.items() if self._workers[w].deadline <= now]:
-                fail(w, "timeout", f"no answer within environment.call_timeout_s={self.cfg.call_timeout_s}")
-                hand_over(w)
-            if not busy:
-                break
             by_conn = {self._workers[w].conn: w for w in busy}
             timeout = max(0.0, min(self._workers[w].deadline for w in busy) - time.monotonic())
-            for conn in wait(list(by_conn), timeout=timeout):
+            for conn in wait(list(by_conn), timeout=timeout):  # answers first, then the deadlines
                 w = by_conn[conn]
                 try:
                     tid, value, error = conn.recv()
@@ -200,6 +197,11 @@ class EnvironmentHost:
                         worker.hosted.add(tid)
                     elif op == "drop" or value.done:
                         worker.hosted.discard(tid)
+                hand_over(w)
+            now = time.monotonic()
+            for w in [w for w in busy if self._workers[w].deadline <= now]:
+                fail(w, "timeout", f"no answer within environment.call_timeout_s={self.cfg.call_timeout_s}")
+                self._worker(w)
                 hand_over(w)
         return outcomes  # type: ignore[return-value]
 
