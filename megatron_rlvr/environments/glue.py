@@ -41,7 +41,7 @@ class TurnGlue:
         """The first turn's prompt when an environment's reset gives messages."""
         if not self.templated:
             return self._ids("\n".join(m["content"] for m in messages))
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return self._ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
     def observation(self, observation: str, sampled: list[int]) -> list[int]:
         """The ids after the sampled turn ``sampled`` that show ``observation`` and open the policy's next turn."""

@@ -34,6 +34,17 @@ class Echo:
         return Step("", 1.0, True)
 
 
+class ThreeTurns:  # any turn gets an observation and 0.25 until the third, which ends with 1.0
+
+    def reset(self, problem):
+        self.turn = 0
+        return []
+
+    def step(self, response):
+        self.turn += 1
+        return Step(f"obs{self.turn}", 1.0 if self.turn == 3 else 0.25, self.turn == 3)
+
+
 NOT_CALLABLE = 3
 """
 
