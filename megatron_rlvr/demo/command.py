@@ -77,8 +77,10 @@ def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
     write_rows(countdown_rows("eval", count, seed), data_dir / "countdown.jsonl")
 
 
-def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[str, list[dict]]:
-    """Sample ``n`` answers per eval prompt from each model (resumable) and return label -> per-sample results."""
+def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int, overrides: list[str]) -> dict[str, list[dict]]:
+    """Sample ``n`` answers per eval prompt from each model (resumable) and return label -> per-sample results. The
+    sampling is the recipe's whatever the overrides; an ``environment.*`` override makes every sample a multi-turn
+    trajectory against that environment (docs/multi-turn.md), for base and trained model alike."""
     from megatron_rlvr.config import load_config
     from megatron_rlvr.eval.api import evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
@@ -99,9 +101,12 @@ def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[s
         output_dir=str(out / "eval"),
         seed=EVAL_SEED,
     )
-    factory = vllm_engine_factory(recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes)
+    environment = load_config(RECIPE, [o for o in overrides if o.strip().startswith("environment.")]).environment
+    factory = vllm_engine_factory(
+        recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes, environment=environment
+    )
     paths = list(models.values())
-    evaluate(paths, cfg, RewardConfig(workers=1), factory, hf_encoder_factory)
+    evaluate(paths, cfg, RewardConfig(workers=1), factory, hf_encoder_factory, environment=environment.name)
     results = {}
     for label, tag in zip(models, model_tags(paths)):
         records = load_records(out / "eval" / tag).values()
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"megatron-rlvr demo: training finished without writing {trained}")
     train_s = time.perf_counter() - start
     models = {"base": str(base_model), f"trained ({args.algo})": str(trained)}
-    samples = _evaluate(out, models, args.eval_n, args.eval_prompts)
+    samples = _evaluate(out, models, args.eval_n, args.eval_prompts, overrides)
     from megatron_rlvr.demo.report import write_report
 
     figure = _candidate_figure(out, samples, models, out / "report")
