@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from megatron_rlvr.actor.packing import sequence_lengths
-from megatron_rlvr.config import load_config
+from megatron_rlvr.config import Config, load_config
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.environments import EnvironmentConfig, Problem
 from megatron_rlvr.environments.episodes import EpisodeRunner
 from megatron_rlvr.environments.glue import TurnGlue
 from megatron_rlvr.errors import ConfigError
-from megatron_rlvr.experience.collect import score, to_batch
-from megatron_rlvr.rollout import Completion, Sampling
+from megatron_rlvr.experience.collect import assemble, generate, group_of, score, to_batch
+from megatron_rlvr.rollout import Completion, RolloutConfig, Sampling
 from megatron_rlvr.testing.engines import ScriptedEngineBase
 from tests.environments.env_helpers import chat_tokenizer, write_user_environment
 
@@ -92,6 +92,19 @@ def test_a_three_turn_trajectory_trains_its_sampled_tokens_on_the_ids_the_engine
     assert torch.equal(engine_logp[0, p - 1 : p - 1 + len(mask)], torch.tensor(c.logprobs))
     # packing plans trajectories by their last trained token: the whole trajectory, environment tokens inside it
     assert sequence_lengths(batch.response_mask)[0] == p + len(c.token_ids)
+
+
+def test_collection_plays_episodes_and_logs_the_tool_call_rate(echo):
+    runner, tok = echo
+    item, cfg = _item(tok), Config()
+    cfg.rollout = RolloutConfig(group_size=2, max_new_tokens=200)
+    (group,) = generate(runner, [item], cfg.rollout, run_seed=0, step=0)  # an EpisodeEngine: play, not generate
+    assert [c.episode.turns for c in group] == [3, 3]
+    rewards, _ = score(None, [item], [group])
+    groups = [group_of(0, 0, item, group, rewards, cfg)]
+    exp = assemble(groups, groups, cfg, pad_id=0, counters={}, rounds=0, refill=False)
+    assert exp.metrics["rollout/tool_call_rate"] == 1.0 and exp.metrics["rollout/turns"] == 3.0
+    assert exp.batch.response_mask.sum().item() == 2 * sum(group[0].episode.loss_mask)
 
 
 def test_the_budget_counts_environment_tokens_and_cuts_the_trajectory(echo):
