@@ -9,7 +9,9 @@ never encoded back.
 
 Budget: every id after the prompt counts against ``sampling.max_tokens`` (``rollout.max_new_tokens``); a turn may
 sample what is left (at most ``environment.turn_max_tokens`` when set), and an observation that would leave no room for another sampled token ends the trajectory
-("length"). A turn's requests are grouped by what is left, one engine call per distinct budget (the engine seeds
+("length"). The first turn is drawn exactly as single-turn generation draws it (one request per problem with ``n``
+responses, ``sampling.seed``), unless an environment's reset replaced a prompt. Later turns' requests are grouped by
+what is left, one engine call per distinct budget (the engine seeds
 each request of a call by its place in it, `rollout.prompt_seed`); turn k's call for budget b has the seed
 ``seed + k * _TURN_STRIDE + b * _BUDGET_STRIDE``, so the same run samples the same trajectories.
 """
@@ -95,7 +97,10 @@ class EpisodeRunner:
             live = [t for t, traj in enumerate(trajs) if not traj.done]
             if not live:
                 break
-            self._sample_turn(trajs, live, turn, sampling)
+            if turn == 0 and len(live) == len(trajs) and not any(traj.replaced_prompt for traj in trajs):
+                self._sample_first_turn(trajs, problems, n, sampling)
+            else:
+                self._sample_turn(trajs, live, turn, sampling)
             steps = self.host.call([("step", t, trajs[t].texts[-1]) for t in live])
             for t, outcome in zip(live, steps):
                 self._take_step(trajs[t], outcome, sampling.max_tokens, last_turn=turn + 1 == self.cfg.max_turns)
@@ -104,6 +109,22 @@ class EpisodeRunner:
             self.host.call([("drop", t, None) for t in ends])
         completions = [self._completion(traj) for traj in trajs]
         return [completions[i * n : (i + 1) * n] for i in range(len(problems))]
+
+    def _sample_first_turn(self, trajs: list[_Trajectory], problems: list[Problem], n: int, sampling: Sampling) -> None:
+        """The first turn exactly as single-turn generation draws it (one request per problem, ``n`` responses, the
+        same seeds): a policy that never calls its tool samples the same responses with and without it."""
+        cap = min(sampling.max_tokens, self.cfg.turn_max_tokens or sampling.max_tokens)
+        outputs = self.engine.generate([list(p.prompt_ids) for p in problems], n, replace(sampling, max_tokens=cap))
+        for t, c in enumerate(c for group in outputs for c in group):
+            self._extend(trajs[t], c)
+
+    def _extend(self, traj: _Trajectory, c: Completion) -> None:
+        traj.ids += c.token_ids
+        traj.logprobs += c.logprobs
+        traj.mask += [1] * len(c.token_ids)
+        traj.texts.append(c.text)
+        traj.turns += 1
+        traj.finish = c.finish_reason
 
     def _sample_turn(self, trajs: list[_Trajectory], live: list[int], turn: int, sampling: Sampling) -> None:
         by_budget: dict[int, list[int]] = {}
@@ -116,13 +137,7 @@ class EpisodeRunner:
             per = replace(sampling, max_tokens=budget, seed=seed)
             outputs = self.engine.generate([trajs[t].prompt + trajs[t].ids for t in members], 1, per)
             for t, (c,) in zip(members, outputs):
-                traj = trajs[t]
-                traj.ids += c.token_ids
-                traj.logprobs += c.logprobs
-                traj.mask += [1] * len(c.token_ids)
-                traj.texts.append(c.text)
-                traj.turns += 1
-                traj.finish = c.finish_reason
+                self._extend(trajs[t], c)
 
     def _take_step(self, traj: _Trajectory, outcome, budget: int, last_turn: bool) -> None:
         if outcome.failure:

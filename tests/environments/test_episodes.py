@@ -32,7 +32,7 @@ class TurnEngine(ScriptedEngineBase):
             text = "call" if self.tok.decode(prompt).count("<|im_start|>tool") < 2 else "42"
             ids = self.tok(text, add_special_tokens=False)["input_ids"][: sampling.max_tokens - 1]
             ids.append(self.tok.eos_token_id)
-            out.append([Completion(ids, [-0.5] * len(ids), text, "stop")])
+            out.append([Completion(ids, [-0.5] * len(ids), text, "stop") for _ in range(n)])
         return out
 
 

@@ -46,8 +46,11 @@ def test_three_turns_train_exactly_the_engines_ids_with_the_engines_logprobs(tmp
     item = PromptItem("p", "hi", tuple(prompt), answer=None, task="echo")
     try:
         (group,) = runner.play([Problem("p", "hi", tuple(prompt), "echo", None)], 1, Sampling(max_tokens=150, seed=3))
+        # the first turn is what single-turn generation draws: no tool call, the same response
+        (single,) = engine.engine.generate([list(prompt)], 1, Sampling(max_tokens=6, seed=3))
     finally:
         runner.close()
+    assert single[0].token_ids == engine.calls[0][1].token_ids
     (c,) = group
     assert c.episode.turns == 3 and c.episode.env_return == 1.5 and len(engine.calls) == 3
 
