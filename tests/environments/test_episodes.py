@@ -1,6 +1,6 @@
 """The episode runner on a scripted engine and a user-written environment file: token accounting (ids, loss mask,
-log-probs, return), the batch collection builds from trajectories, the config hooks, and an environment that hangs
-or crashes killed and counted."""
+log-probs, return), the batch collection builds from trajectories, evaluation's records, the config hooks, and an
+environment that hangs or crashes killed and counted."""
 
 import pytest
 import torch
@@ -12,7 +12,11 @@ from megatron_rlvr.environments import EnvironmentConfig, Problem
 from megatron_rlvr.environments.episodes import EpisodeRunner
 from megatron_rlvr.environments.glue import TurnGlue
 from megatron_rlvr.errors import ConfigError
+from megatron_rlvr.eval.config import EvalConfig
+from megatron_rlvr.eval.runner import EvalRunner
+from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.experience.collect import assemble, generate, group_of, score, to_batch
+from megatron_rlvr.problems.benchmarks import Problem as BenchmarkProblem
 from megatron_rlvr.rollout import Completion, RolloutConfig, Sampling
 from megatron_rlvr.testing.engines import ScriptedEngineBase
 from tests.environments.env_helpers import chat_tokenizer, write_user_environment
@@ -105,6 +109,25 @@ def test_collection_plays_episodes_and_logs_the_tool_call_rate(echo):
     exp = assemble(groups, groups, cfg, pad_id=0, counters={}, rounds=0, refill=False)
     assert exp.metrics["rollout/tool_call_rate"] == 1.0 and exp.metrics["rollout/turns"] == 3.0
     assert exp.batch.response_mask.sum().item() == 2 * sum(group[0].episode.loss_mask)
+
+
+def test_evaluation_plays_episodes_and_records_their_returns_and_turns(echo, tmp_path):
+    class EmptyPool:
+        def score_batch(self, tasks, responses, references):
+            assert not tasks, "the environment's return is the reward; the pool is not asked"
+            return [], {}
+
+    runner, tok = echo
+    item = _item(tok)
+    cfg = EvalConfig(n_samples=2, chunk=2, max_new_tokens=200, benchmarks=["countdown"])
+    problems = [BenchmarkProblem("countdown", "c0", item.prompt, "echo", "42")]
+    run = EvalRunner(
+        runner, lambda text: list(item.prompt_ids), cfg, EmptyPool(), tmp_path / "run", "m", environment="my_env"
+    )
+    run.run(problems)
+    records = list(load_records(tmp_path / "run").values())
+    assert [(r["reward"], r["turns"]) for r in records] == [(1.5, 3), (1.5, 3)]
+    assert '"environment": "my_env"' in (tmp_path / "run" / "run.json").read_text()
 
 
 def test_the_budget_counts_environment_tokens_and_cuts_the_trajectory(echo):
