@@ -103,6 +103,10 @@ class EnvironmentHost:
     """The worker processes of one episode runner; `call` runs a batch of calls, one per trajectory."""
 
     def __init__(self, cfg: EnvironmentConfig):
+        if cfg.name == "python_tool":  # every worker may run one tool program at its full budget at once
+            from megatron_rlvr.environments.python_tool import check_memory_fits
+
+            check_memory_fits(cfg)
         self.cfg = cfg
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * cfg.workers

@@ -16,6 +16,7 @@ import re
 
 from megatron_rlvr.environments.base import Message, Problem, Step
 from megatron_rlvr.environments.config import EnvironmentConfig
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python
 from megatron_rlvr.rewards.scoring import score
 
@@ -32,6 +33,22 @@ def tool_limits(cfg: EnvironmentConfig) -> SandboxLimits:
         nproc=cfg.tool_nproc,
         output_chars=cfg.tool_output_chars,
     )
+
+
+def check_memory_fits(cfg: EnvironmentConfig) -> None:
+    """ConfigError naming the keys when ``environment.workers`` tool programs at their full budgets exceed the
+    available memory (each worker runs one program at a time), as the reward pool checks its code sandboxes."""
+    import psutil
+
+    per_program = cfg.tool_memory_mb + cfg.tool_tmpfs_mb
+    available = psutil.virtual_memory().available >> 20
+    if cfg.workers * per_program > available:
+        raise ConfigError(
+            f"environment.workers ({cfg.workers}) x (environment.tool_memory_mb ({cfg.tool_memory_mb}) + "
+            f"environment.tool_tmpfs_mb ({cfg.tool_tmpfs_mb})) = {cfg.workers * per_program} MB of tool-sandbox "
+            f"memory does not fit in this machine's available memory ({available} MB); lower environment.workers "
+            "or environment.tool_memory_mb"
+        )
 
 
 def tool_call(response: str) -> str | None:

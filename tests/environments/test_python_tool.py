@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from megatron_rlvr.environments import EnvironmentConfig, Problem
+from megatron_rlvr.environments.host import EnvironmentHost
 from megatron_rlvr.environments.python_tool import PythonToolEnvironment, tool_call, tool_limits
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards import sandbox
 from tests.rewards.sandbox_helpers import DISK_FILL, FORK_BOMB, READ_FILES, leftovers, sandbox_processes, with_stdin
 
@@ -46,6 +48,12 @@ def test_tool_calls_run_and_answers_are_scored():
     assert _tool().step("3 * 7 + 4 * 9 - 26\n").reward == 0.0  # 26 is not given
     right = _tool().step("3 * 9 + 4\n")
     assert right.done and right.reward == 1.0
+
+
+def test_the_tool_workers_must_fit_their_sandbox_budgets_in_memory():
+    # checked before any worker starts: 4 programs of 1 TB each cannot all hold their budgets on any machine here
+    with pytest.raises(ConfigError, match=r"environment\.workers \(4\).*environment\.tool_memory_mb.*available"):
+        EnvironmentHost(EnvironmentConfig(name="python_tool", workers=4, tool_memory_mb=1 << 20))
 
 
 @needs_namespaces
