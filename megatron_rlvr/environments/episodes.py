@@ -7,13 +7,15 @@ Every turn of every live trajectory is one request continuing those exact ids, s
 its prefix cache and the actor later trains on exactly the ids the engine saw; text is decoded for the environment,
 never encoded back.
 
-Budget: every id after the prompt counts against ``sampling.max_tokens`` (``rollout.max_new_tokens``); a turn may
-sample what is left (at most ``environment.turn_max_tokens`` when set), and an observation that would leave no room for another sampled token ends the trajectory
-("length"). The first turn is drawn exactly as single-turn generation draws it (one request per problem with ``n``
-responses, ``sampling.seed``), unless an environment's reset replaced a prompt. Later turns' requests are grouped by
-what is left, one engine call per distinct budget (the engine seeds
-each request of a call by its place in it, `rollout.prompt_seed`); turn k's call for budget b has the seed
-``seed + k * _TURN_STRIDE + b * _BUDGET_STRIDE``, so the same run samples the same trajectories.
+Budget: every id after the prompt counts against ``sampling.max_tokens`` (``rollout.max_new_tokens``). A turn may
+sample what is left (at most ``environment.turn_max_tokens`` when set), and an observation that would leave no room
+for another sampled token ends the trajectory ("length").
+
+Sampling: the first turn is drawn exactly as single-turn generation draws it (one request per problem with ``n``
+responses and ``sampling.seed``), unless an environment's reset replaced a prompt. Later turns' requests are grouped
+by what is left, one engine call per distinct budget (the engine seeds each request of a call by its place in it,
+`rollout.prompt_seed`); turn k's call for budget b has the seed ``seed + k * _TURN_STRIDE + b * _BUDGET_STRIDE``, so
+the same run samples the same trajectories.
 """
 
 from __future__ import annotations
