@@ -23,6 +23,7 @@ from megatron_rlvr.actor.config import ActorConfig
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.checkpoint.config import CheckpointConfig
 from megatron_rlvr.data.config import DataConfig
+from megatron_rlvr.environments.config import EnvironmentConfig
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.models.config import ModelConfig
@@ -69,6 +70,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn (docs/multi-turn.md)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -269,6 +271,11 @@ class Config:
                 "colocated engines share the actor's devices and cannot generate during an update"
             )
         if k >= 2:  # the engines stream: a response may span weight versions (docs/async.md)
+            if self.environment.enabled:
+                raise ConfigError(
+                    f"environment.name={self.environment.name} with rollout.max_staleness={k}: multi-turn "
+                    "trajectories are not streamed; set rollout.max_staleness <= 1 or environment.name=''"
+                )
             if r.prefix_model:
                 raise ConfigError(
                     f"rollout.prefix_model with rollout.max_staleness={k}: outer prefixes are not streamed; "
@@ -477,6 +484,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     from megatron_rlvr.rewards.verifiers import check_config  # reward.plugins, reward.synlogic_dir: imported once here
 
     check_config(cfg.reward)
+    if cfg.environment.enabled:
+        from megatron_rlvr.environments.loading import check_environment
+
+        if cfg.rollout.prefix_model:
+            raise ConfigError(
+                f"environment.name={cfg.environment.name} with rollout.prefix_model: outer prefixes are single-turn; "
+                "set rollout.prefix_model=null or environment.name=''"
+            )
+        check_environment(cfg.environment)
     return cfg
 
 

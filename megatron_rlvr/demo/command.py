@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from megatron_rlvr.demo import MODEL_DIR, RECIPE, REPO
+from megatron_rlvr.environments.config import EnvironmentConfig
 
 EVAL_SEED = 1234  # the eval's sampling seed: the same for every demo run, whatever --seed trains with
 CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the recipe's N = 3, and two beyond)
@@ -77,8 +78,12 @@ def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
     write_rows(countdown_rows("eval", count, seed), data_dir / "countdown.jsonl")
 
 
-def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[str, list[dict]]:
-    """Sample ``n`` answers per eval prompt from each model (resumable) and return label -> per-sample results."""
+def _evaluate(
+    out: Path, models: dict[str, str], n: int, prompts: int, environment: EnvironmentConfig | None = None
+) -> dict[str, list[dict]]:
+    """Sample ``n`` answers per eval prompt from each model (resumable) and return label -> per-sample results. The
+    sampling is the recipe's whatever the overrides; with an ``environment`` (the run's ``environment.*``), every
+    sample is a multi-turn trajectory against it (docs/multi-turn.md), for base and trained model alike."""
     from megatron_rlvr.config import load_config
     from megatron_rlvr.eval.api import evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
@@ -99,9 +104,12 @@ def _evaluate(out: Path, models: dict[str, str], n: int, prompts: int) -> dict[s
         output_dir=str(out / "eval"),
         seed=EVAL_SEED,
     )
-    factory = vllm_engine_factory(recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes)
+    environment = environment or EnvironmentConfig()
+    factory = vllm_engine_factory(
+        recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes, environment=environment
+    )
     paths = list(models.values())
-    evaluate(paths, cfg, RewardConfig(workers=1), factory, hf_encoder_factory)
+    evaluate(paths, cfg, RewardConfig(workers=1), factory, hf_encoder_factory, environment=environment.name)
     results = {}
     for label, tag in zip(models, model_tags(paths)):
         records = load_records(out / "eval" / tag).values()
@@ -217,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"megatron-rlvr demo: training finished without writing {trained}")
     train_s = time.perf_counter() - start
     models = {"base": str(base_model), f"trained ({args.algo})": str(trained)}
-    samples = _evaluate(out, models, args.eval_n, args.eval_prompts)
+    from megatron_rlvr.config import load_config
+
+    environment = load_config(RECIPE, [o for o in overrides if o.strip().startswith("environment.")]).environment
+    samples = _evaluate(out, models, args.eval_n, args.eval_prompts, environment=environment)
     from megatron_rlvr.demo.report import write_report
 
     figure = _candidate_figure(out, samples, models, out / "report")

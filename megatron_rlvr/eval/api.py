@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from megatron_rlvr.environments.config import EnvironmentConfig
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.bootstrap import IntervalSpec
 from megatron_rlvr.eval.config import EvalConfig
@@ -50,7 +51,15 @@ EngineFactory = Callable[[str, EvalConfig], RolloutEngine]  # (model dir, cfg) -
 EncoderFactory = Callable[[str, EvalConfig], Callable[[str], list[int]]]  # (model dir, cfg) -> text -> token ids
 
 
-def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = None, tp: int = 1) -> EngineFactory:
+def vllm_engine_factory(
+    max_model_len: int,
+    kv_cache_memory_bytes: int | None = None,
+    tp: int = 1,
+    environment: EnvironmentConfig | None = None,
+) -> EngineFactory:
+    """vLLM engines; with an ``environment`` (its name set), each plays multi-turn episodes against it, with the
+    observations in the model's own chat template (docs/multi-turn.md)."""
+
     def build(model_dir: str, cfg: EvalConfig) -> RolloutEngine:
         try:
             from megatron_rlvr.rollout.vllm_engine import VLLMEngine
@@ -71,9 +80,18 @@ def vllm_engine_factory(max_model_len: int, kv_cache_memory_bytes: int | None = 
         )
         if kv_cache_memory_bytes:
             rollout.kv_cache_memory_bytes = kv_cache_memory_bytes
-        return VLLMEngine(
-            model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype, stop_token_ids=stop_ids(model_dir, cfg.chat_template)
-        )
+        stops = stop_ids(model_dir, cfg.chat_template)
+        engine = VLLMEngine(model_dir, rollout, seed=cfg.seed, dtype=cfg.dtype, stop_token_ids=stops)
+        if environment is None or not environment.enabled:
+            return engine
+        from transformers import AutoTokenizer
+
+        from megatron_rlvr.environments.episodes import EpisodeRunner
+        from megatron_rlvr.environments.glue import TurnGlue
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        glue = TurnGlue(tokenizer, environment.observation_role, environment.observation_tokens, stops)
+        return EpisodeRunner(engine, environment, glue)
 
     return build
 
@@ -132,6 +150,7 @@ def _sample_model(
     tp: int,
     max_requests: int | None,
     answer: str,
+    environment: str = "",
 ) -> tuple[EvalRunner, Throughput]:
     """Start the model's engine, draw (up to ``max_requests`` requests of) its missing samples, close the engine;
     rank 0 appends the session's timing (what `--estimate` reads later as recorded figures). A run directory that
@@ -155,6 +174,7 @@ def _sample_model(
             tp=tp,
             label=run_dir.name,  # the model's tag
             answer=answer,
+            environment=environment,
         )
         runner.run(problems, max_requests)
     finally:
@@ -203,9 +223,11 @@ def evaluate(
     tp: int = 1,
     spec: IntervalSpec = IntervalSpec(),
     labels: Sequence[str] | None = None,
+    environment: str = "",
 ) -> tuple[list[int], list[dict], list[Path]]:
     """Run (or resume) every model on every benchmark, then write and return the comparison table (rank 0); each
-    model's results.json keeps its per-problem (n, c). ``labels``: the models' names (`model_tags`)."""
+    model's results.json keeps its per-problem (n, c). ``labels``: the models' names (`model_tags`).
+    ``environment``: the environment.name the factory's engines play episodes against, recorded in the settings."""
     problems = _load_problems(cfg)
     rank, world = _join_world()
     out = Path(cfg.output_dir)
@@ -231,6 +253,7 @@ def evaluate(
                 tp,
                 None,
                 reward_cfg.answer,
+                environment,
             )
             log.info(
                 "%s: %d requests, %d samples drawn in %.1f s, reward counters %s",
@@ -253,7 +276,7 @@ def evaluate(
             out / tag,
             results_json(
                 str(Path(model).resolve()),
-                run_settings(cfg, str(Path(model).resolve()), reward_cfg.answer),
+                run_settings(cfg, str(Path(model).resolve()), reward_cfg.answer, environment),
                 per_bench,
                 ks,
                 spec,

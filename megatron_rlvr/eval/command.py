@@ -17,6 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_rlvr.environments.config import EnvironmentConfig
+from megatron_rlvr.environments.loading import check_environment
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.api import estimate, evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
 from megatron_rlvr.eval.bootstrap import IntervalSpec
@@ -94,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-text", action="store_true", help="do not keep sample texts in the records")
     parser.add_argument("--max-model-len", type=int, default=4096, help="engine context: prompt + new tokens")
     parser.add_argument(
+        "--environment",
+        default="",
+        help="multi-turn: each sample a trajectory against this environment (environment.name: python_tool, "
+        "package.module:factory or FILE.py:factory; docs/multi-turn.md); --max-new-tokens is its token budget",
+    )
+    parser.add_argument("--max-turns", type=int, default=4, help="with --environment: the policy's turns at most")
+    parser.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -170,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         model_tags(args.model, args.label)  # a bad --label: before any engine starts
         if args.recorded and not args.estimate:
             raise EvalConfigError("--recorded: only with --estimate")
-        factory = vllm_engine_factory(args.max_model_len, tp=args.tp)
+        if args.max_turns < 1:
+            raise EvalConfigError(f"--max-turns: expected >= 1, got {args.max_turns}")
+        environment = EnvironmentConfig(name=args.environment, max_turns=args.max_turns)
+        check_environment(environment)
+        factory = vllm_engine_factory(args.max_model_len, tp=args.tp, environment=environment)
         if args.estimate:
             job = estimate(
                 args.model,
@@ -186,7 +199,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_estimate(job), end="")
             return 0
         ks, rows, written = evaluate(
-            args.model, cfg, reward_cfg, factory, hf_encoder_factory, tp=args.tp, spec=spec, labels=args.label
+            args.model,
+            cfg,
+            reward_cfg,
+            factory,
+            hf_encoder_factory,
+            tp=args.tp,
+            spec=spec,
+            labels=args.label,
+            environment=environment.name,
         )
     except UserError as exc:
         return report_user_error(exc)

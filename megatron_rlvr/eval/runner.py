@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_rlvr.environments import EpisodeEngine
+from megatron_rlvr.environments import Problem as EnvironmentProblem
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.store import SampleStore, ShardWriter
@@ -58,10 +60,12 @@ def problems_per_request(cfg: EvalConfig) -> int:
     return max(1, cfg.request_samples // cfg.chunk)
 
 
-def run_settings(cfg: EvalConfig, model: str, answer: str = "tagged") -> dict:
+def run_settings(cfg: EvalConfig, model: str, answer: str = "tagged", environment: str = "") -> dict:
     """What the stored samples depend on (n may grow between runs: more chunks, same earlier ones). ``answer`` is
-    the reward's answer format (reward.answer), which the stored rewards depend on. A system prompt and an answer
-    format other than the defaults are recorded only when set, so runs stored before either existed still match."""
+    the reward's answer format (reward.answer), which the stored rewards depend on. ``environment``: the
+    environment multi-turn samples were played against (docs/multi-turn.md). A system prompt, an answer format and
+    an environment other than the defaults are recorded only when set, so runs stored before any existed still
+    match."""
     settings = {
         "model": model,
         "seed": cfg.seed,
@@ -78,6 +82,8 @@ def run_settings(cfg: EvalConfig, model: str, answer: str = "tagged") -> dict:
         settings["system_prompt"] = cfg.system_prompt
     if answer != "tagged":
         settings["answer"] = answer
+    if environment:
+        settings["environment"] = environment
     return settings
 
 
@@ -135,12 +141,13 @@ class EvalRunner:
         tp: int = 1,
         label: str = "",  # the progress bar's name for the model (its tag); default: the directory's name
         answer: str = "tagged",  # the pool's reward.answer: recorded in the run's settings
+        environment: str = "",  # environment.name of an engine that plays episodes (an `EpisodeEngine`)
     ):
         validate_eval_config(cfg)
         if tp < 1 or world % tp:
             raise EvalConfigError(f"--tp {tp}: the world of {world} processes must be a multiple of it")
         self.engine, self.encode, self.cfg, self.pool, self.model = engine, encode, cfg, pool, model
-        self.answer = answer
+        self.answer, self.environment = answer, environment
         self.run_dir = Path(run_dir)
         self.label = label or Path(model).name or model
         self.rank, self.broadcast, self.tp = rank, broadcast, tp
@@ -188,7 +195,9 @@ class EvalRunner:
             plan: object = None
             if self.rank == 0:
                 try:
-                    store = writer = SampleStore(self.run_dir, run_settings(self.cfg, self.model, self.answer))
+                    store = writer = SampleStore(
+                        self.run_dir, run_settings(self.cfg, self.model, self.answer, self.environment)
+                    )
                     plan = self._plan(problems, store)
                 except Exception as exc:
                     self.broadcast(("error", f"{type(exc).__name__}: {exc}"))  # the other ranks must not wait
@@ -234,7 +243,20 @@ class EvalRunner:
                     seed=request_seed(cfg.seed, request.benchmark, request.block, request.chunk),
                     logprobs=False,
                 )
-                completions = self.engine.generate([encoded[i] for i in request.problems], len(samples), sampling)
+                if isinstance(self.engine, EpisodeEngine):  # multi-turn: each sample a trajectory (docs/multi-turn.md)
+                    posed = [
+                        EnvironmentProblem(
+                            problems[i].problem_id,
+                            problems[i].prompt,
+                            tuple(encoded[i]),
+                            problems[i].task,
+                            problems[i].reference,
+                        )
+                        for i in request.problems
+                    ]
+                    completions = self.engine.play(posed, len(samples), sampling)
+                else:
+                    completions = self.engine.generate([encoded[i] for i in request.problems], len(samples), sampling)
                 if len(completions) != len(request.problems) or any(len(c) != len(samples) for c in completions):
                     raise RuntimeError(
                         f"engine returned {[len(c) for c in completions]} completions for "
@@ -276,13 +298,19 @@ class EvalRunner:
             for s, completion in zip(samples, drawn)
             if (i, s) not in request.stored
         ]
-        rewards, counters = self.pool.score_batch(
-            [problems[i].task for i, _, _ in items],
-            [c.text for _, _, c in items],
-            [problems[i].reference for i, _, _ in items],
+        pooled = [k for k, (_, _, c) in enumerate(items) if c.episode is None]  # episodes: their return
+        pool_rewards, counters = self.pool.score_batch(
+            [problems[items[k][0]].task for k in pooled],
+            [items[k][2].text for k in pooled],
+            [problems[items[k][0]].reference for k in pooled],
         )
+        by_item = dict(zip(pooled, pool_rewards))
+        rewards = [by_item[k] if c.episode is None else c.episode.env_return for k, (_, _, c) in enumerate(items)]
         for key, value in counters.items():
             self.reward_counters[key] += value
+        for _, _, c in items:
+            if c.episode is not None and c.episode.failure:
+                self.reward_counters[f"env_{c.episode.failure}"] += 1
         save_text = self.cfg.save_text
         writer.append(
             {
@@ -294,6 +322,7 @@ class EvalRunner:
                 "finish_reason": c.finish_reason,
                 "num_tokens": len(c.token_ids),
                 "text": c.text if save_text else None,
+                **({} if c.episode is None else {"turns": c.episode.turns}),
             }
             for (i, s, c), reward in zip(items, rewards)
         )

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.data import PromptItem
+from megatron_rlvr.environments import EpisodeEngine, Problem
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.protocols.batch import SequenceBatch
 from megatron_rlvr.rollout import Completion, EngineDiedError, RolloutConfig, RolloutEngine, Sampling
@@ -106,7 +107,12 @@ def generate(
     )
     died = ""
     try:
-        produced = engine.generate([list(items[i].prompt_ids) for i in mine], cfg.group_size, sampling) if mine else []
+        if not mine:
+            produced = []
+        elif isinstance(engine, EpisodeEngine):  # multi-turn: trajectories against environments (docs/multi-turn.md)
+            produced = engine.play([problem_of(items[i]) for i in mine], cfg.group_size, sampling)
+        else:
+            produced = engine.generate([list(items[i].prompt_ids) for i in mine], cfg.group_size, sampling)
     except EngineDiedError as e:  # tell every rank (they are about to wait for this one), then fail together
         produced, died = [], f"rank {rank}: {e}"
     shares: list[Any] = [None] * world
@@ -127,6 +133,10 @@ def generate(
     return completions  # type: ignore[return-value]
 
 
+def problem_of(item: PromptItem) -> Problem:
+    return Problem(item.id, item.prompt, tuple(item.prompt_ids), item.task, item.answer)
+
+
 def score(
     pool, items: list[PromptItem], completions: list[list[Completion]], *, shared: bool = True
 ) -> tuple[torch.Tensor, dict[str, int]]:
@@ -135,9 +145,24 @@ def score(
     flat = [(item, c) for item, group in zip(items, completions) for c in group]
     world, rank = (dist.get_world_size(), dist.get_rank()) if shared and dist.is_initialized() else (1, 0)
     mine = list(range(rank, len(flat), world))
-    rewards, counters = pool.score_batch(
-        [flat[i][0].task for i in mine], [flat[i][1].text for i in mine], [flat[i][0].answer for i in mine]
+    # a multi-turn response's reward is its environment's return (docs/multi-turn.md); the pool scores the rest
+    pooled = [i for i in mine if flat[i][1].episode is None]
+    pool_rewards, counters = (
+        pool.score_batch(
+            [flat[i][0].task for i in pooled], [flat[i][1].text for i in pooled], [flat[i][0].answer for i in pooled]
+        )
+        if pooled
+        else ([], {})
     )
+    by_index = dict(zip(pooled, pool_rewards))
+    counters = dict(counters)
+    for i in mine:
+        episode = flat[i][1].episode
+        if episode is not None:
+            by_index[i] = episode.env_return
+            if episode.failure:
+                counters[f"env_{episode.failure}"] = counters.get(f"env_{episode.failure}", 0) + 1
+    rewards = [by_index[i] for i in mine]
     shares: list[Any] = [None] * world
     if world > 1:
         dist.all_gather_object(shares, (mine, rewards, counters))
@@ -284,6 +309,11 @@ def _sampled_metrics(groups: list[Group], penalized: bool) -> dict[str, float]:
     }
     if prefixed.any():
         metrics["reward/mean_prefixed"] = float(rewards[prefixed].mean())
+    episodes = [c.episode for c in responses if c.episode is not None]
+    if episodes:  # multi-turn: how often the policy called its tool (took an observation) before answering
+        metrics["rollout/tool_call_rate"] = sum(e.turns > 1 for e in episodes) / len(episodes)
+        metrics["rollout/turns"] = sum(e.turns for e in episodes) / len(episodes)
+        metrics["rollout/env_tokens"] = sum(len(e.loss_mask) - sum(e.loss_mask) for e in episodes) / len(episodes)
     if penalized:
         metrics["reward/overlong_penalty"] = float(torch.cat([g.penalty for g in groups]).mean())
     return metrics
@@ -300,21 +330,28 @@ def to_batch(
     fixed-shape activations). The engine's per-token log-probs, placed at the same positions, are the batch's
     ``rollout_logp`` (what the rollout correction reads) and come back beside it (the mismatch metric). The first
     ``Completion.prefix_len`` response tokens (a weaker model's prefix) are context only: masked out.
-    ``routed_experts``: the engine's routing of every sequence, placed like its tokens (`routed_experts_of`)."""
-    seqs, spans, engine, prefixes = [], [], [], []
+    ``routed_experts``: the engine's routing of every sequence, placed like its tokens (`routed_experts_of`).
+    A multi-turn response (``Completion.episode``) follows its own prompt when its environment replaced the data's,
+    and trains only its sampled tokens: the episode's loss mask is 0 on the environment's (docs/multi-turn.md)."""
+    seqs, spans, engine, prefixes, env_masks = [], [], [], [], []
     for item, group in zip(items, completions):
         for c in group:
-            seqs.append(list(item.prompt_ids) + list(c.token_ids))
-            spans.append((len(item.prompt_ids), len(c.token_ids)))
+            episode = c.episode
+            prompt = item.prompt_ids if episode is None or episode.prompt_ids is None else episode.prompt_ids
+            seqs.append(list(prompt) + list(c.token_ids))
+            spans.append((len(prompt), len(c.token_ids)))
             engine.append(c.logprobs)
             prefixes.append(min(c.prefix_len, len(c.token_ids)))
+            env_masks.append(None if episode is None else episode.loss_mask)
     length = max(len(s) for s in seqs)
     tokens = torch.full((len(seqs), length), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), length - 1, dtype=torch.bool)
     engine_logp = torch.zeros(len(seqs), length - 1)
-    for i, (seq, (p, r), lp, k) in enumerate(zip(seqs, spans, engine, prefixes)):
+    for i, (seq, (p, r), lp, k, env) in enumerate(zip(seqs, spans, engine, prefixes, env_masks)):
         tokens[i, : len(seq)] = torch.tensor(seq)
         mask[i, p - 1 + k : p - 1 + r] = True  # position t predicts token t + 1
+        if env is not None:  # the environment's tokens (tool output, template glue) never train
+            mask[i, p - 1 : p - 1 + r] &= torch.tensor(env[:r], dtype=torch.bool)
         if lp:
             engine_logp[i, p - 1 : p - 1 + len(lp)] = torch.tensor(lp[:r])
     batch = SequenceBatch(tokens, mask, advantages.float(), rollout_logp=engine_logp)

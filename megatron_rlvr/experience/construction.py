@@ -1,5 +1,5 @@
 """What both placements build the same way, so that an engine rank and a colocated rank agree: this rank's rollout
-engine (its seed and dtype) and the prompt stream (tokenizer, prompts, the resumable loader)."""
+engine (its seed and dtype; with ``environment.name``, an episode runner around it) and the prompt stream (tokenizer, prompts, the resumable loader)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Any
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import LoadStats, PromptItem, PromptLoader, load_items
+from megatron_rlvr.environments.episodes import EpisodeRunner
+from megatron_rlvr.environments.glue import TurnGlue
 from megatron_rlvr.problems.prompt_encoding import stop_ids
 from megatron_rlvr.rollout import RolloutEngine, make_engine
 
@@ -20,7 +22,20 @@ def make_rollout_engine(cfg: Config, rank: int) -> RolloutEngine:
     adapter = lora.spec() if lora is not None and lora.sync == "adapters" else None
     dtype = "bfloat16" if cfg.actor.bf16 else "float32"
     stops = chat_stop_ids(cfg)
-    return make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype=dtype, adapter=adapter, stop_token_ids=stops)
+    engine = make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype=dtype, adapter=adapter, stop_token_ids=stops)
+    return episode_runner(engine, cfg, stops) if cfg.environment.enabled else engine
+
+
+def episode_runner(engine: RolloutEngine, cfg: Config, end_of_turn_ids: tuple[int, ...]) -> EpisodeRunner:
+    """``engine`` playing multi-turn trajectories against ``environment.name`` (docs/multi-turn.md), with the
+    observations in the model's own chat template."""
+    from transformers import AutoTokenizer
+
+    e = cfg.environment
+    glue = TurnGlue(
+        AutoTokenizer.from_pretrained(cfg.model.hf_dir), e.observation_role, e.observation_tokens, end_of_turn_ids
+    )
+    return EpisodeRunner(engine, e, glue)
 
 
 def chat_stop_ids(cfg: Config) -> tuple[int, ...]:

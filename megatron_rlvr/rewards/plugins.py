@@ -33,25 +33,26 @@ class Verifier(Protocol):
 _LOADED: dict[str, Callable[[str, Any], float]] = {}  # spec (file paths resolved) -> the function
 
 
-def _error(task: str, message: str) -> Exception:
-    return ConfigError(f"reward.plugins.{task}: {message}")
+def _error(key: str, message: str) -> Exception:
+    return ConfigError(f"{key}: {message}")
 
 
-def _split(task: str, spec: Any) -> tuple[str, str, bool]:
-    """(module or file, function name, is a file) of a spec."""
+def _split(key: str, spec: Any, what: str = "function") -> tuple[str, str, bool]:
+    """(module or file, attribute name, is a file) of a spec."""
+    expected = f"expected 'package.module:{what}' or 'FILE.py:{what}' (a path), got {spec!r}"
     if not isinstance(spec, str) or ":" not in spec:
-        raise _error(task, f"expected 'package.module:function' or 'FILE.py:function' (a path), got {spec!r}")
+        raise _error(key, expected)
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
-        raise _error(task, f"expected 'package.module:function' or 'FILE.py:function' (a path), got {spec!r}")
+        raise _error(key, expected)
     is_file = target.endswith(".py") or "/" in target or "\\" in target
     return target, name, is_file
 
 
-def _import_file(task: str, target: str) -> Any:
+def _import_file(key: str, target: str) -> Any:
     path = Path(target).expanduser().resolve()
     if not path.is_file():
-        raise _error(task, f"file {target} not found (relative paths are read from {Path.cwd()})")
+        raise _error(key, f"file {target} not found (relative paths are read from {Path.cwd()})")
     # a stable module name per file, registered in sys.modules so that what the plugin defines pickles
     module_name = "megatron_rlvr_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     if module_name in sys.modules:
@@ -63,57 +64,67 @@ def _import_file(task: str, target: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - whatever the user's file raises is reported on one line
         del sys.modules[module_name]
-        raise _error(task, f"importing {path} failed: {type(e).__name__}: {e}") from e
+        raise _error(key, f"importing {path} failed: {type(e).__name__}: {e}") from e
     return module
 
 
-def _import_module(task: str, target: str) -> Any:
+def _import_module(key: str, target: str) -> Any:
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
         if e.name and (target == e.name or target.startswith(e.name + ".")):
-            raise _error(task, f"no module named {e.name!r} (install it, or put its directory on PYTHONPATH)") from e
-        raise _error(task, f"importing {target} failed: {type(e).__name__}: {e}") from e
+            raise _error(key, f"no module named {e.name!r} (install it, or put its directory on PYTHONPATH)") from e
+        raise _error(key, f"importing {target} failed: {type(e).__name__}: {e}") from e
     except Exception as e:  # noqa: BLE001
-        raise _error(task, f"importing {target} failed: {type(e).__name__}: {e}") from e
+        raise _error(key, f"importing {target} failed: {type(e).__name__}: {e}") from e
+
+
+def import_spec(key: str, spec: Any, what: str = "function") -> tuple[Any, str]:
+    """The attribute a spec names, ``package.module:NAME`` (from ``sys.path``) or ``FILE.py:NAME`` (a path), and the
+    spec's resolved form (file paths absolute); a one-line `ConfigError` naming the config ``key`` otherwise. Verifier
+    plugins and user environments (environments/loading.py) are both imported this way."""
+    target, name, is_file = _split(key, spec, what)
+    module = _import_file(key, target) if is_file else _import_module(key, target)
+    found = getattr(module, name, None)
+    if found is None:
+        raise _error(key, f"{target} has no attribute {name!r}")
+    return found, (f"{Path(target).expanduser().resolve()}:{name}" if is_file else spec)
 
 
 def load_plugin(task: str, spec: str) -> Callable[[str, Any], float]:
     """The checked function of ``spec`` (the value of ``reward.plugins.<task>``), imported once per process."""
-    target, name, is_file = _split(task, spec)
-    key = f"{Path(target).expanduser().resolve()}:{name}" if is_file else spec
-    if key in _LOADED:
-        return _LOADED[key]
-    module = _import_file(task, target) if is_file else _import_module(task, target)
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise _error(task, f"{target} has no attribute {name!r}")
+    key = f"reward.plugins.{task}"
+    target, name, is_file = _split(key, spec)
+    resolved = f"{Path(target).expanduser().resolve()}:{name}" if is_file else spec
+    if resolved in _LOADED:
+        return _LOADED[resolved]
+    fn, _ = import_spec(key, spec)
     if not callable(fn):
-        raise _error(task, f"{target}:{name} is a {type(fn).__name__}, not a function")
+        raise _error(key, f"{target}:{name} is a {type(fn).__name__}, not a function")
     try:
         inspect.signature(fn).bind("response", "reference")
     except TypeError:
         raise _error(
-            task,
+            key,
             f"{target}:{name}{inspect.signature(fn)} cannot be called as "
             f"fn(response, reference); expected fn(response, reference) -> float in [0, 1]",
         ) from None
     except ValueError:  # no signature to read (some builtins): the first call will tell
         pass
-    _LOADED[key] = fn
+    _LOADED[resolved] = fn
     return fn
 
 
 def check_plugins(plugins: Mapping[str, Any], reserved: Callable[[str], str | None]) -> None:
     """Load every plugin of ``reward.plugins``; ``reserved(task)`` says why a task name is taken, or None."""
     if not isinstance(plugins, Mapping):
-        raise _error("<task>", f"expected a mapping of task names to specs, got {plugins!r}")
+        raise _error("reward.plugins.<task>", f"expected a mapping of task names to specs, got {plugins!r}")
     for task, spec in plugins.items():
         if not isinstance(task, str) or not task.strip():
-            raise _error(str(task), "a task name must be a non-empty string")
+            raise _error(f"reward.plugins.{task}", "a task name must be a non-empty string")
         why = reserved(task)
         if why:
-            raise _error(task, why)
+            raise _error(f"reward.plugins.{task}", why)
         load_plugin(task, spec)
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from megatron_rlvr.rollout.base import (
     Completion,
     EngineDiedError,
+    Episode,
     Progress,
     RolloutEngine,
     Sampling,
@@ -67,6 +68,7 @@ def make_engine(
 __all__ = [
     "Completion",
     "EngineDiedError",
+    "Episode",
     "Progress",
     "RolloutConfig",
     "RolloutEngine",

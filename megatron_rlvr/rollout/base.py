@@ -41,7 +41,10 @@ class Completion:
 
     ``versions``: streamed responses (docs/async.md): the weight version that sampled each token of ``token_ids``
     (non-decreasing; more than one value when weights changed while it was in flight). None: one version sampled the
-    whole response (the step's, `experience.wire.Rollout.version`)."""
+    whole response (the step's, `experience.wire.Rollout.version`).
+
+    ``episode``: a multi-turn response (docs/multi-turn.md): ``token_ids`` then holds the policy's sampled tokens and
+    the environment's tokens between its turns, and the episode says which is which and what the environment paid."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -50,6 +53,25 @@ class Completion:
     prefix_len: int = 0
     routed_experts: torch.Tensor | None = None
     versions: list[int] | None = None
+    episode: Episode | None = None
+
+
+@dataclass
+class Episode:
+    """What an environment added to a `Completion` (docs/multi-turn.md).
+
+    ``loss_mask[t]`` is 1 where ``token_ids[t]`` was sampled by the policy (its ``logprobs[t]`` is the engine's) and 0
+    where the environment wrote it (tool output, chat-template glue; its ``logprobs[t]`` is 0 and never read).
+    ``env_return`` is the sum of the environment's per-turn rewards: the response's reward, in place of the reward
+    pool's score. ``prompt_ids``: the prompt the first turn continued when the environment's ``reset`` replaced the
+    data's prompt, else None. ``failure``: "" or how the environment failed ("timeout", "crash", "error", "lost"),
+    which ended the episode with the return so far."""
+
+    loss_mask: list[int]
+    env_return: float
+    turns: int  # the policy's turns; turns - 1 environment observations came between them
+    prompt_ids: list[int] | None = None
+    failure: str = ""
 
 
 _PROMPT_SEED_STRIDE = 104_729  # a prime above any n: the n samples of one prompt never reuse another's seeds

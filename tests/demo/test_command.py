@@ -33,7 +33,7 @@ def fake_run(monkeypatch):
         (out / "train" / "config.yaml").write_text(dump_config(load_config(command.RECIPE, overrides)))
         return 0
 
-    def evaluate(out, models, n, prompts):
+    def evaluate(out, models, n, prompts, environment=None):
         calls["models"] = dict(models)
         command._write_eval_split(out / "eval_data", 4, seed=1234)
         ids = [json.loads(line)["id"] for line in (out / "eval_data" / "countdown.jsonl").read_text().splitlines()]

@@ -38,3 +38,44 @@ def leftovers(pid: int | None = None) -> list[str]:
 
 def io_reference(expected: str, stdin: str = "") -> dict:
     return {"io": [{"input": stdin, "output": expected}]}
+
+
+# Hostile programs, shared by the sandbox's tests and the Python tool's (tests/environments): what each must show
+
+# prints each file named on stdin: contained, it prints nothing and ends in FileNotFoundError
+READ_FILES = "import sys\nfor path in sys.stdin.read().split():\n    print(open(path).read())\n"
+
+# forks sleeping children until refused; prints how many it made (contained: fewer than the nproc limit)
+FORK_BOMB = (
+    "import os\n"
+    "children = 0\n"
+    "for _ in range(100000):\n"
+    "    try:\n"
+    "        if os.fork() == 0:\n"
+    "            import time; time.sleep(30); os._exit(0)\n"
+    "        children += 1\n"
+    "    except OSError:\n"
+    "        break\n"
+    "print(children)\n"
+)
+
+# 1 MB files into the work dir, /tmp and /dev/shm until refused; prints "refused: ..." then the files written and the
+# size of its filesystem in MB (contained: "No space left", at most the tmpfs cap)
+DISK_FILL = (
+    "import os\n"
+    "written = 0\n"
+    "try:\n"
+    "    for i in range(300):\n"
+    "        with open(f\"{('.', '/tmp', '/dev/shm')[i % 3]}/f{i}\", 'wb') as f:\n"
+    "            f.write(b'x' * (1 << 20))\n"
+    "        written += 1\n"
+    "except OSError as exc:\n"
+    "    print('refused:', exc)\n"
+    "st = os.statvfs('.')\n"
+    "print(written, st.f_blocks * st.f_frsize >> 20)\n"
+)
+
+
+def with_stdin(program: str, stdin: str) -> str:
+    """``program`` reading ``stdin`` from a string (for callers that run code without a stdin, like the tool)."""
+    return f"import io, sys\nsys.stdin = io.StringIO({stdin!r})\n" + program

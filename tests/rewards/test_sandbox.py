@@ -13,7 +13,7 @@ import pytest
 from megatron_rlvr.rewards import score
 from megatron_rlvr.rewards.code import verify_code
 from megatron_rlvr.rewards.sandbox import namespaces_available, run_python
-from tests.rewards.sandbox_helpers import LIMITS, io_reference, leftovers, sandbox_processes
+from tests.rewards.sandbox_helpers import FORK_BOMB, LIMITS, io_reference, leftovers, sandbox_processes
 
 # Hostile programs may kill(-1) or fork without end: only safe when each run gets a uid of its own (root).
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="hostile-program tests need root (per-run uid, namespaces)")
@@ -50,18 +50,7 @@ def test_infinite_loop_is_stopped():
 
 
 def test_fork_bomb_is_contained():
-    bomb = (
-        "import os\n"
-        "children = 0\n"
-        "for _ in range(100000):\n"
-        "    try:\n"
-        "        if os.fork() == 0:\n"
-        "            import time; time.sleep(30); os._exit(0)\n"
-        "        children += 1\n"
-        "    except OSError:\n"
-        "        break\n"
-        "print(children)\n"
-    )
+    bomb = FORK_BOMB
     result = run_python(bomb, "", LIMITS)
     assert result.returncode == 0 and int(result.stdout) < LIMITS.nproc, result
     assert verify_code(bomb, io_reference("1000"), LIMITS) == 0.0

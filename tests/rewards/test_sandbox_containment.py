@@ -21,7 +21,7 @@ import pytest
 from megatron_rlvr.rewards import cgroup, sandbox
 from megatron_rlvr.rewards.code import verify_code
 from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python, sandbox_info
-from tests.rewards.sandbox_helpers import io_reference, leftovers, sandbox_processes
+from tests.rewards.sandbox_helpers import DISK_FILL, READ_FILES, io_reference, leftovers, sandbox_processes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="hostile-program tests need root (per-run uid, namespaces)")
 
@@ -52,7 +52,7 @@ def test_host_files_cannot_be_read(tmp_path):
         Path.home() / f".rlvr_{secret}",
         Path(__file__).with_name(f"answers_{secret}.txt"),
     ]
-    program = "import sys\nfor path in sys.stdin.read().split():\n    print(open(path).read())\n"
+    program = READ_FILES
     try:
         for path in files:
             path.write_text(secret)
@@ -97,19 +97,7 @@ def test_host_files_cannot_be_read(tmp_path):
 @needs_namespaces
 def test_disk_fill_by_many_files_stops_at_the_tmpfs_cap():
     # 1 MB files (far under the 16 MB file-size limit) into the work dir, /tmp and /dev/shm, until refused
-    program = (
-        "import os\n"
-        "written = 0\n"
-        "try:\n"
-        "    for i in range(300):\n"
-        "        with open(f\"{('.', '/tmp', '/dev/shm')[i % 3]}/f{i}\", 'wb') as f:\n"
-        "            f.write(b'x' * (1 << 20))\n"
-        "        written += 1\n"
-        "except OSError as exc:\n"
-        "    print('refused:', exc)\n"
-        "st = os.statvfs('.')\n"
-        "print(written, st.f_blocks * st.f_frsize >> 20)\n"
-    )
+    program = DISK_FILL
     free_before = shutil.disk_usage("/tmp").free
     assert verify_code(program, io_reference("300 64"), SMALL) == 0.0
     result = run_python(program, "", SMALL)
