@@ -17,9 +17,9 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
 - the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
   actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
   like the statistics pass); ``self`` and ``crpo`` hold a copy of the student unless the reference is that copy
-  already (CRPO's EMA teacher is always a copy of its own). Its pass runs the fused op with the teacher's top-N (``crpo``: top-K, ``algo.crpo_top_k``) and gathers its
-  scores of the whole step, (1 + 2N) float32 values per position of the privileged sequences (under ``crpo`` up to
-  two sequence lengths: the prefix is a response), to every rank (``teacher_scores``, the statistics phase);
+  already (CRPO's EMA teacher is always a copy of its own); its pass's op records and gathered scores:
+  plan/teacher_terms.py (``teacher_scores``, the statistics phase; under ``crpo`` the prefix is a response, so its
+  sequences are up to two lengths long);
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware;
   an MoE layer's router and experts, plan/parallel_terms.py), times the micro-batches the 1F1B schedule keeps in
   flight on a pipeline stage; the fused op's logits shard (kept for its in-place backward) and its per-token
@@ -49,6 +49,7 @@ from megatron_rlvr.plan.parallel_terms import (
     moe_mlp_saved_bytes,
 )
 from megatron_rlvr.plan.stage_params import stage_params, stage_split, teacher_dims
+from megatron_rlvr.plan.teacher_terms import teacher_scores_bytes, teacher_top_n
 
 GB = 1e9
 FP32 = 4
@@ -137,7 +138,7 @@ class Layout:
         return cls(
             teacher=teacher,
             teacher_copy=cfg.algo.distill in ("self", "crpo") and (not reference or ema_teacher),
-            teacher_top_n=_teacher_top_n(cfg.algo),
+            teacher_top_n=teacher_top_n(cfg.algo),
             teacher_seq_len=r.max_model_len * (2 if cfg.algo.distill == "crpo" else 1),
             fused_attention=gpu and cfg.model.use_transformer_engine != "off",
             lora_rank=lora.rank if lora is not None else 0,
@@ -170,19 +171,6 @@ class Layout:
             max_staleness=r.max_staleness,
             step_sequences=cfg.trainer.prompts_per_step * r.group_size,
         )
-
-
-def _teacher_top_n(algo: Any) -> int:
-    return {"none": 0, "crpo": algo.crpo_top_k}.get(algo.distill, algo.distill_top_n)
-
-
-def teacher_scores_bytes(dims: ModelDims, lay: Layout) -> int:
-    """The teacher's gathered scores of the whole step on every rank (teacher.py): its log-prob, top-N ids and
-    logits, (1 + 2N) float32 values per position, this rank's rows and the all-gathered batch (a bound: 2 copies)."""
-    if not lay.teacher_top_n:
-        return 0
-    n = min(lay.teacher_top_n, dims.vocab)
-    return 2 * lay.step_sequences * lay.teacher_seq_len * (1 + 2 * n) * 4
 
 
 def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
@@ -416,7 +404,7 @@ def actor_rank_plan(dims: ModelDims, lay: Layout, stage: int, gpu_memory: int) -
         c["forward_working"] = max(c["forward_working"], teacher_layer)
     c["logits"] = logits_bytes(dims, lay) if last else 0
     c["op_scratch"] = op_scratch_bytes(lay) if last else 0
-    c["teacher_scores"] = teacher_scores_bytes(dims, lay)
+    c["teacher_scores"] = teacher_scores_bytes(dims.vocab, lay.teacher_top_n, lay.step_sequences, lay.teacher_seq_len)
     c["runtime"] = RUNTIME_BYTES if lay.gpu else 0
     colocated = lay.placement != "separate" and lay.gpu
     engine = engine_components(dims, lay, gpu_memory) if colocated else {}
