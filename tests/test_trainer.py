@@ -417,10 +417,12 @@ def test_armor_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_pa
     """ARMOR: references reset at steps 0 and 2, a checkpoint at step 3 (mid-interval), and the resumed step 4 equals
     the uninterrupted run's: the reset reference comes back from the checkpoint (kl_ref to it is compared), the
     interval's anchors from their file."""
-    full = workers2.run(_train_armor, tiny_model, str(tmp_path / "full"), 2, 1, 4, _ARMOR, timeout_s=900)[0]
-    cut = [*_ARMOR, "checkpoint.save_every=3"]
-    workers2.run(_train_armor, tiny_model, str(tmp_path / "cut"), 2, 1, 3, cut, timeout_s=900)
-    resumed = workers2.run(_train_armor, tiny_model, str(tmp_path / "cut"), 2, 1, 4, cut, timeout_s=900)[0]
+    run, saved = str(tmp_path / "run"), [*_ARMOR, "checkpoint.save_every=3"]
+    full = workers2.run(_train_armor, tiny_model, run, 2, 1, 4, saved, timeout_s=900)[0]
+    # its step-3 checkpoint is the one a run stopped after step 3 leaves; resumed in the same directory, where the
+    # interval's anchors file is
+    from_step3 = [*saved, f"checkpoint.resume={run}/checkpoints/step-000003"]
+    resumed = workers2.run(_train_armor, tiny_model, run, 2, 1, 4, from_step3, timeout_s=900)[0]
     assert [m["step"] for m in resumed] == [4]
     assert [m["anchor/reset"] for m in full] == [1.0, 0.0, 1.0, 0.0]
     assert full[3]["anchor/groups_trained"] > 0 and full[3]["loss/kl_ref"] > 0  # the policy moved off the reference

@@ -341,33 +341,9 @@ def test_local_executor_converts_a_tiny_checkpoint_through_the_real_cli(tmp_path
     assert (tmp_path / "mcore" / "metadata.json").is_file()
 
 
-def _demo_ready() -> str | None:
-    if not (REPO_ROOT / "megatron_rlvr" / "cli.py").is_file():
-        return "megatron_rlvr/cli.py (the lead's train entry point) is not there yet"
-    if not (REPO_ROOT / "megatron_rlvr" / "demo" / "model" / "config.json").is_file():
-        return "the demo model (megatron_rlvr/demo/model) is not built yet"
-    return None
-
-
-@pytest.mark.slow
-@pytest.mark.dist
-@pytest.mark.engine
-@pytest.mark.skipif(_demo_ready() is not None, reason=_demo_ready() or "")
-def test_cpu_demo_recipe_trains_through_nemo_run(tmp_path):
-    out = launch(
-        "train.py",
-        [
-            "--recipe",
-            "demo_cpu",
-            "trainer.steps=2",
-            f"trainer.output_dir={tmp_path}/run",
-            "trainer.eval_every=0",
-            "checkpoint.save_every=0",
-        ],
-        tmp_path,
-        timeout=1800,
-    )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+# The demo recipe through the local executor (launch/train.py -> nemo-run -> torchrun -> the trainer) is
+# docs/cluster.md's first local command, which tests/docs/test_doc_commands.py runs with the eval and convert
+# launchers after it.
 
 
 def test_the_bare_readme_dryrun_prints_an_sbatch_script_with_placeholders(tmp_path):
