@@ -105,11 +105,12 @@ def _evaluate(
         seed=EVAL_SEED,
     )
     environment = environment or EnvironmentConfig()
+    reward = RewardConfig(workers=1)
     factory = vllm_engine_factory(
-        recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes, environment=environment
+        recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes, environment=environment, reward=reward
     )
     paths = list(models.values())
-    evaluate(paths, cfg, RewardConfig(workers=1), factory, hf_encoder_factory, environment=environment.name)
+    evaluate(paths, cfg, reward, factory, hf_encoder_factory, environment=environment.name)
     results = {}
     for label, tag in zip(models, model_tags(paths)):
         records = load_records(out / "eval" / tag).values()

@@ -28,6 +28,7 @@ from megatron_rlvr.environments.base import Problem
 from megatron_rlvr.environments.config import EnvironmentConfig
 from megatron_rlvr.environments.glue import TurnGlue
 from megatron_rlvr.environments.host import EnvironmentHost
+from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout import Completion, Episode, RolloutEngine, Sampling
 
 if TYPE_CHECKING:
@@ -56,11 +57,13 @@ class _Trajectory:
 class EpisodeRunner:
     """A `RolloutEngine` that also plays episodes against ``cfg.name``'s environments."""
 
-    def __init__(self, engine: RolloutEngine, cfg: EnvironmentConfig, glue: TurnGlue):
+    def __init__(
+        self, engine: RolloutEngine, cfg: EnvironmentConfig, glue: TurnGlue, reward: RewardConfig | None = None
+    ):
         self.engine = engine
         self.cfg = cfg
         self.glue = glue
-        self.host = EnvironmentHost(cfg)
+        self.host = EnvironmentHost(cfg, reward)  # reward: the verifiers the built-in tool scores answers with
         self.ranks_per_engine = engine.ranks_per_engine
 
     # the RolloutEngine protocol, by delegation

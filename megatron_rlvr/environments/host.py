@@ -26,6 +26,7 @@ from typing import Any
 
 from megatron_rlvr.environments.base import Environment, Step
 from megatron_rlvr.environments.config import EnvironmentConfig
+from megatron_rlvr.rewards.config import RewardConfig
 
 _START_TIMEOUT_S = 120.0
 
@@ -48,7 +49,7 @@ def _check_step(step: Any) -> Step:
     return Step(step.observation, float(step.reward), step.done)
 
 
-def _worker_main(conn: Connection, cfg: EnvironmentConfig) -> None:
+def _worker_main(conn: Connection, cfg: EnvironmentConfig, reward: RewardConfig | None) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     import resource
 
@@ -56,7 +57,7 @@ def _worker_main(conn: Connection, cfg: EnvironmentConfig) -> None:
     from megatron_rlvr.environments.loading import environment_factory
 
     try:
-        factory = environment_factory(cfg)
+        factory = environment_factory(cfg, reward)
     except Exception as exc:  # noqa: BLE001 - checked when the config loaded; a worker that differs says why
         conn.send(("setup_error", f"{type(exc).__name__}: {exc}"[:500]))
         return
@@ -102,19 +103,19 @@ class _Worker:
 class EnvironmentHost:
     """The worker processes of one episode runner; `call` runs a batch of calls, one per trajectory."""
 
-    def __init__(self, cfg: EnvironmentConfig):
+    def __init__(self, cfg: EnvironmentConfig, reward: RewardConfig | None = None):
         if cfg.name == "python_tool":  # every worker may run one tool program at its full budget at once
             from megatron_rlvr.environments.python_tool import check_memory_fits
 
             check_memory_fits(cfg)
-        self.cfg = cfg
+        self.cfg, self.reward = cfg, reward
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * cfg.workers
         self._lost: set[int] = set()  # trajectories whose environment died with a killed worker
 
     def _start(self, index: int) -> _Worker:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, args=(child, self.cfg), daemon=True)
+        process = self._ctx.Process(target=_worker_main, args=(child, self.cfg, self.reward), daemon=True)
         process.start()
         child.close()
         if not parent.poll(_START_TIMEOUT_S):

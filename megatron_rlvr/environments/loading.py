@@ -14,17 +14,20 @@ from functools import partial
 from megatron_rlvr.environments.base import Environment
 from megatron_rlvr.environments.config import EnvironmentConfig
 from megatron_rlvr.errors import ConfigError
+from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.plugins import import_spec
 
 BUILT_IN = ("python_tool",)
 
 
-def environment_factory(cfg: EnvironmentConfig) -> Callable[[], Environment]:
-    """A callable making one fresh environment per trajectory."""
+def environment_factory(cfg: EnvironmentConfig, reward: RewardConfig | None = None) -> Callable[[], Environment]:
+    """A callable making one fresh environment per trajectory; the built-in tool scores answers with the verifiers
+    of ``reward`` (the run's reward section; its defaults when None)."""
     if cfg.name == "python_tool":
         from megatron_rlvr.environments.python_tool import PythonToolEnvironment, tool_limits
+        from megatron_rlvr.rewards.verifiers import VerifierTable
 
-        return partial(PythonToolEnvironment, tool_limits(cfg))
+        return partial(PythonToolEnvironment, tool_limits(cfg), VerifierTable(reward or RewardConfig()))
     if ":" not in cfg.name:
         raise ConfigError(
             f"environment.name: expected one of {list(BUILT_IN)}, 'package.module:factory' or 'FILE.py:factory', "

@@ -4,7 +4,8 @@ A turn of the policy that holds a fenced ```python block (the last one counts), 
 tool call: the code runs in the reward sandbox (`rewards.sandbox.run_python`: a private filesystem, no network, one
 memory budget, per-call wall/CPU limits; docs/sandbox.md) and its stdout, with the tail of stderr when it failed, is
 the observation. A ``>>>`` expression alone is printed, as in the REPL. Any other turn is the answer: the trajectory
-ends, and its reward is the row's verifier on that turn (`rewards.scoring.score`: countdown's checks its first line).
+ends, and its reward is the row's verifier on that turn, the one the run's reward pool would use under ``reward``
+(`rewards.verifiers.VerifierTable`: reasoning-gym's answer reading, plugins; countdown's checks its first line).
 Tool calls earn nothing themselves. The observation is capped at ``environment.tool_output_chars`` here and at
 ``environment.observation_tokens`` tokens by the episode runner.
 """
@@ -18,7 +19,7 @@ from megatron_rlvr.environments.base import Message, Problem, Step
 from megatron_rlvr.environments.config import EnvironmentConfig
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python
-from megatron_rlvr.rewards.scoring import score
+from megatron_rlvr.rewards.verifiers import VerifierTable
 
 _FENCED = re.compile(r"```python[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _REPL = ">>> "
@@ -81,8 +82,9 @@ def observation_of(stdout: str, stderr: str, returncode: int, timed_out: bool, c
 class PythonToolEnvironment:
     """One trajectory with a Python tool; an `Environment`."""
 
-    def __init__(self, limits: SandboxLimits):
+    def __init__(self, limits: SandboxLimits, verifiers: VerifierTable):
         self.limits = limits
+        self.verifiers = verifiers
         self.problem: Problem | None = None
 
     def reset(self, problem: Problem) -> list[Message]:
@@ -94,7 +96,7 @@ class PythonToolEnvironment:
             raise RuntimeError("PythonToolEnvironment.step before reset")
         code = tool_call(response)
         if code is None:
-            return Step("", score(self.problem.task, response, self.problem.answer), True)
+            return Step("", self.verifiers.score_row(self.problem.task, response, self.problem.answer), True)
         run = run_python(code, "", self.limits)
         return Step(
             observation_of(run.stdout, run.stderr, run.returncode, run.timed_out, self.limits.output_chars), 0.0, False

@@ -56,9 +56,11 @@ def vllm_engine_factory(
     kv_cache_memory_bytes: int | None = None,
     tp: int = 1,
     environment: EnvironmentConfig | None = None,
+    reward: RewardConfig | None = None,
 ) -> EngineFactory:
     """vLLM engines; with an ``environment`` (its name set), each plays multi-turn episodes against it, with the
-    observations in the model's own chat template (docs/multi-turn.md)."""
+    observations in the model's own chat template (docs/multi-turn.md); the built-in tool scores answers with the
+    verifiers of ``reward``, the evaluation's."""
 
     def build(model_dir: str, cfg: EvalConfig) -> RolloutEngine:
         try:
@@ -91,7 +93,7 @@ def vllm_engine_factory(
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         glue = TurnGlue(tokenizer, environment.observation_role, environment.observation_tokens, stops)
-        return EpisodeRunner(engine, environment, glue)
+        return EpisodeRunner(engine, environment, glue, reward)
 
     return build
 

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             raise EvalConfigError(f"--max-turns: expected >= 1, got {args.max_turns}")
         environment = EnvironmentConfig(name=args.environment, max_turns=args.max_turns)
         check_environment(environment)
-        factory = vllm_engine_factory(args.max_model_len, tp=args.tp, environment=environment)
+        factory = vllm_engine_factory(args.max_model_len, tp=args.tp, environment=environment, reward=reward_cfg)
         if args.estimate:
             job = estimate(
                 args.model,

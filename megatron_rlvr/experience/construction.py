@@ -35,7 +35,7 @@ def episode_runner(engine: RolloutEngine, cfg: Config, end_of_turn_ids: tuple[in
     glue = TurnGlue(
         AutoTokenizer.from_pretrained(cfg.model.hf_dir), e.observation_role, e.observation_tokens, end_of_turn_ids
     )
-    return EpisodeRunner(engine, e, glue)
+    return EpisodeRunner(engine, e, glue, cfg.reward)
 
 
 def chat_stop_ids(cfg: Config) -> tuple[int, ...]:

@@ -104,6 +104,10 @@ class VerifierTable:
         if name is not None:
             reasoning_gym.scorer(name)
 
+    def score_row(self, task: str, response: str, reference: Any) -> float:
+        """One row's reward in this process: `route`, then `score`."""
+        return self.score(self.route(task, reference), task, response, reference)
+
     def score(self, verifier: str, task: str, response: str, reference: Any) -> float:
         """The reward of one response by the verifier ``route`` named."""
         kind, _, name = verifier.partition(":")

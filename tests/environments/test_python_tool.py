@@ -13,6 +13,8 @@ from megatron_rlvr.environments.host import EnvironmentHost
 from megatron_rlvr.environments.python_tool import PythonToolEnvironment, tool_call, tool_limits
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards import sandbox
+from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.rewards.verifiers import VerifierTable
 from tests.rewards.sandbox_helpers import DISK_FILL, FORK_BOMB, READ_FILES, leftovers, sandbox_processes, with_stdin
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="hostile-program tests need root (per-run uid, namespaces)")
@@ -25,9 +27,9 @@ CFG = EnvironmentConfig(
 PROBLEM = Problem("countdown-1", "3 7 4 9 -> 31:", (1, 2), "countdown", {"numbers": [3, 7, 4, 9], "target": 31})
 
 
-def _tool() -> PythonToolEnvironment:
-    env = PythonToolEnvironment(tool_limits(CFG))
-    assert env.reset(PROBLEM) == []
+def _tool(problem: Problem = PROBLEM, reward: RewardConfig | None = None) -> PythonToolEnvironment:
+    env = PythonToolEnvironment(tool_limits(CFG), VerifierTable(reward or RewardConfig()))
+    assert env.reset(problem) == []
     return env
 
 
@@ -48,6 +50,17 @@ def test_tool_calls_run_and_answers_are_scored():
     assert _tool().step("3 * 7 + 4 * 9 - 26\n").reward == 0.0  # 26 is not given
     right = _tool().step("3 * 9 + 4\n")
     assert right.done and right.reward == 1.0
+
+
+def test_answers_are_scored_by_the_runs_verifiers():
+    """A reasoning-gym row is scored as the reward pool scores it, with the run's reward.answer."""
+    problem = Problem(
+        "rg-1", "Calculate 95 - 21.", (1,), "reasoning_gym:basic_arithmetic", {"answer": "74", "metadata": {}}
+    )
+    assert _tool(problem, RewardConfig(answer="last_number")).step("95 - 21 = 74.").reward == 1.0
+    assert _tool(problem, RewardConfig(answer="last_number")).step("It is 75.").reward == 0.0
+    assert _tool(problem, RewardConfig(answer="tagged")).step("95 - 21 = 74.").reward < 1.0  # no <answer> tags
+    assert _tool(problem, RewardConfig(answer="tagged")).step("<answer>74</answer>").reward == 1.0
 
 
 def test_the_tool_workers_must_fit_their_sandbox_budgets_in_memory():
