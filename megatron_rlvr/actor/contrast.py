@@ -1,7 +1,7 @@
 """CRPO's first pass (algos/crpo.py): the policy's per-position sim and dE on the teacher's top-K support over a whole
 mini-batch, without grad, then the group-coupled weights every micro-batch's loss reads.
 
-``contrast_weights(passes, model, mini, cfg)`` runs the policy forward only through the actor's own passes (the same
+``contrast_weights(passes, model, mini, planned, cfg)`` runs the policy forward only through the actor's own passes (the same
 plan, packing and schedule as the update that follows, at the same weights), gathers (sim, dE) [B, S - 1] of every
 sequence to every rank, and returns ``group_weights`` of the mini-batch: ``mini.crpo_weights`` [B, S - 1, 2] and the
 ``crpo/*`` metrics. The second pass is the update itself (``policy_loss(..., crpo_weights=)``).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rlvr.actor.packing import MicroBatch
+from megatron_rlvr.actor.packing import MicroBatch, Plan
 from megatron_rlvr.actor.passes import ActorPasses
 from megatron_rlvr.actor.teacher import student_logits_at
 from megatron_rlvr.algos.config import AlgoConfig
@@ -21,13 +21,18 @@ from megatron_rlvr.protocols.batch import SequenceBatch
 
 @torch.no_grad()
 def contrast_weights(
-    passes: ActorPasses, model: list[torch.nn.Module], mini: SequenceBatch, cfg: AlgoConfig
+    passes: ActorPasses,
+    model: list[torch.nn.Module],
+    mini: SequenceBatch,
+    planned: tuple[Plan, list[MicroBatch]],
+    cfg: AlgoConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(``crpo_weights`` [B, S - 1, 2] of ``mini``, the ``crpo/*`` metrics), the same on every rank."""
+    """(``crpo_weights`` [B, S - 1, 2] of ``mini``, the ``crpo/*`` metrics), the same on every rank; ``planned`` is
+    ``passes.plan(mini)``."""
     for name in ("teacher_ids", "teacher_logits", "crpo_group", "crpo_context"):
         if getattr(mini, name) is None:
             raise ValueError(f"batch.{name}: algo.distill=crpo needs the teacher's scores (Teacher.attach) first")
-    plan, micro = passes.plan(mini)
+    plan, micro = planned
     width = mini.response_mask.shape[1]
 
     def collect(mb: MicroBatch, logits: torch.Tensor):

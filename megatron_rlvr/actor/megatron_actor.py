@@ -248,8 +248,11 @@ class MegatronActor:
             mini = batch.select(slice(i * per_mini, (i + 1) * per_mini))
             contrast: dict[str, float] = {}
             if self.algo_cfg.distill == "crpo" and self.algo_cfg.crpo_coef > 0:  # mini-batches hold whole groups
-                with self.replay.pass_over(mini, self.passes.plan(mini)[0], "other"):
-                    mini.crpo_weights, contrast = contrast_weights(self.passes, self.model, mini, self.algo_cfg)
+                planned = self.passes.plan(mini)
+                with self.replay.pass_over(mini, planned[0], "other"):
+                    mini.crpo_weights, contrast = contrast_weights(
+                        self.passes, self.model, mini, planned, self.algo_cfg
+                    )
             plan, micro = self.passes.plan(mini)
             scale = len(micro) * dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
             num_tokens = float(mini.response_mask.sum())

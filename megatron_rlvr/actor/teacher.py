@@ -61,12 +61,11 @@ def reference_text(item: PromptItem) -> str:
         for key in ("solution", "answer"):
             if isinstance(answer.get(key), (str, int, float)) and str(answer[key]).strip():
                 return str(answer[key])
-        if item.task == "countdown" and "numbers" in answer and "target" in answer:
-            from megatron_rlvr.tasks.countdown import solutions
+        if item.task == "countdown":
+            from megatron_rlvr.tasks.countdown import reference_solution
 
-            found = solutions(tuple(answer["numbers"]), int(answer["target"]))
-            if found:
-                return found[0]
+            if (found := reference_solution(answer)) is not None:
+                return found
     elif isinstance(answer, (int, float)) and not isinstance(answer, bool):
         return str(answer)
     elif isinstance(answer, str) and answer.strip():

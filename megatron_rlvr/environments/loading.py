@@ -42,5 +42,5 @@ def environment_factory(cfg: EnvironmentConfig, reward: RewardConfig | None = No
 def check_environment(cfg: EnvironmentConfig) -> None:
     """Import the configured environment's factory, so that a bad spec fails when the config loads. Nothing is
     made here: an environment whose construction hangs is the workers' to kill (`host.py`)."""
-    if cfg.enabled:
+    if cfg.enabled and cfg.name not in BUILT_IN:
         environment_factory(cfg)

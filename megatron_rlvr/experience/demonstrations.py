@@ -34,12 +34,11 @@ def reference_solution(item: PromptItem) -> str:
         solution = answer.get("solution")
         if isinstance(solution, str) and solution.strip():
             return solution
-        if item.task == "countdown" and "numbers" in answer and "target" in answer:
-            from megatron_rlvr.tasks.countdown import solutions
+        if item.task == "countdown":
+            from megatron_rlvr.tasks.countdown import reference_solution
 
-            found = solutions(tuple(answer["numbers"]), int(answer["target"]))
-            if found:
-                return found[0]
+            if (found := reference_solution(answer)) is not None:
+                return found
     raise UserError(
         f"algo.demonstrations: prompt {item.id!r} (task {item.task!r}) has no reference solution to train on "
         f"(its answer is {answer!r}); SFT on demonstrations needs a task whose rows carry answer.solution, or countdown"

@@ -111,6 +111,15 @@ def _expressions(numbers: tuple[int, ...], cap: int) -> dict[int, dict[int, dict
     return table
 
 
+def reference_solution(reference: object) -> str | None:
+    """The first solver expression of a countdown reference ``{"numbers": [...], "target": n}`` (what the
+    privileged context and SFT's demonstrations show of a row); None when it is not one or has no solution."""
+    if not (isinstance(reference, dict) and "numbers" in reference and "target" in reference):
+        return None
+    found = solutions(tuple(reference["numbers"]), int(reference["target"]))
+    return found[0] if found else None
+
+
 def solutions(numbers: tuple[int, ...] | list[int], target: int, cap: int = 256) -> list[str]:
     """Distinct solution strings for ``target`` (sorted, at most about ``cap`` per sub-multiset of the numbers)."""
     table = _expressions(tuple(numbers), cap)
