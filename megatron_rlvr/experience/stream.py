@@ -75,6 +75,7 @@ class Done:
     uniform: bool
     group: Group
     counters: dict[str, int]
+    resumed: int = 0  # responses continued from a checkpoint's saved tokens
 
 
 @dataclass
@@ -117,6 +118,7 @@ class StreamCore:
         self.finished: dict[int, Group] = {}  # the shipper's finished groups, not yet trained
         self.filtered: list[Group] = []  # the shipper's groups dynamic sampling dropped since the last step
         self.counters: dict[str, int] = {}  # the shipper's reward counters since the last step
+        self.resumed: dict[int, int] = {}  # the shipper's finished groups' responses continued after a resume
         self.outbox: list[Done] = []
         self.answers: dict[str, list[Response]] = {}  # "generate" requests (validation, PBA's base evidence)
         self.busy_s = 0.0  # this rank's time in engine steps and scoring since the last exchange
@@ -192,9 +194,7 @@ class StreamCore:
         rewards, counters = score(self.pool, [flight.item], [completions], shared=False)
         group = group_of(0, flight.entry.index, flight.item, completions, rewards, self.cfg)
         resumed = sum(r.resumed for r in flight.responses)
-        if resumed:
-            counters = {**counters, "resumed_responses": resumed}
-        self.outbox.append(Done(flight.entry.index, group.uniform, group, counters))
+        self.outbox.append(Done(flight.entry.index, group.uniform, group, counters, resumed))
 
     # -- the replicated ledger
 
@@ -222,6 +222,7 @@ class StreamCore:
                 self.filtered.append(done.group)
             else:
                 self.finished[done.index] = done.group
+                self.resumed[done.index] = done.resumed
 
     def idle(self) -> bool:
         """Nothing runs anywhere and nothing may start: only a command can change that (every rank agrees)."""
@@ -243,8 +244,10 @@ class StreamCore:
         if not self.shipper:
             return None
         groups = [self.finished.pop(i) for i in chosen]
+        # counted when the group trains, not when it finishes: a continued group due after the run's last step
+        # may finish and never train
+        resumed = sum(self.resumed.pop(i, 0) for i in chosen)
         counters, self.counters = self.counters, {}
-        resumed = counters.pop("resumed_responses", 0)
         exp = assemble(
             groups,
             groups + self.filtered,
