@@ -78,7 +78,7 @@ def _train(out: Path, k: int, args: argparse.Namespace, recompute: bool = False)
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(HOOK), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "MEGATRON_RLVR_LONG_TAIL": f"{args.median},{args.sigma}",
+        "MEGATRON_RLVR_LONG_TAIL": f"{args.median},{args.sigma},{args.engine_step_ms / 1000}",
     }
     log = out.with_suffix(".log")
     started = time.perf_counter()
@@ -139,6 +139,12 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96, help="answer budget (prompt <= 32 of 128 tokens)")
     parser.add_argument("--median", type=float, default=8.0, help="median answer length (tokens)")
     parser.add_argument("--sigma", type=float, default=1.2, help="log-space spread of the answer lengths")
+    parser.add_argument(
+        "--engine-step-ms",
+        type=float,
+        default=0.0,
+        help="milliseconds added to every engine step, whatever its batch (a GPU decode step's cost shape)",
+    )
     parser.add_argument("--prompts", type=int, default=16, help="trainer.prompts_per_step")
     parser.add_argument("--async-k", default="2,4", help="the fully asynchronous modes' max_staleness values")
     parser.add_argument(

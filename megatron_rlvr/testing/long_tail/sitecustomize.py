@@ -7,9 +7,12 @@ request_params` builds a prompt's sampling parameters (the step path's `generate
 there), so a prompt gets the same L in every mode. Nothing else changes; the engine's log-probs are then those of the
 distribution without EOS before L (vLLM's processed log-probs), as with rollout.min_new_tokens.
 
-"MEDIAN,SIGMA,DELAY" also makes each engine step of the stream (`VLLMStream.step`) take DELAY seconds longer: a
-forced slow engine, so that weight updates land while responses are in flight however fast the machine is (on an
-idle machine the demo model finishes its answers before the trainer's next update)."""
+"MEDIAN,SIGMA,DELAY" also makes every engine step (vLLM's `LLMEngine.step`, which the stream calls once per step and
+`LLM.generate` in a loop) take DELAY seconds longer, whatever its batch. Tests use it as a forced slow engine, so
+that weight updates land while responses are in flight however fast the machine is (on an idle machine the demo
+model finishes its answers before the trainer's next update). The benchmark uses it to give the engine a GPU's cost
+shape: a decode step of a large model on a GPU is bound by reading the weights, so it costs nearly the same for 1
+sequence as for 256, while a CPU step of the tiny demo model costs in proportion to its batch."""
 
 import math
 import os
@@ -48,7 +51,9 @@ def _slowed(step, delay: float):
 def _patch(module, median: float, sigma: float, delay: float) -> None:
     module.request_params = _long_tailed(module.request_params, median, sigma)
     if delay > 0:
-        module.VLLMStream.step = _slowed(module.VLLMStream.step, delay)
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        LLMEngine.step = _slowed(LLMEngine.step, delay)
     print(
         f"[long-tail] answers of log-normal length: median {median:g} tokens, sigma {sigma:g}; "
         f"{delay:g} s added to each engine step",
