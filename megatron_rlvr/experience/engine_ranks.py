@@ -4,19 +4,22 @@ cross group (wire.py), sends the weights (rollout/transfer.py) and receives each
 the other actor ranks. With ``rollout.max_staleness: 1`` the engines sample step t+1 with the weights the update t
 starts from, while the actor runs update t: one update stale, logged as ``rollout/staleness``. With
 ``rollout.max_staleness >= 2`` the engines stream (stream_server.py, docs/async.md): each step "takes" what the
-admission ledger selects, and the weights of every update go in while responses are in flight.
+admission ledger selects, and the weights of every update go in while responses are in flight; the weights of step
+s + 1 carry its "take", so its experience is on its way while the actor logs step s.
 
 Exact resume: a step's rollout is a function of the run seed, the step, the prompt stream's state and the weight
 version that samples it. With max_staleness 0 that version is the checkpoint's own weights, so a resumed run
 regenerates the step. With 1, the step after a checkpoint was sampled by the weights before the last update, which
 the checkpoint no longer holds: that rollout is received before the checkpoint is written and stored with it
 (`pending`), and a resumed run trains on it. Streamed, a checkpoint stores the stream's state instead (finished
-groups and every response in flight, `stream.StreamState`), which a resumed run continues; timing decides which
-version samples which token there, so a resumed run is not the uninterrupted one (docs/async.md says what holds).
+groups, every response in flight and the next step's experience when it had shipped, `stream.StreamState`), which a
+resumed run continues; timing decides which version samples which token there, so a resumed run is not the
+uninterrupted one (docs/async.md says what holds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -58,14 +61,15 @@ class EngineRanksSource:
 
             self.sender = WeightSender(roles.cross, timeout_s=ROLE_TIMEOUT_S)
         self.engine_version: int | None = None  # the weight version the engines hold
-        self.inflight: int | None = None  # the step the engines are collecting (max_staleness 1)
-        self.prefetched: Rollout | None = None if self.streaming else pending
+        self.inflight: int | None = None  # the step whose experience is on its way (asked for, not received)
+        self.prefetched: Rollout | None = pending.taken if self.streaming and pending is not None else pending
         self.snapshot = pending if self.streaming else None  # streamed: the stream's state for the next checkpoint
         self.transfer: dict[str, float] = {}
         self.engine = RemoteEngine(self)  # validation samples through it (validation.validate)
         self._ensure_weights(start_step)
         if self.streaming:  # from here on the engines admit prompts and generate without pause
-            self._command(Command("start", step=start_step, loader=self.loader.state_dict(), state=pending))
+            state = None if pending is None else dataclasses.replace(pending, taken=None)
+            self._command(Command("start", step=start_step, loader=self.loader.state_dict(), state=state))
         self.stepped = time.perf_counter()  # when the last experience was handed over
 
     # -- the trainer's interface
@@ -95,8 +99,11 @@ class EngineRanksSource:
     def _take(self, step: int) -> tuple[Experience, dict[str, float]]:
         """Streamed: step ``step``'s groups as the engines' admission ledger selects them (they go on generating)."""
         started = time.perf_counter()
-        self._command(Command("take", step=step))
-        rollout = self._receive()
+        self._drain()  # asked for with the weights of this step (after_update), or taken before a checkpoint
+        rollout, self.prefetched = self.prefetched, None
+        if rollout is None:
+            self._command(Command("take", step=step))
+            rollout = self._receive()
         if rollout.step != step:
             raise EngineRankError(f"the engine ranks sent step {rollout.step}'s experience for step {step}")
         self.loader.load_state_dict(rollout.loader_after)
@@ -111,8 +118,9 @@ class EngineRanksSource:
 
     def after_update(self, step: int) -> dict[str, float]:
         # the next step samples with the weights just trained; streamed, they go in while responses are in flight
+        # and ask for that step's experience
         if not self.off_policy and step + 1 < self.cfg.trainer.steps:
-            self._ensure_weights(step + 1)
+            self._ensure_weights(step + 1, take=self.streaming)
         return self.take_transfer_metrics()
 
     def validate(self, step: int, val_items: list[PromptItem], pad_id: int) -> tuple[dict[str, float], np.ndarray]:
@@ -122,8 +130,9 @@ class EngineRanksSource:
 
     def state_dict(self) -> dict[str, Any]:
         if self.streaming:  # the stream's state: finished groups and every response in flight (docs/async.md)
+            self._drain()  # the next step's experience, if asked for, left the ledger: the checkpoint keeps it
             self._command(Command("snapshot"))
-            self.snapshot = self._receive()
+            self.snapshot = dataclasses.replace(self._receive(), taken=self.prefetched)
             return {"loader": self.snapshot.loader}
         self._drain()  # a checkpoint holds the rollout the engines sampled with weights it no longer has
         return {"loader": self.loader.state_dict()}
@@ -173,13 +182,13 @@ class EngineRanksSource:
             if self.prefetched.step != step:
                 raise EngineRankError(f"the engine ranks sent step {self.prefetched.step} for step {step}")
 
-    def _ensure_weights(self, version: int) -> None:
+    def _ensure_weights(self, version: int, take: bool = False) -> None:
         """The engines hold the actor's current weights (version ``version``) afterwards; a collective over the
-        actor ranks (every rank joins the export)."""
+        actor ranks (every rank joins the export). Streamed, ``take`` asks for step ``version``'s experience too."""
         if self.engine_version == version:
             return
         self._drain()
-        self._command(Command("weights", version=version))
+        self._command(Command("weights", version=version, take=take))
         buckets = self.actor.engine_weights(self.cfg.rollout.bucket_bytes, lend=True)
         if self.sender is not None:
 
@@ -197,6 +206,8 @@ class EngineRanksSource:
                 pass
             stats = self._first(lambda: None, "sending the weights")
         self.engine_version = version
+        if take:
+            self.inflight = version
         for key, value in (stats or {}).items():
             self.transfer[key] = self.transfer.get(key, 0.0) + float(value)
 

@@ -12,8 +12,8 @@ Seeds: the group admitted a-th is sampled with the seed of prompt ``a % N`` of s
 round 0, rollout rank 0), so with nothing in flight across an update it samples exactly what the step path samples.
 A response continued after a resume takes the seed of refill round ``1 + resumes`` instead.
 
-A checkpoint holds a `StreamState`: the ledger, the finished groups not yet trained, and every response in flight
-with its tokens, log-probs and versions so far. A resumed run puts it back and continues each unfinished response
+A checkpoint holds a `StreamState`: the ledger, the finished groups not yet trained, every response in flight
+with its tokens, log-probs and versions so far, and the next step's experience when it had already shipped. A resumed run puts it back and continues each unfinished response
 from its saved tokens (a new request: prompt + those tokens, the rest of the budget), so every admitted prompt trains
 exactly once and the bound holds across the resume.
 """
@@ -90,6 +90,9 @@ class StreamState:
     in_flight: list[InFlight]
     finished: list[Group]
     totals: dict[str, int]  # groups that left the ledger so far: trained, filtered (dynamic sampling)
+    # the next step's experience, shipped (it left the ledger) and received by the actor before the checkpoint was
+    # taken: a resumed run trains it first. Set by the actor's side, never by `StreamCore.state`
+    taken: Rollout | None = None
 
 
 class StreamCore:

@@ -4,7 +4,10 @@ transport around `stream.StreamCore`.
 The engine ranks generate continuously and listen for the actor's commands between engine steps (wire.py;
 `roles.ObjectListener` polls the command broadcast without waiting):
 - "weights": receive the actor's weights (rollout/transfer.py) between two engine steps and load them while responses
-  are in flight; with ``rollout.recompute_kv_after_sync`` their KV cache is then recomputed with the new weights;
+  are in flight; with ``rollout.recompute_kv_after_sync`` their KV cache is then recomputed with the new weights.
+  With ``take``, it is also the "take" of the step these weights train: the actor asks for the next step's
+  experience as it sends the weights, so the reply leaves as soon as the step is ready instead of one engine step
+  after a separate command (the step a command waits for can be long: the engine runs every response in flight);
 - "start": the prompt stream's state (and a checkpoint's `StreamState`) to stream from; before it nothing is admitted;
 - "take": reply with step s's experience as soon as the admission ledger selects it (the engines go on meanwhile);
 - "generate": the actor's own requests (validation, PBA's base evidence), answered by the stream;
@@ -114,6 +117,8 @@ class _Server:
                 if self.cfg.rollout.recompute_kv_after_sync:
                     self.core.stream.refresh_kv()
                 self.core.version = self.version
+                if command.take:
+                    self.awaiting_reply, self.take = True, command.version
             return True
         if self.version is None:
             raise RuntimeError(f"{kind!r} before any weights arrived")
@@ -168,6 +173,8 @@ class _Server:
                         _, stream = self.receiver.receive()
                         for _ in stream:
                             pass
+                    if command.take:  # the actor waits for a reply to it
+                        break
             if command.kind != "stop":
                 send_object(self.group, failure, 0)
         except Exception:  # noqa: BLE001 - the actor is gone too: nothing left to tell

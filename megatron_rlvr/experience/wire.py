@@ -43,6 +43,7 @@ class Command:
     loader: dict[str, Any] | None = None
     requests: list[Any] = field(default_factory=list)  # "generate": (prompt ids, n, Sampling) per actor rank
     state: Any = None  # "start": the checkpoint's stream.StreamState to resume, or None
+    take: bool = False  # streamed "weights": then take step ``version``'s experience (the step they train)
 
 
 @dataclass

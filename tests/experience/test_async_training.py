@@ -122,7 +122,9 @@ def test_sigterm_checkpoints_the_stream_and_the_rerun_continues_its_responses(tm
     state = torch.load(ckpt / "pending_rollout.pt", weights_only=False)
     partial = sum(len(r.token_ids) > 0 and not r.finish_reason for f in state.in_flight for r in f.responses)
     print(f"stopped after step {stopped}: {len(state.in_flight)} groups in flight, {partial} partial responses")
-    assert state.next_step == stopped and state.version == stopped and partial > 0
+    # the weights of step `stopped` asked for its experience: it shipped before the snapshot and the checkpoint keeps
+    # it, so the ledger's next step is the one after
+    assert state.taken.step == stopped and state.next_step == stopped + 1 and state.version == stopped and partial > 0
 
     assert _finish(_torchrun(out, 6, ["checkpoint.save_every=0"], "rerun"), out, "rerun") == 0
     assert f"resuming from {ckpt}" in (tmp_path / "rerun.log").read_text()

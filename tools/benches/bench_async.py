@@ -12,14 +12,23 @@ after ~8 tokens, so megatron_rlvr/testing/long_tail makes every answer to a prom
 per prompt (``--median``, ``--sigma``), cut at ``--max-new-tokens``. The same prompt gets the same L in every mode;
 the lengths of the measured steps' prompts are reported (median, longest).
 
+Each mode runs once per engine cost shape (``--engine-step-ms``, default 0 and 10). At 0 the engine costs what the
+CPU makes it cost: a step of the tiny demo model costs in proportion to its batch, so a step's long tail (a few
+sequences decoding alone) is cheap. On a GPU a decode step of a large model is bound by reading the weights and costs
+nearly the same for 1 sequence as for 256: there the tail costs as much per token position as the full batch, which
+is what fully asynchronous training wins back. The hook adds that fixed cost to every engine step of every mode
+(vLLM's ``LLMEngine.step``, which on-policy and one-step-off reach through ``LLM.generate`` and the stream calls
+directly); the JSON's top-level figures are those of the last cost listed, each cost's ratios are under
+``by_engine_step_ms``.
+
 Per mode, over the steps after ``--warmup`` (the first ones include the engine start): samples/s (trained responses
 over the trainer's wall time: the sum of its per-step breakdown, rollout wait + statistics + update + weight sync),
 the trainer's idle share (its rollout wait over that time), the engine's idle share (1 - the engine's busy time,
 ``rollout/engine_seconds``, over that time) and the mean staleness of the trained responses. The last line is one
 JSON object.
 
-    python tools/benches/bench_async.py                          # 12 steps per mode (4 warm-up), median 8 tokens, sigma 1.2
-    python tools/benches/bench_async.py --steps 6 --warmup 2 --async-k 2
+    python tools/benches/bench_async.py      # 12 steps per mode (4 warm-up), median 8 tokens, sigma 1.2, +0 and +10 ms
+    python tools/benches/bench_async.py --steps 6 --warmup 2 --async-k 2 --engine-step-ms 0
 """
 
 from __future__ import annotations
@@ -78,7 +87,7 @@ def _train(out: Path, k: int, args: argparse.Namespace, recompute: bool = False)
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(HOOK), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "MEGATRON_RLVR_LONG_TAIL": f"{args.median},{args.sigma},{args.engine_step_ms / 1000}",
+        "MEGATRON_RLVR_LONG_TAIL": f"{args.median},{args.sigma},{args.step_ms / 1000}",
     }
     log = out.with_suffix(".log")
     started = time.perf_counter()
@@ -132,6 +141,40 @@ def workload_lengths(args: argparse.Namespace, steps: range) -> list[int]:
     ]
 
 
+def _figures(modes: dict[int, dict], recomputed: dict[int, dict]) -> dict:
+    """One workload's modes and ratios (the JSON's shape for it)."""
+    names = {0: "on_policy", 1: "one_step_off"}
+    result: dict = {names.get(k, f"async_k{k}"): {n: round(v, 4) for n, v in m.items()} for k, m in modes.items()}
+    base = modes[1]["samples_per_s"]
+    for k in [k for k in modes if k >= 2]:
+        result[f"async_k{k}_over_one_step_off"] = round(modes[k]["samples_per_s"] / base, 3)
+    for k, m in recomputed.items():
+        result[f"async_k{k}_recompute"] = {n: round(v, 4) for n, v in m.items()}
+        result[f"async_k{k}_recompute_over_keep"] = round(m["samples_per_s"] / modes[k]["samples_per_s"], 3)
+    result["one_step_off_over_on_policy"] = round(base / modes[0]["samples_per_s"], 3)
+    streamed = [m for k, m in modes.items() if k >= 2] + list(recomputed.values())
+    result["max_staleness_seen"] = max((m["max_staleness"] for m in streamed), default=None)
+    result["dropped"] = sum(m["dropped"] for m in [*modes.values(), *recomputed.values()])
+    return result
+
+
+def _table(step_ms: float, modes: dict[int, dict]) -> str:
+    label = {0: "on-policy (k = 0)", 1: "one-step-off (k = 1)"}
+    lines = [
+        f"engine step + {step_ms:g} ms:",
+        "| mode | samples/s | s/step | trainer idle | engine idle | mean staleness | responses of two versions "
+        "| dropped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for k, m in modes.items():
+        lines.append(
+            f"| {label.get(k, f'fully async, k = {k}')} | {m['samples_per_s']:.1f} | {m['step_s']:.2f} "
+            f"| {m['trainer_idle']:.0%} | {m['engine_idle']:.0%} | {m['mean_staleness']:.2f} "
+            f"| {m['mixed_version_frac']:.1%} | {m['dropped']:g} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
@@ -141,9 +184,9 @@ def main() -> int:
     parser.add_argument("--sigma", type=float, default=1.2, help="log-space spread of the answer lengths")
     parser.add_argument(
         "--engine-step-ms",
-        type=float,
-        default=0.0,
-        help="milliseconds added to every engine step, whatever its batch (a GPU decode step's cost shape)",
+        default="0,10",
+        help="comma-separated: milliseconds added to every engine step whatever its batch, one workload each (0: the "
+        "CPU's own cost shape; > 0: a GPU decode step's); the JSON's top-level figures are the last one's",
     )
     parser.add_argument("--prompts", type=int, default=16, help="trainer.prompts_per_step")
     parser.add_argument("--async-k", default="2,4", help="the fully asynchronous modes' max_staleness values")
@@ -163,27 +206,26 @@ def main() -> int:
     load_before = os.getloadavg()
     ks = [0, 1, *(int(k) for k in args.async_k.split(",") if k)]
     group = 8  # the demo recipe's rollout.group_size
-    modes, recomputed = {}, {}
-    for k in ks:
-        rows = _train(out / f"k{k}", k, args)[args.warmup :]
-        modes[k] = summarize(rows, args.prompts * group)
-        print(f"max_staleness={k}: " + ", ".join(f"step {r['step']} {_step_s(r):.2f} s" for r in rows), flush=True)
-    for k in (int(k) for k in args.recompute_k.split(",") if k):
-        rows = _train(out / f"k{k}_recompute", k, args, recompute=True)[args.warmup :]
-        recomputed[k] = summarize(rows, args.prompts * group)
+    by_cost: dict[str, dict] = {}
+    for step_ms in [float(ms) for ms in args.engine_step_ms.split(",") if ms]:
+        args.step_ms = step_ms
+        where = out / f"step{step_ms:g}ms"
+        where.mkdir(parents=True, exist_ok=True)
+        modes, recomputed = {}, {}
+        for k in ks:
+            rows = _train(where / f"k{k}", k, args)[args.warmup :]
+            modes[k] = summarize(rows, args.prompts * group)
+            print(f"max_staleness={k}: " + ", ".join(f"step {r['step']} {_step_s(r):.2f} s" for r in rows), flush=True)
+        for k in (int(k) for k in args.recompute_k.split(",") if k):
+            rows = _train(where / f"k{k}_recompute", k, args, recompute=True)[args.warmup :]
+            recomputed[k] = summarize(rows, args.prompts * group)
+        print(_table(step_ms, modes), flush=True)
+        by_cost[f"{step_ms:g}"] = _figures(modes, recomputed)
     lengths = sorted(workload_lengths(args, range(args.warmup, args.steps)))
-    names = {0: "on_policy", 1: "one_step_off"}
-    result: dict = {names.get(k, f"async_k{k}"): {n: round(v, 4) for n, v in m.items()} for k, m in modes.items()}
-    base = modes[1]["samples_per_s"]
-    for k in ks[2:]:
-        result[f"async_k{k}_over_one_step_off"] = round(modes[k]["samples_per_s"] / base, 3)
-    for k, m in recomputed.items():
-        result[f"async_k{k}_recompute"] = {n: round(v, 4) for n, v in m.items()}
-        result[f"async_k{k}_recompute_over_keep"] = round(m["samples_per_s"] / modes[k]["samples_per_s"], 3)
-    result["one_step_off_over_on_policy"] = round(base / modes[0]["samples_per_s"], 3)
-    streamed = [m for k, m in modes.items() if k >= 2] + list(recomputed.values())
-    result["max_staleness_seen"] = max((m["max_staleness"] for m in streamed), default=None)
-    result["dropped"] = sum(m["dropped"] for m in [*modes.values(), *recomputed.values()])
+    result = {**by_cost[f"{args.step_ms:g}"], "engine_step_ms": args.step_ms}
+    result["by_engine_step_ms"] = {ms: {k: v for k, v in f.items() if "over" in k} for ms, f in by_cost.items()}
+    result["max_staleness_seen"] = max((f["max_staleness_seen"] or 0) for f in by_cost.values())
+    result["dropped"] = sum(f["dropped"] for f in by_cost.values())
     result["lengths"] = {
         "median": statistics.median(lengths),
         "longest": max(lengths),
