@@ -96,19 +96,9 @@ def _check_steps(rows: list[dict], steps: int) -> None:
         assert r["response/tokens_trained"] > 0
 
 
-def test_trains_fully_async_within_the_bound_with_two_version_responses(tmp_path):
-    out = tmp_path / "run"
-    assert _finish(_torchrun(out, 6), out) == 0
-    rows = _logged(out)
-    _check_steps(rows, 6)
-    assert rows[0]["rollout/staleness_max"] == 0 and max(r["rollout/staleness_max"] for r in rows) == K
-    assert sum(r["rollout/mixed_version_frac"] for r in rows) > 0  # partial rollouts: tokens of two versions
-    assert all(r["transfer/bytes"] > 0 for r in rows[:-1])
-    histograms = [json.loads(line) for line in (out / "histograms.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in histograms if h["name"] == "rollout/staleness"] == list(range(1, 7))
-
-
-def test_sigterm_checkpoints_the_stream_and_the_rerun_continues_its_responses(tmp_path):
+def test_trains_within_the_bound_and_a_sigterm_checkpoint_continues_its_responses(tmp_path):
+    """One run of 6 steps, stopped by SIGTERM after step 2 or 3 and resumed: the bound on every step, responses of
+    two weight versions, the weights sent after every step but the last, and the stream's checkpoint continued."""
     import torch
 
     out = tmp_path / "run"
@@ -131,6 +121,11 @@ def test_sigterm_checkpoints_the_stream_and_the_rerun_continues_its_responses(tm
     rows = _logged(out)
     _check_steps(rows, 6)
     assert sum(r["async/resumed_responses"] for r in rows[stopped:]) == partial  # each continued, trained once
+    assert rows[0]["rollout/staleness_max"] == 0 and max(r["rollout/staleness_max"] for r in rows) == K
+    assert sum(r["rollout/mixed_version_frac"] for r in rows) > 0  # partial rollouts: tokens of two versions
+    assert all(r["transfer/bytes"] > 0 for r in rows[:-1])
+    histograms = [json.loads(line) for line in (out / "histograms.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in histograms if h["name"] == "rollout/staleness"] == list(range(1, 7))
 
 
 def test_kill9_resumes_from_the_last_periodic_checkpoint(tmp_path):
