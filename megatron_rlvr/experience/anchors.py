@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.experience.collect import Experience, generate, group_of, score, to_batch
+from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout.prefixes import without_prefixes
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class AnchorRollout:
         self,
         cfg: Config,
         engine: RolloutEngine,
-        pool,
+        pool: RewardPool,
         loader: PromptLoader,
         reset: Callable[[], None],
         directory: Path,

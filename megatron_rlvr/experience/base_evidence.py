@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_rlvr.algos.pba import pba_metrics, sequence_kl_coef
 from megatron_rlvr.errors import ConfigError, UserError
 from megatron_rlvr.experience.collect import generate, score
+from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout.prefixes import without_prefixes
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class BaseEvidenceError(UserError, ValueError):
 
 def base_evidence(
     engine: RolloutEngine,
-    pool,
+    pool: RewardPool,
     items: list[PromptItem],
     cfg: Config,
     path: Path,
@@ -148,7 +149,7 @@ def _write(path: Path, header: dict[str, Any], counts: dict[str, int]) -> None:
 
 
 def pba_anchor(
-    cfg: Config, engine: RolloutEngine, pool, items: list[PromptItem], path: Path, start_step: int
+    cfg: Config, engine: RolloutEngine, pool: RewardPool, items: list[PromptItem], path: Path, start_step: int
 ) -> Callable[[list[PromptItem]], tuple[torch.Tensor, dict[str, float]]]:
     """PBA: the frozen base's correct counts per training prompt (drawn now, before the first update, or read back
     from ``path``) and a function from a step's prompts to per-response KL coefficients and the pba/* metrics."""

@@ -32,6 +32,7 @@ from megatron_rlvr.data import PromptItem
 from megatron_rlvr.environments import EpisodeEngine, Problem
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout import Completion, EngineDiedError, RolloutConfig, RolloutEngine, Sampling
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def problem_of(item: PromptItem) -> Problem:
 
 
 def score(
-    pool, items: list[PromptItem], completions: list[list[Completion]], *, shared: bool = True
+    pool: RewardPool, items: list[PromptItem], completions: list[list[Completion]], *, shared: bool = True
 ) -> tuple[torch.Tensor, dict[str, int]]:
     """Rewards of every response, in (prompt, sample) order. ``shared``: each rank scores a share and all ranks get
     all; otherwise this rank scores them all alone."""

@@ -19,6 +19,7 @@ from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.experience.collect import Experience, score, to_batch
+from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout import Completion
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def reference_solution(item: PromptItem) -> str:
 class Demonstrations:
     """Replaces the responses of each step's experience by its prompts' demonstrations (see the module doc)."""
 
-    def __init__(self, cfg: Config, tokenizer: Any, pool, pad_id: int) -> None:
+    def __init__(self, cfg: Config, tokenizer: Any, pool: RewardPool, pad_id: int) -> None:
         self.cfg, self.tokenizer, self.pool, self.pad_id = cfg, tokenizer, pool, pad_id
         self._cache: dict[str, Completion] = {}
 

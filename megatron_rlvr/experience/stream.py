@@ -32,6 +32,7 @@ from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.experience.admission import Entry, Ledger
 from megatron_rlvr.experience.collect import Experience, Group, assemble, group_of, sampling_seed, score
 from megatron_rlvr.experience.wire import Rollout
+from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout import Completion, Progress, Sampling, StreamingEngine, prompt_seed
 
 
@@ -101,7 +102,7 @@ class StreamCore:
     def __init__(
         self,
         stream: StreamingEngine,
-        pool,
+        pool: RewardPool,
         loader: PromptLoader,
         cfg: Config,
         *,

@@ -69,7 +69,7 @@ class _Server:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.replicas, self.replica = self.world // cfg.rollout.tp, self.rank // cfg.rollout.tp
         self.group = roles.cross_objects
-        self.pool: Any = None
+        self.pool: RewardPool | None = None
         self.version: int | None = None
         self.core: StreamCore | None = None
         self.take: int | None = None  # the step the actor waits for
