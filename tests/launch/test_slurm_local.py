@@ -70,17 +70,42 @@ def reference(tmp_path_factory, slurm_cluster):
     launch.stop()
 
 
+SEPARATE_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory, slurm_cluster):
+    """The separate-placement run, submitted by the preempted job's fixture once that job runs: it waits in the
+    queue for the reference run's slot and then runs while the preempted job sleeps in its slow checkpoint and waits
+    to be requeued, when the machine would otherwise idle. Waited for by its test."""
+    home = tmp_path_factory.mktemp("separate")
+    args = [
+        *TWO_NODES,
+        "rollout.placement=separate",
+        "rollout.engine_ranks=1",
+        "actor.tp=1",
+        "rollout.max_staleness=1",
+        *TRAIN_OVERRIDES,
+        f"trainer.steps={SEPARATE_STEPS}",
+        f"trainer.output_dir={home}/out",
+    ]
+    launch = BackgroundLaunch("train.py", args, home)  # its wait counts from here: queued, it first waits for a slot
+    yield launch
+    launch.stop()
+
+
 def _reference_metrics(reference: BackgroundLaunch) -> list[dict]:
     assert reference.wait(JOB_TIMEOUT_S) == 0, launch_log(reference.home)[-4000:]
     return metrics(reference.home / "out")
 
 
 @pytest.fixture(scope="module")
-def preempted(tmp_path_factory, slurm_cluster, reference):
+def preempted(request, tmp_path_factory, slurm_cluster, reference):
     """ONE preempted job, which the two preemption tests read: submitted with `--signal USR1@600`, signalled mid-run
     as `scancel --signal=USR1 --full` does it (batch shell, torchrun and ranks), its stop's checkpoint made 35 s
     slower (tests/launch/slow_checkpoint, the first run's checkpoints only) than torchrun's default 30 s grace before
-    SIGKILL, and waited for to nemo-run's verdict. Its jobs are cancelled at teardown."""
+    SIGKILL, and waited for to nemo-run's verdict. Its jobs are cancelled at teardown. Once it runs, the separate-
+    placement run is submitted to follow the reference run into the cluster's second slot."""
     home = tmp_path_factory.mktemp("preempted")
     hook = REPO / "tests" / "launch" / "slow_checkpoint"
     slow = ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", f"{CHECKPOINT_DELAY_ENV}={CHECKPOINT_DELAY_S}"]
@@ -89,6 +114,7 @@ def preempted(tmp_path_factory, slurm_cluster, reference):
     launch = start_launch("train.py", train_args(home, "--signal", "USR1@600", *slow), home)
     try:  # a failure anywhere here, or after the tests, leaves neither the launcher nor the job
         job = wait_for_job(home, launch)
+        request.getfixturevalue("separate")
         wait_until(lambda: logged_steps(home / "out") >= 1, 600, "the first logged step", launch, home)
         slurm("scancel", "--signal=USR1", "--full", str(job))
         t_signal = time.monotonic()
@@ -194,28 +220,16 @@ def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home):
     assert_nothing_left(home)
 
 
-@pytest.mark.timeout(1200)
-def test_separate_placement_across_nodes(home):
+@pytest.mark.timeout(1800)
+def test_separate_placement_across_nodes(separate):
     """The actor (rank 0) on one node, the engine rank on the other, one-step-off, 3 steps."""
-    t0 = time.monotonic()
-    out = run_launch(
-        "train.py",
-        [
-            *TWO_NODES,
-            "rollout.placement=separate",
-            "rollout.engine_ranks=1",
-            "actor.tp=1",
-            "rollout.max_staleness=1",
-            *TRAIN_OVERRIDES,
-            "trainer.steps=3",
-            f"trainer.output_dir={home}/out",
-        ],
-        home,
-        timeout=JOB_TIMEOUT_S,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert [m["step"] for m in metrics(home / "out")] == [1, 2, 3]
-    print(f"separate placement, 3 steps one-step-off: {time.monotonic() - t0:.0f} s")
+    home = separate.home
+    assert separate.wait(2 * JOB_TIMEOUT_S) == 0, launch_log(home)[-4000:]
+    (job,) = job_ids(home)
+    assert job_runs(job) == [("COMPLETED", "0:0")]
+    assert [m["step"] for m in metrics(home / "out")] == list(range(1, SEPARATE_STEPS + 1))
+    print(f"separate placement, 3 steps one-step-off: {separate.seconds:.0f} s from submission (queued) to SUCCEEDED")
+    assert_nothing_left(home)
 
 
 def _eval_args(home: Path, data: Path, out: Path) -> list[str]:
