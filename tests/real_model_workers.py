@@ -18,9 +18,9 @@ import torch.distributed as dist
 from tests.real_model import RESPONSE_TOKENS, ChatBatch
 
 BUCKET_BYTES = 64 << 20
-SAMPLES_PER_PROMPT = 8  # 8 prompts x 8: the 64 responses an engine samples after a weight sync
+SAMPLES_PER_PROMPT = 4  # 8 prompts x 4: the 32 responses an engine samples after a weight sync
 UPDATE_ROWS = slice(0, 2)  # the update that moves the weights before a sync: two sequences (a cheap step)
-# a KV cache for ~4,300 tokens (46 KiB per token in fp32): about 40 of the 64 sequences at once
+# a KV cache for ~4,300 tokens (46 KiB per token in fp32): all 32 sequences at once
 ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=192 << 20)
 
 
@@ -110,7 +110,7 @@ def layout_tour(hf_dir: str, batch: ChatBatch, tp: int, pp: int, cp: int = 1, ch
 
     - "export": the HF export of the loaded weights (``checkpoint.save_hf``) into ``out_dir``/hf_export;
     - "colocated": one update; a sync that leaves out ``lm_head.weight`` (rank 0's engine must refuse it); the
-      colocated sync (``sync_weights``) into rank 0's vLLM-CPU engine, its 64 samples and the actor's log-probs of
+      colocated sync (``sync_weights``) into rank 0's vLLM-CPU engine, its 32 samples and the actor's log-probs of
       them;
     - "checkpoint": one update, a save into ``out_dir``, another update, the load, and every tensor of the saved
       state compared (weights, main params, Adam state, LR schedule).
@@ -190,7 +190,7 @@ def _checkpoint(actor, hf_dir: str, batch: ChatBatch, out_dir: str) -> dict[str,
 def engine_rank_tour(hf_dir: str, batch: ChatBatch) -> dict[str, Any]:
     """Separate placement on 3 ranks: the actor at (TP, PP) = (1, 2) on ranks 0-1, the engine server
     (experience/engine_server.serve) on rank 2. The actor sends its loaded weights (version 0), trains one step,
-    sends them again (version 1, rollout/transfer.py), asks the engine rank for 64 samples and scores them."""
+    sends them again (version 1, rollout/transfer.py), asks the engine rank for 32 samples and scores them."""
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.config import load_config
     from megatron_rlvr.experience.engine_ranks import EngineRanksSource

@@ -89,6 +89,32 @@ class BackgroundLaunch:
         cancel_jobs(self.home)
 
 
+class InBackground:
+    """A scenario's driver (its waits and its kills) run in a thread of its own from now, so its job can go beside
+    others; `outcome` waits for it and returns what it returned, or raises what it raised."""
+
+    def __init__(self, drive) -> None:
+        self._drive = drive
+        self._result = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._drive()
+        except BaseException as e:  # noqa: BLE001  # handed to the test that reads the outcome
+            self._error = e
+
+    def outcome(self, timeout: float):
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"the scenario did not end within {timeout:.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 def launch_log(home: Path) -> str:
     path = home / "launch.log"
     return path.read_text() if path.is_file() else ""

@@ -20,6 +20,7 @@ from tests.launch.slurm_jobs import (
     REPO,
     TRAIN_OVERRIDES,
     BackgroundLaunch,
+    InBackground,
     assert_metrics_equal,
     assert_nothing_left,
     cancel_jobs,
@@ -70,17 +71,43 @@ def reference(tmp_path_factory, slurm_cluster):
     launch.stop()
 
 
+SEPARATE_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory, slurm_cluster):
+    """The separate-placement run, submitted by the preempted job's fixture once that job runs: it waits in the
+    queue for the reference run's slot and then runs while the preempted job sleeps in its slow checkpoint and waits
+    to be requeued, when the machine would otherwise idle. Waited for by its test."""
+    home = tmp_path_factory.mktemp("separate")
+    args = [
+        *TWO_NODES,
+        "rollout.placement=separate",
+        "rollout.engine_ranks=1",
+        "actor.tp=1",
+        "rollout.max_staleness=1",
+        *TRAIN_OVERRIDES,
+        f"trainer.steps={SEPARATE_STEPS}",
+        f"trainer.output_dir={home}/out",
+    ]
+    launch = BackgroundLaunch("train.py", args, home)  # its wait counts from here: queued, it first waits for a slot
+    yield launch
+    launch.stop()
+
+
 def _reference_metrics(reference: BackgroundLaunch) -> list[dict]:
     assert reference.wait(JOB_TIMEOUT_S) == 0, launch_log(reference.home)[-4000:]
     return metrics(reference.home / "out")
 
 
 @pytest.fixture(scope="module")
-def preempted(tmp_path_factory, slurm_cluster, reference):
+def preempted(request, tmp_path_factory, slurm_cluster, reference):
     """ONE preempted job, which the two preemption tests read: submitted with `--signal USR1@600`, signalled mid-run
     as `scancel --signal=USR1 --full` does it (batch shell, torchrun and ranks), its stop's checkpoint made 35 s
     slower (tests/launch/slow_checkpoint, the first run's checkpoints only) than torchrun's default 30 s grace before
-    SIGKILL, and waited for to nemo-run's verdict. Its jobs are cancelled at teardown."""
+    SIGKILL, and waited for to nemo-run's verdict. Its jobs are cancelled at teardown. Once it runs, the separate-
+    placement run and then the killed-rank scenario are submitted to follow the reference run into the cluster's
+    second slot: they run while this job sleeps in its slow checkpoint and waits to be requeued."""
     home = tmp_path_factory.mktemp("preempted")
     hook = REPO / "tests" / "launch" / "slow_checkpoint"
     slow = ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", f"{CHECKPOINT_DELAY_ENV}={CHECKPOINT_DELAY_S}"]
@@ -89,6 +116,8 @@ def preempted(tmp_path_factory, slurm_cluster, reference):
     launch = start_launch("train.py", train_args(home, "--signal", "USR1@600", *slow), home)
     try:  # a failure anywhere here, or after the tests, leaves neither the launcher nor the job
         job = wait_for_job(home, launch)
+        request.getfixturevalue("separate")
+        request.getfixturevalue("killed_rank")
         wait_until(lambda: logged_steps(home / "out") >= 1, 600, "the first logged step", launch, home)
         slurm("scancel", "--signal=USR1", "--full", str(job))
         t_signal = time.monotonic()
@@ -153,69 +182,76 @@ def test_two_node_training_succeeds(reference):
     assert_nothing_left(home)
 
 
-@pytest.mark.timeout(1800)
-def test_a_killed_rank_fails_the_job_and_the_retry_resumes(home):
-    """kill -9 of the rank on node 2 in step 3: nemo-run's retry requeues the job and the rerun resumes from the
-    step-2 checkpoint; a second kill, with the retries spent, ends the job FAILED; nothing of it is left."""
-    launch = start_launch(
-        "train.py",
-        [*TWO_NODES, "--retries", "1", *TRAIN_OVERRIDES, "trainer.steps=8", f"trainer.output_dir={home}/out"],
+def _kill_rank_twice(home: Path, launch) -> dict:
+    """The killed-rank scenario's driver: kill -9 of the rank on node 2 once the step-2 checkpoint is complete (its
+    pointer written, while step 3 runs), then again once the retry resumed; waits for the launcher's end."""
+    latest = home / "out" / "checkpoints" / "latest"
+    job = wait_for_job(home, launch)  # its wait covers the queue: the job waits for a free slot
+    wait_until(
+        lambda: latest.is_file() and latest.read_text().strip() == "step-000002",
+        600,
+        "the step-2 checkpoint",
+        launch,
         home,
     )
-    latest = home / "out" / "checkpoints" / "latest"
+    os.kill(rank_pid(home, "n2"), signal.SIGKILL)
+    t_kill = time.monotonic()
+    wait_until(lambda: RESUMED in task_logs(home).get(1, ""), 600, "the retry's resume", launch, home)
+    resumed_log = task_logs(home)[1]
+    os.kill(rank_pid(home, "n2"), signal.SIGKILL)  # the rerun, early in its first step
+    t_kill2 = time.monotonic()
+    launch.wait(timeout=JOB_TIMEOUT_S)
+    return {
+        "job": job,
+        "resumed_log": resumed_log,
+        "to_resume_s": t_kill2 - t_kill,
+        "to_failed_s": time.monotonic() - t_kill2,
+    }
+
+
+@pytest.fixture(scope="module")
+def killed_rank(tmp_path_factory, slurm_cluster):
+    """The killed-rank run (8 steps, `--retries 1`), submitted by the preempted job's fixture after the separate-
+    placement run, driven by `_kill_rank_twice` in a thread of its own; at teardown its jobs are cancelled and none
+    of their processes may be left."""
+    home = tmp_path_factory.mktemp("killed_rank")
+    args = [*TWO_NODES, "--retries", "1", *TRAIN_OVERRIDES, "trainer.steps=8", f"trainer.output_dir={home}/out"]
+    launch = start_launch("train.py", args, home)
     try:
-        job = wait_for_job(home, launch)
-        # after the step-2 checkpoint is complete (its pointer written), while step 3 runs
-        wait_until(
-            lambda: latest.is_file() and latest.read_text().strip() == "step-000002",
-            600,
-            "the step-2 checkpoint",
-            launch,
-            home,
-        )
-        os.kill(rank_pid(home, "n2"), signal.SIGKILL)
-        t_kill = time.monotonic()
-        wait_until(lambda: RESUMED in task_logs(home).get(1, ""), 600, "the retry's resume", launch, home)
-        resumed_log = task_logs(home)[1]
-        os.kill(rank_pid(home, "n2"), signal.SIGKILL)  # the rerun, early in its first step
-        t_kill2 = time.monotonic()
-        launch.wait(timeout=JOB_TIMEOUT_S)
-        ended = time.monotonic() - t_kill2
+        yield home, launch, InBackground(lambda: _kill_rank_twice(home, launch))
     finally:
-        stop_launch(launch)
+        stop_launch(launch)  # ends the driver's waits too
+        cancel_jobs(home)
+        assert_nothing_left(home)
+
+
+@pytest.mark.timeout(1800)
+def test_a_killed_rank_fails_the_job_and_the_retry_resumes(killed_rank):
+    """kill -9 of the rank on node 2 in step 3: nemo-run's retry requeues the job and the rerun resumes from the
+    step-2 checkpoint; a second kill, with the retries spent, ends the job FAILED; nothing of it is left."""
+    home, launch, driver = killed_rank
+    seen = driver.outcome(2 * JOB_TIMEOUT_S)  # queued first, it may wait for a slot
     assert launch.returncode == 1 and "FAILED" in launch_log(home), launch_log(home)[-3000:]
-    runs = job_runs(job)
+    runs = job_runs(seen["job"])
     assert runs[0][0] == "REQUEUED" and runs[-1][0] == "FAILED", runs
-    assert f"{RESUMED} {home}/out/checkpoints/step-000002" in resumed_log, resumed_log[-3000:]
+    assert f"{RESUMED} {home}/out/checkpoints/step-000002" in seen["resumed_log"], seen["resumed_log"][-3000:]
     print(
-        f"kill -9 -> requeued -> resumed at step 2 ({time.monotonic() - t_kill:.0f} s); second kill -> FAILED "
-        f"after {ended:.0f} s"
+        f"kill -9 -> requeued -> resumed at step 2 ({seen['to_resume_s']:.0f} s); second kill -> FAILED "
+        f"after {seen['to_failed_s']:.0f} s"
     )
     assert_nothing_left(home)
 
 
-@pytest.mark.timeout(1200)
-def test_separate_placement_across_nodes(home):
+@pytest.mark.timeout(1800)
+def test_separate_placement_across_nodes(separate):
     """The actor (rank 0) on one node, the engine rank on the other, one-step-off, 3 steps."""
-    t0 = time.monotonic()
-    out = run_launch(
-        "train.py",
-        [
-            *TWO_NODES,
-            "rollout.placement=separate",
-            "rollout.engine_ranks=1",
-            "actor.tp=1",
-            "rollout.max_staleness=1",
-            *TRAIN_OVERRIDES,
-            "trainer.steps=3",
-            f"trainer.output_dir={home}/out",
-        ],
-        home,
-        timeout=JOB_TIMEOUT_S,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert [m["step"] for m in metrics(home / "out")] == [1, 2, 3]
-    print(f"separate placement, 3 steps one-step-off: {time.monotonic() - t0:.0f} s")
+    home = separate.home
+    assert separate.wait(2 * JOB_TIMEOUT_S) == 0, launch_log(home)[-4000:]
+    (job,) = job_ids(home)
+    assert job_runs(job) == [("COMPLETED", "0:0")]
+    assert [m["step"] for m in metrics(home / "out")] == list(range(1, SEPARATE_STEPS + 1))
+    print(f"separate placement, 3 steps one-step-off: {separate.seconds:.0f} s from submission (queued) to SUCCEEDED")
+    assert_nothing_left(home)
 
 
 def _eval_args(home: Path, data: Path, out: Path) -> list[str]:
