@@ -13,9 +13,9 @@ round 0, rollout rank 0), so with nothing in flight across an update it samples 
 A response continued after a resume takes the seed of refill round ``1 + resumes`` instead.
 
 A checkpoint holds a `StreamState`: the ledger, the finished groups not yet trained, every response in flight
-with its tokens, log-probs and versions so far, and the next step's experience when it had already shipped. A resumed run puts it back and continues each unfinished response
-from its saved tokens (a new request: prompt + those tokens, the rest of the budget), so every admitted prompt trains
-exactly once and the bound holds across the resume.
+with its tokens, log-probs and versions so far, and the next step's experience when it had already shipped. A resumed
+run puts it back and continues each unfinished response from its saved tokens (a new request: prompt + those tokens,
+the rest of the budget), so every admitted prompt trains exactly once and the bound holds across the resume.
 """
 
 from __future__ import annotations
