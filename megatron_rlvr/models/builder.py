@@ -216,4 +216,9 @@ def build_gpt_model(
         rope_scaling_factor=float(rope["factor"]) if llama3 else 8.0,
         vp_stage=vp_stage,
     )
+    if not tcfg.use_cpu_initialization:
+        # Megatron's layers allocate on the current GPU, but a norm without TE or Apex is torch's own module, made
+        # on the CPU: the first GPU run found those weights left behind in every chunk no DDP buffer adopts (the
+        # reference, a teacher, the GPU check's bridge model). Megatron-LM's get_model moves each chunk the same way.
+        model.cuda(torch.cuda.current_device())
     return model

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             load_hf_weights([model], hf_dir)
         result["load_s"] = round(t.seconds, 3)
         result["param_device"] = str(next(model.parameters()).device)
+        result["param_devices"] = sorted({str(p.device) for p in model.parameters()})
 
         got, result["export_loaded"] = timed_export(model, hf, bucket, cuda)
         files: dict[str, Any] = {}
@@ -177,16 +178,18 @@ def main(argv: list[str] | None = None) -> int:
         result["export_loaded"]["vs_checkpoint_files"] = bit_exact(got, files)
         del got
 
-        gen = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
+        # the moves are drawn on the CPU: one generator serves parameters wherever each one lives
+        gen = torch.Generator().manual_seed(args.seed)
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(0.01).to(p.dtype))
+                p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.01).to(p.device, p.dtype))
         got, result["export_moved"] = timed_export(model, hf, bucket, cuda)
         want = hf_from_state_dict(model.state_dict(), hf)
         result["export_moved"]["vs_state_dict"] = bit_exact(got, want)
         result["export_moved"]["moved_from_files"] = sum(not torch.equal(got[n], files[n]) for n in files if n in got)
     result["ok"] = bool(
-        result["export_loaded"]["vs_checkpoint_files"]["ok"]
+        result["param_devices"] == [result["param_device"]]  # no weight left behind on another device
+        and result["export_loaded"]["vs_checkpoint_files"]["ok"]
         and result["export_moved"]["vs_state_dict"]["ok"]
         and result["export_moved"]["moved_from_files"]
     )
