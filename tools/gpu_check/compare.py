@@ -4,6 +4,14 @@ For every (dtype, layout) both ran: the per-token log-probs of the statistics pa
 updates, and each update's loss and gradient norm, within a tolerance of the dtype (``|a - b| <= atol + rtol *
 |b|``, b the CPU figure; bf16's rtol is torch.testing's 1.6e-2). Also, on each device, packed against padded.
 
+What bf16 is judged on: the forward before any update (the log-probs) and the first update (its loss, and its
+gradient norm, which sums the whole backward), within bf16's tolerance. What follows the first Adam step is recorded,
+not judged: that step moves every weight by about lr whatever its gradient's size, so an element near zero whose sign
+bf16 rounding flips moves the other way, and the devices round differently (cuBLAS may reduce bf16 products in
+reduced precision, the CPU accumulates them in fp32). No tolerance bounds that: the first GPU run saw the devices
+0.33 apart in log-prob two updates later, and bf16 as far from fp32 (0.33) on one of them. The record holds the gap
+and each device's distance from its own fp32 run.
+
     python tools/gpu_check/compare.py --cuda small_cuda.json --cpu small_cpu.json --out compare.json
 """
 
@@ -57,6 +65,24 @@ def tensor_verdict(a, b, tol: tuple[float, float]) -> dict[str, Any]:
     }
 
 
+def bf16_drift(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict, layout: str) -> dict | None:
+    """How far each device's bf16 run lies from its own fp32 run after the updates (one layout): the record."""
+    bf16, fp32 = f"bfloat16/{layout}", f"float32/{layout}"
+    pairs = {"cuda": (cuda, cuda_t), "cpu": (cpu, cpu_t)}
+    if not all(figures["runs"].get(k, {}).get("status") == "ok" for figures, _ in pairs.values() for k in (bf16, fp32)):
+        return None
+    return {
+        device: {
+            "logp_after_max_abs": float((t[bf16]["after"] - t[fp32]["after"]).abs().max()),
+            "grad_norms": [
+                (low.get("actor/grad_norm"), high.get("actor/grad_norm"))
+                for low, high in zip(figures["runs"][bf16]["updates"], figures["runs"][fp32]["updates"])
+            ],
+        }
+        for device, (figures, t) in pairs.items()
+    }
+
+
 def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict) -> dict[str, Any]:
     out: dict[str, Any] = {"tolerances": TOLERANCES, "runs": {}, "packed_vs_padded": {}}
     for key, run in cuda["runs"].items():
@@ -67,22 +93,29 @@ def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict
                 "reason": f"not run on both: cuda {run.get('status')}, cpu {other.get('status')}",
             }
             continue
-        tol = TOLERANCES[key.split("/")[0]]
+        dtype, layout = key.split("/")
+        tol = TOLERANCES[dtype]
         verdict: dict[str, Any] = {
             "logp_before": tensor_verdict(cuda_t[key]["before"], cpu_t[key]["before"], tol["logp"]),
             "logp_after": tensor_verdict(cuda_t[key]["after"], cpu_t[key]["after"], tol["logp"]),
             "updates": [],
         }
-        for a, b in zip(run["updates"], other["updates"]):
-            verdict["updates"].append(
-                {
-                    name: {"cuda": a[name], "cpu": b[name], "ok": _within(a[name], b[name], tol["scalar"])}
-                    for name in ("actor/loss", "actor/grad_norm")
-                    if name in a and name in b
-                }
-            )
-        checks = [verdict["logp_before"]["ok"], verdict["logp_after"]["ok"]]
-        checks += [v["ok"] for u in verdict["updates"] for v in u.values()]
+        judged_updates = len(run["updates"])
+        if dtype == "bfloat16":  # after the first Adam step: recorded, not judged (the module's doc says why)
+            judged_updates = 1
+            verdict["logp_after"]["judged"] = False
+            verdict["bf16_vs_fp32"] = bf16_drift(cuda, cpu, cuda_t, cpu_t, layout)
+        for i, (a, b) in enumerate(zip(run["updates"], other["updates"])):
+            figures = {
+                name: {"cuda": a[name], "cpu": b[name], "ok": _within(a[name], b[name], tol["scalar"])}
+                for name in ("actor/loss", "actor/grad_norm")
+                if name in a and name in b
+            }
+            if i >= judged_updates:
+                figures = {name: {**v, "judged": False} for name, v in figures.items()}
+            verdict["updates"].append(figures)
+        judged = [verdict["logp_before"], verdict["logp_after"], *(v for u in verdict["updates"] for v in u.values())]
+        checks = [v["ok"] for v in judged if v.get("judged", True)]
         verdict["ok"] = all(checks) and len(run["updates"]) == len(other["updates"]) > 0
         out["runs"][key] = verdict
     for device, figures, t in (("cuda", cuda, cuda_t), ("cpu", cpu, cpu_t)):

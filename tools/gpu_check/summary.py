@@ -186,7 +186,13 @@ def print_table(r: dict[str, Any]) -> None:
             _row(
                 f"actor CUDA vs CPU {key}",
                 f"{'ok' if v['ok'] else 'MISMATCH'}; max |dlogp| before "
-                f"{v['logp_before'].get('max_abs_diff')}, after {v['logp_after'].get('max_abs_diff')}",
+                f"{v['logp_before'].get('max_abs_diff')}, after {v['logp_after'].get('max_abs_diff')}"
+                + (
+                    f" (not judged after the updates; bf16 vs fp32 there: cuda "
+                    f"{v['bf16_vs_fp32']['cuda']['logp_after_max_abs']}, cpu {v['bf16_vs_fp32']['cpu']['logp_after_max_abs']})"
+                    if v.get("bf16_vs_fp32")
+                    else ""
+                ),
             )
         for key, v in cmp_.get("packed_vs_padded", {}).items():
             _row(f"packed vs padded {key}", f"{'ok' if v['ok'] else 'MISMATCH'}; max |dlogp| {v.get('max_abs_diff')}")
@@ -211,6 +217,8 @@ def print_table(r: dict[str, Any]) -> None:
                 f"loss {[round(u.get('actor/loss', float('nan')), 5) for u in ups]}",
             )
     br = r.get("bridge") or {}
+    if "param_devices" in br:
+        _row("bridge 1B model's parameters on", br["param_devices"])
     for key, label in (("export_loaded", "vs checkpoint files"), ("export_moved", "vs state dict")):
         fig = br.get(key)
         if fig:
