@@ -119,7 +119,8 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # sm_90 only: every ex
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 if wants ops || [ ! -f megatron_rlvr/_C.cpython-312-x86_64-linux-gnu.so ]; then
     stage build 330 "$PY" setup.py -q build_ext --inplace
-    ((DRY)) || "$PY" -c "from megatron_rlvr import _C; assert _C.has_cuda(), 'built without CUDA'; print('gpu_check: extension has its CUDA kernels; CPU kernels:', _C.cpu_isa())"
+    # torch first: importing it loads libc10, which the extension links against
+    ((DRY)) || "$PY" -c "import torch; from megatron_rlvr import _C; assert _C.has_cuda(), 'built without CUDA'; print('gpu_check: extension has its CUDA kernels; CPU kernels:', _C.cpu_isa())"
 fi
 if wants actor; then  # the CPU half of the comparison runs beside the GPU stages
     if ((DRY)); then
