@@ -218,7 +218,7 @@ def build_gpt_model(
     )
     if not tcfg.use_cpu_initialization:
         # Megatron's layers allocate on the current GPU, but a norm without TE or Apex is torch's own module, made
-        # on the CPU: the first GPU run found those weights left behind in every chunk no DDP buffer adopts (the
-        # reference, a teacher, the GPU check's bridge model). Megatron-LM's get_model moves each chunk the same way.
+        # on the CPU: the first GPU run found its weights there in a chunk no DDP buffer adopts (the GPU check's
+        # bridge model; the reference and a teacher are built the same way). Megatron-LM's get_model moves each chunk.
         model.cuda(torch.cuda.current_device())
     return model
