@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, default=common.DEFAULT_WORK, help="where the random model is written")
     p.add_argument("--out", type=Path, required=True, help="the stage's JSON")
     p.add_argument("--tensors", type=Path, default=None, help="compare mode: per-token log-probs (torch.save)")
+    p.add_argument(
+        "--no-reduced-precision-bf16",
+        action="store_true",
+        help="cuBLAS sums bf16 products in fp32 (torch allows reduced precision by default): does CUDA's bf16 then "
+        "drift from fp32 as little as the CPU's? (docs/gpu-check.md)",
+    )
     return p
 
 
@@ -303,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     if args.device != "auto" and (args.device == "cuda") != cuda:
         raise SystemExit(f"actor_check: --device {args.device} but torch.cuda.is_available() is {cuda}")
+    if args.no_reduced_precision_bf16:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     backend = common.init_process_group()
     result: dict[str, Any] = {
         "env": common.environment(),
