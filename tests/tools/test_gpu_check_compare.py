@@ -4,7 +4,6 @@ the updates; bf16 judged on the forward and the first update, what follows the f
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,10 @@ BEFORE = torch.full((6,), -8.0)
 
 @pytest.fixture(scope="module")
 def compare():
-    sys.path.insert(0, str(CHECK))  # compare.py imports its sibling common.py
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_check_test_compare", CHECK / "compare.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module.compare
-    finally:
-        sys.path.remove(str(CHECK))
+    spec = importlib.util.spec_from_file_location("gpu_check_test_compare", CHECK / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # it puts its own folder on sys.path for its sibling common.py
+    return module.compare
 
 
 def _device(bf16_after=FP32_AFTER, bf16_before=BEFORE, bf16_grad_norms=(1.9, 0.80), fp32_after=FP32_AFTER):

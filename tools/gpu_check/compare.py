@@ -100,9 +100,8 @@ def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict
             "logp_after": tensor_verdict(cuda_t[key]["after"], cpu_t[key]["after"], tol["logp"]),
             "updates": [],
         }
-        judged_updates = len(run["updates"])
-        if dtype == "bfloat16":  # after the first Adam step: recorded, not judged (the module's doc says why)
-            judged_updates = 1
+        judge_all = dtype != "bfloat16"  # bf16: judged up to the first Adam step (the module's doc says why)
+        if not judge_all:
             verdict["logp_after"]["judged"] = False
             verdict["bf16_vs_fp32"] = bf16_drift(cuda, cpu, cuda_t, cpu_t, layout)
         for i, (a, b) in enumerate(zip(run["updates"], other["updates"])):
@@ -111,11 +110,12 @@ def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict
                 for name in ("actor/loss", "actor/grad_norm")
                 if name in a and name in b
             }
-            if i >= judged_updates:
-                figures = {name: {**v, "judged": False} for name, v in figures.items()}
+            if not (judge_all or i == 0):
+                for figure in figures.values():
+                    figure["judged"] = False
             verdict["updates"].append(figures)
-        judged = [verdict["logp_before"], verdict["logp_after"], *(v for u in verdict["updates"] for v in u.values())]
-        checks = [v["ok"] for v in judged if v.get("judged", True)]
+        every = [verdict["logp_before"], verdict["logp_after"], *(v for u in verdict["updates"] for v in u.values())]
+        checks = [v["ok"] for v in every if v.get("judged", True)]
         verdict["ok"] = all(checks) and len(run["updates"]) == len(other["updates"]) > 0
         out["runs"][key] = verdict
     for device, figures, t in (("cuda", cuda, cuda_t), ("cpu", cpu, cpu_t)):
