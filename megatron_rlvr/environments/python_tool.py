@@ -25,7 +25,8 @@ _FENCED = re.compile(r"```python[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _REPL = ">>> "
 
 
-def tool_limits(cfg: EnvironmentConfig) -> SandboxLimits:
+def tool_limits(cfg: EnvironmentConfig, accept_rlimits_only: bool = False) -> SandboxLimits:
+    """The sandbox of one tool call; ``accept_rlimits_only`` is ``reward.sandbox_accept_rlimits_only``."""
     return SandboxLimits(
         cpu_s=cfg.tool_cpu_s,
         wall_s=cfg.tool_wall_s,
@@ -33,6 +34,7 @@ def tool_limits(cfg: EnvironmentConfig) -> SandboxLimits:
         tmpfs_mb=cfg.tool_tmpfs_mb,
         nproc=cfg.tool_nproc,
         output_chars=cfg.tool_output_chars,
+        accept_rlimits_only=accept_rlimits_only,
     )
 
 
