@@ -5,7 +5,8 @@ payload (JSON) on stdin and prints what it saw as one JSON line; the test, as ro
   memory) through the code reward and through the Python tool, with the sandbox as it is for this user;
 - ``refused``: where user namespaces are turned off: what the run's start check, the tool's host and the sandbox
   say, and a run once rlimits-only containment is accepted;
-- ``train``: there too, `train` with the Python tool: what stops it (before it builds the actor).
+- ``train``: there too, `train` with the Python tool: what stops it (before it builds the actor);
+- ``delegated``: with a memory cgroup directory root delegated to this user: the memory budget of many processes.
 """
 
 from __future__ import annotations
@@ -129,11 +130,20 @@ def refused(payload: dict) -> dict:
     }
 
 
+def delegated(payload: dict) -> dict:
+    """Many processes holding more memory than the budget, where root delegated a memory cgroup directory to us."""
+    from megatron_rlvr.rewards import cgroup
+
+    cgroup.PARENT_NAME = payload["cgroup_parent"]  # the directory root made for this test, beside the real one
+    run = run_python(memory_by_many_processes(6, 64), "", LIMITS)
+    return {"isolation": run.isolation, "memory": run.memory, "stdout": run.stdout, "oom_kills": run.oom_kills}
+
+
 def train_refused(payload: dict) -> dict:
     return {"train": _train_until_the_first_step(payload["environment"])}
 
 
 if __name__ == "__main__":
     request = json.loads(sys.stdin.read())
-    modes = {"contained": contained, "refused": refused, "train": train_refused}
+    modes = {"contained": contained, "refused": refused, "train": train_refused, "delegated": delegated}
     print(json.dumps(modes[request["mode"]](request)))

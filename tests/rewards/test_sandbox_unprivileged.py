@@ -2,7 +2,8 @@
 
 With user namespaces (most kernels), the hostile programs of tests/rewards are contained through the code reward
 and the Python tool as they are for root: the host's files, network and /tmp are out of reach, and the fork bomb,
-the disk fill and the memory hogs stop at their budgets. With user namespaces turned off, a run that would execute
+the disk fill and the memory hogs stop at their budgets (rlimits, or a memory cgroup where root delegated one to the
+user). With user namespaces turned off, a run that would execute
 programs stops before its first step with one line naming the missing kernel feature and the key that accepts
 rlimits-only containment; a run that executes none goes on, and so does one that accepted it.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rlvr.rewards import cgroup
 from tests.rewards.sandbox_helpers import sandbox_processes
 from tests.rewards.unprivileged import run_as, unprivileged_user
 
@@ -92,6 +94,22 @@ def test_hostile_programs_are_contained_for_an_unprivileged_user(user):
     assert "No space left" in tool["disk_fill"] and fs_mb == 64 and written <= 64, tool["disk_fill"]
     assert int(tool["memory_by_processes"]) * 64 < 256 and "MemoryError" in tool["memory_hog"], tool
     assert _user_processes(user.pw_uid) == [] and sandbox_processes() == [] and _user_files(user.pw_uid) == []
+
+
+@pytest.mark.skipif(cgroup._memory_mount() is None, reason="no cgroup v1 memory controller here")
+def test_a_delegated_memory_cgroup_holds_the_budget_of_all_processes(user):
+    parent = cgroup._memory_mount() / f"megatron_rlvr_delegated_{os.getpid()}"
+    parent.mkdir()
+    try:
+        os.chown(parent, user.pw_uid, user.pw_gid)  # delegated: the user may make groups under it
+        seen = run_as(user, "tests.rewards.hostile_as_user", {"mode": "delegated", "cgroup_parent": parent.name})
+    finally:
+        for group in parent.iterdir() if parent.exists() else []:
+            if group.is_dir():
+                cgroup.MemoryCgroup(group).remove()
+        parent.rmdir()
+    assert seen["isolation"] == "user-namespaces" and seen["memory"] == "cgroup", seen
+    assert seen["oom_kills"] >= 1 and int(seen["stdout"]) < 6, seen  # 6 x 64 MB against one budget of 256 MB
 
 
 def _the_one_line(message: str) -> None:
