@@ -11,16 +11,31 @@ LIMITS = SandboxLimits(cpu_s=2, wall_s=5, memory_mb=512, nproc=16)
 _UID_END = UID_BASE + 20_000 * 64  # the range of the per-run uids (sandbox_run._next_uid)
 
 
+def _nested_pid_namespace(status: str) -> bool:
+    """Whether a /proc/PID/status is of a process in a PID namespace below ours (NSpid lists one pid per level)."""
+    ours = _own_levels()
+    return any(line.startswith("NSpid:") and len(line.split()) - 1 > ours for line in status.splitlines())
+
+
+def _own_levels() -> int:
+    with open("/proc/self/status") as f:
+        return next(len(line.split()) - 1 for line in f if line.startswith("NSpid:"))
+
+
 def sandbox_processes() -> list[int]:
-    """Host processes of a sandbox: a per-run uid, or a cwd in a sandbox dir (there must be none after a run)."""
+    """Host processes of a sandbox (there must be none after a run): a per-run uid, or a cwd in a sandbox dir, or
+    (not root: the sandbox runs as us, in a user namespace) one of ours in a PID namespace below ours."""
     found = []
+    uid_here = os.getuid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/status") as f:
-                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
-            if UID_BASE <= uid < _UID_END or "rlvr-sandbox-" in os.readlink(f"/proc/{entry}/cwd"):
+                status = f.read()
+            uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+            nested_ours = uid_here != 0 and uid == uid_here and _nested_pid_namespace(status)
+            if UID_BASE <= uid < _UID_END or nested_ours or "rlvr-sandbox-" in os.readlink(f"/proc/{entry}/cwd"):
                 found.append(int(entry))
         except (OSError, StopIteration, ValueError):
             pass

@@ -146,11 +146,12 @@ def test_killing_its_parent_and_everyone_fails():
     )
     try:
         result = run_python(program, "", LIMITS)
-        assert verify_code(program.replace("survived", "gone"), io_reference("parent gone"), LIMITS) == 0.0
         assert bystander.poll() is None, "a host process was killed"
         os.kill(os.getpid(), 0)
         assert sandbox_processes() == []
-        assert result.stdout.strip() in ("", "parent survived")
+        # as root, its uid may not even probe its parent (EPERM: no output); in a user namespace it shares the
+        # parent's uid, and the parent, its PID namespace's init, ignores the SIGKILL
+        assert result.stdout.strip() == ("" if result.isolation == "namespaces" else "parent survived"), result
     finally:
         bystander.send_signal(signal.SIGKILL)
         bystander.wait()

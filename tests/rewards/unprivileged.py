@@ -126,13 +126,15 @@ def main() -> None:
     _reveal([Path(sys.base_prefix), Path(sys.prefix), Path(os.path.realpath(sys.executable)).parent, REPO])
     if not stage["user_namespaces"]:
         _without_user_namespaces()
+    home = tempfile.mkdtemp(prefix="home-of-test-user-")  # useradd -M made none; the fixture removes it
+    os.chown(home, stage["uid"], stage["gid"])
     os.setgroups([])
     os.setgid(stage["gid"])
     os.setuid(stage["uid"])
     os.chdir(REPO)
     env = {
         "PATH": "/usr/bin:/bin",
-        "HOME": "/nonexistent",
+        "HOME": home,
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
         "OMP_NUM_THREADS": "1",
