@@ -4,7 +4,8 @@ read back each run's status and output, and clean up whatever it left (its proce
 Which isolation to ask for is `sandbox.py`'s decision (what this process can have); this module only carries it out:
 - ``namespaces`` (root): the launcher's mount/PID/network/IPC/UTS namespaces and a fresh unprivileged uid per run;
 - ``user-namespaces`` (not root): the same namespaces inside a user namespace of the launcher's own, the program as
-  uid `INSIDE_ID` there (this user outside), with no capabilities;
+  uid `INSIDE_ID` there (this user outside), with no capabilities. Root gets it only where it may not make
+  namespaces directly; its program is then uid 0 outside, which the kernel exempts from RLIMIT_NPROC;
 - ``none``: a throw-away work dir on the host, and a fresh uid per run when we are root (``uid+rlimits``) or this
   user's (``rlimits-only``).
 The memory budget is one memory cgroup for all of the program's processes when ``memory_cgroup`` is set, else
