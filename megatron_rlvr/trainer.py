@@ -118,6 +118,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
     from megatron_rlvr.experience.source import make_source
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.rewards import RewardPool
+    from megatron_rlvr.rewards.containment import check_run_containment
 
     t = cfg.trainer
     distributed.initialize_model_parallel(
@@ -131,6 +132,8 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
 
     prompts = prompt_stream(cfg)
     val_items = load_validation_items(cfg, prompts.tokenizer) if t.eval_every else []
+    # policy-written programs (code rows, the Python tool) get isolation, or the run stops here with one line
+    check_run_containment(cfg.reward, {i.task for i in [*prompts.items, *val_items]}, cfg.environment.name)
     if rank0:
         print(
             f"[data] {len(prompts.items)} prompts from {prompts.stats.rows} rows ({prompts.stats.bad_rows} bad rows "

@@ -106,8 +106,10 @@ class EnvironmentHost:
     def __init__(self, cfg: EnvironmentConfig, reward: RewardConfig | None = None):
         if cfg.name == "python_tool":  # every worker may run one tool program at its full budget at once
             from megatron_rlvr.environments.python_tool import check_memory_fits
+            from megatron_rlvr.rewards.containment import check_run_containment
 
             check_memory_fits(cfg)
+            check_run_containment(reward or RewardConfig(), [], cfg.name)  # isolated, or accepted without
         self.cfg, self.reward = cfg, reward
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * cfg.workers

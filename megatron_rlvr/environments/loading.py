@@ -27,7 +27,10 @@ def environment_factory(cfg: EnvironmentConfig, reward: RewardConfig | None = No
         from megatron_rlvr.environments.python_tool import PythonToolEnvironment, tool_limits
         from megatron_rlvr.rewards.verifiers import VerifierTable
 
-        return partial(PythonToolEnvironment, tool_limits(cfg), VerifierTable(reward or RewardConfig()))
+        reward = reward or RewardConfig()
+        return partial(
+            PythonToolEnvironment, tool_limits(cfg, reward.sandbox_accept_rlimits_only), VerifierTable(reward)
+        )
     if ":" not in cfg.name:
         raise ConfigError(
             f"environment.name: expected one of {list(BUILT_IN)}, 'package.module:factory' or 'FILE.py:factory', "

@@ -3,11 +3,14 @@
 A turn of the policy that holds a fenced ```python block (the last one counts), or lines starting with ``>>> ``, is a
 tool call: the code runs in the reward sandbox (`rewards.sandbox.run_python`: a private filesystem, no network, one
 memory budget, per-call wall/CPU limits; docs/sandbox.md) and its stdout, with the tail of stderr when it failed, is
-the observation. A ``>>>`` expression alone is printed, as in the REPL. Any other turn is the answer: the trajectory
-ends, and its reward is the row's verifier on that turn, the one the run's reward pool would use under ``reward``
-(`rewards.verifiers.VerifierTable`: reasoning-gym's answer reading, plugins; countdown's checks its first line).
-Tool calls earn nothing themselves. The observation is capped at ``environment.tool_output_chars`` here and at
-``environment.observation_tokens`` tokens by the episode runner.
+the observation. ``>>>`` lines (with their ``...`` continuations) run as in the REPL, which shows the value of each
+expression. Unlike the REPL, each call is a fresh interpreter in a fresh sandbox: no variable, import or file
+survives to the next call, as in verl's and SkyRL's code tools, and the trajectory's first observation says so
+(`FRESH_EACH_CALL`). Any other turn is the answer: the trajectory ends, and its reward is the row's verifier on that
+turn, the one the run's reward pool would use under ``reward`` (`rewards.verifiers.VerifierTable`: reasoning-gym's
+answer reading, plugins; countdown's checks its first line). Tool calls earn nothing themselves. The observation is
+capped at ``environment.tool_output_chars`` here and at ``environment.observation_tokens`` tokens by the episode
+runner.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python
 from megatron_rlvr.rewards.verifiers import VerifierTable
 
 _FENCED = re.compile(r"```python[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
-_REPL = ">>> "
+_REPL, _MORE = ">>> ", "... "
+FRESH_EACH_CALL = "[a fresh Python each call: nothing is kept between calls]\n"  # heads the first observation
 
 
-def tool_limits(cfg: EnvironmentConfig) -> SandboxLimits:
+def tool_limits(cfg: EnvironmentConfig, accept_rlimits_only: bool = False) -> SandboxLimits:
+    """The sandbox of one tool call; ``accept_rlimits_only`` is ``reward.sandbox_accept_rlimits_only``."""
     return SandboxLimits(
         cpu_s=cfg.tool_cpu_s,
         wall_s=cfg.tool_wall_s,
@@ -33,6 +38,7 @@ def tool_limits(cfg: EnvironmentConfig) -> SandboxLimits:
         tmpfs_mb=cfg.tool_tmpfs_mb,
         nproc=cfg.tool_nproc,
         output_chars=cfg.tool_output_chars,
+        accept_rlimits_only=accept_rlimits_only,
     )
 
 
@@ -57,15 +63,29 @@ def tool_call(response: str) -> str | None:
     blocks = _FENCED.findall(response)
     if blocks:
         return blocks[-1]
-    lines = [line[len(_REPL) :] for line in response.splitlines() if line.startswith(_REPL)]
+    lines, in_call = [], False
+    for line in response.splitlines():  # a REPL transcript: ">>> " lines and the "... " lines that continue them
+        if line.startswith(_REPL) or (in_call and (line.startswith(_MORE) or line == _MORE.strip())):
+            lines.append(line[len(_REPL) :])
+            in_call = True
+        else:
+            in_call = False
     if not lines:
         return None
-    code = "\n".join(lines)
+    return _as_in_the_repl("\n".join(lines))
+
+
+def _as_in_the_repl(code: str) -> str:
+    """``code`` with the value of each top-level expression shown, as the REPL shows it (`sys.displayhook`)."""
     try:
-        ast.parse(code, mode="eval")
+        tree = ast.parse(code)
     except SyntaxError:
-        return code
-    return f"print({code})"
+        return code  # it fails in the sandbox, and the policy reads why
+    hook = ast.parse("__import__('sys').displayhook", mode="eval").body
+    for i, node in enumerate(tree.body):
+        if isinstance(node, ast.Expr):
+            tree.body[i] = ast.copy_location(ast.Expr(ast.Call(hook, [node.value], [])), node)
+    return ast.unparse(ast.fix_missing_locations(tree))
 
 
 def observation_of(stdout: str, stderr: str, returncode: int, timed_out: bool, chars: int) -> str:
@@ -86,9 +106,11 @@ class PythonToolEnvironment:
         self.limits = limits
         self.verifiers = verifiers
         self.problem: Problem | None = None
+        self.calls = 0
 
     def reset(self, problem: Problem) -> list[Message]:
         self.problem = problem
+        self.calls = 0
         return []  # the data's prompt as it is
 
     def step(self, response: str) -> Step:
@@ -98,6 +120,6 @@ class PythonToolEnvironment:
         if code is None:
             return Step("", self.verifiers.score_row(self.problem.task, response, self.problem.answer), True)
         run = run_python(code, "", self.limits)
-        return Step(
-            observation_of(run.stdout, run.stderr, run.returncode, run.timed_out, self.limits.output_chars), 0.0, False
-        )
+        self.calls += 1
+        seen = observation_of(run.stdout, run.stderr, run.returncode, run.timed_out, self.limits.output_chars)
+        return Step((FRESH_EACH_CALL if self.calls == 1 else "") + seen, 0.0, False)

@@ -5,8 +5,9 @@ when the group reaches its limit the kernel's OOM killer picks a victim *inside 
 processes), never the trainer. This module makes them on the cgroup v1 memory controller (the hierarchy mounted with
 the ``memory`` option, usually /sys/fs/cgroup/memory), under ``<mount>/megatron_rlvr/<pid>.<start time>-<n>``:
 
-- `memory_cgroup_parent()` says whether we may (root, the controller mounted, a child can be made and limited);
-  probed once per process, which also removes the groups left by processes that died (a SIGKILLed pool worker);
+- `memory_cgroup_parent()` says whether we may (the controller mounted, a child can be made and limited: as root,
+  or as a user the ``megatron_rlvr`` directory was delegated to, i.e. made and chowned to it by root); probed once
+  per process, which also removes the groups left by processes that died (a SIGKILLed pool worker);
 - `MemoryCgroup.create(limit)` makes one with ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes``, so
   swap cannot extend it); the sandbox's program child joins it by writing ``0`` into ``cgroup.procs`` before exec;
 - `MemoryCgroup.remove()` kills whatever is still in it and removes it (also after timeouts and crashes).
@@ -72,9 +73,11 @@ def owner_gone(tag: str) -> bool:
 
 
 def _sweep_stale(parent: Path) -> None:
-    """Remove the groups of processes that died without cleaning up (their names start with the owner's tag)."""
+    """Remove the groups of processes that died without cleaning up (their names start with the owner's tag); a
+    user the directory is delegated to removes its own only."""
+    uid = os.geteuid()
     for child in parent.iterdir():
-        if child.is_dir() and owner_gone(child.name.split("-", 1)[0]):
+        if child.is_dir() and owner_gone(child.name.split("-", 1)[0]) and uid in (0, child.stat().st_uid):
             MemoryCgroup(child).remove()
 
 
@@ -86,9 +89,7 @@ def memory_cgroup_parent() -> Path | None:
             return _parent
         _probed = True
         mount = _memory_mount()
-        if os.geteuid() != 0:
-            _reason = "not root"
-        elif mount is None:
+        if mount is None:
             _reason = "no cgroup v1 memory controller mounted (cgroup v2 is not supported)"
         else:
             parent = mount / PARENT_NAME
@@ -99,7 +100,10 @@ def memory_cgroup_parent() -> Path | None:
                 _sweep_stale(parent)
                 _parent = parent
             except OSError as exc:
-                _reason = f"cannot make a memory cgroup under {parent}: {exc}"
+                if os.geteuid() != 0 and exc.errno in (errno.EACCES, errno.EPERM):
+                    _reason = f"not root, and {parent} is not delegated to uid {os.geteuid()}"
+                else:
+                    _reason = f"cannot make a memory cgroup under {parent}: {exc}"
         return _parent
 
 

@@ -25,6 +25,9 @@ class RewardConfig:
     code_file_size_mb: int = 16
     code_nproc: int = 32  # processes of the program's own uid (fork bombs stop here)
     code_tmpfs_mb: int = 64  # the program's private writable tmpfs (work dir, /tmp, /dev/shm): RAM, not disk
+    # where no namespaces can be had (not root and user namespaces turned off), run code items and the Python tool
+    # with rlimits only, on the host's files and network (true), or stop the run before its first step (false)
+    sandbox_accept_rlimits_only: bool = False
     # DAPO's soft overlong penalty (docs/algorithms.md): with budget L_max = rollout.max_new_tokens and buffer
     # L_c = overlong_buffer, a response of L tokens gets overlong_penalty * min(0, (L_max - L_c - L) / L_c) added to
     # its reward, floored at -overlong_penalty. 0 = off.

@@ -33,6 +33,7 @@ from typing import Any
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.rewards import reasoning_gym
 from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.rewards.sandbox import SandboxUnavailableError
 from megatron_rlvr.rewards.scoring import code_limits
 from megatron_rlvr.rewards.verifiers import VerifierTable
 
@@ -95,6 +96,8 @@ def _worker_main(
         item_id, verifier, task, response, reference = message
         try:
             conn.send((item_id, table.score(verifier, task, response, reference), None))
+        except SandboxUnavailableError as exc:  # not the item's fault: no program may run here, and none will
+            conn.send(("refused", item_id, str(exc)))
         except Exception as exc:  # noqa: BLE001 - any verifier failure is reward 0 plus a counter, never a lost item
             conn.send((item_id, 0.0, f"{type(exc).__name__}: {exc}"[:500]))
 
@@ -135,7 +138,7 @@ class RewardPool:
         check_memory_fits(self.cfg)
         from megatron_rlvr.rewards.sandbox import sandbox_info
 
-        log.info("%s", sandbox_info().describe(code_limits(self.cfg)))
+        log.info("%s", sandbox_info().describe(code_limits(self.cfg)))  # what a code item would get here
         self._extra = dict(extra_scorers or {})
         self._table = VerifierTable(self.cfg, self._extra)  # the routing; in-process items are scored with it too
         self._warm: list[str] = []  # verifiers whose setup every worker has done (replacements do it at start)
@@ -295,6 +298,9 @@ class RewardPool:
                     if message[0] == "setup_error":
                         self.close()
                         raise RuntimeError(f"RewardPool: a verifier worker could not load the verifiers: {message[1]}")
+                    if message[0] == "refused":
+                        self.close()
+                        raise SandboxUnavailableError(message[2])
                     item_id, reward, error = message
                     if item_id == worker.item:
                         rewards[item_id] = reward

@@ -1,20 +1,26 @@
 """Inside half of the code sandbox: runs as ``python -I -S sandbox_launcher.py CONFIG`` and execs the program.
 
-Started by `sandbox.run_python` in a new session; it dies with the process that started it (PR_SET_PDEATHSIG). As
-root it enters new mount, network, PID, IPC and UTS namespaces (libc ``unshare`` through ctypes, no extra package);
-the first child is the PID namespace's init, so when it exits the kernel kills every process the program left
-behind. That init opens what it still needs of the host (the io directory with the runs' stdin/stdout files, the
-memory cgroup's ``cgroup.procs``) and builds the program's root in a tmpfs, all inside its private mount namespace
-(nothing propagates to the host): read-only bind mounts of the system dirs and the interpreter's prefix, a minimal
-/etc and /dev, a private /proc, and one size- and inode-capped tmpfs holding the work dir, /tmp and /dev/shm; then
-pivot_root into it and detach the host's tree, and joins the memory cgroup. It then runs the program once per
-input: fork, the OOM killer's first choice (oom_score_adj 1000), rlimits, a fresh unprivileged uid of its own (so
-RLIMIT_NPROC counts only its processes and it cannot signal anyone else, the supervisor included), exec of the base
-interpreter on ``main.py`` in the work directory, a wall timeout per run, and after each run every process of that
-uid is killed. Runs stop at the first nonzero exit or
-timeout; their statuses go to ``results.json``. One setup thus serves all the test inputs of a stdin/stdout problem.
-Without namespaces (not root, or the kernel refuses) it runs in a work dir on the host and still applies the
-cgroup and uid drop when it can and the rlimits always; the caller warns loudly about what is missing.
+Started by `sandbox.run_python` in a new session; it dies with the process that started it (PR_SET_PDEATHSIG). Its
+``isolation`` is one of:
+- ``namespaces`` (root): new mount, network, PID, IPC and UTS namespaces (libc ``unshare`` through ctypes, no extra
+  package), and each run as a fresh unprivileged uid of its own (so RLIMIT_NPROC counts only its processes and it
+  cannot signal anyone else, the supervisor included);
+- ``user-namespaces`` (not root): a new user namespace first, in which this process is the owner, mapped to one uid
+  inside (``/proc/self/uid_map``, after "deny" in ``/proc/self/setgroups``), then the same five namespaces, owned by
+  it. The program runs as that uid with no capabilities (execve drops them: it is not uid 0 inside), RLIMIT_NPROC
+  counts only the processes of this user namespace, and no further user namespace can be made inside it;
+- ``none``: a work dir on the host, with the cgroup and the uid drop when they can be had and the rlimits always;
+  the caller refuses this unless the user accepted it (``reward.sandbox_accept_rlimits_only``).
+With namespaces the first child is the PID namespace's init, so when it exits the kernel kills every process the
+program left behind. That init opens what it still needs of the host (the io directory with the runs' stdin/stdout
+files, the memory cgroup's ``cgroup.procs``) and builds the program's root in a tmpfs, all inside its private mount
+namespace (nothing propagates to the host): read-only bind mounts of the system dirs and the interpreter's prefix, a
+minimal /etc and /dev, a private /proc, and one size- and inode-capped tmpfs holding the work dir, /tmp and
+/dev/shm; then pivot_root into it and detach the host's tree, and joins the memory cgroup. It then runs the program
+once per input: fork, the OOM killer's first choice (oom_score_adj 1000), rlimits, the program's uid, no new
+privileges, exec of the base interpreter on ``main.py`` in the work directory, a wall timeout per run, and after each
+run every other process of the namespace is killed. Runs stop at the first nonzero exit or timeout; their statuses
+go to ``results.json``. One setup thus serves all the test inputs of a stdin/stdout problem.
 
 Only the standard library is used: this file runs under ``-I -S`` before any project import.
 """
@@ -27,13 +33,15 @@ import signal
 import sys
 import time
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
     0x20000,
     0x4000000,
     0x8000000,
+    0x10000000,
     0x20000000,
     0x40000000,
 )
+NAMESPACES = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = (
     1,
     2,
@@ -47,7 +55,18 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC,
 )
 MNT_DETACH = 2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}  # no glibc wrapper
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+# what statvfs reports of a mount -> the mount flag that keeps it: a remount inside a user namespace may not drop a
+# flag the mount had (the kernel locks them), so a read-only remount carries the ones it found
+_KEPT_FLAGS = (
+    (1, MS_RDONLY),
+    (2, MS_NOSUID),
+    (4, MS_NODEV),
+    (8, MS_NOEXEC),
+    (1024, 1024),
+    (2048, 2048),
+    (4096, 1 << 21),
+)
 SETUP_FAILED = 125
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -89,8 +108,7 @@ def _bind_file(source, target):
 def _build_root(cfg, source):
     """A new root in a tmpfs: read-only system dirs and interpreter, a minimal /etc and /dev, a private /proc, and
     the program's one writable place, a size-capped tmpfs holding its work dir, /tmp and /dev/shm."""
-    root, uid = cfg["new_root"], cfg["uid"]
-    owner = 0 if uid is None else uid
+    root, owner = cfg["new_root"], cfg["owner"]
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=755")
     for path in cfg["system_dirs"]:  # /usr, /lib64, ..., the interpreter's prefix
         inside = root + path
@@ -144,7 +162,31 @@ def _build_root(cfg, source):
     writable.update(f"{root}/dev/{name}" for name in ("null", "zero", "full", "random", "urandom"))
     for point in _mount_points():  # everything else under the new root, the recursive binds' submounts too
         if (point == root or point.startswith(root + "/")) and point not in writable:
-            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | _kept_flags(point))
+
+
+def _kept_flags(path):
+    """The mount flags ``path``'s mount has now (a user namespace may not remount without them)."""
+    have = os.statvfs(path).f_flag
+    flags = 0
+    for reported, flag in _KEPT_FLAGS:
+        if have & reported:
+            flags |= flag
+    return flags
+
+
+def _write_file(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _enter_user_namespace(cfg):
+    """Become the owner of a new user namespace holding the five others, mapped to ``cfg["owner"]`` inside."""
+    uid, gid = os.geteuid(), os.getegid()  # who we are on the host: the one id the new namespace maps
+    _check(_libc.unshare(CLONE_NEWUSER | NAMESPACES), "unshare(CLONE_NEWUSER and the others)")
+    _write_file("/proc/self/setgroups", "deny")  # required before an unprivileged gid_map
+    _write_file("/proc/self/uid_map", f"{cfg['owner']} {uid} 1\n")
+    _write_file("/proc/self/gid_map", f"{cfg['owner']} {gid} 1\n")
 
 
 def _enter_root(root):
@@ -177,6 +219,7 @@ def _exec_program(cfg):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")  # no setuid binary raises it again
     env = {
         "PATH": "/usr/bin:/bin",
         "HOME": cfg["work_dir"],
@@ -196,6 +239,17 @@ def _exit_status(status):
 def _kill_leftovers(cfg, program):
     """SIGKILL whatever the program left running, then reap it (we are the namespace init or a subreaper)."""
     uid = cfg["uid"]
+    if cfg["isolation"] != "none" and os.getpid() == 1:
+        # the PID namespace's init: kill(-1) reaches every other process of the namespace, and only those
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left to kill
+            pass
+        while True:  # all of them are dying: wait for each, so the next run starts with none counted against it
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                return
     if uid is not None:
         helper = os.fork()
         if helper == 0:  # as the program's own uid, kill(-1) reaches exactly its processes (never us: root)
@@ -282,10 +336,15 @@ def _init(cfg):
     cgroup_fd = os.open(cfg["cgroup_procs"], os.O_WRONLY) if cfg["cgroup_procs"] else None
     with open(os.open("main.py", os.O_RDONLY, dir_fd=io_fd), "rb") as f:
         source = f.read()
-    if cfg["namespaces"]:
+    if cfg["isolation"] != "none":
+        # a program may signal its init only where they share a uid (user namespaces): the kernel drops the signals an
+        # init leaves at their default, and Python's own SIGINT handler would be one it obeys
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount from here on reaches the host
         _build_root(cfg, source)
         _enter_root(cfg["new_root"])
+        if cfg["isolation"] == "user-namespaces":  # this namespace's own limit: no nested user namespace for it
+            _write_file("/proc/sys/user/max_user_namespaces", "0")
     else:
         path = os.path.join(cfg["work_dir"], "main.py")
         with open(path, "wb") as f:
@@ -307,13 +366,17 @@ def main():
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != cfg["parent_pid"]:
         return SETUP_FAILED
-    if cfg["namespaces"]:
-        flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-        try:
-            _check(_libc.unshare(flags), "unshare")
-        except OSError as exc:
-            sys.stderr.write(f"sandbox setup failed: {exc}\n")
-            return SETUP_FAILED
+    try:
+        if cfg["isolation"] == "namespaces":
+            _check(_libc.unshare(NAMESPACES), "unshare")
+        elif cfg["isolation"] == "user-namespaces":
+            _enter_user_namespace(cfg)
+            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a change of credentials may have cleared it
+            if os.getppid() != cfg["parent_pid"]:
+                return SETUP_FAILED
+    except OSError as exc:
+        sys.stderr.write(f"sandbox setup failed: {exc}\n")
+        return SETUP_FAILED
     init = os.fork()
     if init:
         _, raw = os.waitpid(init, 0)

@@ -43,6 +43,7 @@ def code_limits(cfg: RewardConfig):
         file_size_mb=cfg.code_file_size_mb,
         nproc=cfg.code_nproc,
         tmpfs_mb=cfg.code_tmpfs_mb,
+        accept_rlimits_only=cfg.sandbox_accept_rlimits_only,
     )
 
 

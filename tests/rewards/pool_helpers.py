@@ -23,3 +23,10 @@ def boom(response, reference):
 
 def echo(response, reference):
     return 1.0 if response == reference else 0.0
+
+
+def refuse(response, reference):
+    """What the code verifier raises where the sandbox can isolate nothing and rlimits-only was not accepted."""
+    from megatron_rlvr.rewards.sandbox import SandboxUnavailableError
+
+    raise SandboxUnavailableError("code sandbox: no isolation can be had here: (as in a test)")

@@ -4,22 +4,38 @@ import os
 from pathlib import Path
 
 from megatron_rlvr.rewards import cgroup
-from megatron_rlvr.rewards.sandbox import _UID_BASE, SandboxLimits
+from megatron_rlvr.rewards.sandbox import SandboxLimits
+from megatron_rlvr.rewards.sandbox_run import UID_BASE
 
 LIMITS = SandboxLimits(cpu_s=2, wall_s=5, memory_mb=512, nproc=16)
-_UID_END = _UID_BASE + 20_000 * 64  # the range of the per-run uids (sandbox._next_uid)
+_UID_END = UID_BASE + 20_000 * 64  # the range of the per-run uids (sandbox_run._next_uid)
+
+
+def _nested_pid_namespace(status: str) -> bool:
+    """Whether a /proc/PID/status is of a process in a PID namespace below ours (NSpid lists one pid per level)."""
+    ours = _own_levels()
+    return any(line.startswith("NSpid:") and len(line.split()) - 1 > ours for line in status.splitlines())
+
+
+def _own_levels() -> int:
+    with open("/proc/self/status") as f:
+        return next(len(line.split()) - 1 for line in f if line.startswith("NSpid:"))
 
 
 def sandbox_processes() -> list[int]:
-    """Host processes of a sandbox: a per-run uid, or a cwd in a sandbox dir (there must be none after a run)."""
+    """Host processes of a sandbox (there must be none after a run): a per-run uid, or a cwd in a sandbox dir, or
+    (not root: the sandbox runs as us, in a user namespace) one of ours in a PID namespace below ours."""
     found = []
+    uid_here = os.getuid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/status") as f:
-                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
-            if _UID_BASE <= uid < _UID_END or "rlvr-sandbox-" in os.readlink(f"/proc/{entry}/cwd"):
+                status = f.read()
+            uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+            nested_ours = uid_here != 0 and uid == uid_here and _nested_pid_namespace(status)
+            if UID_BASE <= uid < _UID_END or nested_ours or "rlvr-sandbox-" in os.readlink(f"/proc/{entry}/cwd"):
                 found.append(int(entry))
         except (OSError, StopIteration, ValueError):
             pass
@@ -74,6 +90,40 @@ DISK_FILL = (
     "st = os.statvfs('.')\n"
     "print(written, st.f_blocks * st.f_frsize >> 20)\n"
 )
+
+
+def memory_by_many_processes(children: int, mb_each: int) -> str:
+    """Forks ``children`` that each touch ``mb_each`` MB and hold it; prints how many finished holding it."""
+    return (
+        "import os, time\n"
+        "kids = []\n"
+        f"for _ in range({children}):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        try:\n"
+        f"            block = b'x' * ({mb_each} << 20)\n"
+        "            time.sleep(1.0)\n"
+        "            os._exit(0)\n"
+        "        except MemoryError:\n"
+        "            os._exit(3)\n"
+        "    kids.append(pid)\n"
+        "print(sum(os.waitpid(pid, 0)[1] == 0 for pid in kids))\n"
+    )
+
+
+# connects to the port on stdin at 127.0.0.1 and sends to it (contained: no route, no "connected")
+CONNECT = (
+    "import socket, sys\n"
+    "s = socket.create_connection(('127.0.0.1', int(sys.stdin.read())), timeout=2)\n"
+    "s.sendall(b'leak')\n"
+    "print('connected')\n"
+)
+
+# writes each file named on stdin (contained: none of them appears on the host)
+WRITE_FILES = "import sys\nfor path in sys.stdin.read().split():\n    open(path, 'w').write('x')\nprint('wrote')\n"
 
 
 def with_stdin(program: str, stdin: str) -> str:

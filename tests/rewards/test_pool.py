@@ -59,6 +59,16 @@ def test_bad_input_is_a_clear_error(pool):
         pool.score_batch(["math"], ["1", "2"], ["1"])
 
 
+def test_a_refused_sandbox_stops_the_pool_instead_of_scoring_0():
+    from megatron_rlvr.rewards.sandbox import SandboxUnavailableError
+
+    p = RewardPool(RewardConfig(workers=1), extra_scorers={"refuse": pool_helpers.refuse})
+    with pytest.raises(SandboxUnavailableError, match="no isolation can be had here"):
+        p.score_batch(["countdown", "refuse"], ["1+1", "x"], [{"numbers": [1, 1], "target": 2}, None])
+    with pytest.raises(RuntimeError, match="closed"):
+        p.score_batch(["countdown"], ["1+1"], [{"numbers": [1, 1], "target": 2}])
+
+
 def test_closed_pool_refuses_work():
     p = RewardPool(RewardConfig(workers=1))
     p.close()

@@ -18,31 +18,35 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlvr.rewards import cgroup, sandbox
+from megatron_rlvr.rewards import cgroup, sandbox_run
 from megatron_rlvr.rewards.code import verify_code
-from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python, sandbox_info
-from tests.rewards.sandbox_helpers import DISK_FILL, READ_FILES, io_reference, leftovers, sandbox_processes
-
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="hostile-program tests need root (per-run uid, namespaces)")
+from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python, sandbox_info, use_containment
+from tests.rewards.sandbox_helpers import (
+    DISK_FILL,
+    READ_FILES,
+    io_reference,
+    leftovers,
+    memory_by_many_processes,
+    sandbox_processes,
+)
 
 # small budgets keep the hostile programs fast; generous time limits keep a loaded machine from failing a run early
 SMALL = SandboxLimits(cpu_s=10, wall_s=30, memory_mb=256, nproc=16, tmpfs_mb=64)
-needs_namespaces = pytest.mark.skipif(not sandbox.namespaces_available(), reason="the kernel refuses new namespaces")
+needs_isolation = pytest.mark.skipif(not sandbox_info().isolated, reason="the kernel refuses every namespace")
 needs_memcg = pytest.mark.skipif(
-    cgroup._memory_mount() is None, reason="no cgroup v1 memory controller on this kernel (v2 is not supported)"
+    cgroup.memory_cgroup_parent() is None, reason=f"no memory cgroup here: {cgroup.unavailable_reason()}"
 )
 
 
 def test_the_strongest_containment_is_in_force_here():
     info = sandbox_info()
-    if sandbox.namespaces_available():
-        assert info.isolation == "namespaces" and info.filesystem == "private-root", info
-    if cgroup._memory_mount() is not None:
+    assert info.isolated and info.filesystem == "private-root", info  # this machine allows namespaces
+    if os.geteuid() == 0 and cgroup._memory_mount() is not None:
         assert info.memory == "cgroup", info  # root with the controller mounted: no reason to fall back
     assert "code sandbox:" in info.describe(SMALL)
 
 
-@needs_namespaces
+@needs_isolation
 def test_host_files_cannot_be_read(tmp_path):
     secret = uuid.uuid4().hex
     files = [
@@ -86,7 +90,7 @@ def test_host_files_cannot_be_read(tmp_path):
         "proc",
         "tmp",
         "sandbox",
-        *[Path(d).parts[1] for d in sandbox._system_dirs()],
+        *[Path(d).parts[1] for d in sandbox_run.system_dirs()],
     }, top
     assert "work" not in top and "home" not in top and "data" not in top
     assert set(dev) <= {"null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout", "stderr", "shm"}, dev
@@ -94,7 +98,7 @@ def test_host_files_cannot_be_read(tmp_path):
     assert "wrote" not in result.stdout, result.stdout
 
 
-@needs_namespaces
+@needs_isolation
 def test_disk_fill_by_many_files_stops_at_the_tmpfs_cap():
     # 1 MB files (far under the 16 MB file-size limit) into the work dir, /tmp and /dev/shm, until refused
     program = DISK_FILL
@@ -108,7 +112,7 @@ def test_disk_fill_by_many_files_stops_at_the_tmpfs_cap():
     assert leftovers() == [] and sandbox_processes() == []
 
 
-@needs_namespaces
+@needs_isolation
 def test_many_empty_files_stop_at_the_inode_cap():
     program = (
         "n = 0\ntry:\n    for i in range(10**6):\n        open(f'e{i}', 'w').close()\n        n += 1\n"
@@ -118,34 +122,12 @@ def test_many_empty_files_stop_at_the_inode_cap():
     assert result.returncode == 0 and 0 < int(result.stdout) < 1024, result  # nr_inodes: 1024 at least, 256 per MB
 
 
-def _memory_by_many_processes(children: int, mb_each: int) -> str:
-    """Forks ``children`` that each touch ``mb_each`` MB and hold it; prints how many finished holding it."""
-    return (
-        "import os, time\n"
-        "kids = []\n"
-        f"for _ in range({children}):\n"
-        "    try:\n"
-        "        pid = os.fork()\n"
-        "    except OSError:\n"
-        "        break\n"
-        "    if pid == 0:\n"
-        "        try:\n"
-        f"            block = b'x' * ({mb_each} << 20)\n"
-        "            time.sleep(1.0)\n"
-        "            os._exit(0)\n"
-        "        except MemoryError:\n"
-        "            os._exit(3)\n"
-        "    kids.append(pid)\n"
-        "print(sum(os.waitpid(pid, 0)[1] == 0 for pid in kids))\n"
-    )
-
-
 @needs_memcg
 def test_memory_by_many_processes_is_one_budget():
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         # 6 x 64 MB = 384 MB against a 256 MB budget; each child alone is far under its 256 MB address space
-        program = _memory_by_many_processes(6, 64)
+        program = memory_by_many_processes(6, 64)
         assert verify_code(program, io_reference("6"), SMALL) == 0.0
         result = run_python(program, "", SMALL)
         assert result.memory == "cgroup" and result.oom_kills >= 1, result
@@ -153,22 +135,23 @@ def test_memory_by_many_processes_is_one_budget():
         assert bystander.poll() is None  # the kernel's OOM killer chose inside the sandbox's group
         assert leftovers() == [] and sandbox_processes() == []
         # within its budget the same program passes: the budget is for all of them, not one
-        assert verify_code(_memory_by_many_processes(3, 40), io_reference("3"), SMALL) == 1.0
+        assert verify_code(memory_by_many_processes(3, 40), io_reference("3"), SMALL) == 1.0
     finally:
         bystander.kill()
         bystander.wait()
 
 
-def test_without_a_memory_cgroup_rlimits_keep_processes_times_address_space_within_the_budget(monkeypatch):
-    monkeypatch.setattr(sandbox, "memory_cgroup_parent", lambda: None)
-    assert sandbox_info().memory == "rlimits"
-    as_bytes, nproc = sandbox._memory_limits(SMALL, cgroup=False)
-    assert as_bytes * nproc <= SMALL.memory_mb << 20 and as_bytes >= sandbox._MIN_PROCESS_MB << 20
-    program = _memory_by_many_processes(6, 64)
-    result = run_python(program, "", SMALL)
-    assert result.memory == "rlimits" and int(result.stdout) * 64 < SMALL.memory_mb, result
-    assert verify_code(program, io_reference("6"), SMALL) == 0.0
-    assert verify_code("block = b'x' * (50 << 20)\nprint('ok')", io_reference("ok"), SMALL) == 1.0
+@needs_isolation
+def test_without_a_memory_cgroup_rlimits_keep_processes_times_address_space_within_the_budget():
+    as_bytes, nproc = sandbox_run.memory_limits(SMALL, cgroup=False)
+    assert as_bytes * nproc <= SMALL.memory_mb << 20 and as_bytes >= sandbox_run.MIN_PROCESS_MB << 20
+    program = memory_by_many_processes(6, 64)
+    with use_containment(memory="rlimits"):
+        assert sandbox_info().memory == "rlimits"
+        result = run_python(program, "", SMALL)
+        assert result.memory == "rlimits" and int(result.stdout) * 64 < SMALL.memory_mb, result
+        assert verify_code(program, io_reference("6"), SMALL) == 0.0
+        assert verify_code("block = b'x' * (50 << 20)\nprint('ok')", io_reference("ok"), SMALL) == 1.0
     assert leftovers() == [] and sandbox_processes() == []
 
 
@@ -190,7 +173,7 @@ def test_a_timed_out_program_leaves_no_cgroup_and_a_dead_owners_groups_are_swept
             cgroup.MemoryCgroup(group).remove()
 
 
-@needs_namespaces
+@needs_isolation
 def test_a_killed_scoring_process_takes_its_sandbox_along():
     """A pool worker SIGKILLed at its deadline must not leave the program running, nor its cgroup and files."""
     scorer = subprocess.Popen(

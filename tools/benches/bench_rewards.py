@@ -5,8 +5,9 @@
 Math items are realistic responses (a few hundred characters of reasoning, then a final answer in one of the
 extraction forms) against gold answers in varied forms, half equivalent. Prints one line per setting and the ratio
 of the pool to one in-process verifier. Code items are timed per sandboxed program under each containment this
-machine can apply (the one in force, then weaker ones: rlimits instead of the memory cgroup, no namespaces), in
-interleaved rounds so that load from other processes hits all alike, with the ratio of each to the one in force.
+machine can apply (the one in force, then weaker ones: rlimits instead of the memory cgroup, the user namespace a
+non-root user gets, no namespaces), in interleaved rounds so that load from other processes hits all alike, with
+the ratio of each to the one in force.
 Numbers, not assertions: the tests never time anything.
 """
 
@@ -21,6 +22,7 @@ import time
 
 from megatron_rlvr.rewards import RewardConfig, RewardPool, sandbox, score
 
+ACCEPT_ALL = RewardConfig(sandbox_accept_rlimits_only=True)  # the no-namespaces rounds run, as a comparison
 GOLDS = ["\\frac{1}{2}", "0.75", "12", "2\\sqrt{2}", "[1,3)", "\\{1,2\\}", "x^2+1", "50\\%", "-7", "\\pi/4"]
 RIGHT = [
     "\\boxed{0.5}",
@@ -59,18 +61,14 @@ def make_items(count: int, seed: int = 0) -> tuple[list[str], list[str]]:
     return responses, golds
 
 
-@contextlib.contextmanager
 def _containment(mode: str):
     """Run the sandbox as it is ("in force"), or with one part of its containment taken away, for comparison."""
-    saved = sandbox.memory_cgroup_parent, sandbox._probe_result
-    if mode in ("rlimits", "no-namespaces"):
-        sandbox.memory_cgroup_parent = lambda: None
-    if mode == "no-namespaces":
-        sandbox._probe_result = False
-    try:
-        yield
-    finally:
-        sandbox.memory_cgroup_parent, sandbox._probe_result = saved
+    return {
+        "in force": contextlib.nullcontext(),
+        "rlimits": sandbox.use_containment(memory="rlimits"),
+        "user-namespaces": sandbox.use_containment("user-namespaces"),
+        "no-namespaces": sandbox.use_containment("none", memory="rlimits"),
+    }[mode]
 
 
 def _cpu_s() -> float:
@@ -87,7 +85,9 @@ def bench_code(rounds: int, per_round: int) -> None:
     modes = ["in force"]
     if info.memory == "cgroup":
         modes.append("rlimits")
-    if info.isolation == "namespaces":
+    if info.isolation == "namespaces":  # root: what a non-root user gets instead, and nothing
+        modes.append("user-namespaces")
+    if info.isolated:
         modes.append("no-namespaces")
     for cases in (1, 20):
         reference = {"io": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(cases)]}
@@ -98,7 +98,7 @@ def bench_code(rounds: int, per_round: int) -> None:
                 with _containment(mode):
                     cpu0, start = _cpu_s(), time.perf_counter()
                     for _ in range(per_round):
-                        assert score("code", "print(2 * int(input()))", reference) == 1.0
+                        assert score("code", "print(2 * int(input()))", reference, ACCEPT_ALL) == 1.0
                     if round_:
                         wall[mode].append((time.perf_counter() - start) / per_round * 1000)
                         cpu[mode].append((_cpu_s() - cpu0) / per_round * 1000)
@@ -106,7 +106,7 @@ def bench_code(rounds: int, per_round: int) -> None:
         for mode in modes:
             w, c = statistics.median(wall[mode]), statistics.median(cpu[mode])
             print(
-                f"code, {cases:2d} stdin case(s) per item, {mode:14s}: wall {w:7.1f} ms, CPU {c:6.1f} ms per item "
+                f"code, {cases:2d} stdin case(s) per item, {mode:15s}: wall {w:7.1f} ms, CPU {c:6.1f} ms per item "
                 f"(medians of {rounds} rounds of {per_round}); ratio to in force: wall {w / base_wall:.2f}, "
                 f"CPU {c / base_cpu:.2f}"
             )
