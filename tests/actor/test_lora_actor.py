@@ -83,10 +83,9 @@ def test_init_is_the_base_the_base_stays_and_the_reference_is_free(workers2, tin
     ranks = workers2.run(_init_and_freeze, tiny_qwen, tp)
     out = ranks[0]
     assert torch.equal(out["first"], out["base_logp"])  # B = 0: the base, bit for bit
-    # the adapters off: the numbers of a separate frozen copy, bit for bit (the frozen base is not in DDP's buffer,
-    # as a copy's weights are not); the policy's own (DDP-held) base differs from both by float rounding only
+    # the adapters off: the numbers of a separate frozen copy and of the trainable base policy, bit for bit
     assert torch.equal(out["ref"], out["copy_ref"])
-    torch.testing.assert_close(out["ref"], out["base_logp"], rtol=0, atol=1e-5)
+    assert torch.equal(out["ref"], out["base_logp"])
     assert torch.equal(out["ref_after"], out["ref"])  # the reference does not move with the adapters
     assert out["same_base"] and out["frozen"] and out["trains_adapters_only"]
     # the distributed optimizer shards the adapters (and nothing else) over DP = 2 / tp ranks
