@@ -1,7 +1,7 @@
 """The training loop end to end on CPU: 2 steps at (TP, PP) = (2, 1) and (1, 2) with vLLM rollouts; resume after a
 checkpoint repeats an uninterrupted run's metrics exactly (also with dynamic sampling's refill rounds and the
 rollout correction on); a failed checkpoint write leaves the previous intact; algo.kl_coef > 0 trains against the
-frozen reference and logs the KL to it."""
+frozen reference and logs the KL to it; a teacher that is the student gives 0 exactly through the loop."""
 
 from __future__ import annotations
 
@@ -280,7 +280,7 @@ def _assert_kl_to_reference_logged(run_dir: Path, history: list[dict]) -> None:
 
     from megatron_rlvr.monitor import read_metrics
 
-    assert history[0]["loss/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+    assert history[0]["loss/kl_ref"] == 0.0  # step 1: the policy is the reference, bit for bit
     assert history[1]["loss/kl_ref"] > 0 and math.isfinite(history[1]["loss/kl_ref"])
     logged = read_metrics(run_dir / "metrics.jsonl")
     assert [m["loss/kl_ref"] for m in logged if "loss/kl_ref" in m] == [m["loss/kl_ref"] for m in history]
@@ -302,6 +302,26 @@ def _assert_validated_before_and_at_step_two(run_dir: Path, history: list[dict])
     hists = read_metrics(run_dir / "histograms.jsonl")
     assert [(h["step"], h["name"]) for h in hists] == [(0, "val/entropy"), (2, "val/entropy")]
     assert all(sum(h["counts"]) > 0 for h in hists)
+
+
+def test_a_teacher_that_is_the_student_gives_zero_through_the_loop(workers2, tiny_model, tmp_path):
+    """The trainer's own step at TP = 2 with two mini-batches, the teacher the student's own weights (distillation
+    alone) and the KL term to the frozen reference: the first step's loss, gradient norm, KL and distillation
+    signals are 0 exactly (not noise that Adam would turn into an lr-sized step before the second mini-batch).
+    tests/actor/test_same_weights.py covers PP = 2, DP = 2 and the other frozen copies."""
+    extra = [
+        "trainer.mini_batches_per_step=2",
+        "algo.loss=grpo",  # no entropy bonus: the teacher and the reference are the only signals
+        "algo.distill=teacher",
+        f"algo.teacher_hf_dir={tiny_model}",
+        "algo.distill_only=true",
+        "algo.kl_coef=0.1",
+    ]
+    (step,) = workers2.run(_train, tiny_model, str(tmp_path / "run"), 2, 1, 1, extra, timeout_s=900)[0]
+    keys = ("actor/loss", "actor/grad_norm", "loss/kl_ref", "distill/reverse_kl", "distill/forward_kl_topn")
+    print("step 1 through the loop: " + ", ".join(f"{k} {step[k]:.3g}" for k in keys))
+    assert {k: step[k] for k in keys} == dict.fromkeys(keys, 0.0)
+    assert step["distill/top1_agreement"] == 1.0 and step["response/tokens_trained"] > 0
 
 
 _REFILL = ["algo.drop_uniform_groups=true", "rollout.refill_max_rounds=2", "algo.rollout_correction=tis"]

@@ -9,10 +9,11 @@ sequence counts of the whole mini-batch, and the schedule's `/ num_microbatches`
 the gradient is exactly that of the mini-batch loss whatever the micro-batching and data parallelism.
 
 Every pass (the policy's, the reference's, the teacher's, routing replay's comparison) runs through one
-`ActorPasses` (passes.py): the same plan over DP ranks and micro-batches (packing.py), the same THD streams with
-``pack_sequences`` (``PackedSeqParams``: TE's attention on GPU, runtime/cpu/attention.py without TE), the fused op's
-per-token outputs put back into the right-padded [b, S - 1] view the losses read; so no loss knows whether a batch
-was packed, and packing changes no number beyond float rounding.
+`ActorPasses` (passes.py): the same mini-batches (``score`` plans each of the update's on its own), the same plan over
+DP ranks and micro-batches (packing.py), the same THD streams with ``pack_sequences`` (``PackedSeqParams``: TE's
+attention on GPU, runtime/cpu/attention.py without TE), the fused op's per-token outputs put back into the
+right-padded [b, S - 1] view the losses read; so no loss knows whether a batch was packed, packing changes no number
+beyond float rounding, and a frozen copy with the policy's weights computes the policy's numbers bit for bit.
 With ``actor.cp > 1`` (docs/context-parallel.md) each CP rank runs its share of every sequence (packing.py's split),
 the op's per-token outputs are gathered over CP (actor/context_parallel.py), and every CP rank computes the identical
 whole micro-batch loss; its gradient share is summed over DP x CP by megatron's DDP.
@@ -44,7 +45,7 @@ from megatron_rlvr.actor.contrast import contrast_weights
 from megatron_rlvr.actor.gathering import across_data_parallel, from_last_stage
 from megatron_rlvr.actor.lora import LoraPolicy
 from megatron_rlvr.actor.optimizer import build_optimizer, load_schedule, prepare_for_load, restore_torch_adam_steps
-from megatron_rlvr.actor.packing import MicroBatch
+from megatron_rlvr.actor.packing import MicroBatch, mini_batch_rows
 from megatron_rlvr.actor.passes import ActorPasses
 from megatron_rlvr.actor.router_replay import RouterReplayer
 from megatron_rlvr.actor.teacher import build_teacher, student_logits_at
@@ -170,30 +171,35 @@ class MegatronActor:
     # --- scoring: every per-token field the update reads --------------------------------------------------------
     def score(self, batch: SequenceBatch, items: Sequence[PromptItem], *, mini_batches: int) -> None:
         """Fill ``batch.old_logp`` (unless the update takes its own: `needs_statistics_pass`), ``batch.ref_logp``
-        (a KL reference: algo.kl_coef > 0, or PBA's anchor) and the ``teacher_*`` fields (algo.distill)."""
+        (a KL reference: algo.kl_coef > 0, or PBA's anchor) and the ``teacher_*`` fields (algo.distill), each of
+        the update's ``mini_batches`` planned as the update plans it (so the first mini-batch's are exactly what its
+        forward computes from the same weights)."""
         if self.needs_statistics_pass(mini_batches):
-            batch.old_logp = self.compute_old_logp(batch)
+            batch.old_logp = self.compute_old_logp(batch, mini_batches)
         if self.has_reference:
-            batch.ref_logp = self.compute_ref_logp(batch)
+            batch.ref_logp = self.compute_ref_logp(batch, mini_batches)
         if self.teacher is not None:
-            self.teacher.attach(batch, items)
+            self.teacher.attach(batch, items, mini_batches)
 
-    def compute_old_logp(self, batch: SequenceBatch) -> torch.Tensor:
-        """The behaviour log-probs of the whole batch [B, S - 1], on every rank."""
-        return self.passes.per_token(batch, "logp", self.model, "statistics", self.algo_cfg.top_n)
+    def compute_old_logp(self, batch: SequenceBatch, mini_batches: int = 1) -> torch.Tensor:
+        """The behaviour log-probs of the whole batch [B, S - 1], on every rank (planned per mini-batch of an update
+        of ``mini_batches``)."""
+        return self.passes.per_token(batch, "logp", self.model, "statistics", self.algo_cfg.top_n, mini_batches)
 
-    def compute_ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
+    def compute_ref_logp(self, batch: SequenceBatch, mini_batches: int = 1) -> torch.Tensor:
         """The frozen reference's log-probs of the whole batch [B, S - 1], on every rank (needs a reference model:
-        algo.kl_coef > 0, or algo.pba with algo.pba_kl_coef > 0)."""
+        algo.kl_coef > 0, or algo.pba with algo.pba_kl_coef > 0; planned per mini-batch of an update of
+        ``mini_batches``)."""
         if not self.has_reference:
             raise RuntimeError(
                 "compute_ref_logp: the actor has no reference model (algo.kl_coef = 0 and no PBA "
                 "anchor: algo.pba false or algo.pba_kl_coef = 0)"
             )
+        top_n = self.algo_cfg.top_n
         if self.lora is not None:  # the base: the policy's chunks with every adapter off
             with self.lora.base():
-                return self.passes.per_token(batch, "logp", self.model, "other", self.algo_cfg.top_n)
-        return self.passes.per_token(batch, "logp", self.reference, "other", self.algo_cfg.top_n)
+                return self.passes.per_token(batch, "logp", self.model, "other", top_n, mini_batches)
+        return self.passes.per_token(batch, "logp", self.reference, "other", top_n, mini_batches)
 
     @property
     def resets_reference(self) -> bool:
@@ -242,10 +248,9 @@ class MegatronActor:
             m.train()
         dp = ps.get_data_parallel_world_size()
         device = distributed.device()
-        per_mini = len(batch) // mini_batches
         totals: dict[str, list[float]] = {}
-        for i in range(mini_batches):
-            mini = batch.select(slice(i * per_mini, (i + 1) * per_mini))
+        for rows in mini_batch_rows(len(batch), mini_batches):  # the split `score` planned by
+            mini = batch.select(rows)
             contrast: dict[str, float] = {}
             if self.algo_cfg.distill == "crpo" and self.algo_cfg.crpo_coef > 0:  # mini-batches hold whole groups
                 planned = self.passes.plan(mini)

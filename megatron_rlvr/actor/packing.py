@@ -1,7 +1,9 @@
 """Which sequences go to which data-parallel rank and micro-batch, and how a micro-batch is packed end to end.
 
 Pure index arithmetic over sequence lengths: every rank holds the whole mini-batch, so every rank computes the same
-plan without communicating. The plan:
+plan without communicating. A step's batch is first cut into its mini-batches (``mini_batch_rows``: consecutive
+rows, one optimizer step each); every pass that scores rows for an update plans them within the same mini-batch, so
+a row meets the same neighbours in every pass. The plan of a mini-batch:
 - splits a mini-batch over the DP ranks with equal sequence counts and about equal token counts (greedy
   longest-first: each sequence goes to the rank with the fewest tokens that still has room);
 - cuts each rank's share into micro-batches, either ``micro_batch_size`` sequences each or, with a token budget,
@@ -32,6 +34,17 @@ import torch
 from megatron_rlvr.protocols.batch import SequenceBatch
 
 Plan = list[list[list[int]]]  # [dp rank][micro-batch] -> indices into the mini-batch
+
+
+def mini_batch_rows(size: int, mini_batches: int) -> list[slice]:
+    """The rows of each of a batch's ``mini_batches`` mini-batches: consecutive, in order, equal when the count
+    divides ``size`` (the trainer's batches: whole groups), else the first ones one row shorter. Every row is in one."""
+    if mini_batches < 1:
+        raise ValueError(f"mini_batches: expected >= 1, got {mini_batches}")
+    if size < mini_batches:
+        raise ValueError(f"a batch of {size} sequences cannot fill {mini_batches} mini-batches")
+    bounds = [i * size // mini_batches for i in range(mini_batches + 1)]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def sequence_lengths(response_mask: torch.Tensor) -> list[int]:

@@ -31,6 +31,7 @@ from megatron_rlvr.actor.packing import (
     MicroBatch,
     Plan,
     cp_padded_length,
+    mini_batch_rows,
     pack,
     plan_micro_batches,
     sequence_lengths,
@@ -192,19 +193,36 @@ class ActorPasses:
 
     @torch.no_grad()
     def per_token(
-        self, batch: SequenceBatch, field: str, model: list[torch.nn.Module], kind: str, top_n: int = MONITOR_TOP_N
+        self,
+        batch: SequenceBatch,
+        field: str,
+        model: list[torch.nn.Module],
+        kind: str,
+        top_n: int = MONITOR_TOP_N,
+        mini_batches: int = 1,
     ) -> torch.Tensor:
         """One per-token statistic of the fused op over the whole batch through ``model``'s chunks, no grad,
         gathered to every rank [B, S - 1]. ``kind`` is routing replay's name of the pass (``statistics`` for the
         policy's behaviour log-probs, else ``other``). Positions past a sequence's last response token are padding:
-        0 when packed (nothing computes them), whatever the padded block gives otherwise."""
+        0 when packed (nothing computes them), whatever the padded block gives otherwise.
+
+        Each of the update's ``mini_batches`` (packing.mini_batch_rows) is planned on its own, as the update plans
+        it: a row is computed in the same micro-batch and stream as in the update's forward, so the numbers of a
+        frozen copy with the policy's weights are the update's bit for bit (another plan packs other neighbours into
+        the stream, and the GEMMs round differently)."""
         for m in model:
             m.eval()
-        plan, micro = self.plan(batch)
+        parts = [batch.select(rows) for rows in mini_batch_rows(len(batch), mini_batches)]
+        values = []
+        for part in parts:
+            plan, micro = self.plan(part)
 
-        def collect(mb: MicroBatch, logits: torch.Tensor):
-            return torch.zeros(()), {field: getattr(self.token_stats(logits, mb, top_n), field).float()}
+            def collect(mb: MicroBatch, logits: torch.Tensor):
+                return torch.zeros(()), {field: getattr(self.token_stats(logits, mb, top_n), field).float()}
 
-        with self.replay.pass_over(batch, plan, kind):
-            outputs = self.run(micro, collect, forward_only=True, model=model)
-        return self.gather([o[field] for o in outputs], plan, len(batch), batch.response_mask.shape[1])
+            with self.replay.pass_over(part, plan, kind):
+                outputs = self.run(micro, collect, forward_only=True, model=model)
+            values.append(self.gather([o[field] for o in outputs], plan, len(part), batch.response_mask.shape[1]))
+        if all(p.routed_experts is not None for p in parts):  # what routing replay recorded (or replayed)
+            batch.routed_experts = torch.cat([p.routed_experts for p in parts])
+        return torch.cat(values)

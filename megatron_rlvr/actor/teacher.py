@@ -13,10 +13,10 @@
   its own that follows the policy after every optimizer step (``Teacher.follow``), and its weights are part of the
   actor's checkpointed state (``sharded_state`` / ``load_state``).
 
-``Teacher.attach(batch, items)`` runs ONE forward-only pass of the teacher over the batch (planned, packed and
-scheduled by the actor's own `ActorPasses`) and fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and
-``batch.teacher_logits`` [B, S - 1, N] (the teacher's logits / temperature at its top-N ids), every rank, in the
-student's layout. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths: row i
+``Teacher.attach(batch, items, mini_batches)`` runs ONE forward-only pass of the teacher over the batch (planned
+mini-batch by mini-batch, packed and scheduled by the actor's own `ActorPasses`, as the update runs the student) and
+fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and ``batch.teacher_logits``
+[B, S - 1, N] (the teacher's logits / temperature at its top-N ids), every rank, in the student's layout. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths: row i
 is shifted by its prefix length k_i, its response mask too, and the scores come back at ``t + k_i`` -> ``t``, so the
 teacher scores exactly the student's response tokens.
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_rlvr.actor.chunks import build_chunks, freeze
-from megatron_rlvr.actor.packing import MicroBatch
+from megatron_rlvr.actor.packing import MicroBatch, mini_batch_rows
 from megatron_rlvr.actor.passes import ActorPasses
 from megatron_rlvr.algos.config import AlgoConfig
 from megatron_rlvr.algos.distill import TeacherScores
@@ -208,8 +208,9 @@ class Teacher:
             prefix = f"{EMA_KEY}{i}."
             chunk.load_state_dict({k[len(prefix) :]: v for k, v in loaded[f"{EMA_KEY}{i}"].items()})
 
-    def attach(self, batch: SequenceBatch, items: Sequence[PromptItem]) -> None:
-        """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields."""
+    def attach(self, batch: SequenceBatch, items: Sequence[PromptItem], mini_batches: int = 1) -> None:
+        """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields, each of the
+        update's ``mini_batches`` planned on its own as the update plans it (ActorPasses.per_token)."""
         scored, shifts = batch, None
         if self.context is not None:
             per_item = len(batch) // max(len(items), 1)
@@ -220,7 +221,7 @@ class Teacher:
             else:
                 prefixes = [self.context.ids(item) for item in items for _ in range(per_item)]
             scored, shifts = privileged_batch(batch, prefixes)
-        scores = self.score(scored)
+        scores = self.score(scored, mini_batches)
         if shifts is not None:
             width = batch.response_mask.shape[1]
             scores = TeacherScores(
@@ -232,13 +233,13 @@ class Teacher:
         batch.teacher_logits = torch.where(keep[..., None], scores.topn_logits, torch.zeros_like(scores.topn_logits))
 
     @torch.no_grad()
-    def score(self, batch: SequenceBatch) -> TeacherScores:
-        """One forward-only pass of the teacher's chunks over ``batch``: its scores in ``batch``'s own layout."""
+    def score(self, batch: SequenceBatch, mini_batches: int = 1) -> TeacherScores:
+        """One forward-only pass of the teacher's chunks over ``batch``, mini-batch by mini-batch (each planned on its
+        own, as the update plans it): its scores in ``batch``'s own layout."""
         passes = self.passes
         for m in self.chunks:
             m.eval()
         n = self.top_n
-        plan, micro = passes.plan(batch)
         width = batch.response_mask.shape[1]
         start = passes.vocab_start(self.local_vocab)
 
@@ -260,8 +261,13 @@ class Teacher:
             rows = fields[0].shape[0]
             return torch.zeros(()), {"teacher": torch.cat([f.reshape(rows, -1).float() for f in fields], dim=1)}
 
-        outputs = passes.run(micro, collect, forward_only=True, model=self.chunks)
-        values = passes.gather([o["teacher"] for o in outputs], plan, len(batch), width * (1 + 2 * n))
+        parts = []
+        for rows in mini_batch_rows(len(batch), mini_batches):
+            part = batch.select(rows)
+            plan, micro = passes.plan(part)
+            outputs = passes.run(micro, collect, forward_only=True, model=self.chunks)
+            parts.append(passes.gather([o["teacher"] for o in outputs], plan, len(part), width * (1 + 2 * n)))
+        values = torch.cat(parts)
         b = len(batch)
         logp = values[:, :width]
         ids = values[:, width : width * (1 + n)].reshape(b, width, n).round().long()

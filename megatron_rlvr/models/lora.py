@@ -191,6 +191,8 @@ def _attach(name: str, lin: torch.nn.Module, spec: AdapterSpec, switch: AdapterS
     split = b if column else a
     set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)  # counted once per shard in norms
     expert = bool(getattr(lin, "is_expert", False))
+    if expert:
+        _count_once_over_etp(a if column else b, lin.tp_group)
     for p in (a, b):
         if expert:
             p.allreduce = False  # megatron's mark of an expert parameter: reduced over the expert-data-parallel group
@@ -199,6 +201,18 @@ def _attach(name: str, lin: torch.nn.Module, spec: AdapterSpec, switch: AdapterS
     original = lin._forward_impl
     lin._forward_impl = (_column_forward if column else _row_forward)(lin, original, spec, switch)
     return Adapter(name, lin, column, expert)
+
+
+def _count_once_over_etp(whole: torch.nn.Parameter, group) -> None:
+    """megatron's gradient norm counts a parameter that is not ``tensor_model_parallel`` on dense-TP rank 0 only (as a
+    replica over TP), with every parameter of the expert optimizer too. An expert adapter's whole half is a replica
+    over its ETP group instead: counted that way it was summed once per ETP rank at TP = 1 (a norm 0.9% high at
+    ETP = 2 on the tiny MoE) and dropped by every TP rank but 0 at TP > 1. So it counts on ETP rank 0 (every dense-TP
+    rank) and is ``shared`` (never counted) on the other ETP ranks: once per expert, as the norm and clipping need."""
+    if group is None or group.rank() == 0:
+        whole.tensor_model_parallel = True
+    else:
+        whole.shared = True
 
 
 def _adapter_input(lin, spec: AdapterSpec, x: torch.Tensor) -> torch.Tensor:

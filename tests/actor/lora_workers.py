@@ -31,6 +31,7 @@ def build(
     tp=1,
     pp=1,
     ep=1,
+    etp=1,
     sp=False,
     lora=True,
     kl_coef=0.0,
@@ -50,7 +51,7 @@ def build(
         tp=tp,
         pp=pp,
         ep=ep,
-        etp=1,
+        etp=etp,
         sequence_parallel=sp,
         micro_batch_size=micro_batch_size,
         lr=1e-3,
@@ -139,4 +140,57 @@ def local_grads(actor) -> dict[str, torch.Tensor]:
         stem = actor.lora.names[id(a.module)]
         for half in (A_NAME, B_NAME):
             out[f"{stem}.{half}"] = getattr(a.module, half).main_grad.clone()
+    return out
+
+
+@torch.no_grad()
+def gather_sharded_grads(actor) -> None:
+    """Under the distributed optimizer each DP rank's grad buffer holds the reduced gradient only in its own shard of
+    every bucket (the reduce-scatter's output; the rest is its own partial sums): all-gather the shards over the
+    optimizer's DP group, so every ``main_grad`` is the gradient the optimizer stepped with, whole. Nothing without
+    it (the buffer was all-reduced)."""
+    import torch.distributed as dist
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for ddp in actor.model:
+        for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+            if not group.ddp_config.use_distributed_optimizer:
+                continue
+            size, rank = (
+                group.intra_distributed_optimizer_instance_size,
+                group.intra_distributed_optimizer_instance_rank,
+            )
+            for bucket in group.buckets:
+                mine = shard_buffer(bucket.grad_data, size)[rank].clone()
+                dist.all_gather_into_tensor(
+                    bucket.grad_data, mine, group=group.intra_distributed_optimizer_instance_group
+                )
+
+
+@torch.no_grad()
+def whole_grads(actor) -> dict[str, torch.Tensor]:
+    """{global name of the linear + half: its gradient, whole and in HF row order} on every rank, for a layout with
+    PP = EP = 1 (every rank holds every adapter, routed experts' included): the split half gathered over the group
+    that splits its base (TP, or ETP for an expert) and a split B re-laid out like the base weight's HF rows
+    (de-interleaved q/k/v, gate apart from up), so the same tensor at any TP / ETP / DP."""
+    import torch.distributed as dist
+
+    from megatron_rlvr.bridge.layout import to_hf
+    from megatron_rlvr.models.lora import A_NAME, B_NAME, split_dim
+
+    out = {}
+    for a in actor.lora.adapters:
+        stem = actor.lora.names[id(a.module)]
+        m, dims = _mapping_of(actor, stem)
+        size = a.group.size() if a.group is not None else 1
+        for half in (A_NAME, B_NAME):
+            grad = getattr(a.module, half).main_grad
+            dim = split_dim(a.column, half)
+            if dim is not None and size > 1:
+                parts = [torch.empty_like(grad) for _ in range(size)]
+                dist.all_gather(parts, grad.contiguous(), group=a.group)
+                grad = torch.cat(parts, dim=dim)
+            if half == B_NAME and len(m.hf) > 1:  # rows of several HF weights: in their order, each whole
+                grad = torch.cat([t for _, t in to_hf(m, grad, dims, size)], dim=0)
+            out[f"{stem}.{half}"] = grad.clone()
     return out

@@ -12,7 +12,14 @@ import itertools
 import pytest
 import torch
 
-from megatron_rlvr.actor.packing import balanced_split, pack, plan_micro_batches, sequence_lengths, unpack
+from megatron_rlvr.actor.packing import (
+    balanced_split,
+    mini_batch_rows,
+    pack,
+    plan_micro_batches,
+    sequence_lengths,
+    unpack,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -51,6 +58,16 @@ def _mask(lengths: list[int], width: int) -> torch.Tensor:
 
 def test_sequence_lengths_end_at_the_last_response_token():
     assert sequence_lengths(_mask(LENGTHS, max(LENGTHS) - 1)) == LENGTHS
+
+
+def test_mini_batches_are_consecutive_rows_that_cover_the_batch():
+    assert mini_batch_rows(8, 2) == [slice(0, 4), slice(4, 8)]
+    assert mini_batch_rows(8, 1) == [slice(0, 8)]
+    assert mini_batch_rows(9, 2) == [slice(0, 4), slice(4, 9)]  # every row in one, sizes one apart
+    with pytest.raises(ValueError, match="mini_batches: expected >= 1"):
+        mini_batch_rows(8, 0)
+    with pytest.raises(ValueError, match="a batch of 3 sequences cannot fill 4 mini-batches"):
+        mini_batch_rows(3, 4)
 
 
 def test_balanced_split_gives_equal_counts_and_balanced_tokens():

@@ -1,7 +1,8 @@
-"""The distillation teacher on the actor ranks (teacher.py): a teacher equal to the student gives exactly zero
-signals and a zero gradient through the whole update; a teacher's scores, and self-distillation's scores on the
+"""The distillation teacher on the actor ranks (teacher.py): a teacher's scores, and self-distillation's scores on the
 (privileged prompt + response) streams, equal a plain HF forward at the response positions, packed or not, at TP 1
-and 2 and at CP 2 (context parallelism); the teacher's tokenizer and the reference answer are checked with one-line errors."""
+and 2 and at CP 2 (context parallelism); the teacher's tokenizer and the reference answer are checked with one-line
+errors. (A teacher equal to the student gives exactly zero signals and a zero gradient through the whole update at
+TP = 2, PP = 2 and DP = 2: tests/actor/test_same_weights.py.)"""
 
 from __future__ import annotations
 
@@ -43,17 +44,6 @@ def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True, cp: int = 1):
         temperature=TEMPERATURE,
         total_steps=2,
     )
-
-
-def teacher_is_student(hf_dir: str, tp: int):
-    from megatron_rlvr.runtime.distributed import model_parallel
-
-    with model_parallel(tp=tp, pp=1, seed=11):
-        actor = _actor(hf_dir, tp, dict(distill="teacher", teacher_hf_dir=hf_dir, distill_only=True, distill_top_n=3))
-        batch = _batch(actor.vocab_size)
-        actor.teacher.attach(batch, ITEMS)
-        no_grad_logp = actor.compute_old_logp(batch)  # the student's own no-grad statistics pass
-        return actor.update(batch, mini_batches=1), batch.teacher_logp, no_grad_logp
 
 
 def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool, cp: int = 1):
@@ -100,31 +90,6 @@ def other_model(tmp_path_factory):
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
     return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("teacher"), seed=4))
-
-
-@pytest.mark.dist
-@pytest.mark.parametrize("tp", [1, 2])
-def test_teacher_equal_to_student_gives_zero_signals_and_gradient(workers2, student, tp):
-    """TP = 1: exactly 0 through the whole update. TP = 2: the same weights bit for bit, but the policy's live in
-    the DDP buffer and the teacher's in bare tensors, and the CPU GEMMs round differently with the alignment (as for
-    the KL reference, tests/test_actor.py): rounding-sized there. The loss-level identity is exact at every TP
-    (tests/algos/test_distill.py)."""
-    for metrics, teacher_logp, no_grad_logp in workers2.run(teacher_is_student, student, tp):
-        mask = _batch(8).response_mask
-        if tp == 1:
-            assert torch.equal(teacher_logp[mask], no_grad_logp[mask])
-        torch.testing.assert_close(teacher_logp[mask], no_grad_logp[mask], rtol=0, atol=1e-5)
-        assert metrics["distill/top1_agreement"] == 1.0
-        signals = (
-            metrics["distill/reverse_kl"],
-            metrics["distill/forward_kl_topn"],
-            metrics["actor/grad_norm"],
-            metrics["actor/loss"],
-        )
-        if tp == 1:
-            assert signals == (0.0, 0.0, 0.0, 0.0)
-        else:
-            assert all(abs(v) < 1e-5 for v in signals), signals
 
 
 def _check_against_plain_forward(hf_dir: str, prefixes, results, single_dp_rank: bool) -> None:
