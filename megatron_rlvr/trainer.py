@@ -347,7 +347,8 @@ def _done_line(history: list[dict[str, float]], out: Path) -> str:
         if path.is_dir()
     ]
     where = f"; {', '.join(outputs)}" if outputs else ""
-    return f"done: {len(history)} steps, final reward {history[-1]['reward/mean']:.3f}{where}"
+    steps = f"{len(history)} step{'s' if len(history) != 1 else ''}"
+    return f"done: {steps}, final reward {history[-1]['reward/mean']:.3f}{where}"
 
 
 def _check_one_process(cfg: Config, config: str, overrides: list[str]) -> None:

@@ -243,6 +243,6 @@ def test_sigterm_to_train_keeps_the_step_that_outlasts_torchruns_grace_and_the_r
     assert rerun.finish(timeout_s=600) == 0, rerun.output[-4000:]
     assert f"[checkpoint] resuming from {step}" in rerun.output, rerun.output[-4000:]
     last = [line for line in rerun.lines if line.strip()][-1]
-    assert last.startswith("done: 1 steps, final reward ") and last.endswith(
+    assert last.startswith("done: 1 step, final reward ") and last.endswith(
         f"; checkpoints {out / 'checkpoints'}, model {out / 'hf'}"
     ), rerun.output[-4000:]
