@@ -45,15 +45,18 @@ def _extensions():
 
 
 ext_modules, cmdclass = _extensions()
+# The demo's tiny HF checkpoints: folders of data files, which setuptools treats as packages (any folder is one to
+# Python) and asks to have listed as such; their files are the packages' data.
+DATA_PACKAGES = ["megatron_rlvr.demo.model", "megatron_rlvr.demo.weak_model"]
 
 setup(
     name="megatron-rlvr",
     version="0.1.0",
     description="RLVR training on megatron-core with CaSP (candidate-aware support preservation)",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_rlvr", "megatron_rlvr.*"]),
+    packages=find_packages(include=["megatron_rlvr", "megatron_rlvr.*"]) + DATA_PACKAGES,
     include_package_data=True,
-    package_data={"megatron_rlvr": ["demo/model/*", "demo/weak_model/*"]},  # the demo's tiny HF checkpoints
+    package_data={package: ["*"] for package in DATA_PACKAGES},
     install_requires=[
         "torch>=2.5",
         "megatron-core>=0.16.1",

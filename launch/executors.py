@@ -12,6 +12,7 @@ imports nemo_run before `_import_nemo_run` has put `--nemorun-home` into the env
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -217,13 +218,21 @@ def _run_task(
         module = CONSOLE_MODULE
     task = run.Script(path=module, m=True, entrypoint="python", args=args)
     detach = opts.detach and opts.executor != "local"
-    with run.Experiment(opts.job_name or name, executor=executor, log_level="WARN") as exp:
+    stop_relay = contextlib.ExitStack()  # left after the Experiment: around nemo-run's wait for the task
+    with stop_relay, run.Experiment(opts.job_name or name, executor=executor, log_level="WARN") as exp:
         exp.add(task, executor=executor, name=name)
         if opts.dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
             print(dryrun_script(exp, opts, module, launcher, kept=keep, shipped=ship))
             return 0
         exp.run(detach=detach, tail_logs=not detach)
+        if opts.executor == "local":
+            # SIGTERM / Ctrl-C go to the task (its own session: it got neither), which passes them to the ranks and
+            # waits for their checkpoint (megatron_rlvr/runtime/stop_relay.py); nemo-run keeps waiting for it, in
+            # place of its scheduler's handlers, which would end the task 10 s later
+            from megatron_rlvr.runtime.stop_relay import child_pids, forwarding
+
+            stop_relay.enter_context(forwarding(child_pids))
     # leaving the `with` block is where nemo-run waits for the tasks and records their final state
     return exit_status(exp, detached=detach)
 

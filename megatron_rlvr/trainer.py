@@ -269,7 +269,7 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
             run.progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics.get('actor/loss', 0):.4f}")
         if preempted or (cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0):
             state = {**source.state_dict(), "nonfinite_in_a_row": nonfinite_in_a_row, "config": to_dict(cfg)}
-            checkpoint.save(
+            saved = checkpoint.save(
                 run.ckpt_root,
                 step + 1,
                 actor,
@@ -280,9 +280,10 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
             )
         if preempted:
             if run.logger is not None:
+                run.progress.close()  # the bar's last state first: the stop's line is the run's last
                 print(
-                    f"[preempt] {run.preemption.reason}: stopped after step {step + 1} with its checkpoint; "
-                    "rerun the same command to resume",
+                    f"[preempt] {run.preemption.reason}: stopped after step {step + 1} with its checkpoint "
+                    f"{saved}; rerun the same command to resume",
                     flush=True,
                 )
             break
@@ -336,10 +337,21 @@ def main(argv: list[str] | None = None) -> int:
     if not has_log_file():  # the demo has its own; `train` alone: <output_dir>/logs/train-rank<r>.log
         attach_log_file(cfg.trainer.output_dir, "train")  # vLLM / megatron-core lines go there, off the console
     history = train(cfg)
-    if distributed.rank() == 0 and history:
-        last = history[-1]
-        print(f"done: {len(history)} steps, final reward {last['reward/mean']:.3f}", flush=True)
+    if distributed.rank() == 0 and history and history[-1]["step"] == cfg.trainer.steps:  # else a stop said its line
+        print(_done_line(history, Path(cfg.trainer.output_dir)), flush=True)
     return 0 if all(math.isfinite(h.get("actor/loss", 0.0)) for h in history) else 1
+
+
+def _done_line(history: list[dict[str, float]], out: Path) -> str:
+    """The run's last line: its steps and final reward, and where its outputs are (those it wrote)."""
+    outputs = [
+        f"{what} {path}"
+        for what, path in (("checkpoints", out / "checkpoints"), ("model", out / "hf"), ("adapter", out / "adapter"))
+        if path.is_dir()
+    ]
+    where = f"; {', '.join(outputs)}" if outputs else ""
+    steps = f"{len(history)} step{'s' if len(history) != 1 else ''}"
+    return f"done: {steps}, final reward {history[-1]['reward/mean']:.3f}{where}"
 
 
 def _check_one_process(cfg: Config, config: str, overrides: list[str]) -> None:

@@ -3,7 +3,9 @@
 - ``adapter_model.safetensors``: ``base_model.model.<HF module>.lora_A.weight`` [r, in] and ``...lora_B.weight``
   [out, r] per adapted HF linear (PEFT's save strips the adapter's own name from the keys).
 - ``adapter_config.json``: ``peft_type: LORA``, ``r``, ``lora_alpha`` (the update is scaled by lora_alpha / r: no
-  rsLoRA), ``lora_dropout``, ``target_modules`` (HF module names) and ``base_model_name_or_path``.
+  rsLoRA), ``lora_dropout``, ``target_modules`` (HF module names) and ``base_model_name_or_path``: the base's
+  directory as an absolute path (a relative ``model.hf_dir`` would only resolve from the directory training ran in),
+  or the name given where it is no local directory (a hub name).
 
 One of our adapters on a fused Megatron linear is several of PEFT's, exactly: on ``linear_qkv`` (A [r, hidden], B
 [q + k + v rows, r]) it is q_proj, k_proj and v_proj sharing A, each with its rows of B (``B_q A x`` is the q rows of
@@ -53,11 +55,13 @@ def target_modules(dims: ModelDims, spec: AdapterSpec) -> list[str]:
 
 
 def adapter_config(spec: AdapterSpec, target_modules: Iterable[str], base_model: str) -> dict[str, Any]:
-    """``adapter_config.json`` for adapters of ``spec`` on the HF modules named ``target_modules``."""
+    """``adapter_config.json`` for adapters of ``spec`` on the HF modules named ``target_modules``; ``base_model``
+    is read from this process's working directory when it is a local directory, and recorded as an absolute path."""
+    base = Path(base_model)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": str(base.resolve()) if base.is_dir() else base_model,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,

@@ -6,6 +6,8 @@ rollouts, then a pass@k evaluation of the base and the trained model, and a repo
 
 Training runs as `megatron-rlvr train --nproc-per-node 2 configs/demo_cpu.yaml` (torchrun, 2 ranks); rerunning the
 same command after an interruption resumes from the last checkpoint (and the evaluation from its last sample chunk).
+SIGTERM or Ctrl-C during training stops it after the step in flight, with that step's checkpoint, and the demo exits
+0 (runtime/stop_relay.py); a second one stops at once.
 A mistake in the overrides, --nproc or a file they name is one line and exit 2 before anything is written; one that
 training meets later is one line from the training command, and the demo exits 2 with it.
 ``--seed`` is the training seed only: the eval prompts and their samples' seeds are fixed (the recipe's data seed and
@@ -55,7 +57,12 @@ def _train(out: Path, overrides: list[str], nproc: int) -> int:
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=REPO, env=env).returncode
+    from megatron_rlvr.runtime.stop_relay import forwarding
+
+    with subprocess.Popen(cmd, cwd=REPO, env=env) as training, forwarding(lambda: [training.pid]):
+        # a stop (SIGTERM, Ctrl-C) goes to the training command, which passes it to its ranks and waits for the
+        # checkpoint of their step (runtime/stop_relay.py); this process waits for it in turn
+        return training.wait()
 
 
 def _run_note(config_yaml: Path, prompts: int, n: int) -> str:
@@ -213,9 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (base_model / "config.json").is_file():
         shutil.copytree(MODEL_DIR, base_model, dirs_exist_ok=True)
     start = time.perf_counter()
+    from megatron_rlvr.runtime.preemption import STOP_MARKER_ENV
+
+    stopped = out / "train" / "stopped"  # rank 0 writes the signal's name there when the ranks stop on one
+    stopped.unlink(missing_ok=True)
+    os.environ[STOP_MARKER_ENV] = str(stopped)
     status = _train(out, [f"model.hf_dir={base_model}", *overrides], args.nproc)
     if status == 2:
         return 2  # a user error: the training command has printed its one line
+    if status == 0 and stopped.is_file():
+        return 0  # stopped with the checkpoint of its step, which rank 0's last line names; a rerun resumes
     if status != 0:
         raise SystemExit(
             f"megatron-rlvr demo: training failed with exit status {status} (its output is above; the ranks' "

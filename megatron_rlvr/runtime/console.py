@@ -200,31 +200,72 @@ def torchrun(argv: list[str]) -> int:
     (a rank has printed the line): what ``megatron-rlvr train --nproc-per-node N`` runs, and
     ``python -m megatron_rlvr.runtime.console --nproc-per-node 2 -m megatron_rlvr.cli train ...``. The agent's own
     log lines ("Sending process ... closing signal", "failed (exitcode: 2)") stay off the console unless --verbose.
-    Any other failure keeps torchrun's report."""
+
+    SIGTERM, SIGINT and SIGUSR1 are not torchrun's to handle here: a `StopRelay` passes them on to the ranks and
+    waits for the checkpoint of the step in flight (runtime/stop_relay.py); the exit status is then the ranks' (0),
+    or 128 + the signal when a second signal or $MEGATRON_RLVR_STOP_TIMEOUT stopped them first. Any other failure
+    keeps torchrun's report."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from megatron_rlvr.runtime.stop_relay import STOP_SIGNALS, StoppedBeforeStart, StopRelay
 
     if not verbose_enabled():
         for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
             agent_log = logging.getLogger(name)
             agent_log.addHandler(logging.NullHandler())
             agent_log.propagate = False
-    try:
-        run(get_args_parser().parse_args(argv))
-    except ChildFailedError as e:
-
-        def user_error(failure) -> bool:
-            return isinstance(failure.message, str) and failure.message.startswith("error: ")
-
-        # The first rank to fail is the root cause; torchrun then SIGTERMs the others, which may not have reached
-        # the same error yet: those count as collateral, anything else keeps the report.
-        _, first = e.get_first_failure()
-        terminated = -signal.SIGTERM
-        if user_error(first) and all(user_error(f) or f.exitcode == terminated for f in e.failures.values()):
-            _write_error_file(first.message)  # for whoever started this process (a nemo-run local job)
-            return 2
-        raise
+    args = get_args_parser().parse_args(argv)
+    ours = {s.name for s in STOP_SIGNALS}
+    # the agent registers a handler for each signal it is told to handle: left to it, ours would be replaced
+    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours)
+    with StopRelay.installed() as relay:
+        try:
+            run(args)
+        except StoppedBeforeStart as e:
+            print(f"[launch] {e}: nothing to stop", file=sys.stderr, flush=True)
+            return 128 + e.signum
+        except ChildFailedError as e:
+            if relay.forced:  # the ranks were stopped at once: the relay said so, torchrun's report adds nothing
+                return relay.exit_status
+            stopped = _stopped_by_signal(e, relay.signum)
+            if stopped:
+                print(f"[launch] {stopped}", file=sys.stderr, flush=True)
+                return relay.exit_status
+            return _user_error_status(e)
     return 0
+
+
+def _stopped_by_signal(error, signum: int) -> str | None:
+    """What to say when a stop request (``signum``) ended ranks that could not take it as one (outside a training
+    step: still importing, or an eval): every failed rank died of the signal sent to it. None otherwise."""
+    if not signum:
+        return None
+    from megatron_rlvr.runtime.stop_relay import TO_RANKS
+
+    sent = TO_RANKS[signal.Signals(signum)]
+    if not all(f.exitcode in (-sent, 128 + sent) for f in error.failures.values()):
+        return None
+    return (
+        f"{signal.Signals(signum).name}: the ranks ended on it (outside a training step there is nothing to checkpoint)"
+    )
+
+
+def _user_error_status(e) -> int:
+    """2 (the line was said, by a rank) when every failed rank failed on a user error or was stopped after the first
+    did; else torchrun's report (the exception again)."""
+
+    def user_error(failure) -> bool:
+        return isinstance(failure.message, str) and failure.message.startswith("error: ")
+
+    # The first rank to fail is the root cause; torchrun then SIGTERMs the others, which may not have reached
+    # the same error yet: those count as collateral, anything else keeps the report.
+    _, first = e.get_first_failure()
+    terminated = -signal.SIGTERM
+    if user_error(first) and all(user_error(f) or f.exitcode == terminated for f in e.failures.values()):
+        _write_error_file(first.message)  # for whoever started this process (a nemo-run local job)
+        return 2
+    raise e
 
 
 if __name__ == "__main__":

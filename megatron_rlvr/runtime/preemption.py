@@ -14,7 +14,9 @@ How the signal reaches the ranks: Slurm's ``--signal=USR1@300`` (what the Slurm 
 process of the job step, torchrun included, and torchrun forwards the signals it handles to its workers, so a rank
 may get the same request twice within milliseconds; repeats within ``same_request_s`` count as one. A signal after
 that is a second request: the process exits at once (exit status 128 + the signal), from a watcher thread, so even
-a rank blocked in a collective goes. SIGINT (Ctrl-C) keeps its usual meaning.
+a rank blocked in a collective goes. SIGINT (Ctrl-C) keeps its usual meaning. On one machine the ranks' launcher
+(`megatron-rlvr train --nproc-per-node N`) takes the signals in torchrun's place and passes them on, Ctrl-C as
+SIGTERM, then waits for the checkpoint however long the step takes (runtime/stop_relay.py).
 """
 
 from __future__ import annotations

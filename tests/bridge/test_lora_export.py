@@ -2,7 +2,8 @@
 PP = 2 equals W + (alpha / r) B A computed here in float64 from the HF base file and the HF-layout adapters the test
 drew, bit for bit after rounding to fp32; the adapter export gives exactly those adapters in PEFT's names
 (``base_model.model.<HF module>.lora_A.weight``, as PEFT's checkpoint format documents); `save_adapter` writes the
-PEFT directory; ``peft.PeftModel(...).merge_and_unload()`` equals the merged export where peft is installed."""
+PEFT directory, which names its base by an absolute path, so that ``peft.AutoPeftModelForCausalLM`` loads it from any
+directory; its ``merge_and_unload()`` equals the merged export (where peft is installed: requirements-cpu.txt has it)."""
 
 from __future__ import annotations
 
@@ -97,14 +98,28 @@ def _expected_base(hf_dir: str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(hf_dir) / "model.safetensors"))
 
 
-def test_peft_merge_and_unload_equals_the_merged_export(workers2, tiny_qwen, tmp_path):
+def _exports_from_a_relative_base(hf_dir: str, tp: int, pp: int, adapter_dir: str):
+    """`_exports` with ``model.hf_dir`` given relative to the workers' directory, as a recipe gives it."""
+    import os
+
+    return _exports(os.path.relpath(hf_dir), tp, pp, False, adapter_dir)
+
+
+def test_peft_loads_the_adapter_from_another_directory_and_merges_it_into_the_merged_export(
+    workers2, tiny_qwen, tmp_path, monkeypatch
+):
+    """The adapter names its base by an absolute path, so PEFT's own loader finds the base from any directory,
+    and its merge_and_unload() equals the merged export."""
     peft = pytest.importorskip("peft")  # tools/env/requirements-cpu.txt installs it
-    from transformers import AutoModelForCausalLM
 
     adapter_dir = tmp_path / "adapter"
-    (merged, _, _), _ = workers2.run(_exports, tiny_qwen, 2, 1, False, str(adapter_dir))
-    base = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    (merged, _, config), _ = workers2.run(_exports_from_a_relative_base, tiny_qwen, 2, 1, str(adapter_dir))
+    assert config["base_model_name_or_path"] == str(Path(tiny_qwen).resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32)
+    model = loaded.merge_and_unload()
     state = model.state_dict()
     worst = max((state[n].double() - merged[n].double()).abs().max().item() for n in merged if n in state)
     print(f"peft merge_and_unload vs the merged export, TP=2: max |delta| {worst:.1e} over {len(merged)} tensors")

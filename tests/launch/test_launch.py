@@ -357,3 +357,51 @@ def test_the_bare_readme_dryrun_prints_an_sbatch_script_with_placeholders(tmp_pa
     assert "--nnodes 4 --nproc-per-node 8" in out.stdout
     assert "--account not given, shown as YOUR_ACCOUNT" in out.stderr
     assert "warning: model.hf_dir=/models/Qwen2.5-32B is under no --mount" in out.stderr
+
+
+_RUN_STOPPING_RANKS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from launch.executors import run_task
+from launch.options import LaunchOptions
+sys.exit(run_task("stopping", [sys.argv[2], "finish", "4"], LaunchOptions(executor="local", nproc_per_node=2),
+                  module="tests.runtime.stopping_rank"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_ctrl_c_to_a_local_launch_lets_the_ranks_finish_their_step_and_exits_0(tmp_path):
+    """The local executor's task is the console's torchrun, in a session of its own: Ctrl-C (SIGINT) to the launch
+    process goes on to it and from there to the ranks as their stop request, and nemo-run waits for them."""
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(
+        os.environ, NEMORUN_HOME=str(tmp_path / "nemorun"), OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1"
+    )
+    proc = subprocess.Popen(
+        [PY, "-c", _RUN_STOPPING_RANKS, str(REPO_ROOT), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:  # on a failure: the task and its ranks run in sessions of their own, so each goes by its pid
+        for leftover in [*psutil.Process(proc.pid).children(recursive=True), proc] if proc.poll() is None else []:
+            leftover.kill()
+        proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    for rank in (0, 1):  # one SIGTERM each, the step finished after it (> torchrun's 1 s of grace)
+        assert (tmp_path / f"rank{rank}").read_text().split()[0] == "SIGTERM", output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
