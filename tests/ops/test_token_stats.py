@@ -279,9 +279,8 @@ def test_cuda_vector_kernel_on_misaligned_buffers(dtype, inplace):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_vector_kernel_matches_scalar_at_full_vocabulary(dtype):
-    """Qwen2.5's padded vocabulary (151936 columns, 151643 real): the two CUDA kernels give the same ids and top-N
-    values bit for bit (both compute z = x / T in fp32) and the same sums within fp32 rounding; both meet the
-    oracle."""
+    """Qwen2.5's padded vocabulary (151936 columns, 151643 real): the two CUDA kernels give the same ids, and values
+    within fp32 rounding of the sums; both meet the oracle."""
     case = make_case(48, 151936, 151643, dtype, seed=17)
     for impl in CUDA_IMPLS:
         check(compare_to_oracle(case, 3, temperature=0.9, implementation=impl, device="cuda"), dtype)
@@ -291,8 +290,8 @@ def test_cuda_vector_kernel_matches_scalar_at_full_vocabulary(dtype):
         for impl in CUDA_IMPLS
     )
     assert torch.equal(scalar.topn_ids, vector.topn_ids)
-    for a, b in zip(scalar[:3], vector[:3]):
-        torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
+    for a, b in zip(scalar[:3], vector[:3]):  # each sums ~600 terms a thread in fp32: about 1.5e-6 from fp64 here
+        torch.testing.assert_close(a, b, atol=VALUE_TOL, rtol=0)
 
 
 @pytest.mark.gpu

@@ -339,6 +339,17 @@ def isa_sweep(tokens: int, vocab: int, repeats: int) -> None:
         print(f"  {isa:8s} {r['floor']:12.4f} {r['fwd']:11.4f} {r['fwd'] / r['floor']:10.2f} {r['fwdbwd']:10.4f}")
 
 
+def implementation_list(text: str) -> tuple[str, ...]:
+    """--also's value: names of implementations of the op (the parser refuses others, in the dry run too)."""
+    from megatron_rlvr.ops import backends
+
+    names = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = [a for a in names if a not in backends.IMPLEMENTATIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; expected names from {backends.IMPLEMENTATIONS}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=None, help="T (default 4096; --quick: 128)")
@@ -350,7 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
         "--also",
-        default="",
+        type=implementation_list,
+        default=(),
         help="comma list of implementations to time beside the default one, e.g. cuda-vector (ops/backends.py)",
     )
     parser.add_argument(
@@ -366,11 +378,6 @@ def main(argv: list[str] | None = None) -> dict:
         help="only compare the CPU kernel's AVX-512 / AVX2 / baseline builds (TP=1, fp32, one thread)",
     )
     args = parser.parse_args(argv)
-    from megatron_rlvr.ops import backends
-
-    unknown = [a for a in args.also.split(",") if a.strip() and a.strip() not in backends.IMPLEMENTATIONS]
-    if unknown:
-        parser.error(f"--also: unknown {unknown}; expected names from {backends.IMPLEMENTATIONS}")
     if args.isa_sweep:
         isa_sweep(args.tokens or 256, args.vocab, args.repeats or 5)
         return {}
@@ -389,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
         repeats=args.repeats or (3 if args.quick else 5),
         device=args.device,
         threads_per_rank=threads,
-        also=tuple(a.strip() for a in args.also.split(",") if a.strip()),
+        also=args.also,
     )
     check_memory(cfg)
     if cfg.tp == 1:
