@@ -23,8 +23,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
 NVCC = shutil.which("nvcc")
-# setup.py's nvcc flags, plus the clusters' architecture and ptxas's per-kernel report
-FLAGS = ["-arch=sm_90", "-std=c++17", "-O3", "--use_fast_math", "-DWITH_CUDA", f"-I{CSRC}", "-Xptxas", "-v"]
+# setup.py's nvcc flags and those torch's CUDAExtension adds (no implicit half/bf16 conversions), plus the clusters'
+# architecture and ptxas's per-kernel report
+TORCH_FLAGS = [
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+    "--expt-relaxed-constexpr",
+]
+FLAGS = [
+    "-arch=sm_90",
+    "-std=c++17",
+    "-O3",
+    "--use_fast_math",
+    "-DWITH_CUDA",
+    *TORCH_FLAGS,
+    f"-I{CSRC}",
+    "-Xptxas",
+    "-v",
+]
 
 
 def _cache_dir() -> Path | None:
