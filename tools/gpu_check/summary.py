@@ -119,6 +119,37 @@ def read_bounds(bench: dict[str, Any], bw: dict[str, Any] | None) -> dict[str, A
     return out
 
 
+def _mean_update_rate(fig: dict[str, Any]) -> float | None:
+    rates = [u["tokens_per_s"] for u in fig.get("updates", []) if u.get("tokens_per_s")]
+    return sum(rates) / len(rates) if rates else None
+
+
+def attention_speedups(sdpa: dict[str, Any] | None, unfused: dict[str, Any] | None) -> dict[str, float]:
+    """Per layout both 1B runs have: SDPA's mean update tokens/s over the unfused attention's."""
+    out = {}
+    for layout, fig in ((sdpa or {}).get("layouts") or {}).items():
+        other = ((unfused or {}).get("layouts") or {}).get(layout)
+        a, b = _mean_update_rate(fig), _mean_update_rate(other or {})
+        if a and b:
+            out[layout] = round(a / b, 3)
+    return out
+
+
+def bf16_drift(default: dict[str, Any] | None, fp32_sums: dict[str, Any] | None) -> dict[str, Any]:
+    """Per layout: how far the bf16 run's log-probs lie from its own fp32 run's after the updates, on CUDA with
+    cuBLAS's default (reduced-precision) bf16 sums, on CUDA with fp32 sums, and on the CPU."""
+    out: dict[str, Any] = {}
+    for name, cmp_ in (("cuda", default), ("cuda_fp32_sums", fp32_sums)):
+        for key, run in ((cmp_ or {}).get("runs") or {}).items():
+            drift = run.get("bf16_vs_fp32")
+            if drift:
+                layout = key.split("/")[1]
+                out.setdefault(layout, {})[name] = drift["cuda"]["logp_after_max_abs"]
+                out[layout]["cpu"] = drift["cpu"]["logp_after_max_abs"]  # the same CPU half in both
+    order = ("cuda", "cuda_fp32_sums", "cpu")
+    return {layout: {k: d[k] for k in order if k in d} for layout, d in out.items()}
+
+
 def gather(work: Path) -> dict[str, Any]:
     bench = _last_json_line(work / "op_bench.log")
     bw = _json(work / "bandwidth.json")
@@ -139,6 +170,8 @@ def gather(work: Path) -> dict[str, Any]:
         "actor_compare_reference": _json(work / "actor_compare_reference.json"),
         "bridge": _json(work / "bridge.json"),
     }
+    result["sdpa_over_unfused"] = attention_speedups(result["actor_1b"], result["actor_1b_unfused"])
+    result["bf16_drift"] = bf16_drift(result["actor_compare"], result["actor_compare_fp32sum"])
     env = next(
         (d["env"] for d in (result["actor_1b"], result["bridge"], bw, result["actor_small_cuda"]) if d and "env" in d),
         None,

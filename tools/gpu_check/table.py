@@ -131,6 +131,10 @@ def print_table(r: dict[str, Any]) -> None:
     print_compare("fp32-sum bf16 CUDA vs CPU", r.get("actor_compare_fp32sum"))
     print_compare("LoRA r8 + KL CUDA vs CPU", r.get("actor_compare_lora"))
     print_compare("frozen reference + KL CUDA vs CPU", r.get("actor_compare_reference"))
+    for layout, drift in (r.get("bf16_drift") or {}).items():
+        _row(f"bf16 from fp32 after the updates, {layout}", ", ".join(f"{k} {v:.4g}" for k, v in drift.items()))
     print_throughput("actor 1B", r.get("actor_1b"))
     print_throughput("actor 1B unfused", r.get("actor_1b_unfused"))
+    for layout, ratio in (r.get("sdpa_over_unfused") or {}).items():
+        _row(f"actor 1B {layout} update tok/s, SDPA over unfused", f"{ratio}x")
     print_bridge(r.get("bridge"))
