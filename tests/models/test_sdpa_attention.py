@@ -184,3 +184,15 @@ def test_sdpa_attention_runs_flash_on_cuda_in_bf16(packed):
     torch.testing.assert_close(outs[SDPBackend.FLASH_ATTENTION], outs[SDPBackend.MATH], atol=2e-2, rtol=2e-2)
     for a, b in zip(grads[SDPBackend.FLASH_ATTENTION], grads[SDPBackend.MATH]):
         torch.testing.assert_close(a, b, atol=5e-2 * b.abs().max().item(), rtol=0)
+
+
+def test_the_choice_is_logged_once(monkeypatch, caplog):
+    from megatron_rlvr.models import builder
+
+    monkeypatch.setattr(builder, "_logged_attention", set())
+    with caplog.at_level("INFO", logger="megatron_rlvr.models.builder"):
+        for _ in range(2):  # the policy's chunk, then the reference's: one line
+            spec = builder.layer_spec(use_te=False, core_attention="sdpa")
+    assert spec.submodules.self_attention.submodules.core_attention.__name__ == "SdpaAttention"
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_rlvr.models.builder"]
+    assert lines == ["layer spec: local (torch scaled_dot_product_attention)"]
