@@ -41,3 +41,13 @@ def test_bf16_drift_with_and_without_fp32_sums(summary):
     drift = summary.bf16_drift(_compare(0.333, 0.136), _compare(0.14, 0.136))
     assert drift == {"padded": {"cuda": 0.333, "cuda_fp32_sums": 0.14, "cpu": 0.136}}
     assert summary.bf16_drift(None, None) == {}
+
+
+def test_tests_passed_reads_the_junit_file(summary, tmp_path):
+    xml = tmp_path / "gpu_tests.xml"
+    assert not summary.tests_passed(xml, "vector")  # no file: not passed
+    case = '<testcase classname="t" name="{}">{}</testcase>'
+    body = case.format("test_a[cuda-vector]", "") + case.format("test_b[cuda-scalar]", "<failure/>")
+    xml.write_text(f'<testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
+    assert summary.tests_passed(xml, "vector") and not summary.tests_passed(xml, "scalar")
+    assert not summary.tests_passed(xml, "nothing-by-this-name")

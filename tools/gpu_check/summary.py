@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=int, default=0)
     p.add_argument("--total-s", type=int, default=0)
+    p.add_argument(
+        "--passed-tests",
+        metavar="WORD",
+        help="only say, by the exit status, whether the GPU tests whose names hold WORD all ran and passed",
+    )
     return p
 
 
@@ -80,6 +85,15 @@ def stage_records(work: Path) -> dict[str, dict[str, Any]]:
             r["log_tail"] = _tail(work / f"{r['name']}.log")
         records[r["name"]] = r
     return records
+
+
+def tests_passed(path: Path, word: str) -> bool:
+    """Whether the JUnit file lists tests whose names hold ``word`` and every one of them passed."""
+    try:
+        cases = [c for c in ET.parse(path).getroot().iter("testcase") if word in c.get("name", "")]
+    except (OSError, ET.ParseError):
+        return False
+    return bool(cases) and all(c.find(kind) is None for c in cases for kind in ("failure", "error", "skipped"))
 
 
 def junit_counts(path: Path) -> dict[str, int] | None:
@@ -182,6 +196,8 @@ def gather(work: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.passed_tests:
+        return 0 if tests_passed(args.work / "gpu_tests.xml", args.passed_tests) else 1
     result = gather(args.work)
     result["budget_s"], result["total_s"] = args.budget_s, args.total_s
     common.write_json(args.out, result)
