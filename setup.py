@@ -26,7 +26,7 @@ def _extensions():
         return [], {}
     cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
     # headers and the per-instruction-set row kernels (included, not compiled on their own): a change rebuilds
-    depends = sorted(glob.glob("csrc/*.h") + glob.glob("csrc/*.inc"))
+    depends = sorted(glob.glob("csrc/*.h") + glob.glob("csrc/*.inc") + glob.glob("csrc/*.cuh"))
     with_cuda = torch.cuda.is_available() or os.environ.get("MEGATRON_RLVR_FORCE_CUDA") == "1"
     if with_cuda and torch.version.cuda is not None:
         ext = CUDAExtension(

@@ -49,8 +49,17 @@ void check_layout(const at::Tensor& logits, int64_t top_n, int64_t vocab_start, 
               n_valid);
 }
 
+// "scalar" or "vector": which of the two CUDA kernels (token_stats.h) runs CUDA tensors; checked on every device.
+bool vector_kernel(const std::string& cuda_kernel) {
+  TORCH_CHECK(cuda_kernel == "scalar" || cuda_kernel == "vector", "cuda_kernel: expected 'scalar' or 'vector', got '",
+              cuda_kernel, "'");
+  return cuda_kernel == "vector";
+}
+
 void token_stats_forward(const at::Tensor& logits, const at::Tensor& target_ids, const at::Tensor& records,
-                         int64_t top_n, int64_t vocab_start, int64_t n_valid, double inv_temperature) {
+                         int64_t top_n, int64_t vocab_start, int64_t n_valid, double inv_temperature,
+                         const std::string& cuda_kernel) {
+  const bool vector = vector_kernel(cuda_kernel);
   check_layout(logits, top_n, vocab_start, n_valid);
   const int64_t num_tokens = logits.size(0);
   check(target_ids, "target_ids", logits, at::kLong, {num_tokens});
@@ -64,13 +73,19 @@ void token_stats_forward(const at::Tensor& logits, const at::Tensor& target_ids,
     TORCH_CHECK(top_n <= token_stats::kCudaMaxTopN, "top_n: the CUDA kernel supports up to ",
                 token_stats::kCudaMaxTopN, ", got ", top_n);
     const c10::cuda::CUDAGuard guard(logits.device());
-    token_stats::forward_cuda(args, c10::cuda::getCurrentCUDAStream().stream());
+    void* stream = c10::cuda::getCurrentCUDAStream().stream();
+    if (vector) {
+      token_stats::forward_cuda_vector(args, stream);
+    } else {
+      token_stats::forward_cuda(args, stream);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
 #else
     TORCH_CHECK(false, "megatron_rlvr._C was built without CUDA");
 #endif
   }
+  (void)vector;  // CPU tensors run the CPU kernel
   TORCH_CHECK(logits.is_cpu(), "logits: expected a CPU or CUDA tensor, got ", logits.device());
   token_stats::forward_cpu(args, at::get_num_threads());
 }
@@ -78,7 +93,9 @@ void token_stats_forward(const at::Tensor& logits, const at::Tensor& target_ids,
 void token_stats_backward(const at::Tensor& logits, const at::Tensor& grad_out, const at::Tensor& target_ids,
                           const at::Tensor& topn_ids, const at::Tensor& logz, const at::Tensor& entropy,
                           const at::Tensor& grad_logp, const at::Tensor& grad_entropy, const at::Tensor& grad_topn,
-                          int64_t vocab_start, int64_t n_valid, double inv_temperature) {
+                          int64_t vocab_start, int64_t n_valid, double inv_temperature,
+                          const std::string& cuda_kernel) {
+  const bool vector = vector_kernel(cuda_kernel);
   const int64_t top_n = topn_ids.dim() == 2 ? topn_ids.size(1) : -1;
   check_layout(logits, top_n, vocab_start, n_valid);
   const int64_t num_tokens = logits.size(0);
@@ -100,13 +117,19 @@ void token_stats_backward(const at::Tensor& logits, const at::Tensor& grad_out, 
   if (logits.is_cuda()) {
 #ifdef WITH_CUDA
     const c10::cuda::CUDAGuard guard(logits.device());
-    token_stats::backward_cuda(args, c10::cuda::getCurrentCUDAStream().stream());
+    void* stream = c10::cuda::getCurrentCUDAStream().stream();
+    if (vector) {
+      token_stats::backward_cuda_vector(args, stream);
+    } else {
+      token_stats::backward_cuda(args, stream);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
 #else
     TORCH_CHECK(false, "megatron_rlvr._C was built without CUDA");
 #endif
   }
+  (void)vector;  // CPU tensors run the CPU kernel
   TORCH_CHECK(logits.is_cpu(), "logits: expected a CPU or CUDA tensor, got ", logits.device());
   token_stats::backward_cpu(args, at::get_num_threads());
 }
@@ -125,11 +148,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron-rlvr fused kernels (token statistics over vocab-sharded logits)";
   m.def("token_stats_forward", &token_stats_forward, "Fill the per-token records of one logits shard",
         py::arg("logits"), py::arg("target_ids"), py::arg("records"), py::arg("top_n"), py::arg("vocab_start"),
-        py::arg("n_valid"), py::arg("inv_temperature"));
+        py::arg("n_valid"), py::arg("inv_temperature"), py::arg("cuda_kernel") = "scalar");
   m.def("token_stats_backward", &token_stats_backward, "Write dL/dlogits of one shard (grad_out may be logits)",
         py::arg("logits"), py::arg("grad_out"), py::arg("target_ids"), py::arg("topn_ids"), py::arg("logz"),
         py::arg("entropy"), py::arg("grad_logp"), py::arg("grad_entropy"), py::arg("grad_topn"),
-        py::arg("vocab_start"), py::arg("n_valid"), py::arg("inv_temperature"));
+        py::arg("vocab_start"), py::arg("n_valid"), py::arg("inv_temperature"), py::arg("cuda_kernel") = "scalar");
   m.def("has_cuda", &has_cuda, "Whether the CUDA kernels were compiled in");
   m.def("cpu_isa", &token_stats::cpu_isa, "The instruction set the CPU kernels use: avx512, avx2 or generic");
 }

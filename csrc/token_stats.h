@@ -52,8 +52,14 @@ const char* cpu_isa();
 
 #ifdef WITH_CUDA
 constexpr int kCudaMaxTopN = 32;
+// The scalar kernels (token_stats_cuda.cu): one block per row, one element per load, the top-N merged in N rounds of
+// block-wide argmax; the first to pass on a GPU.
 void forward_cuda(const ForwardArgs& args, void* stream);
 void backward_cuda(const BackwardArgs& args, void* stream);
+// The vector kernels (token_stats_cuda_vector.cu): 128-bit loads and stores, the top-N merged in registers; fp64
+// rows go to the scalar kernels.
+void forward_cuda_vector(const ForwardArgs& args, void* stream);
+void backward_cuda_vector(const BackwardArgs& args, void* stream);
 #endif
 
 }  // namespace token_stats

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # The GPU proof, in one call on a machine with one NVIDIA GPU (made for the H200 lent here: python 3.12, torch with
-# CUDA, nvcc, no network). It installs the carried wheels (.whl/, from tools/gpu_wheels.sh) with pip --no-index, then:
-#   1. ops:    builds megatron_rlvr._C for sm_90 only; the op tests on CUDA; HBM bandwidth (the bytes-read bound);
-#              the op bench at T=16384, V=151936, fp32 and bf16, against the composite and the logsumexp floor
-#   2. actor:  MegatronActor on one rank: a small random Qwen2 on CUDA and on the CPU (same seeds; statistics pass
-#              and two CaSP updates, fp32 and bf16, padded and packed) compared within each dtype's tolerance; then
-#              a random ~1B Qwen2 in bf16 on CUDA: tokens/s and peak memory per layout
-#   3. bridge: export of the ~1B model from CUDA to HF layout: bytes/s, bit-exact against the checkpoint files and
-#              against the model's own state dict
-# Each stage runs under its own timeout inside one budget (GPU_CHECK_BUDGET_S, default 520 s); a failed stage is
+# CUDA, nvcc, no network). It installs the carried wheels (.whl/, from tools/gpu_wheels.sh) with pip --no-index, then
+# runs these groups of stages, in this order:
+#   ops:      builds megatron_rlvr._C for sm_90 only; the CUDA tests (both kernels of the op; SDPA under flash);
+#             HBM bandwidth (the bytes-read bound); the op bench at T=16384, V=151936, fp32 and bf16: the default
+#             (scalar) kernel and the vector one side by side, against the composite and the logsumexp floor
+#   actor:    MegatronActor on one rank: a small random Qwen2 on CUDA (SDPA attention) and on the CPU (unfused; same
+#             seeds; statistics pass and two CaSP updates, fp32 and bf16, padded and packed) compared within each
+#             dtype's tolerance; then a random ~1B Qwen2 in bf16 on CUDA: tokens/s, MFU and peak memory per layout,
+#             with SDPA and again with megatron's unfused attention
+#   drift:    the small model's CUDA half again with cuBLAS's reduced-precision bf16 sums off, against the same CPU
+#             half: is that why CUDA's bf16 drifts further from fp32 than the CPU's?
+#   variants: one CaSP update with a KL reference, on CUDA and on the CPU: LoRA (rank 8; the reference is the base)
+#             and full fine-tuning with a frozen reference copy; the reference must not move
+#   bridge:   export of the ~1B model from CUDA to HF layout: bytes/s, bit-exact against the checkpoint files and
+#             against the model's own state dict
+# Each stage runs under its own timeout inside one budget (GPU_CHECK_BUDGET_S, default 450 s); a failed stage is
 # recorded with its log tail and the next one runs. Every figure lands in $OUT/gpu_check.json (OUT defaults to
 # $GPU_CHECK_WORK/out) and a summary table is printed at the end.
 #
-#   bash tools/gpu_check.sh             # on the GPU machine (the device tool: carry [".whl"], timeout_s 570)
+#   bash tools/gpu_check.sh             # on the GPU machine (the device tool: carry [".whl"], timeout_s 480)
 #   bash tools/gpu_check.sh --dry-run   # anywhere: wheels, every script's imports and arguments, no CUDA needed
-# GPU_CHECK_ONLY="actor bridge" runs only those groups (ops, actor, bridge): a rerun on a warm machine.
+# GPU_CHECK_ONLY="actor bridge" runs only those groups: a rerun on a warm machine.
 set -uo pipefail  # no -e: a failed stage is recorded and the check goes on
 cd "$(dirname "$0")/.."
 DRY=0
@@ -28,14 +35,14 @@ G=tools/gpu_check
 export GPU_CHECK_WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
 WORK=$GPU_CHECK_WORK
 OUT_DIR=${OUT:-$WORK/out}
-BUDGET=${GPU_CHECK_BUDGET_S:-520}
-ONLY=${GPU_CHECK_ONLY:-ops actor bridge}
+BUDGET=${GPU_CHECK_BUDGET_S:-450}
+ONLY=${GPU_CHECK_ONLY:-ops actor drift variants bridge}
 RESERVE=15  # seconds kept for the summary
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET))
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 mkdir -p "$WORK" "$OUT_DIR"
-rm -f "$WORK"/stages.jsonl "$WORK"/*.log "$WORK"/*.json "$WORK"/op_tests.xml "$WORK"/dry_run.txt
+rm -f "$WORK"/stages.jsonl "$WORK"/*.log "$WORK"/*.json "$WORK"/*.xml "$WORK"/dry_run.txt
 
 wants() { [[ " $ONLY " == *" $1 "* ]]; }
 
@@ -105,6 +112,7 @@ PY
 fi
 
 # the ~1B checkpoint is written on the CPU while the extension builds
+MODEL_PID=""
 if wants actor || wants bridge; then
     if ((DRY)); then
         stage make_model_1b 240 "$PY" $G/make_model.py --model 1b
@@ -122,27 +130,64 @@ if wants ops || [ ! -f megatron_rlvr/_C.cpython-312-x86_64-linux-gnu.so ]; then
     # torch first: importing it loads libc10, which the extension links against
     ((DRY)) || "$PY" -c "import torch; from megatron_rlvr import _C; assert _C.has_cuda(), 'built without CUDA'; print('gpu_check: extension has its CUDA kernels; CPU kernels:', _C.cpu_isa())"
 fi
-if wants actor; then  # the CPU half of the comparison runs beside the GPU stages
+# The CPU halves of the comparisons run beside the GPU stages, in two background chains of 4 threads each.
+G_SMALL=("$PY" $G/actor_check.py --model small --mode compare)
+G_VARIANT=(--dtypes float32,bfloat16 --layouts packed --steps 1 --kl-coef 0.1)  # one CaSP update with a KL term
+G_LORA=(--lora-rank 8)
+cpu_half() {  # cpu_half NAME ARGS...: a CPU run of actor_check (its stage NAME), the GPU hidden
+    local name=$1
+    shift
     if ((DRY)); then
-        stage actor_small_cpu 240 env CUDA_VISIBLE_DEVICES= "$PY" $G/actor_check.py --model small --mode compare \
-            --device cpu --out "$WORK/actor_small_cpu.json" --tensors "$WORK/actor_small_cpu.pt"
+        stage "$name" 240 env CUDA_VISIBLE_DEVICES= "${G_SMALL[@]}" --device cpu "$@" \
+            --out "$WORK/$name.json" --tensors "$WORK/$name.pt"
     else
-        BG=1 stage actor_small_cpu 240 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 "$PY" $G/actor_check.py \
-            --model small --mode compare --device cpu --out "$WORK/actor_small_cpu.json" \
-            --tensors "$WORK/actor_small_cpu.pt" &
-        CPU_PID=$!
+        BG=1 stage "$name" 240 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 "${G_SMALL[@]}" --device cpu "$@" \
+            --out "$WORK/$name.json" --tensors "$WORK/$name.pt"
     fi
+}
+cuda_half() {  # cuda_half NAME ARGS...: the same on CUDA
+    local name=$1
+    shift
+    stage "$name" 150 "${G_SMALL[@]}" --device cuda "$@" --out "$WORK/$name.json" --tensors "$WORK/$name.pt"
+}
+compare_halves() {  # compare_halves NAME CUDA_RUN CPU_RUN
+    stage "$1" 30 "$PY" $G/compare.py --cuda "$WORK/$2.json" --cpu "$WORK/$3.json" --out "$WORK/$1.json"
+}
+in_background() {  # runs "$@" in the background (in the dry run, in place); its pid in BG_PID
+    if ((DRY)); then "$@"; BG_PID=""; else "$@" & BG_PID=$!; fi
+}
+cpu_variants() {
+    cpu_half actor_lora_cpu "${G_VARIANT[@]}" "${G_LORA[@]}"
+    cpu_half actor_reference_cpu "${G_VARIANT[@]}"
+}
+CPU_PID="" VARIANTS_PID=""
+if wants actor || wants drift; then
+    in_background cpu_half actor_small_cpu
+    CPU_PID=$BG_PID
 fi
+if wants variants; then
+    in_background cpu_variants
+    VARIANTS_PID=$BG_PID
+fi
+wait_for() { ((DRY)) || [ -z "$1" ] || wait "$1" 2>/dev/null; }  # a second wait on one pid is harmless
+
 if wants ops; then
-    stage op_tests 150 "$PY" -m pytest tests/ops/test_token_stats.py -m gpu -q -p no:cacheprovider \
-        --junitxml="$WORK/op_tests.xml"
+    stage gpu_tests 150 "$PY" -m pytest tests/ops/test_token_stats.py tests/models/test_sdpa_attention.py -m gpu -q \
+        -p no:cacheprovider --junitxml="$WORK/gpu_tests.xml"
     stage bandwidth 60 "$PY" $G/bandwidth.py --out "$WORK/bandwidth.json"
+    # the vector kernel is timed beside the default only once its tests passed: a kernel that faults would take the
+    # whole bench (and its figures of the default kernel) down with it
+    ALSO=(--also cuda-vector)
+    if ((!DRY)) && ! "$PY" $G/summary.py --work "$WORK" --out /dev/null --passed-tests vector >/dev/null 2>&1; then
+        echo "gpu_check: the vector kernel did not pass its CUDA tests (gpu_tests.xml): the bench times the default only"
+        ALSO=()
+    fi
     stage op_bench 180 "$PY" tools/benches/bench_token_stats.py --device cuda --tp 1 --tokens 16384 --vocab 151936 \
-        --dtypes float32,bfloat16 --repeats 5
+        --dtypes float32,bfloat16 --repeats 5 "${ALSO[@]}"
 fi
 
-# --- 2. the actor, 3. the bridge -------------------------------------------------------------------------------
-if wants actor || wants bridge; then
+# --- the actor, its bf16 drift, LoRA and the reference, the bridge ------------------------------------------------
+if wants actor || wants drift || wants variants || wants bridge; then
     stage pg_probe 60 "$PY" $G/pg_probe.py --out "$WORK/pg_probe.json"
     if ((!DRY)); then
         fallback=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1])).get('use_backend') or '')" \
@@ -155,22 +200,31 @@ if wants actor || wants bridge; then
     fi
 fi
 if wants actor; then
-    stage actor_small_cuda 150 "$PY" $G/actor_check.py --model small --mode compare --device cuda \
-        --out "$WORK/actor_small_cuda.json" --tensors "$WORK/actor_small_cuda.pt"
-    ((DRY)) || wait "$CPU_PID"
-    stage actor_compare 30 "$PY" $G/compare.py --cuda "$WORK/actor_small_cuda.json" \
-        --cpu "$WORK/actor_small_cpu.json" --out "$WORK/actor_compare.json"
-fi
-if wants actor || wants bridge; then
-    ((DRY)) || wait "$MODEL_PID"
-fi
-if wants actor; then
+    cuda_half actor_small_cuda
+    wait_for "$CPU_PID"
+    compare_halves actor_compare actor_small_cuda actor_small_cpu
+    wait_for "$MODEL_PID"
     # 32 rollouts, prompts of 256, responses of 64..1792 tokens: micro-batches of 4 (padded: [4, 2048] blocks)
-    stage actor_1b 240 "$PY" $G/actor_check.py --model 1b --mode throughput --device cuda \
-        --layouts padded,packed,packed_budget --sequences 32 --prompt-len 256 --min-response 64 \
-        --max-response 1792 --micro-batch-size 4 --lr 1e-4 --out "$WORK/actor_1b.json"
+    G_1B=("$PY" $G/actor_check.py --model 1b --mode throughput --device cuda --sequences 32 --prompt-len 256
+        --min-response 64 --max-response 1792 --micro-batch-size 4 --lr 1e-4)
+    stage actor_1b 240 "${G_1B[@]}" --layouts padded,packed,packed_budget --out "$WORK/actor_1b.json"
+    stage actor_1b_unfused 180 "${G_1B[@]}" --core-attention unfused --layouts padded,packed \
+        --out "$WORK/actor_1b_unfused.json"
+fi
+if wants drift; then
+    cuda_half actor_small_cuda_fp32sum --no-reduced-precision-bf16
+    wait_for "$CPU_PID"
+    compare_halves actor_compare_fp32sum actor_small_cuda_fp32sum actor_small_cpu
+fi
+if wants variants; then
+    cuda_half actor_lora_cuda "${G_VARIANT[@]}" "${G_LORA[@]}"
+    cuda_half actor_reference_cuda "${G_VARIANT[@]}"
+    wait_for "$VARIANTS_PID"
+    compare_halves actor_compare_lora actor_lora_cuda actor_lora_cpu
+    compare_halves actor_compare_reference actor_reference_cuda actor_reference_cpu
 fi
 if wants bridge; then
+    wait_for "$MODEL_PID"
     stage bridge 180 "$PY" $G/bridge_check.py --model 1b --out "$WORK/bridge.json"
 fi
 

@@ -26,6 +26,7 @@ def build_chunks(
     divisible_by: int,
     hf_dir: str,
     dist_checkpoint: str | None = None,
+    core_attention: str = "auto",
 ) -> list[torch.nn.Module]:
     """The chunks of the model ``hf`` describes at ``tcfg``'s layout, with the weights of ``dist_checkpoint`` when
     given (any TP/PP), else those of the HF checkpoint ``hf_dir``. Needs megatron's parallel state."""
@@ -47,6 +48,7 @@ def build_chunks(
                     vp_stage=vp_stage,
                     use_te=use_te,
                     make_vocab_size_divisible_by=divisible_by,
+                    core_attention=core_attention,
                 )
             )
         )

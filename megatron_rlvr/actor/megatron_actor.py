@@ -117,6 +117,7 @@ class MegatronActor:
             self.tcfg,
             vpp=actor_cfg.vpp,
             use_te=use_te,
+            core_attention=model_cfg.core_attention,
             divisible_by=model_cfg.make_vocab_size_divisible_by,
             hf_dir=model_cfg.hf_dir,
             dist_checkpoint=model_cfg.load,

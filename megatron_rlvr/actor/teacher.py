@@ -292,7 +292,7 @@ def student_logits_at(
 
 
 def teacher_chunks(
-    passes: ActorPasses, teacher_dir: str, divisible_by: int, use_te: bool | None
+    passes: ActorPasses, teacher_dir: str, divisible_by: int, use_te: bool | None, core_attention: str = "auto"
 ) -> tuple[list[torch.nn.Module], int]:
     """The teacher's chunks at the actor's layout (its own HF config) with its HF weights, and its local vocab."""
     from megatron_rlvr.models import load_hf_config, padded_vocab_size, transformer_config_from_hf
@@ -319,7 +319,9 @@ def teacher_chunks(
         variable_seq_lengths=passes.tcfg.variable_seq_lengths,
         cp=a.cp,
     )
-    chunks = build_chunks(hf, tcfg, vpp=a.vpp, use_te=use_te, divisible_by=divisible_by, hf_dir=teacher_dir)
+    chunks = build_chunks(
+        hf, tcfg, vpp=a.vpp, use_te=use_te, divisible_by=divisible_by, hf_dir=teacher_dir, core_attention=core_attention
+    )
     return chunks, padded_vocab_size(int(hf["vocab_size"]), a.tp, divisible_by) // a.tp
 
 
@@ -340,7 +342,9 @@ def build_teacher(
     context = None
     if cfg.distill == "teacher":
         check_same_tokenizer("algo.teacher_hf_dir", cfg.teacher_hf_dir, model_cfg.hf_dir)
-        chunks, local_vocab = teacher_chunks(passes, cfg.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by, use_te)
+        chunks, local_vocab = teacher_chunks(
+            passes, cfg.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by, use_te, model_cfg.core_attention
+        )
     else:
         from transformers import AutoTokenizer
 

@@ -1,8 +1,10 @@
-"""HF config -> megatron-core ``TransformerConfig`` and ``GPTModel`` (local spec on CPU, TE spec when installed).
+"""HF config -> megatron-core ``TransformerConfig`` and ``GPTModel`` (TE's spec when installed, else the local spec).
 
-Both specs take packed (THD) sequences: TE's attention natively, the local spec through
-``megatron_rlvr.runtime.cpu.attention.PackedDotProductAttention`` in place of megatron's ``DotProductAttention`` (which
-asserts ``packed_seq_params is None``).
+The attention a build runs is one decision, `attention_choice`: TE's spec ("te") where TE is usable; else the local
+(pure torch) spec with one of two core attentions in place of megatron's ``DotProductAttention`` (which asserts
+``packed_seq_params is None``): "sdpa" (``models.sdpa_attention.SdpaAttention``, torch's fused kernels; the default on
+a GPU) or "unfused" (``runtime.cpu.attention.PackedDotProductAttention``, megatron's own math per block of whole
+sequences; the default on the CPU, and under context parallelism). All three take packed (THD) sequences.
 
 The vocabulary is padded here, once, by :func:`padded_vocab_size`; the token-statistics op and the actor use the
 same function so every component agrees on which ids are padding.
@@ -10,6 +12,7 @@ same function so every component agrees on which ids are padding.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +24,7 @@ from megatron_rlvr.models.hf_config import family_of
 from megatron_rlvr.models.layout import ParallelLayout
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
+logger = logging.getLogger(__name__)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
@@ -35,6 +39,40 @@ def transformer_engine_available() -> bool:
     except Exception:  # an installed but broken TE (no CUDA) counts as absent
         return False
     return torch.cuda.is_available()
+
+
+CORE_ATTENTIONS = ("auto", "sdpa", "unfused")
+ATTENTION_NAMES = {
+    "te": "Transformer Engine's fused attention",
+    "sdpa": "torch scaled_dot_product_attention",
+    "unfused": "megatron's unfused attention (the score matrix)",
+}
+
+
+def attention_choice(use_te: bool, core_attention: str = "auto", *, cuda: bool, cp: int = 1) -> str:
+    """The attention a build runs: "te" (TE's spec), or the local spec's "sdpa" or "unfused" core attention.
+
+    ``core_attention`` (``model.core_attention``) picks the local spec's: "auto" means SDPA on a GPU and unfused on
+    the CPU (where the tests compare every layout against it) or under context parallelism (the unfused packed
+    attention runs its own; SDPA has none). TE's spec has its own attention, so it takes "auto" only.
+    """
+    if core_attention not in CORE_ATTENTIONS:
+        raise UnsupportedModelError(f"model.core_attention={core_attention!r}: expected one of {CORE_ATTENTIONS}")
+    if use_te:
+        if core_attention != "auto":
+            raise UnsupportedModelError(
+                f"model.core_attention={core_attention}: picks the local spec's attention, but Transformer Engine's "
+                "spec runs (it has its own); set model.use_transformer_engine=off to run it"
+            )
+        return "te"
+    if core_attention == "sdpa" and cp > 1:
+        raise UnsupportedModelError(
+            f"model.core_attention=sdpa: context parallelism (actor.cp={cp}) needs TE's attention or the unfused "
+            "packed attention (model.core_attention=unfused or auto)"
+        )
+    if core_attention == "auto":
+        return "sdpa" if cuda and cp == 1 else "unfused"
+    return core_attention
 
 
 def resolve_use_te(setting: str) -> bool | None:
@@ -146,9 +184,9 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(use_te: bool | None = None, tcfg=None, vp_stage: int | None = None):
-    """Transformer Engine spec when TE is usable, else megatron-core's local (pure torch) spec with an attention
-    that also takes packed sequences (the same math as megatron's, one sequence at a time).
+def layer_spec(use_te: bool | None = None, tcfg=None, vp_stage: int | None = None, core_attention: str = "auto"):
+    """Transformer Engine spec when TE is usable, else megatron-core's local (pure torch) spec with a core attention
+    that also takes packed sequences: SDPA or the unfused one (`attention_choice`).
 
     ``tcfg`` adds what the model's config asks for: q/k norms (``qk_layernorm``) and, with experts, megatron's
     per-layer block spec (``moe_layer_freq`` picks a dense or an MoE layer for each index; this stage's slice).
@@ -161,25 +199,41 @@ def layer_spec(use_te: bool | None = None, tcfg=None, vp_stage: int | None = Non
 
     if use_te is None:
         use_te = transformer_engine_available()
+    cp = tcfg.context_parallel_size if tcfg is not None else 1
+    attention = attention_choice(use_te, core_attention, cuda=torch.cuda.is_available(), cp=cp)
+    _log_attention_once(attention)
     qk_layernorm = bool(tcfg is not None and tcfg.qk_layernorm)
     if tcfg is not None and tcfg.num_moe_experts:
         block = get_gpt_decoder_block_spec(
             tcfg, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
         )
         for spec in block.layer_specs if not use_te else ():
-            _use_packed_attention(spec)
+            _set_core_attention(spec, attention)
         return block
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    _use_packed_attention(spec)
+    _set_core_attention(spec, attention)
     return spec
 
 
-def _use_packed_attention(spec) -> None:
+def _set_core_attention(spec, attention: str) -> None:
+    from megatron_rlvr.models.sdpa_attention import SdpaAttention
     from megatron_rlvr.runtime.cpu.attention import PackedDotProductAttention
 
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    core = SdpaAttention if attention == "sdpa" else PackedDotProductAttention
+    spec.submodules.self_attention.submodules.core_attention = core
+
+
+_logged_attention: set[str] = set()
+
+
+def _log_attention_once(attention: str) -> None:
+    """The attention in the run's log, once per process and kind (every chunk, the reference and a teacher build
+    a spec)."""
+    if attention not in _logged_attention:
+        _logged_attention.add(attention)
+        logger.info("layer spec: %s (%s)", "TE" if attention == "te" else "local", ATTENTION_NAMES[attention])
 
 
 def build_gpt_model(
@@ -190,6 +244,7 @@ def build_gpt_model(
     vp_stage: int | None = None,
     use_te: bool | None = None,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    core_attention: str = "auto",
 ):
     """One megatron-core ``GPTModel`` chunk for this rank (pipeline stage / virtual stage ``vp_stage``).
 
@@ -202,7 +257,7 @@ def build_gpt_model(
     llama3 = rope["rope_type"] == "llama3"
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(use_te, tcfg, vp_stage),
+        transformer_layer_spec=layer_spec(use_te, tcfg, vp_stage, core_attention),
         vocab_size=padded_vocab_size(hf["vocab_size"], tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
         pre_process=pre_process,

@@ -16,3 +16,6 @@ class ModelConfig:
     # the actor's layer spec: "auto" = Transformer Engine when it is installed, "on" = TE or an error, "off" = the
     # local (pure torch) spec even where TE is installed (to compare the two, or to debug one)
     use_transformer_engine: Literal["auto", "on", "off"] = "auto"
+    # the local spec's core attention (without TE): "auto" = torch's scaled_dot_product_attention on a GPU, megatron's
+    # unfused math on the CPU and under context parallelism; "sdpa" or "unfused" picks one (models/builder.py)
+    core_attention: Literal["auto", "sdpa", "unfused"] = "auto"

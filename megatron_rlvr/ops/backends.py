@@ -1,10 +1,15 @@
-"""Which implementation of the shard pass runs: the CUDA kernel, the C++ CPU kernel, or the torch reference.
+"""Which implementation of the shard pass runs: a CUDA kernel, the C++ CPU kernel, or the torch reference.
 
 `resolve(device, requested, top_n)` picks one. "auto" (the default) means the CUDA kernel for CUDA tensors and the
 C++ kernel for CPU tensors; when the extension `megatron_rlvr._C` is missing (or was built without CUDA) the
 reference runs and a one-line warning says so, once. The environment variable MEGATRON_RLVR_TOKEN_STATS_IMPL
-(auto | reference | cpp | cuda) overrides the default, e.g. to test the fallback. All three write the same
-records (records.py) and the same gradient, through `shard_forward` / `shard_backward`.
+(auto | reference | cpp | cuda | cuda-scalar | cuda-vector) overrides the default, e.g. to test the fallback.
+
+CUDA has two kernels of one contract: "scalar" (one element per load, the top-N merged in N rounds of block argmax;
+the first to pass on a GPU) and "vector" (128-bit loads, the top-N merged in registers; written to run at the bound
+of reading the logits once). "cuda" means CUDA_KERNEL, the default, until a GPU run passes the vector kernel's tests
+and bench. Every implementation writes the same records (records.py) and the same gradient, through
+`shard_forward` / `shard_backward`.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import torch
 
 from megatron_rlvr.ops import reference
 
-IMPLEMENTATIONS = ("auto", "reference", "cpp", "cuda")
+CUDA_KERNELS = ("scalar", "vector")
+CUDA_KERNEL = "scalar"  # what "cuda" and "auto" run on CUDA tensors
+IMPLEMENTATIONS = ("auto", "reference", "cpp", "cuda") + tuple(f"cuda-{k}" for k in CUDA_KERNELS)
 ENV_VAR = "MEGATRON_RLVR_TOKEN_STATS_IMPL"
-CUDA_MAX_TOP_N = 32  # the CUDA kernel keeps the per-thread top-N in registers
+CUDA_MAX_TOP_N = 32  # the CUDA kernels keep the per-thread top-N in registers
 
 _warned: set[str] = set()
 
@@ -49,7 +56,7 @@ def warn_once(message: str, stacklevel: int = 4, key: str | None = None) -> None
 
 
 def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
-    """The implementation that will run: "reference", "cpp" or "cuda"."""
+    """The implementation that will run: "reference", "cpp", "cuda-scalar" or "cuda-vector"."""
     choice = requested or os.environ.get(ENV_VAR, "auto") or "auto"
     if choice not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} (argument or ${ENV_VAR}), got {choice!r}")
@@ -57,9 +64,10 @@ def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
         return choice
     if choice == "cpp" and device.type != "cpu":
         raise ValueError(f"implementation 'cpp' runs on CPU tensors; the logits are on {device}")
-    if choice == "cuda" and device.type != "cuda":
-        raise ValueError(f"implementation 'cuda' runs on CUDA tensors; the logits are on {device}")
-    wanted = "cuda" if device.type == "cuda" else "cpp" if device.type == "cpu" else None
+    if choice.startswith("cuda") and device.type != "cuda":
+        raise ValueError(f"implementation {choice!r} runs on CUDA tensors; the logits are on {device}")
+    kernel = choice if choice.startswith("cuda-") else f"cuda-{CUDA_KERNEL}"
+    wanted = kernel if device.type == "cuda" else "cpp" if device.type == "cpu" else None
     if wanted is None:
         warn_once(f"vocab_parallel_token_stats: no kernel for device {device.type}; using the torch reference")
         return "reference"
@@ -73,15 +81,20 @@ def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
             "slower torch reference"
         )
         return "reference"
-    if wanted == "cuda" and not _C.has_cuda():
+    if wanted == kernel and not _C.has_cuda():
         if choice != "auto":
-            raise RuntimeError("implementation 'cuda' requested but megatron_rlvr._C was built without CUDA")
+            raise RuntimeError(f"implementation {choice!r} requested but megatron_rlvr._C was built without CUDA")
         warn_once("vocab_parallel_token_stats: megatron_rlvr._C was built without CUDA; using the torch reference")
         return "reference"
-    if wanted == "cuda" and top_n > CUDA_MAX_TOP_N:
+    if wanted == kernel and top_n > CUDA_MAX_TOP_N:
         warn_once(f"vocab_parallel_token_stats: top_n > {CUDA_MAX_TOP_N} has no CUDA kernel; using the reference")
         return "reference"
     return wanted
+
+
+def _cuda_kernel(impl: str) -> str:
+    """The extension's name of the CUDA kernel ``impl`` runs ("cpp" passes the default, which CPU tensors ignore)."""
+    return impl.removeprefix("cuda-") if impl.startswith("cuda-") else CUDA_KERNEL
 
 
 def shard_forward(
@@ -109,7 +122,9 @@ def shard_forward(
             chunk_tokens=chunk_tokens,
         )
     else:
-        _C.token_stats_forward(logits, target_ids, records, top_n, vocab_start, n_valid, inv_temperature)
+        _C.token_stats_forward(
+            logits, target_ids, records, top_n, vocab_start, n_valid, inv_temperature, _cuda_kernel(impl)
+        )
 
 
 def shard_backward(
@@ -160,4 +175,5 @@ def shard_backward(
             vocab_start,
             n_valid,
             inv_temperature,
+            _cuda_kernel(impl),
         )

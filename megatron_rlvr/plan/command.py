@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.models.builder import ATTENTION_NAMES
 from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.host_memory import host_json, host_plan, host_text
 from megatron_rlvr.plan.memory import ESTIMATED_PARTS, GB, PHASE_PARTS, Layout, Plan, plan_layout
@@ -146,6 +147,7 @@ def describe_layout(lay: Layout) -> str:
         "bf16" if lay.param_bytes == 2 else "fp32",
         f"{lay.micro_tokens} tokens per micro-batch" + (" per CP rank" if lay.cp > 1 else ""),
     ]
+    parts.append(f"attention: {ATTENTION_NAMES[lay.attention_kind]}")
     if lay.reference:
         parts.append("frozen reference")
     if lay.lora_rank:

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rlvr.models.builder import padded_vocab_size
+from megatron_rlvr.models.builder import attention_choice, padded_vocab_size
 from megatron_rlvr.models.dims import ModelDims
 from megatron_rlvr.plan.lora_terms import adapter_hf_params, adapter_saved_bytes, adapter_split, largest_adapter_grad
 from megatron_rlvr.plan.parallel_terms import (
@@ -100,12 +100,15 @@ class Layout:
     # what the engines keep in flight (separate placement): rollout.max_staleness, and the sequences of one step
     max_staleness: int = 0
     step_sequences: int = 0  # trainer.prompts_per_step x rollout.group_size
-    # GPU attention: TE's fused kernel (no score matrix); model.use_transformer_engine=off: the local spec's unfused
-    # attention, as on CPU (None: follow ``gpu``)
-    fused_attention: bool | None = None
+    # the actor's attention (models.builder.attention_choice; None: TE on a GPU, unfused on the CPU): see attention_kind
+    attention: str | None = None
     lora_rank: int = 0  # actor.lora.rank (0: full fine-tuning)
     lora_targets: tuple[str, ...] = ()  # actor.lora.targets
     lora_sync: str = "merged"  # actor.lora.sync: what the engines load
+
+    @property
+    def attention_kind(self) -> str:  # "te" and "sdpa" keep no score matrix, "unfused" does
+        return self.attention or ("te" if self.gpu else "unfused")
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, gpu: bool = True) -> Layout:
@@ -140,7 +143,9 @@ class Layout:
             teacher_copy=cfg.algo.distill in ("self", "crpo") and (not reference or ema_teacher),
             teacher_top_n=teacher_top_n(cfg.algo),
             teacher_seq_len=r.max_model_len * (2 if cfg.algo.distill == "crpo" else 1),
-            fused_attention=gpu and cfg.model.use_transformer_engine != "off",
+            attention=attention_choice(
+                gpu and cfg.model.use_transformer_engine != "off", cfg.model.core_attention, cuda=gpu, cp=cp
+            ),
             lora_rank=lora.rank if lora is not None else 0,
             lora_targets=tuple(lora.targets) if lora is not None else (),
             lora_sync=lora.sync if lora is not None else "merged",
@@ -232,7 +237,7 @@ def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None =
     stored += adapter_saved_bytes(dims, lay, moe)
     if moe:
         stored += moe_mlp_saved_bytes(dims, lay)
-    if recompute == "none" and not (lay.gpu if lay.fused_attention is None else lay.fused_attention):
+    if recompute == "none" and lay.attention_kind == "unfused":
         s = min(lay.max_seq_len, t * lay.cp)  # keys: the whole sequence, gathered over CP
         score_values = dims.heads // lay.tp * s * t  # local queries t, each against its sequence's s keys
         stored += score_values * (FP32 + (e if e != FP32 else 0))

@@ -187,34 +187,124 @@ def test_bad_input_is_named(kwargs, message):
         vocab_parallel_token_stats(args.pop("logits"), args.pop("target_ids"), args.pop("top_n"), **args)
 
 
+def test_cuda_kernels_are_named_and_need_cuda_tensors():
+    assert backends.IMPLEMENTATIONS[-2:] == ("cuda-scalar", "cuda-vector")
+    for name in ("cuda", "cuda-scalar", "cuda-vector"):
+        with pytest.raises(ValueError, match="runs on CUDA tensors"):
+            backends.resolve(torch.device("cpu"), name, 3)
+
+
+@pytest.mark.skipif(backends.extension() is None, reason="needs megatron_rlvr._C")
+def test_extension_refuses_an_unknown_cuda_kernel():
+    case = make_case(2, 16, 16, torch.float32, seed=14)
+    records = torch.empty(2, 4 + 2 * 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="cuda_kernel: expected 'scalar' or 'vector'"):
+        backends.extension().token_stats_forward(case.logits, case.targets, records, 3, 0, 16, 1.0, "fast")
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+CUDA_IMPLS = [f"cuda-{kernel}" for kernel in backends.CUDA_KERNELS]
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_default_kernel():
+    assert backends.resolve(torch.device("cuda"), None, 3) == f"cuda-{backends.CUDA_KERNEL}"
+    assert backends.resolve(torch.device("cuda"), "cuda", 3) == f"cuda-{backends.CUDA_KERNEL}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cuda_kernel_matches_oracle(impl, dtype, ties, inplace):
+    # rows of 5001 columns: each row starts at another offset from a 16-byte boundary; 11 padding columns
+    case = make_case(33, 5001, 4990, dtype, seed=10, ties=ties)
+    check(
+        compare_to_oracle(case, 3, temperature=0.7, implementation=impl, inplace_backward=inplace, device="cuda"),
+        dtype,
+    )
+    check(compare_to_oracle(case, 0, implementation=impl, device="cuda"), dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
+@pytest.mark.parametrize("top_n", [1, 4, 5, 8, 9, 16, 17, 32])
+def test_cuda_kernel_every_top_n(impl, top_n):
+    """Every list size the kernels are compiled for (the vector kernel's: 4, 8, 16, 32), at its edges."""
+    case = make_case(6, 900, 893, torch.float32, seed=15)
+    check(compare_to_oracle(case, top_n, temperature=1.3, implementation=impl, device="cuda"), torch.float32)
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` one element past an allocation's start: no 16-byte aligned row start at all."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    return view
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_cuda_kernel_matches_oracle(dtype, ties, inplace):
-    assert backends.resolve(torch.device("cuda"), None, 3) == "cuda"
-    case = make_case(33, 5000, 4990, dtype, seed=10, ties=ties)
-    check(
-        compare_to_oracle(case, 3, temperature=0.7, implementation="cuda", inplace_backward=inplace, device="cuda"),
-        dtype,
-    )
-    check(compare_to_oracle(case, 0, implementation="cuda", device="cuda"), dtype)
+def test_cuda_vector_kernel_on_misaligned_buffers(dtype, inplace):
+    """Logits whose rows never start on a vector boundary; out of place, the gradient buffer's alignment differs
+    from theirs (the backward then goes one element at a time); in place, it is theirs."""
+    case = make_case(9, 2048, 2040, dtype, seed=16)
+    targets = case.targets.cuda()
+    weights = tuple(w.cuda() for w in upstream_grads(9, 3, torch.float32, seed=16))
+    grads, stats = {}, {}
+    for impl in ("reference", "cuda-vector"):
+        leaf = case.logits.cuda().requires_grad_()
+        logits = _misaligned(leaf * 1) if impl == "cuda-vector" else leaf * 1
+        assert impl != "cuda-vector" or logits.data_ptr() % 16 != 0
+        stats[impl] = vocab_parallel_token_stats(
+            logits, targets, 3, vocab_size=2040, temperature=0.8, inplace_backward=inplace, implementation=impl
+        )
+        (grads[impl],) = torch.autograd.grad(loss_of(stats[impl], weights), leaf)
+    ours, ref = stats["cuda-vector"], stats["reference"]
+    assert torch.equal(ours.topn_ids, ref.topn_ids)
+    for a, b in zip(ours[:3], ref[:3]):
+        torch.testing.assert_close(a, b, atol=VALUE_TOL, rtol=0)
+    scale = grads["reference"].abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 8e-3 * scale
+    torch.testing.assert_close(grads["cuda-vector"].float(), grads["reference"].float(), atol=tol, rtol=0)
 
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_gradcheck_and_empty():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_vector_kernel_matches_scalar_at_full_vocabulary(dtype):
+    """Qwen2.5's padded vocabulary (151936 columns, 151643 real): the two CUDA kernels give the same ids, and values
+    within fp32 rounding of the sums; both meet the oracle."""
+    case = make_case(48, 151936, 151643, dtype, seed=17)
+    for impl in CUDA_IMPLS:
+        check(compare_to_oracle(case, 3, temperature=0.9, implementation=impl, device="cuda"), dtype)
+    logits, targets = case.logits.cuda(), case.targets.cuda()
+    scalar, vector = (
+        vocab_parallel_token_stats(logits, targets, 3, vocab_size=151643, temperature=0.9, implementation=impl)
+        for impl in CUDA_IMPLS
+    )
+    assert torch.equal(scalar.topn_ids, vector.topn_ids)
+    for a, b in zip(scalar[:3], vector[:3]):  # each sums ~600 terms a thread in fp32: about 1.5e-6 from fp64 here
+        torch.testing.assert_close(a, b, atol=VALUE_TOL, rtol=0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
+def test_cuda_gradcheck_and_empty(impl):
     case = make_case(4, 23, 21, torch.float64, seed=11)
     logits = case.logits.cuda().requires_grad_()
     targets = case.targets.cuda()
-    fn = lambda x: tuple(vocab_parallel_token_stats(x, targets, 3, vocab_size=21, implementation="cuda")[:3])  # noqa: E731
+    fn = lambda x: tuple(vocab_parallel_token_stats(x, targets, 3, vocab_size=21, implementation=impl)[:3])  # noqa: E731
     assert torch.autograd.gradcheck(fn, (logits,))
     empty = vocab_parallel_token_stats(
-        torch.zeros(0, 7, device="cuda"), torch.zeros(0, dtype=torch.long, device="cuda"), 2, implementation="cuda"
+        torch.zeros(0, 7, device="cuda"), torch.zeros(0, dtype=torch.long, device="cuda"), 2, implementation=impl
     )
     assert empty.topn_ids.shape == (0, 2)
 

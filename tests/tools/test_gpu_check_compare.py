@@ -71,3 +71,33 @@ def test_fp32_is_judged_after_the_updates_too(compare):
     fp32 = verdict["runs"]["float32/padded"]
     assert not fp32["logp_after"]["ok"] and "judged" not in fp32["logp_after"]
     assert "bf16_vs_fp32" not in fp32 and not verdict["ok"]
+
+
+def _with_reference(device, ref: torch.Tensor, moved: float):
+    """A device's runs as a KL run writes them: the reference's log-probs, and how far it moved in the updates."""
+    figures, tensors = device
+    for key in figures["runs"]:
+        figures["runs"][key]["ref_moved_max_abs"] = moved
+        tensors[key]["ref"] = ref.clone()
+    return figures, tensors
+
+
+@pytest.mark.parametrize(
+    "cuda_ref, cuda_moved, failing",
+    [
+        (BEFORE, 0.0, None),
+        (BEFORE + torch.tensor([0.0, 0.3, 0.0, 0.0, 0.0, 0.0]), 0.0, "ref_logp"),
+        (BEFORE, 1e-3, "ref_frozen"),
+    ],
+    ids=["same_and_frozen", "reference_differs", "reference_moved"],
+)
+def test_a_reference_is_compared_and_must_stay_frozen(compare, cuda_ref, cuda_moved, failing):
+    verdict = _verdict(
+        compare, _with_reference(_device(), cuda_ref, cuda_moved), _with_reference(_device(), BEFORE, 0.0)
+    )
+    for run in verdict["runs"].values():  # bf16 too: the reference's log-probs are a forward
+        assert {k: run[k]["ok"] for k in ("ref_logp", "ref_frozen")} == {
+            k: k != failing for k in ("ref_logp", "ref_frozen")
+        }
+        assert run["ok"] == (failing is None)
+    assert verdict["ok"] == (failing is None)

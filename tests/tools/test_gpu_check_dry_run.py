@@ -40,7 +40,9 @@ def test_dry_run_of_the_whole_check(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for stage in ("actor_small_cpu", "op_bench", "actor_1b", "bridge", "summary"):
+    stages = ("actor_small_cpu", "op_bench", "actor_1b", "actor_1b_unfused", "actor_small_cuda_fp32sum")
+    stages += ("actor_lora_cpu", "actor_lora_cuda", "actor_reference_cuda", "actor_compare_reference", "bridge")
+    for stage in stages + ("summary",):
         assert f"dry run: {stage}: " in done.stdout, done.stdout
     assert "dry run ok" in done.stdout
     if not (REPO / ".whl").is_dir():  # a clean clone: the presence check is skipped, and says why

@@ -6,11 +6,12 @@ in a separate untimed call):
   ours        vocab_parallel_token_stats: log-prob, entropy, top-N (forward; forward+backward; in-place backward)
   composite   megatron-core's vocab_parallel_cross_entropy for log-probs + an entropy with three all-reduces
               (max, sum exp, sum p*z) + all-gather of the full vocabulary then top-N of its log-softmax
+  --also      other implementations of ours, timed the same way (e.g. the CUDA kernel that is not the default)
 Prints a table and, as its last line, one JSON object (fp32 figures at the top level, every dtype under "by_dtype").
 
     python tools/benches/bench_token_stats.py                  # T=4096, V=151936, TP=2 over gloo, fp32 and bf16
     python tools/benches/bench_token_stats.py --quick          # a smaller shape, under a minute
-    python tools/benches/bench_token_stats.py --device cuda --tp 1 --tokens 16384   # the GPU check
+    python tools/benches/bench_token_stats.py --device cuda --tp 1 --tokens 16384 --also cuda-vector  # the GPU check
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class BenchConfig:
     repeats: int = 5
     device: str = "cpu"
     threads_per_rank: int = 1
+    also: tuple[str, ...] = ()  # implementations timed beside the default one ("ours")
+
+
+def figure_prefix(impl: str) -> str:
+    """The key prefix of an --also implementation's figures: cuda-vector -> cuda_vector (fwd, fwdbwd, ...)."""
+    return impl.replace("-", "_")
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
@@ -123,19 +130,28 @@ def bench_rank(cfg: BenchConfig) -> dict:
         gen = torch.Generator(device=device).manual_seed(1234 + rank)
         targets = torch.randint(0, cfg.vocab, (cfg.tokens,), generator=gen, device=device)
         impl = backends.resolve(device, None, cfg.top_n)
-        out: dict = {"impl": impl, "cpu_isa": backends.extension().cpu_isa() if backends.extension() else None}
+        also = {figure_prefix(a): backends.resolve(device, a, cfg.top_n) for a in cfg.also}
+        out: dict = {
+            "impl": impl,
+            "also": also,
+            "cpu_isa": backends.extension().cpu_isa() if backends.extension() else None,
+        }
         for dtype_name in cfg.dtypes:
             dtype = getattr(torch, dtype_name)
             shard = (torch.randn(cfg.tokens, vocab_local, generator=gen, device=device) * 2).to(dtype)
             ours_kw = dict(group=group, vocab_start=rank * vocab_local, vocab_size=cfg.vocab)
 
-            def ours_fwd():
+            def ours_fwd(implementation=None):
                 with torch.no_grad():
-                    return vocab_parallel_token_stats(shard, targets, cfg.top_n, **ours_kw)
+                    return vocab_parallel_token_stats(
+                        shard, targets, cfg.top_n, implementation=implementation, **ours_kw
+                    )
 
-            def ours_fwdbwd(inplace: bool = False, logits=None):
+            def ours_fwdbwd(inplace: bool = False, logits=None, implementation=None):
                 leaf = (shard if logits is None else logits).detach().requires_grad_()
-                stats = vocab_parallel_token_stats(leaf, targets, cfg.top_n, inplace_backward=inplace, **ours_kw)
+                stats = vocab_parallel_token_stats(
+                    leaf, targets, cfg.top_n, inplace_backward=inplace, implementation=implementation, **ours_kw
+                )
                 return torch.autograd.grad(_loss(stats), leaf)
 
             def composite_fwd():
@@ -153,11 +169,18 @@ def bench_rank(cfg: BenchConfig) -> dict:
                 "ours_fwdbwd": ours_fwdbwd,
                 "composite_fwdbwd": composite_fwdbwd,
             }
+            for prefix, name in also.items():
+                runs[f"{prefix}_fwd"] = lambda name=name: ours_fwd(name)
+                runs[f"{prefix}_fwdbwd"] = lambda name=name: ours_fwdbwd(implementation=name)
             fig = {name: median_seconds(fn, cfg.repeats, device) for name, fn in runs.items()}
             # in place: each repeat needs its own copy of the logits (made outside the timed region)
-            fig["ours_fwdbwd_inplace"] = median_seconds(
-                lambda logits: ours_fwdbwd(True, logits), cfg.repeats, device, setup=lambda: shard.clone()
-            )
+            for prefix, name in {"ours": None, **also}.items():
+                fig[f"{prefix}_fwdbwd_inplace"] = median_seconds(
+                    lambda logits, name=name: ours_fwdbwd(True, logits, name),
+                    cfg.repeats,
+                    device,
+                    setup=lambda: shard.clone(),
+                )
             logits_bytes = shard.numel() * shard.element_size()
             for name in ("ours_fwd", "composite_fwd", "ours_fwdbwd", "composite_fwdbwd"):
                 dist.barrier()
@@ -177,10 +200,16 @@ def bench_rank(cfg: BenchConfig) -> dict:
 
 def summarize(per_rank: list[dict], cfg: BenchConfig) -> dict:
     """Across ranks: the slowest rank's median and the largest peak (a step waits for its slowest rank)."""
-    summary: dict = {"impl": per_rank[0]["impl"], "cpu_isa": per_rank[0]["cpu_isa"], "by_dtype": {}}
+    also = per_rank[0]["also"]
+    summary: dict = {"impl": per_rank[0]["impl"], "also": also, "cpu_isa": per_rank[0]["cpu_isa"], "by_dtype": {}}
     for dtype_name in cfg.dtypes:
         fig = {key: max(r[dtype_name][key] for r in per_rank) for key in per_rank[0][dtype_name]}
         floor, logits_bytes = fig["floor_logsumexp"], fig["logits_bytes"]
+        versus_ours = {
+            f"{prefix}_{kind}_speedup_vs_ours": round(fig[f"ours_{kind}"] / fig[f"{prefix}_{kind}"], 2)
+            for prefix in also
+            for kind in ("fwd", "fwdbwd", "fwdbwd_inplace")
+        }
         summary["by_dtype"][dtype_name] = {
             **{k: round(v, 5) if isinstance(v, float) else v for k, v in fig.items()},
             "fwd_over_floor": round(fig["ours_fwd"] / floor, 3),
@@ -195,6 +224,7 @@ def summarize(per_rank: list[dict], cfg: BenchConfig) -> dict:
             "fwdbwd_peak_extra_mem_frac": round(fig["ours_fwdbwd_peak_extra_bytes"] / logits_bytes, 3),
             "fwdbwd_inplace_peak_extra_mem_frac": round(fig["ours_fwdbwd_inplace_peak_extra_bytes"] / logits_bytes, 5),
             "composite_fwdbwd_peak_extra_mem_frac": round(fig["composite_fwdbwd_peak_extra_bytes"] / logits_bytes, 3),
+            **versus_ours,
         }
     return summary
 
@@ -212,6 +242,12 @@ def print_table(summary: dict, cfg: BenchConfig) -> None:
         ("ours fwd+bwd, in-place", "ours_fwdbwd_inplace", "ours_fwdbwd_inplace"),
         ("composite forward+backward", "composite_fwdbwd", "composite_fwdbwd"),
     ]
+    for prefix, impl in summary["also"].items():
+        rows += [
+            (f"{impl} forward", f"{prefix}_fwd", None),
+            (f"{impl} forward+backward", f"{prefix}_fwdbwd", None),
+            (f"{impl} fwd+bwd, in-place", f"{prefix}_fwdbwd_inplace", None),
+        ]
     for dtype_name, fig in summary["by_dtype"].items():
         print(f"\n[{dtype_name}] logits shard {fig['logits_bytes'] / 2**20:.0f} MiB per rank")
         print(f"  {'':30s} {'seconds':>9s} {'x floor':>8s} {'peak extra MiB':>15s} {'x logits':>9s}")
@@ -224,6 +260,12 @@ def print_table(summary: dict, cfg: BenchConfig) -> None:
             f"  forward speedup vs composite {fig['fwd_speedup_vs_composite']:.2f}x; forward+backward "
             f"{fig['fwdbwd_speedup_vs_composite']:.2f}x (in-place {fig['fwdbwd_inplace_speedup_vs_composite']:.2f}x)"
         )
+        for prefix, impl in summary["also"].items():
+            print(
+                f"  {impl} against ours ({summary['impl']}): forward {fig[f'{prefix}_fwd_speedup_vs_ours']:.2f}x, "
+                f"forward+backward {fig[f'{prefix}_fwdbwd_speedup_vs_ours']:.2f}x "
+                f"(in place {fig[f'{prefix}_fwdbwd_inplace_speedup_vs_ours']:.2f}x) faster"
+            )
 
 
 # The composite's forward+backward holds about 9-10x the fp32 shard (bf16: 20x its bf16 shard) beside the shard.
@@ -297,6 +339,17 @@ def isa_sweep(tokens: int, vocab: int, repeats: int) -> None:
         print(f"  {isa:8s} {r['floor']:12.4f} {r['fwd']:11.4f} {r['fwd'] / r['floor']:10.2f} {r['fwdbwd']:10.4f}")
 
 
+def implementation_list(text: str) -> tuple[str, ...]:
+    """--also's value: names of implementations of the op (the parser refuses others, in the dry run too)."""
+    from megatron_rlvr.ops import backends
+
+    names = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = [a for a in names if a not in backends.IMPLEMENTATIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; expected names from {backends.IMPLEMENTATIONS}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=None, help="T (default 4096; --quick: 128)")
@@ -306,6 +359,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; --quick: 3)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--also",
+        type=implementation_list,
+        default=(),
+        help="comma list of implementations to time beside the default one, e.g. cuda-vector (ops/backends.py)",
+    )
     parser.add_argument(
         "--threads-per-rank",
         type=int,
@@ -337,6 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
         repeats=args.repeats or (3 if args.quick else 5),
         device=args.device,
         threads_per_rank=threads,
+        also=args.also,
     )
     check_memory(cfg)
     if cfg.tp == 1:
@@ -368,6 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tp": cfg.tp,
         "device": cfg.device,
         "impl": summary["impl"],
+        "also": summary["also"],
         "cpu_isa": summary["cpu_isa"],
         "by_dtype": summary["by_dtype"],
     }

@@ -4,11 +4,15 @@ right-padded and packed -- on a random Qwen2 made on the spot.
 Two modes:
   compare     (the small model, on the CPU or on CUDA): a fresh actor per (dtype, layout) runs the statistics pass,
               two updates and the statistics pass again; figures and per-token log-probs go to --out / --tensors,
-              and compare.py holds a CUDA run against a CPU run of the same seeds.
+              and compare.py holds a CUDA run against a CPU run of the same seeds. With --kl-coef the actor keeps a
+              KL reference (a frozen copy; with --lora-rank, the base with the adapters off), scored before the
+              updates and again after them (a frozen model must not move).
   throughput  (the ~1B model, bf16, CUDA): one actor; a warm-up update, then per layout the statistics pass (all on
               the same weights, compared with each other: packing changes no number beyond rounding) and two
-              updates from fresh statistics, each timed (tokens/s over the batch's real tokens) with its peak
-              memory.
+              updates from fresh statistics, each timed (tokens/s over the batch's real tokens, and the model FLOP
+              utilisation at 6 x params FLOPs per token) with its peak memory.
+
+--core-attention picks the local spec's attention (models/builder.py: auto, sdpa, unfused).
 
     python tools/gpu_check/actor_check.py --model small --mode compare --out /tmp/a.json --tensors /tmp/a.pt
     python tools/gpu_check/actor_check.py --model 1b --mode throughput --out /tmp/b.json
@@ -35,6 +39,8 @@ LAYOUTS = {
     "packed_budget": dict(pack_sequences=True, max_tokens_per_micro_batch=-1),  # -1: micro_batch_size x max length
 }
 PACKING_FIELDS = ("pack_sequences", "max_tokens_per_micro_batch")
+# dense bf16 tensor-core peak of an H100 / H200 SXM (NVIDIA's datasheets), TFLOP/s: the MFU's denominator
+DEFAULT_PEAK_TFLOPS = 989.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, default=common.DEFAULT_WORK, help="where the random model is written")
     p.add_argument("--out", type=Path, required=True, help="the stage's JSON")
     p.add_argument("--tensors", type=Path, default=None, help="compare mode: per-token log-probs (torch.save)")
+    p.add_argument("--core-attention", choices=["auto", "sdpa", "unfused"], default="auto")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base (0: none)")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="> 0: a KL term, so the actor keeps a reference")
+    p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS, help="throughput: the MFU's peak")
     p.add_argument(
         "--no-reduced-precision-bf16",
         action="store_true",
@@ -84,6 +94,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
         errors.append("--sequences, --micro-batch-size, --steps and --prompt-len must be >= 1")
     if args.mode == "compare" and args.tensors is None:
         errors.append("--mode compare needs --tensors")
+    if args.lora_rank < 0 or args.kl_coef < 0 or args.peak_tflops <= 0:
+        errors.append("--lora-rank and --kl-coef must be >= 0, --peak-tflops > 0")
     return errors
 
 
@@ -96,20 +108,24 @@ def preflight(args: argparse.Namespace) -> list[str]:
     import megatron.core.pipeline_parallel  # noqa: F401
     import torch  # noqa: F401
 
-    from megatron_rlvr.actor.config import ActorConfig  # noqa: F401
+    from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor  # noqa: F401
     from megatron_rlvr.algos.config import AlgoConfig
-    from megatron_rlvr.models.config import ModelConfig  # noqa: F401
+    from megatron_rlvr.models.builder import attention_choice  # noqa: F401
+    from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.ops import backends  # noqa: F401
     from megatron_rlvr.protocols.batch import SequenceBatch  # noqa: F401
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
 
-    AlgoConfig(loss="casp")
+    AlgoConfig(loss="casp", kl_coef=args.kl_coef)
+    if args.lora_rank:
+        LoraConfig(rank=args.lora_rank)
     missing = [f for f in PACKING_FIELDS if f not in {f.name for f in dataclasses.fields(ActorConfig)}]
     if missing:
         raise SystemExit(
             f"actor_check: ActorConfig has no {missing}; the check sets them to run the actor padded and packed"
         )
+    ModelConfig(hf_dir="", core_attention=args.core_attention)
     return []
 
 
@@ -144,12 +160,13 @@ def real_tokens(batch) -> int:
 
 
 def actor_config(args: argparse.Namespace, layout: str, bf16: bool):
-    from megatron_rlvr.actor.config import ActorConfig
+    from megatron_rlvr.actor.config import ActorConfig, LoraConfig
 
     extra = dict(LAYOUTS[layout])
     if extra.get("max_tokens_per_micro_batch") == -1:
         extra["max_tokens_per_micro_batch"] = args.micro_batch_size * (args.prompt_len + args.max_response)
-    return ActorConfig(micro_batch_size=args.micro_batch_size, lr=args.lr, bf16=bf16, **extra)
+    lora = LoraConfig(rank=args.lora_rank) if args.lora_rank else None
+    return ActorConfig(micro_batch_size=args.micro_batch_size, lr=args.lr, bf16=bf16, lora=lora, **extra)
 
 
 def set_layout(actor, args: argparse.Namespace, layout: str) -> None:
@@ -181,17 +198,18 @@ def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool,
     from megatron_rlvr.models.config import ModelConfig
 
     return MegatronActor(
-        ModelConfig(hf_dir=str(hf_dir)),
+        ModelConfig(hf_dir=str(hf_dir), core_attention=args.core_attention),
         actor_config(args, layout, bf16),
-        AlgoConfig(loss="casp"),
+        AlgoConfig(loss="casp", kl_coef=args.kl_coef),
         temperature=1.0,
         total_steps=total_steps,
     )
 
 
 def _update_figures(metrics: dict[str, float]) -> dict[str, float]:
-    keep = ("actor/loss", "actor/grad_norm", "actor/nonfinite", "loss/pg_loss")
-    return {k: float(metrics[k]) for k in keep if k in metrics}
+    """The update's loss, gradient norm and non-finite flag, and every term of the loss (its KL among them)."""
+    keep = ("actor/loss", "actor/grad_norm", "actor/nonfinite")
+    return {k: float(v) for k, v in metrics.items() if k in keep or k.startswith("loss/")}
 
 
 def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -216,16 +234,23 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
                     old = actor.compute_old_logp(batch)
                 run: dict[str, Any] = {"status": "ok", "stats_pass_s": round(timer.seconds, 4), "updates": []}
                 batch.old_logp = old
+                mask = batch.response_mask
+                if actor.has_reference:
+                    batch.ref_logp = actor.compute_ref_logp(batch)
+                    run["reference"] = "the base, adapters off" if args.lora_rank else "a frozen copy"
                 for _ in range(args.steps):
                     with timer:
                         metrics = actor.update(batch, mini_batches=1)
                     run["updates"].append(_update_figures(metrics) | {"seconds": round(timer.seconds, 4)})
                 after = actor.compute_old_logp(batch)
-                mask = batch.response_mask
                 run["logp_mean_before"] = float(old[mask].mean())
                 run["logp_mean_after"] = float(after[mask].mean())
                 run["impl"] = backends.resolve(torch.device("cuda" if cuda else "cpu"), None, 3)
                 tensors[key] = {"before": old[mask].float().cpu(), "after": after[mask].float().cpu()}
+                if actor.has_reference:  # scored again after the updates: a frozen model gives the same numbers
+                    ref_after = actor.compute_ref_logp(batch)
+                    run["ref_moved_max_abs"] = float((ref_after - batch.ref_logp)[mask].abs().max())
+                    tensors[key]["ref"] = batch.ref_logp[mask].float().cpu()
                 runs[key] = run
                 del actor
                 gc.collect()
@@ -291,9 +316,15 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
             for _ in range(args.steps):
                 with timer:
                     metrics = actor.update(batch, mini_batches=1)
+                flops = 6 * common.param_count(common.MODELS[args.model]) * tokens / timer.seconds
                 fig["updates"].append(
                     _update_figures(metrics)
-                    | {"seconds": round(timer.seconds, 4), "tokens_per_s": round(tokens / timer.seconds)}
+                    | {
+                        "seconds": round(timer.seconds, 4),
+                        "tokens_per_s": round(tokens / timer.seconds),
+                        "tflops": round(flops / 1e12, 1),
+                        "mfu": round(flops / (args.peak_tflops * 1e12), 4),
+                    }
                 )
             fig["update_peak_gib"] = round(peak_bytes(cuda) / 2**30, 2)
             save(out)
@@ -319,9 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         "params": common.param_count(common.MODELS[args.model]),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    from megatron_rlvr.models.builder import transformer_engine_available
+    from megatron_rlvr.models.builder import attention_choice, transformer_engine_available
 
     result["transformer_engine"] = transformer_engine_available()
+    result["attention"] = attention_choice(result["transformer_engine"], args.core_attention, cuda=cuda)
+    result["peak_tflops"] = args.peak_tflops
     timer = common.Timer(False)
     with timer:
         hf_dir = common.model_dir(args.model, args.work)

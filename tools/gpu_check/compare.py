@@ -2,7 +2,9 @@
 
 For every (dtype, layout) both ran: the per-token log-probs of the statistics pass before and after the two
 updates, and each update's loss and gradient norm, within a tolerance of the dtype (``|a - b| <= atol + rtol *
-|b|``, b the CPU figure; bf16's rtol is torch.testing's 1.6e-2). Also, on each device, packed against padded.
+|b|``, b the CPU figure; bf16's rtol is torch.testing's 1.6e-2). Also, on each device, packed against padded. A run
+with a KL reference (a frozen copy, or LoRA's base) also compares the reference's log-probs, a forward (judged in
+bf16 too), and requires that the reference did not move during the updates, on either device.
 
 What bf16 is judged on: the forward before any update (the log-probs) and the first update (its loss, and its
 gradient norm, which sums the whole backward), within bf16's tolerance. What follows the first Adam step is recorded,
@@ -100,6 +102,14 @@ def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict
             "logp_after": tensor_verdict(cuda_t[key]["after"], cpu_t[key]["after"], tol["logp"]),
             "updates": [],
         }
+        if "ref" in cuda_t[key] or "ref" in cpu_t[key]:
+            verdict["ref_logp"] = (
+                tensor_verdict(cuda_t[key]["ref"], cpu_t[key]["ref"], tol["logp"])
+                if "ref" in cuda_t[key] and "ref" in cpu_t[key]
+                else {"ok": False, "reason": "a reference on one device only"}
+            )
+            moved = {"cuda": run.get("ref_moved_max_abs"), "cpu": other.get("ref_moved_max_abs")}
+            verdict["ref_frozen"] = {"ok": all(m == 0.0 for m in moved.values()), "moved_max_abs": moved}
         judge_all = dtype != "bfloat16"  # bf16: judged up to the first Adam step (the module's doc says why)
         if not judge_all:
             verdict["logp_after"]["judged"] = False
@@ -115,6 +125,7 @@ def compare(cuda: dict[str, Any], cpu: dict[str, Any], cuda_t: dict, cpu_t: dict
                     figure["judged"] = False
             verdict["updates"].append(figures)
         every = [verdict["logp_before"], verdict["logp_after"], *(v for u in verdict["updates"] for v in u.values())]
+        every += [verdict[k] for k in ("ref_logp", "ref_frozen") if k in verdict]
         checks = [v["ok"] for v in every if v.get("judged", True)]
         verdict["ok"] = all(checks) and len(run["updates"]) == len(other["updates"]) > 0
         out["runs"][key] = verdict

@@ -1,7 +1,7 @@
-"""The GPU check's last step: every stage's record and figures into one JSON file, and a table on stdout.
+"""The GPU check's last step: every stage's record and figures into one JSON file, and a table on stdout (table.py).
 
 gpu_check.sh appends one line per stage to ``<work>/stages.jsonl`` (name, exit status, seconds, limit) and each
-stage writes its figures to ``<work>/<stage>.json`` (the op bench: the last line of its log; the op tests: a JUnit
+stage writes its figures to ``<work>/<stage>.json`` (the op bench: the last line of its log; the GPU tests: a JUnit
 file). A stage that failed or ran out of time keeps the tail of its log in the JSON, so one call tells what broke.
 
     python tools/gpu_check/summary.py --work /tmp/gpu_check --out $OUT/gpu_check.json
@@ -19,6 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import table  # noqa: E402
 
 LOG_TAIL_LINES = 40
 
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=int, default=0)
     p.add_argument("--total-s", type=int, default=0)
+    p.add_argument(
+        "--passed-tests",
+        metavar="WORD",
+        help="only say, by the exit status, whether the GPU tests whose names hold WORD all ran and passed",
+    )
     return p
 
 
@@ -81,6 +87,15 @@ def stage_records(work: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
+def tests_passed(path: Path, word: str) -> bool:
+    """Whether the JUnit file lists tests whose names hold ``word`` and every one of them passed."""
+    try:
+        cases = [c for c in ET.parse(path).getroot().iter("testcase") if word in c.get("name", "")]
+    except (OSError, ET.ParseError):
+        return False
+    return bool(cases) and all(c.find(kind) is None for c in cases for kind in ("failure", "error", "skipped"))
+
+
 def junit_counts(path: Path) -> dict[str, int] | None:
     try:
         root = ET.parse(path).getroot()
@@ -96,22 +111,57 @@ def junit_counts(path: Path) -> dict[str, int] | None:
 
 
 def read_bounds(bench: dict[str, Any], bw: dict[str, Any] | None) -> dict[str, Any]:
-    """The op against the bytes it must move: the forward reads the logits once; the in-place forward+backward
-    reads them twice and writes the gradient over them once (3x the logits' bytes)."""
+    """Each implementation of the op against the bytes it must move: the forward reads the logits once; the
+    forward+backward reads them twice and writes the gradient once (3x the logits' bytes), in place or not.
+    Keyed by dtype, then implementation ("ours": the default one; then bench_token_stats' --also ones)."""
     if not bw:
         return {}
     gbs = bw["read_gb_per_s"] * 1e9
-    out = {}
+    out: dict[str, Any] = {}
     for dtype, fig in bench.get("by_dtype", {}).items():
         once = fig["logits_bytes"] / gbs
-        out[dtype] = {
-            "read_once_s": round(once, 5),
-            "fwd_over_read_bound": round(fig["ours_fwd"] / once, 2),
-            "floor_over_read_bound": round(fig["floor_logsumexp"] / once, 2),
-            "fwdbwd_inplace_over_bound": round(fig["ours_fwdbwd_inplace"] / (3 * once), 2),
-            "fwd_effective_gb_per_s": round(fig["logits_bytes"] / fig["ours_fwd"] / 1e9, 1),
-        }
+        out[dtype] = {"read_once_s": round(once, 5), "floor_over_read_bound": round(fig["floor_logsumexp"] / once, 2)}
+        names = {"ours": bench.get("impl"), **bench.get("also", {})}
+        for prefix, impl in names.items():
+            out[dtype][prefix] = {
+                "impl": impl,
+                "fwd_over_read_bound": round(fig[f"{prefix}_fwd"] / once, 2),
+                "fwdbwd_over_bound": round(fig[f"{prefix}_fwdbwd"] / (3 * once), 2),
+                "fwdbwd_inplace_over_bound": round(fig[f"{prefix}_fwdbwd_inplace"] / (3 * once), 2),
+                "fwd_effective_gb_per_s": round(fig["logits_bytes"] / fig[f"{prefix}_fwd"] / 1e9, 1),
+            }
     return out
+
+
+def _mean_update_rate(fig: dict[str, Any]) -> float | None:
+    rates = [u["tokens_per_s"] for u in fig.get("updates", []) if u.get("tokens_per_s")]
+    return sum(rates) / len(rates) if rates else None
+
+
+def attention_speedups(sdpa: dict[str, Any] | None, unfused: dict[str, Any] | None) -> dict[str, float]:
+    """Per layout both 1B runs have: SDPA's mean update tokens/s over the unfused attention's."""
+    out = {}
+    for layout, fig in ((sdpa or {}).get("layouts") or {}).items():
+        other = ((unfused or {}).get("layouts") or {}).get(layout)
+        a, b = _mean_update_rate(fig), _mean_update_rate(other or {})
+        if a and b:
+            out[layout] = round(a / b, 3)
+    return out
+
+
+def bf16_drift(default: dict[str, Any] | None, fp32_sums: dict[str, Any] | None) -> dict[str, Any]:
+    """Per layout: how far the bf16 run's log-probs lie from its own fp32 run's after the updates, on CUDA with
+    cuBLAS's default (reduced-precision) bf16 sums, on CUDA with fp32 sums, and on the CPU."""
+    out: dict[str, Any] = {}
+    for name, cmp_ in (("cuda", default), ("cuda_fp32_sums", fp32_sums)):
+        for key, run in ((cmp_ or {}).get("runs") or {}).items():
+            drift = run.get("bf16_vs_fp32")
+            if drift:
+                layout = key.split("/")[1]
+                out.setdefault(layout, {})[name] = drift["cuda"]["logp_after_max_abs"]
+                out[layout]["cpu"] = drift["cpu"]["logp_after_max_abs"]  # the same CPU half in both
+    order = ("cuda", "cuda_fp32_sums", "cpu")
+    return {layout: {k: d[k] for k in order if k in d} for layout, d in out.items()}
 
 
 def gather(work: Path) -> dict[str, Any]:
@@ -119,7 +169,7 @@ def gather(work: Path) -> dict[str, Any]:
     bw = _json(work / "bandwidth.json")
     result: dict[str, Any] = {
         "stages": stage_records(work),
-        "op_tests": junit_counts(work / "op_tests.xml"),
+        "gpu_tests": junit_counts(work / "gpu_tests.xml"),
         "bandwidth": bw,
         "op_bench": bench,
         "op_bench_vs_bytes_read": read_bounds(bench, bw) if bench else None,
@@ -128,8 +178,14 @@ def gather(work: Path) -> dict[str, Any]:
         "actor_small_cpu": _json(work / "actor_small_cpu.json"),
         "actor_compare": _json(work / "actor_compare.json"),
         "actor_1b": _json(work / "actor_1b.json"),
+        "actor_1b_unfused": _json(work / "actor_1b_unfused.json"),
+        "actor_compare_fp32sum": _json(work / "actor_compare_fp32sum.json"),
+        "actor_compare_lora": _json(work / "actor_compare_lora.json"),
+        "actor_compare_reference": _json(work / "actor_compare_reference.json"),
         "bridge": _json(work / "bridge.json"),
     }
+    result["sdpa_over_unfused"] = attention_speedups(result["actor_1b"], result["actor_1b_unfused"])
+    result["bf16_drift"] = bf16_drift(result["actor_compare"], result["actor_compare_fp32sum"])
     env = next(
         (d["env"] for d in (result["actor_1b"], result["bridge"], bw, result["actor_small_cuda"]) if d and "env" in d),
         None,
@@ -138,104 +194,14 @@ def gather(work: Path) -> dict[str, Any]:
     return result
 
 
-def _row(label: str, value: Any) -> None:
-    print(f"  {label:44s} {value}")
-
-
-def print_table(r: dict[str, Any]) -> None:
-    env = r.get("env") or {}
-    print(
-        f"\ngpu_check summary: {env.get('gpu', '?')} torch {env.get('torch', '?')} CUDA {env.get('cuda', '?')} "
-        f"megatron-core {env.get('megatron_core', '?')}; {r.get('total_s', '?')} s of a {r.get('budget_s', '?')} s budget"
-    )
-    print("stages:")
-    for name, s in r["stages"].items():
-        _row(name, f"{s['status']:8s} {s.get('seconds', 0):5d} s" + (f"  ({s['reason']})" if s.get("reason") else ""))
-    if r["op_tests"]:
-        _row("op tests on CUDA", r["op_tests"])
-    if r["bandwidth"]:
-        _row("HBM read / copy GB/s", f"{r['bandwidth']['read_gb_per_s']} / {r['bandwidth']['copy_gb_per_s']}")
-    bench = r.get("op_bench") or {}
-    for dtype, fig in bench.get("by_dtype", {}).items():
-        bound = (r.get("op_bench_vs_bytes_read") or {}).get(dtype, {})
-        _row(
-            f"op {dtype} fwd s (floor, composite)",
-            f"{fig['ours_fwd']} ({fig['floor_logsumexp']}, {fig['composite_fwd']}); "
-            f"x floor {fig['fwd_over_floor']}, x read bound {bound.get('fwd_over_read_bound', '?')}",
-        )
-        _row(
-            f"op {dtype} fwd+bwd s (in place, composite)",
-            f"{fig['ours_fwdbwd']} ({fig['ours_fwdbwd_inplace']}, {fig['composite_fwdbwd']}); "
-            f"speedup {fig['fwdbwd_speedup_vs_composite']}x, in place {fig['fwdbwd_inplace_speedup_vs_composite']}x",
-        )
-    pg = r.get("process_group") or {}
-    if pg:
-        _row(
-            "process group",
-            f"library {pg.get('library_backend')} {pg.get('library')}; stages used "
-            f"{pg.get('use_backend') or 'the library backend'}",
-        )
-    cmp_ = r.get("actor_compare") or {}
-    if cmp_.get("reason"):
-        _row("actor CUDA vs CPU", cmp_["reason"])
-    if cmp_:
-        for key, v in cmp_.get("runs", {}).items():
-            if v.get("ok") is None:
-                _row(f"actor CUDA vs CPU {key}", v.get("reason"))
-                continue
-            _row(
-                f"actor CUDA vs CPU {key}",
-                f"{'ok' if v['ok'] else 'MISMATCH'}; max |dlogp| before "
-                f"{v['logp_before'].get('max_abs_diff')}, after {v['logp_after'].get('max_abs_diff')}"
-                + (
-                    f" (not judged after the updates; bf16 vs fp32 there: cuda "
-                    f"{v['bf16_vs_fp32']['cuda']['logp_after_max_abs']}, cpu {v['bf16_vs_fp32']['cpu']['logp_after_max_abs']})"
-                    if v.get("bf16_vs_fp32")
-                    else ""
-                ),
-            )
-        for key, v in cmp_.get("packed_vs_padded", {}).items():
-            _row(f"packed vs padded {key}", f"{'ok' if v['ok'] else 'MISMATCH'}; max |dlogp| {v.get('max_abs_diff')}")
-    big = r.get("actor_1b") or {}
-    if big:
-        _row(
-            "actor 1B",
-            f"{big.get('params', 0) / 1e9:.2f}B params, {big.get('backend')}, op {big.get('impl')}, "
-            f"TE {big.get('transformer_engine')}; build {big.get('build_s')} s; "
-            f"{big.get('real_tokens')} real of {big.get('padded_tokens')} padded tokens"
-            + ("" if big.get("complete") else " (INCOMPLETE: the stage stopped early)"),
-        )
-        for layout, fig in big.get("layouts", {}).items():
-            if fig.get("status") != "ok":
-                _row(f"actor 1B {layout}", f"{fig.get('status')}: {fig.get('reason')}")
-                continue
-            ups = fig.get("updates", [])
-            _row(f"actor 1B {layout} stats tok/s, peak GiB", f"{fig['stats_tokens_per_s']}, {fig['stats_peak_gib']}")
-            _row(
-                f"actor 1B {layout} update tok/s, peak GiB",
-                f"{[u['tokens_per_s'] for u in ups]}, {fig.get('update_peak_gib')}; "
-                f"loss {[round(u.get('actor/loss', float('nan')), 5) for u in ups]}",
-            )
-    br = r.get("bridge") or {}
-    if "param_devices" in br:
-        _row("bridge 1B model's parameters on", br["param_devices"])
-    for key, label in (("export_loaded", "vs checkpoint files"), ("export_moved", "vs state dict")):
-        fig = br.get(key)
-        if fig:
-            exact = fig.get("vs_checkpoint_files") or fig.get("vs_state_dict") or {}
-            _row(
-                f"bridge {key} GB/s, bit-exact {label}",
-                f"{fig['gb_per_s']} ({fig['bytes'] / 2**30:.2f} GiB in {fig['seconds']} s, to {fig['yielded_on']}); "
-                f"{exact.get('ok')} over {exact.get('compared')} tensors",
-            )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.passed_tests:
+        return 0 if tests_passed(args.work / "gpu_tests.xml", args.passed_tests) else 1
     result = gather(args.work)
     result["budget_s"], result["total_s"] = args.budget_s, args.total_s
     common.write_json(args.out, result)
-    print_table(result)
+    table.print_table(result)
     print(f"\ngpu_check: figures in {args.out}")
     return 0
 
