@@ -29,6 +29,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$(deps_hash)" ]; then
   deps_hash > "$STAMP"
 fi
 
-# The package itself, editable, with the C++ extension built against the venv's torch.
-quiet $PIP install -q --no-deps --no-build-isolation -e .
+# The package itself, editable, with the C++ extension built against the venv's torch. setuptools' note on every
+# editable install (a folder named like the package can shadow it: that folder is this checkout) says nothing to act on.
+PYTHONWARNINGS="ignore:Editable installation" quiet $PIP install -q --no-deps --no-build-isolation -e .
 echo "[setup] ready: $VENV"
