@@ -26,10 +26,12 @@ rounding errors are independent differ by ``sqrt(2)`` times that:
 
 It is an estimate of the scale, with every term taken at its largest (``M`` for every rounding error, every
 reduction at gain 1), not a tail bound over tokens. Measured on the tiny test models (4 layers, hidden 128, V 1001,
-``max|z|`` about 2.5: ``D`` about 5,200, bound about 6e-5): the engine and the actor differ by at most 9.5e-7 on an
-AVX-512 Xeon and 1.43e-6 on an AVX2 EPYC, two vLLM-CPU evaluations (decode vs prefill) by 1.43e-6, and transformers in
-fp32 lies within 1.4e-6 of itself in fp64: 40x or more below the bound. A wrong weight, a stale KV block or a
-mis-mapped layer moves log-probs by 1e-2 to 1 there, far above it.
+``max|z|`` about 2.5: ``D`` about 5,200 at 31 positions, bound 6.5e-5; 7.7e-5 at 316): the engine and the actor
+differ by at most 9.5e-7 on an AVX-512 Xeon and 1.43e-6 on an AVX2 EPYC (tests/rollout/test_vllm_stream.py), two
+vLLM-CPU evaluations (decode vs prefill) by 1.9e-6, and transformers in fp32 lies within 1.4e-6 of itself in fp64:
+40x or more below the bound. On SmolLM2-135M (30 layers, V 49,152; bound about 1e-3) the actor and transformers
+differ by 2.7e-5 and the engine and the actor by 3.3e-5 (docs/real-model.md): again 40x below. A wrong weight, a
+stale KV block or a mis-mapped layer moves log-probs by 1e-2 to 1 on the tiny models, far above it.
 
 Where two computations must agree bit for bit (the same kernels on the same inputs in the same order: a weight read
 back, a batch rebuilt, a loss on equal batches), the tests say so and assert 0, not this bound.
@@ -38,8 +40,10 @@ back, a batch rebuilt, a loss on equal batches), the tests say so and assert 0, 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.models.hf_config import read_hf_config
 
 UNIT_ROUNDOFF_FP32 = 2.0**-24
 
@@ -63,10 +67,34 @@ def fp32_logprob_bound(dims: ModelDims, seq_len: int, max_abs_logit: float, impl
     return _bound(reduction_depth(dims, seq_len), max_abs_logit, dims.vocab, implementations)
 
 
+def fp32_logit_bound(dims: ModelDims, seq_len: int, max_abs_logit: float, implementations: int = 2) -> float:
+    """The same for the logits themselves: the chain stops at the output layer (no log-sum-exp), and the logits'
+    own size is the magnitude."""
+    depth = reduction_depth(dims, seq_len) - dims.vocab
+    return math.sqrt(implementations) * UNIT_ROUNDOFF_FP32 * math.sqrt(depth) * max_abs_logit
+
+
+def model_logprob_bound(model_dir: str | Path, seq_len: int, max_abs_logit: float, implementations: int = 2) -> float:
+    """`fp32_logprob_bound` for the model in an HF directory."""
+    dims = ModelDims.from_hf(read_hf_config(str(model_dir)))
+    return fp32_logprob_bound(dims, seq_len, max_abs_logit, implementations)
+
+
 def fp32_token_stat_bound(vocab: int, max_abs_logit: float, implementations: int = 2) -> float:
     """The same for statistics computed from given logits (log-prob, entropy, top-N log-probs over ``vocab`` ids):
     only the log-sum-exp and the entropy's sum reduce, over ``vocab`` terms each."""
     return _bound(2 * vocab, max_abs_logit, vocab, implementations)
+
+
+def fp32_sum_bound(terms: int, magnitude: float, implementations: int = 2) -> float:
+    """The same for one reduction of ``terms`` terms of size up to ``magnitude`` (a merged LoRA weight
+    ``W + s B A``: rank + 1 terms)."""
+    if terms < 1 or implementations < 1 or not magnitude >= 0:
+        raise ValueError(
+            f"fp32_sum_bound: expected terms, implementations >= 1, magnitude >= 0, got {terms}, "
+            f"{implementations}, {magnitude}"
+        )
+    return math.sqrt(implementations) * UNIT_ROUNDOFF_FP32 * math.sqrt(terms) * magnitude
 
 
 def _bound(depth: int, max_abs_logit: float, vocab: int, implementations: int) -> float:
