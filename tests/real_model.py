@@ -56,6 +56,7 @@ class ChatBatch(NamedTuple):
     response_mask: Any  # [8, S - 1] bool: the response tokens' positions
     logp: Any  # [8, S - 1] float64: transformers' log-probs of the response tokens (0 elsewhere)
     pad_id: int
+    max_abs_logit: float = 0.0  # transformers' largest logit over these sequences: the scale of their fp32 bound
 
 
 @pytest.fixture(scope="session")
@@ -124,11 +125,13 @@ def smollm2_chat_batch(smollm2_hf_dir: Path) -> ChatBatch:
     tokens = torch.full((len(seqs), length), pad, dtype=torch.long)
     mask = torch.zeros(len(seqs), length - 1, dtype=torch.bool)
     logp = torch.zeros(len(seqs), length - 1, dtype=torch.float64)
+    max_abs_logit = 0.0
     with torch.no_grad():
         for i, (seq, prompt) in enumerate(zip(seqs, prompts)):
             tokens[i, : len(seq)] = torch.tensor(seq)
             mask[i, len(prompt) - 1 : len(seq) - 1] = True
             # one sequence at a time: no padding for the reference to reason about
             logits = model(torch.tensor([seq])).logits[0, :-1].double()
+            max_abs_logit = max(max_abs_logit, logits.abs().max().item())
             logp[i, : len(seq) - 1] = torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
-    return ChatBatch(prompts, tokens, mask, logp * mask, pad)
+    return ChatBatch(prompts, tokens, mask, logp * mask, pad, max_abs_logit)

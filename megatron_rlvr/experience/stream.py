@@ -31,9 +31,10 @@ from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.experience.admission import Entry, Ledger
 from megatron_rlvr.experience.collect import Experience, Group, assemble, group_of, sampling_seed, score
+from megatron_rlvr.experience.group_account import GroupAccount
 from megatron_rlvr.experience.wire import Rollout
 from megatron_rlvr.rewards import RewardPool
-from megatron_rlvr.rollout import Completion, Progress, Sampling, StreamingEngine, prompt_seed
+from megatron_rlvr.rollout import Completion, PrefixCacheCounts, Progress, Sampling, StreamingEngine, prompt_seed
 
 
 @dataclass
@@ -80,6 +81,19 @@ class Done:
 
 
 @dataclass
+class Report:
+    """One rank's news since the last exchange, handed to every rank's `StreamCore.apply`: the groups done, its busy
+    seconds, the groups it still runs and the admissions it had made then (for `async/dropped`, group_account.py),
+    and its prefix cache's counts."""
+
+    done: list[Done]
+    busy_s: float
+    running: list[int]
+    admitted: int
+    prefix_cache: PrefixCacheCounts
+
+
+@dataclass
 class StreamState:
     """What a checkpoint holds of the stream (see the module doc); plain data."""
 
@@ -94,6 +108,9 @@ class StreamState:
     # the next step's experience, shipped (it left the ledger) and received by the actor before the checkpoint was
     # taken: a resumed run trains it first. Set by the actor's side, never by `StreamCore.state`
     taken: Rollout | None = None
+    # the ids of the groups that left (GroupAccount.state); None in checkpoints written before it was kept: every
+    # admitted group not in ``entries`` is taken to have left
+    left: tuple[int, list[int]] | None = None
 
 
 class StreamCore:
@@ -129,6 +146,10 @@ class StreamCore:
         self.engine_s = 0.0  # the replicas' mean busy time since the last step
         self.last_ship = time.perf_counter()
         self.totals = {"trained": 0, "filtered": 0}  # groups that left the ledger, each way
+        self.account = GroupAccount()  # the shipper's: which admitted groups left, by the groups themselves
+        self.reported_running: set[int] = set()  # the groups the replicas ran at the last exchange
+        self.reported_admitted = 0  # the admissions made by then; later ones cannot have been reported yet
+        self.prefix_cache = PrefixCacheCounts()  # the replicas' prefix cache since the last step
 
     # -- admission and generation
 
@@ -202,16 +223,21 @@ class StreamCore:
 
     # -- the replicated ledger
 
-    def events(self) -> tuple[list[Done], float]:
-        """This rank's news since the last exchange (groups done, busy seconds); handed to every rank's `apply`."""
+    def events(self) -> Report:
+        """This rank's news since the last exchange; handed to every rank's `apply`."""
         out, self.outbox = self.outbox, []
         busy, self.busy_s = self.busy_s, 0.0
-        return out, busy
+        counts = self.stream.take_prefix_cache_counts()
+        return Report(out, busy, sorted(self.running), self.ledger.admitted, counts)
 
-    def apply(self, reports: list[tuple[list[Done], float]]) -> None:
+    def apply(self, reports: list[Report]) -> None:
         """Every rank's `events`, in rank order: the same ledger changes on every rank."""
-        self.engine_s += sum(busy for _, busy in reports) / len(reports)  # the replicas' mean
-        for done in (d for events, _ in reports for d in events):
+        self.engine_s += sum(r.busy_s for r in reports) / len(reports)  # the replicas' mean
+        self.reported_running = {i for r in reports for i in r.running}
+        self.reported_admitted = min(r.admitted for r in reports)
+        for r in reports:
+            self.prefix_cache.add(r.prefix_cache)
+        for done in (d for r in reports for d in r.done):
             filtered = done.uniform and self.ledger.may_filter()
             if filtered:
                 self.ledger.filter(done.index)
@@ -220,6 +246,8 @@ class StreamCore:
                 self.ledger.finish(done.index)
             if not self.shipper:
                 continue
+            if filtered:
+                self.account.leave([done.index], "filtered")
             for key, value in done.counters.items():
                 self.counters[key] = self.counters.get(key, 0) + value
             if filtered:
@@ -248,10 +276,12 @@ class StreamCore:
         if not self.shipper:
             return None
         groups = [self.finished.pop(i) for i in chosen]
+        self.account.leave([g.index for g in groups], "trained")
         # counted when the group trains, not when it finishes: a continued group due after the run's last step
         # may finish and never train
         resumed = sum(self.resumed.pop(i, 0) for i in chosen)
         counters, self.counters = self.counters, {}
+        cache, self.prefix_cache = self.prefix_cache, PrefixCacheCounts()
         exp = assemble(
             groups,
             groups + self.filtered,
@@ -267,12 +297,18 @@ class StreamCore:
             "async/engine_idle_frac": max(0.0, 1.0 - engine_s / wall) if wall > 0 else 0.0,
             "async/in_flight_groups": float(len(self.ledger.entries)),
             "async/resumed_responses": float(resumed),
-            # admitted groups that neither trained, nor were dropped by dynamic sampling, nor wait in the ledger
-            "async/dropped": float(
-                self.ledger.admitted - self.totals["trained"] - self.totals["filtered"] - len(self.ledger.entries)
-            ),
+            # admitted groups that did not train, were not dropped by dynamic sampling, and neither run on a replica
+            # nor wait finished: counted from the groups themselves, not from the ledger (group_account.py)
+            "async/dropped": float(self.account.dropped(self.ledger.admitted, self._present())),
+            "rollout/prefix_cache_queries": float(cache.queries),
+            "rollout/prefix_cache_hits": float(cache.hits),
         }
         return Rollout(step, step - int(exp.staleness.max()), self.loader.state_dict(), exp, engine_s)
+
+    def _present(self) -> set[int]:
+        """The groups that are somewhere: running at the last exchange (or admitted since), or finished and held."""
+        since = set(range(self.reported_admitted, self.ledger.admitted))
+        return self.reported_running | set(self.finished) | since
 
     # -- requests of the actor's own ("generate": validation, PBA's base evidence)
 
@@ -310,6 +346,7 @@ class StreamCore:
             in_flight,
             list(self.finished.values()),
             dict(self.totals),
+            left=self.account.state(),
         )
 
     def restore(self, state: StreamState) -> None:
@@ -318,6 +355,12 @@ class StreamCore:
         self.loader.load_state_dict(state.loader)
         self.ledger.next_step, self.ledger.admitted = state.next_step, state.admitted
         self.totals = dict(state.totals)
+        if state.left is not None:
+            self.account = GroupAccount(state.left[0], state.left[1])
+        else:  # a checkpoint from before the account: what is not in its ledger left
+            remaining = {e.index for e in state.entries}
+            floor = min(remaining, default=state.admitted)
+            self.account = GroupAccount(floor, (i for i in range(floor, state.admitted) if i not in remaining))
         flights = {f.entry.index: f for f in state.in_flight}
         for entry in sorted(state.entries, key=lambda e: e.index):
             if not entry.finished:

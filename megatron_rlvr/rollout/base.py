@@ -129,6 +129,19 @@ class Progress:
     finish_reason: str | None  # None while it runs; then "stop" or "length"
 
 
+@dataclass
+class PrefixCacheCounts:
+    """What the prefix cache saved (rollout/prefix_cache.py): the prompt tokens of the responses that started
+    (``queries``) and how many of them came from cached KV blocks (``hits``)."""
+
+    queries: int = 0
+    hits: int = 0
+
+    def add(self, other: PrefixCacheCounts) -> None:
+        self.queries += other.queries
+        self.hits += other.hits
+
+
 @runtime_checkable
 class StreamingEngine(Protocol):
     """Requests in flight, advanced one engine step at a time; weights change between steps (docs/async.md)."""
@@ -147,3 +160,6 @@ class StreamingEngine(Protocol):
 
     def cancel(self) -> None:
         """Abort every request in flight."""
+
+    def take_prefix_cache_counts(self) -> PrefixCacheCounts:
+        """The prefix cache's counts over the responses that started since the last call."""

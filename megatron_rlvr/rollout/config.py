@@ -27,6 +27,9 @@ class RolloutConfig:
     sleep_level: Literal[1, 2] = 1  # vLLM sleep level between rollout and training (2 also drops the weights)
     enforce_eager: bool = False  # GPU only: skip CUDA graphs (CPU engines always run eagerly)
     kv_cache_memory_bytes: int = 256 * 1024**2  # CPU engines: a bounded KV cache
+    # tokens per KV block, the prefix cache's unit (only whole blocks are shared); 0: vLLM's default (16 on a GPU,
+    # 128 on a CPU)
+    kv_block_size: int = 0
     bucket_bytes: int = 256 * 1024**2  # weight-sync bucket size
     # "full": the whole weight stream is received and validated before the engine is touched (a bad stream leaves
     # the engine as it was; each engine rank holds its engine-TP shard meanwhile, docs/weight-sync.md). "streaming":
@@ -68,6 +71,8 @@ class RolloutConfig:
                 f"rollout.min_new_tokens: expected 0 .. rollout.max_new_tokens={self.max_new_tokens}, "
                 f"got {self.min_new_tokens!r}"
             )
+        if self.kv_block_size < 0:
+            raise ValueError(f"rollout.kv_block_size: expected >= 0 (0: vLLM's default), got {self.kv_block_size!r}")
         if self.refill_max_rounds < 0:
             raise ValueError(f"rollout.refill_max_rounds: expected >= 0, got {self.refill_max_rounds!r}")
         if self.temperature <= 0:

@@ -17,6 +17,11 @@ slicing are its own; under "full" staging that path first stages only this rank'
 (`shard_stage.ShardStage`, docs/weight-sync.md). Log-probs are those of
 the *processed* distribution (`logprobs_mode="processed_logprobs"`): logits / temperature (then top-k/top-p
 truncation, a no-op at their defaults), which is what the trainer's statistics compute.
+
+Prefix caching is on, and every request carries the prefix-cache salt of the weights loaded when it was added
+(prefix_cache.py): a load opens a new namespace, so no request reuses KV blocks that earlier weights computed, even
+while other requests hold blocks (vLLM's ``reset_prefix_cache`` refuses then). The cache is emptied only before
+sleep, where vLLM discards the KV memory itself and nothing may be in flight.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from megatron_rlvr.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rlvr.rollout.cpu.moe_reload import ensure_ep_group, repack_cpu_experts  # noqa: E402
 from megatron_rlvr.rollout.cpu.weights import DirectLoader  # noqa: E402
 from megatron_rlvr.rollout.lora_adapters import AdapterSlot  # noqa: E402
+from megatron_rlvr.rollout.prefix_cache import WeightEpoch  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
@@ -88,6 +94,7 @@ class VLLMEngine:
         if adapter is not None:  # actor.lora.sync=adapters: the base stays, each sync is a new adapter
             self._adapters = AdapterSlot(adapter, self.model_dir, self.dims, check_sync=cfg.check_sync)
         self._asleep = False
+        self._epoch = WeightEpoch()  # the prefix-cache namespace of the weights loaded now
         self._weights_discarded = False  # sleep level 2 dropped them: only update_weights brings weights back
         self._llm = self._start(dtype)
         self._direct: DirectLoader | None = None  # the CPU weight path; None: vLLM's reload_weights
@@ -108,7 +115,12 @@ class VLLMEngine:
         """This engine driven one engine step at a time (vllm_stream.py); `generate` refuses while it has requests."""
         if self._stream is None:
             self._stream = VLLMStream(
-                self._require_alive(), self.dims.vocab, self.cfg.max_model_len, self._die, self.stop_token_ids
+                self._require_alive(),
+                self.dims.vocab,
+                self.cfg.max_model_len,
+                self._die,
+                self._epoch,
+                self.stop_token_ids,
             )
         return self._stream
 
@@ -199,7 +211,7 @@ class VLLMEngine:
             request_params(sampling, n=n, seed=prompt_seed(sampling.seed, i), stop_token_ids=self.stop_token_ids)
             for i in range(len(prompt_token_ids))
         ]
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        prompts = [self._epoch.prompt(p) for p in prompt_token_ids]
         try:
             lora = self._adapters.request if self._adapters is not None else None  # None: the base alone
             outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
@@ -238,7 +250,7 @@ class VLLMEngine:
         try:
             lora = self._adapters.request if self._adapters is not None else None
             outputs = llm.generate(
-                [{"prompt_token_ids": list(s)} for s in token_ids], params, use_tqdm=False, lora_request=lora
+                [self._epoch.prompt(s) for s in token_ids], params, use_tqdm=False, lora_request=lora
             )
         except Exception as e:
             raise self._die("prompt_logprobs", e) from e
@@ -266,6 +278,7 @@ class VLLMEngine:
             self._require_alive()
         if self._adapters is not None:  # the adapter alone: checked whole, then served under a new name
             self._adapters.load(source)
+            self._epoch.advance()
             return
         full = self.cfg.sync_staging == "full"
         kept: dict[str, torch.Tensor] | None = {} if self.cfg.check_sync else None
@@ -300,7 +313,7 @@ class VLLMEngine:
         stream = self.manifest.checked(source) if full else self.manifest.iter_checked(source)
         try:
             self._direct.load(feed(stream), commit_each=not full, on_commit=on_commit, lent=lent)
-            self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            self._epoch.advance()  # cached KV blocks were computed with the old weights: never hit them again
             self._weights_discarded = False
         except WeightSyncError as e:
             _drain(source)
@@ -328,7 +341,7 @@ class VLLMEngine:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed(stream)})
             if not self.on_gpu:  # vLLM's reload skips the CPU experts' prepack (rollout/cpu/moe_reload.py)
                 llm.apply_model(repack_cpu_experts)
-            llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            self._epoch.advance()  # cached KV blocks were computed with the old weights: never hit them again
             self._weights_discarded = False
         except Exception as e:
             _drain(source)
@@ -361,7 +374,9 @@ class VLLMEngine:
         llm = self._require_alive()
         if not self.on_gpu or self._asleep:
             return  # vLLM's CPU worker has no sleep mode
-        llm.reset_prefix_cache()
+        # sleep discards the KV memory: its cached hashes must go too, or the blocks would be hit after wake_up
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("sleep: vLLM kept its prefix cache because requests hold KV blocks; finish them first")
         llm.sleep(level=self.cfg.sleep_level)
         self._asleep = True
         self._weights_discarded = self.cfg.sleep_level == 2
@@ -399,6 +414,8 @@ def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> d
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
     )
+    if cfg.kv_block_size:
+        kwargs["block_size"] = cfg.kv_block_size
     if cfg.return_routed_experts:
         kwargs["enable_return_routed_experts"] = True
     if cfg.max_staleness >= 2:  # streamed (vllm_stream.py): a step's tokens must come from the weights of that step
@@ -472,5 +489,8 @@ def _check_cpu_model(dims: ModelDims, cfg: RolloutConfig) -> None:
         )
     if cfg.tp != 1:
         raise ValueError(f"rollout.tp={cfg.tp}: a CPU engine runs in-process with TP=1")
+    # vLLM 0.32 fails at start-up otherwise: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
+    if cfg.kv_block_size % 32:
+        raise ValueError(f"rollout.kv_block_size={cfg.kv_block_size}: vLLM's CPU attention needs a multiple of 32")
     if cfg.return_routed_experts:  # LLM(enable_return_routed_experts=True) fails there (rollout/routed_experts.py)
         raise ValueError("rollout.return_routed_experts=true: vLLM-CPU cannot return routed experts (model runner V2)")

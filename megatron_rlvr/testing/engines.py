@@ -76,3 +76,8 @@ class ScriptedStream:
 
     def cancel(self) -> None:
         self.running.clear()
+
+    def take_prefix_cache_counts(self) -> Any:
+        from megatron_rlvr.rollout.base import PrefixCacheCounts
+
+        return PrefixCacheCounts()  # no KV cache here: nothing queried, nothing hit

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.rollout.sync_workers import _actor_logprobs, _change_weights
+from tests.rollout.sync_workers import _actor_logit_scale, _actor_logprobs, _change_weights
 
 
 class _ExportingActor:
@@ -55,11 +55,21 @@ def separate_sync_and_compare(
             chunk.eval()  # forward passes only (docs/moe.md: MoE at TP > 1 runs in eval mode on CPU)
         cfg = SimpleNamespace(trainer=SimpleNamespace(steps=2), rollout=rollout)
         source = EngineRanksSource(cfg, roles, _ExportingActor(chunks, hf), None, None, 0, start_step=0)
-        rounds = [{"logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]), "transfer": source.take_transfer_metrics()}]
+        rounds = [
+            {
+                "logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]),
+                "scale": _actor_logit_scale(chunks, seqs, hf["vocab_size"]),
+                "transfer": source.take_transfer_metrics(),
+            }
+        ]
         _change_weights(chunks)
         source._ensure_weights(1)  # what after_update does when the next step samples with the new weights
         rounds.append(
-            {"logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]), "transfer": source.take_transfer_metrics()}
+            {
+                "logp": _actor_logprobs(chunks, seqs, hf["vocab_size"]),
+                "scale": _actor_logit_scale(chunks, seqs, hf["vocab_size"]),
+                "transfer": source.take_transfer_metrics(),
+            }
         )
         source.close()
         return {"role": "actor", "rounds": rounds}

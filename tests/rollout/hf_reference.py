@@ -21,6 +21,17 @@ def hf_token_logprobs(model: torch.nn.Module, seq: list[int], start: int = 1, te
     return logp.gather(1, torch.tensor(seq[start:])[:, None])[:, 0]
 
 
+@torch.no_grad()
+def hf_logprob_bound(model: torch.nn.Module, seqs: list[list[int]], temperature: float = 1.0) -> float:
+    """The fp32 bound of comparing another implementation's log-probs of ``seqs`` with this model's
+    (megatron_rlvr/testing/rounding.py), at the largest logit / temperature this model gives them."""
+    from megatron_rlvr.models.dims import ModelDims
+    from megatron_rlvr.testing.rounding import fp32_logprob_bound
+
+    scale = max(model(torch.tensor([s])).logits.abs().max().item() for s in seqs) / temperature
+    return fp32_logprob_bound(ModelDims.from_hf(model.config.to_dict()), max(map(len, seqs)), scale)
+
+
 def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every HF name the engine loads, lm_head included (for tied models it is the embedding's tensor)."""
     sd = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}

@@ -8,7 +8,7 @@ import itertools
 
 import torch.distributed as dist
 
-from tests.rollout.sync_workers import _actor_logprobs, _change_weights
+from tests.rollout.sync_workers import _actor_logit_scale, _actor_logprobs, _change_weights
 
 
 def _sync(engine, chunks, hf) -> None:
@@ -31,8 +31,8 @@ def _shared(obj):
 def versions_across_an_update(hf_dir: str, tp: int, prompt: list[int], steps_before: int, recompute: bool) -> dict:
     """Stream 2 responses to ``prompt``; after ``steps_before`` engine steps the actor's weights change and go into
     the engine in flight (``recompute``: then refresh_kv). Returns each response's tokens, engine log-probs and
-    versions, and the actor's log-probs of the sequence under the old weights (the tokens before the update) and
-    the new ones (all tokens)."""
+    versions, the actor's log-probs of the sequence under the old weights (the tokens before the update) and
+    the new ones (all tokens), and the largest logit the actor saw (the fp32 bound's scale)."""
     from megatron_rlvr.rollout import RolloutConfig, Sampling, make_engine
     from megatron_rlvr.runtime import distributed
     from tests.models.mp_helpers import build_chunks
@@ -64,6 +64,7 @@ def versions_across_an_update(hf_dir: str, tp: int, prompt: list[int], steps_bef
             run(0, steps_before)
         before = _shared([r["tokens"][:] for r in responses] if engine is not None else None)
         old = _actor_logprobs(chunks, [prompt + t for t in before], hf["vocab_size"])
+        scales = [_actor_logit_scale(chunks, [prompt + t for t in before], hf["vocab_size"])]
         _change_weights(chunks)  # an update of the actor while the responses are in flight
         _sync(engine, chunks, hf)
         if engine is not None:
@@ -72,7 +73,9 @@ def versions_across_an_update(hf_dir: str, tp: int, prompt: list[int], steps_bef
             run(1, None)
         responses = _shared(responses if engine is not None else None)
         new = _actor_logprobs(chunks, [prompt + r["tokens"] for r in responses], hf["vocab_size"])
-        return {"rank": dist.get_rank(), "responses": responses, "old": old, "new": new}
+        scales.append(_actor_logit_scale(chunks, [prompt + r["tokens"] for r in responses], hf["vocab_size"]))
+        scale = None if scales[0] is None else max(scales)
+        return {"rank": dist.get_rank(), "responses": responses, "old": old, "new": new, "scale": scale}
     finally:
         if engine is not None:
             engine.close()

@@ -23,6 +23,18 @@ def _actor_logprobs(chunks, seqs: list[list[int]], vocab: int) -> list[torch.Ten
 
 
 @torch.no_grad()
+def _actor_logit_scale(chunks, seqs: list[list[int]], vocab: int) -> float | None:
+    """max |logit| over ``seqs``' positions on the last pipeline stage (None elsewhere): the size the fp32 bound of a
+    log-prob comparison scales with (megatron_rlvr/testing/rounding.py)."""
+    scales = []
+    for seq in seqs:
+        logits = pipeline_logits(chunks, torch.tensor([seq]))
+        if logits is not None:
+            scales.append(logits[0, :, :vocab].float().abs().max().item())
+    return max(scales) if scales else None
+
+
+@torch.no_grad()
 def _change_weights(chunks) -> None:
     """A deterministic elementwise change of every parameter (same on TP replicas and on the tied copies of the
     embedding on the first and last stages), standing in for an optimizer step."""
@@ -80,6 +92,7 @@ def sync_and_compare(
             rounds.append(
                 {
                     "actor": _actor_logprobs(chunks, seqs, hf["vocab_size"]),
+                    "scale": _actor_logit_scale(chunks, seqs, hf["vocab_size"]),
                     "engine": [torch.tensor(x) for x in engine.prompt_logprobs(seqs)] if engine is not None else None,
                 }
             )
@@ -164,6 +177,7 @@ def adopted_syncs_keep_the_guarantee(hf_dir: str, seqs: list[list[int]], bucket_
         out["holding_after_good"] = sorted(s.index for s in engine._direct._holding) if engine else None
         out["engine"] = engine_logprobs()
         out["actor"] = _actor_logprobs(chunks, seqs, hf["vocab_size"])
+        out["scale"] = _actor_logit_scale(chunks, seqs, hf["vocab_size"])
         return out
     finally:
         if engine is not None:

@@ -1,5 +1,6 @@
 """Actor -> engine: a Megatron actor at TP=2 or PP=2 streams its weights through the bridge into rank 0's CPU vLLM
-engine; the engine's log-probs of fixed sequences equal the actor's own (fp32, <= 1e-4), again after the weights
+engine; the engine's log-probs of fixed sequences equal the actor's own within fp32 rounding
+(megatron_rlvr/testing/rounding.py: two implementations, about 6e-5 for these models), again after the weights
 change (tied-embedding Llama included, where the changed embedding must reach the engine's output layer); also with
 lent buckets (``lend=True`` / ``update_weights(lent=True)``), where the engine must copy out what it keeps."""
 
@@ -7,12 +8,18 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rlvr.testing.rounding import model_logprob_bound
 from tests.rollout.sync_workers import sync_and_compare
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
 SEQS = [[5, 17, 99, 200, 3, 44, 81, 250, 12, 900], [256, 1, 2, 3, 4, 5, 6, 7, 8], [42] * 5 + [7, 300, 600, 999]]
-TOL = 1e-4
+LONGEST = max(map(len, SEQS))
+
+
+def _bound(model_dir: str, rounds: list[dict]) -> float:
+    """The fp32 bound of an engine-vs-actor comparison of SEQS, at the largest logit the actor saw in ``rounds``."""
+    return model_logprob_bound(model_dir, LONGEST, max(r["scale"] for r in rounds))
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +55,13 @@ def test_engine_logprobs_equal_the_actors_after_each_sync(workers2, tiny_dirs, a
         for eng, act in zip(engine_side, actor_side)
     ]
     moved = max((a - b).abs().max().item() for a, b in zip(actor_side[0]["actor"], actor_side[1]["actor"]))
-    print(f"{arch} tp={tp} pp={pp}: max |engine - actor| per sync {diffs}; the change moved log-probs {moved:.3g}")
-    assert moved > 100 * TOL  # the second sync had something to carry
-    assert all(d <= TOL for d in diffs), diffs
+    bound = _bound(tiny_dirs[arch], actor_side)
+    print(
+        f"{arch} tp={tp} pp={pp}: max |engine - actor| per sync {diffs}; bound {bound:.3g}; "
+        f"the change moved log-probs {moved:.3g}"
+    )
+    assert moved > 100 * bound  # the second sync had something to carry
+    assert all(d <= bound for d in diffs), diffs
 
 
 def test_an_engine_that_adopts_lent_tensors_keeps_the_full_staging_guarantee(workers2, tiny_dirs):
@@ -66,5 +77,6 @@ def test_an_engine_that_adopts_lent_tensors_keeps_the_full_staging_guarantee(wor
     assert r0["bit_identical_after_bad"] and r0["bit_identical_after_export"] and r0["alive"]
     assert not any(r["lent_with_both_held"] for r in results)
     assert r0["good"] == "ok" and r0["holding_after_good"] == [1 - r0["holding_after_first"][0]]
-    actor = next(r["actor"] for r in results if r["actor"] is not None)
-    assert max((e - a).abs().max().item() for e, a in zip(r0["engine"], actor)) <= TOL
+    actor = next(r for r in results if r["actor"] is not None)
+    gap = max((e - a).abs().max().item() for e, a in zip(r0["engine"], actor["actor"]))
+    assert gap <= _bound(tiny_dirs["qwen2"], [actor]), gap

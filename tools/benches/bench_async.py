@@ -24,11 +24,21 @@ directly); the JSON's top-level figures are those of the last cost listed, each 
 Per mode, over the steps after ``--warmup`` (the first ones include the engine start): samples/s (trained responses
 over the trainer's wall time: the sum of its per-step breakdown, rollout wait + statistics + update + weight sync),
 the trainer's idle share (its rollout wait over that time), the engine's idle share (1 - the engine's busy time,
-``rollout/engine_seconds``, over that time) and the mean staleness of the trained responses. The last line is one
-JSON object.
+``rollout/engine_seconds``, over that time), the mean staleness of the trained responses and, for the streamed
+modes, the prefix cache's hits (``rollout/prefix_cache_hits`` over ``rollout/prefix_cache_queries``: the share of
+the started responses' prompt tokens served from cached KV blocks). The last line is one JSON object.
+
+The demo's prompts are 12 tokens, less than a KV block, so nothing is ever shared through the prefix cache.
+``--shared-head TOKENS`` puts the same head of at least TOKENS tokens (a system prompt, a shared problem statement)
+before every prompt: the demo task's training problems, written as a JSONL data file in the output directory. With
+``rollout.kv_block_size=32`` among the overrides its first block is shared; what the prefix cache's weight salt
+(rollout/prefix_cache.py) costs shows there: a prompt admitted after an update cannot reuse the head the older weights
+computed.
 
     python tools/benches/bench_async.py      # 12 steps per mode (4 warm-up), median 8 tokens, sigma 1.2, +0 and +10 ms
     python tools/benches/bench_async.py --steps 6 --warmup 2 --async-k 2 --engine-step-ms 0
+    python tools/benches/bench_async.py --steps 8 --warmup 2 --async-k 2 --engine-step-ms 0 --shared-head 32 \
+        --max-new-tokens 80 rollout.kv_block_size=32
 """
 
 from __future__ import annotations
@@ -103,6 +113,30 @@ def _train(out: Path, k: int, args: argparse.Namespace, recompute: bool = False)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _shared_head_data(out: Path, tokens: int) -> list[str]:
+    """The demo task's training problems behind one shared head of >= ``tokens`` tokens, as a JSONL file in ``out``;
+    returns the overrides that train on it."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.tasks import countdown
+
+    data = load_config(ROOT / "configs" / "demo_cpu.yaml").data
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "megatron_rlvr" / "demo" / "model")
+    head = ""
+    while len(tokenizer(head, add_special_tokens=False)["input_ids"]) < tokens:
+        head += f"{len(head) % 10} "  # digits and spaces: text the demo model's 37-token vocabulary holds
+    head += "\n"
+    path = out / "shared_head.jsonl"
+    with open(path, "w") as f:
+        for p in countdown.generate(data.seed, data.demo_train_problems, "train"):
+            f.write(json.dumps({"id": p.id, "problem": head + p.prompt, "answer": p.reference}) + "\n")
+    length = len(tokenizer(head, add_special_tokens=False)["input_ids"])
+    print(f"shared head: {length} tokens before every prompt ({path})", flush=True)
+    # the demo's prompts are 12 tokens; the head plus 16 leaves the answer budget its room in 128 positions
+    return [f"data.path={path}", "data.task=countdown", f"data.max_prompt_tokens={length + 15}"]
+
+
 def _step_s(row: dict) -> float:
     return sum(row.get(k, 0.0) for k in _STEP_PARTS)
 
@@ -118,6 +152,9 @@ def summarize(rows: list[dict], responses_per_step: int) -> dict:
         "mean_staleness": statistics.fmean(r["rollout/staleness"] for r in rows),
         "max_staleness": max(r.get("rollout/staleness_max", r["rollout/staleness"]) for r in rows),
         "mixed_version_frac": statistics.fmean(r.get("rollout/mixed_version_frac", 0.0) for r in rows),
+        # streamed modes only (the stream counts them): prompt tokens of started responses, and those cached
+        "prefix_cache_queries": sum(r.get("rollout/prefix_cache_queries", 0.0) for r in rows),
+        "prefix_cache_hits": sum(r.get("rollout/prefix_cache_hits", 0.0) for r in rows),
         "dropped": sum(r.get("async/dropped", 0.0) for r in rows),
         "response_length": statistics.fmean(r["response/length"] for r in rows),
     }
@@ -165,14 +202,16 @@ def _table(step_ms: float, modes: dict[int, dict], recomputed: dict[int, dict]) 
     lines = [
         f"engine step + {step_ms:g} ms:",
         "| mode | samples/s | s/step | trainer idle | engine idle | mean staleness | responses of two versions "
-        "| dropped |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dropped | prefix-cache hits |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in rows:
+        queries = m["prefix_cache_queries"]
+        hits = f"{m['prefix_cache_hits']:g} of {queries:g} ({m['prefix_cache_hits'] / queries:.1%})" if queries else "-"
         lines.append(
             f"| {name} | {m['samples_per_s']:.1f} | {m['step_s']:.2f} "
             f"| {m['trainer_idle']:.0%} | {m['engine_idle']:.0%} | {m['mean_staleness']:.2f} "
-            f"| {m['mixed_version_frac']:.1%} | {m['dropped']:g} |"
+            f"| {m['mixed_version_frac']:.1%} | {m['dropped']:g} | {hits} |"
         )
     return "\n".join(lines)
 
@@ -197,6 +236,12 @@ def main() -> int:
         default="",
         help="fully asynchronous modes to run once more with rollout.recompute_kv_after_sync=true (its cost)",
     )
+    parser.add_argument(
+        "--shared-head",
+        type=int,
+        default=0,
+        help="every prompt starts with the same head of at least this many tokens (0: the demo's prompts)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run")
     parser.add_argument("--out", default=None, help="output directory (default: a temporary one)")
     parser.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
@@ -206,6 +251,8 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_async_"))
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
+    if args.shared_head:
+        args.overrides = [*_shared_head_data(out, args.shared_head), *args.overrides]
     ks = [0, 1, *(int(k) for k in args.async_k.split(",") if k)]
     group = 8  # the demo recipe's rollout.group_size
     by_cost: dict[str, dict] = {}
