@@ -23,6 +23,12 @@ def value_bound(result: dict) -> float:
     return fp32_token_stat_bound(result["vocab"], result["max_abs_logit"])
 
 
+def case_bound(case: Case, temperature: float) -> float:
+    """`value_bound` for two implementations run on ``case`` at ``temperature`` (its real columns' largest logit)."""
+    real = case.logits[:, : case.vocab_size].float()
+    return fp32_token_stat_bound(case.vocab_size, real.abs().max().item() / temperature)
+
+
 def check(result: dict, logits_dtype: torch.dtype) -> None:
     bound = value_bound(result)
     assert result["logp"] <= bound, (bound, result)
@@ -280,7 +286,7 @@ def test_cuda_vector_kernel_on_misaligned_buffers(dtype, inplace):
     ours, ref = stats["cuda-vector"], stats["reference"]
     assert torch.equal(ours.topn_ids, ref.topn_ids)
     for a, b in zip(ours[:3], ref[:3]):
-        torch.testing.assert_close(a, b, atol=VALUE_TOL, rtol=0)
+        torch.testing.assert_close(a, b, atol=case_bound(case, 0.8), rtol=0)
     scale = grads["reference"].abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 8e-3 * scale
     torch.testing.assert_close(grads["cuda-vector"].float(), grads["reference"].float(), atol=tol, rtol=0)
@@ -302,7 +308,7 @@ def test_cuda_vector_kernel_matches_scalar_at_full_vocabulary(dtype):
     )
     assert torch.equal(scalar.topn_ids, vector.topn_ids)
     for a, b in zip(scalar[:3], vector[:3]):  # each sums ~600 terms a thread in fp32: about 1.5e-6 from fp64 here
-        torch.testing.assert_close(a, b, atol=VALUE_TOL, rtol=0)
+        torch.testing.assert_close(a, b, atol=case_bound(case, 0.9), rtol=0)
 
 
 @pytest.mark.gpu
