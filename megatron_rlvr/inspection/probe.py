@@ -99,7 +99,7 @@ def _score(args: argparse.Namespace, argv: list[str]) -> int:
         for c, label in zip(args.checkpoint, labels)
         if args.overwrite or not is_current(out / f"{label}.json", probe_set.digest(), settings)
     ]
-    rank0 = distributed.rank() == 0 if "RANK" in os.environ else True
+    rank0 = os.environ.get("RANK", "0") == "0"  # before any process group: torchrun says which rank this is
     if todo:
         with ProbeScorer(
             todo[0][0],

@@ -3,6 +3,7 @@ bootstrap interval over prompts; all positions and the base's forking positions 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +29,11 @@ def render(scores: Sequence[dict[str, Any]], path: str | os.PathLike, resamples:
     ks = scores[0]["settings"]["ks"]
     panels = [*PANELS, *((f"distinct@{k}", f"E[distinct tokens in {k} draws]") for k in ks)]
     has_rare = all(s["rare"] for s in scores)
-    fig, axes = plt.subplots(1, len(panels) + has_rare, figsize=(3.0 * (len(panels) + has_rare), 3.2), squeeze=False)
+    cols = math.ceil((len(panels) + has_rare) / 2)
+    fig, grid = plt.subplots(2, cols, figsize=(3.2 * cols, 6.4), squeeze=False)
+    axes = [list(grid.flat)]
+    for ax in axes[0][len(panels) + has_rare :]:
+        ax.axis("off")
     x = list(range(len(scores)))
     labels = [s["label"] for s in scores]
     prompts = len(scores[0]["prompts"])
@@ -40,7 +45,7 @@ def render(scores: Sequence[dict[str, Any]], path: str | os.PathLike, resamples:
         ax.set_title(title, fontsize=9)
         ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=7)
     if has_rare:
-        ax = axes[0][-1]
+        ax = axes[0][len(panels)]
         ivs = [prompt_interval(rare_logp(s, per_token=True), prompts, spec, "rare") for s in scores]
         ax.plot(x, [iv.estimate for iv in ivs], "-o", color="C3", markersize=3)
         ax.fill_between(x, [iv.low for iv in ivs], [iv.high for iv in ivs], alpha=0.2, color="C3")

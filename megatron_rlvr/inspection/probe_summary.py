@@ -10,7 +10,9 @@ Per-prompt sums and counts, not per-position values, because the prompt is the u
 - ``rank3_below``: 1 where the rank-3 probability is below ``RANK3_THRESHOLD`` (the paper's appendix D.2);
 - ``distinct@K``: the expected number of distinct tokens in K draws from the position's distribution.
 
-Rare correct responses: per response its prompt, sample, token count and summed log-probability.
+Rare correct responses: per response its prompt, sample, token count and summed log-probability. And over all probe
+positions, by bins of the rank-1 probability (``RANK1_BINS`` equal bins of [0, 1]): the positions and their summed
+``distinct@K``, the curve of appendix B.2 (E_K falls to 1 as rank 1 goes to 1).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatron_rlvr.inspection.probe_stats import field_names
 
 SCORES_FORMAT = "megatron-rlvr probe scores 1"
 RANK3_THRESHOLD = 0.05
+RANK1_BINS = 20
 SCOPES = ("all", "forking")
 
 
@@ -66,6 +69,7 @@ def summarize(probe_set: ProbeSet, values: torch.Tensor, ks: Sequence[int]) -> d
     sums = {scope: {name: np.zeros(prompts) for name in names} for scope in SCOPES}
     counts = {scope: np.zeros(prompts, dtype=np.int64) for scope in SCOPES}
     rare = []
+    bins = {"count": np.zeros(RANK1_BINS, dtype=np.int64), **{f"distinct@{k}": np.zeros(RANK1_BINS) for k in ks}}
     for r, row in enumerate(probe_set.rows):
         start = len(probe_set.prompts[row.prompt].prompt_ids) - 1
         window = values[r, :, start : start + len(row.ids)]
@@ -75,6 +79,10 @@ def summarize(probe_set: ProbeSet, values: torch.Tensor, ks: Sequence[int]) -> d
         if not row.probe:
             continue
         stats = per_position(window, ks)
+        which = np.minimum((stats["rank1"] * RANK1_BINS).astype(np.int64), RANK1_BINS - 1)
+        bins["count"] += np.bincount(which, minlength=RANK1_BINS)
+        for k in ks:
+            bins[f"distinct@{k}"] += np.bincount(which, weights=stats[f"distinct@{k}"], minlength=RANK1_BINS)
         for scope, where in (("all", slice(None)), ("forking", np.asarray(row.forking, dtype=np.int64))):
             for name in names:
                 sums[scope][name][row.prompt] += float(stats[name][where].sum())
@@ -95,6 +103,7 @@ def summarize(probe_set: ProbeSet, values: torch.Tensor, ks: Sequence[int]) -> d
             scope: {name: [round(v, 9) for v in sums[scope][name].tolist()] for name in names} for scope in SCOPES
         },
         "rare": rare,
+        "by_rank1": {name: [round(float(v), 6) for v in values] for name, values in bins.items()},
         "means": means,
     }
 

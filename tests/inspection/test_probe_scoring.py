@@ -150,6 +150,9 @@ def test_the_summary_sums_each_prompts_positions_and_its_forking_ones(scored, tm
     assert [(x["prompt"], x["sample"], x["tokens"]) for x in summary["rare"]] == [
         (row.prompt, row.sample, len(row.ids)) for _, row in rare
     ]
+    rank1 = np.concatenate([dense[r]["rank1"] for r, row in enumerate(probe_set.rows) if row.probe])
+    assert summary["by_rank1"]["count"] == np.bincount((rank1 * 20).astype(int), minlength=20).tolist()
+    assert sum(summary["by_rank1"]["count"]) == sum(summary["counts"]["all"])
     for x, (r, _) in zip(summary["rare"], rare):
         assert x["logp"] == pytest.approx(float(dense[r]["logp"].sum()), abs=1e-4)
     # the results file round-trips, its pooled mean is the interval's estimate, and the figure draws
