@@ -17,7 +17,7 @@ import numpy as np
 from megatron_rlvr.inspection.mechanism_design import BASE, PAIRED_ARMS, SINGLE_ARMS, probe_label
 
 if TYPE_CHECKING:
-    from megatron_rlvr.inspection.mechanism_report import Results
+    from megatron_rlvr.inspection.mechanism_results import Results
 
 COLORS = {"grpo": "C0", "casp": "C1", "psr": "C2", "nsr": "C3"}
 
