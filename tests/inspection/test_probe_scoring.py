@@ -271,3 +271,23 @@ def test_draw_keeps_the_first_samples_and_the_rare_correct_ones_and_resumes(tiny
     bigger = DrawSettings(**{**settings.__dict__, "n": 4})
     with pytest.raises(ps.ProbeSetError, match="other settings"):
         draw(tiny_llama, bigger, tmp_path / "probe.json", engine_factory=no_engine)
+
+
+def test_the_command_line_says_bad_input_in_one_line(tmp_path, tiny_llama, capsys):
+    from megatron_rlvr.cli import main
+
+    probe_path = _probe_set().save(tmp_path / "p.json")
+    cases = [
+        (
+            ["--probe-set", str(tmp_path / "none.json"), "--checkpoint", tiny_llama],
+            f"error: {tmp_path / 'none.json'}: no such",
+        ),
+        (["--probe-set", str(probe_path), "--checkpoint", str(tmp_path)], f"error: {tmp_path}: neither an HF model"),
+        (["--probe-set", str(probe_path), "--checkpoint", tiny_llama, "--ks", "0"], "error: --ks: ks: expected"),
+        (["--probe-set", str(probe_path), "--checkpoint", tiny_llama, "--tp", "3"], "error: actor.tp=3 must divide"),
+    ]
+    for args, start in cases:
+        capsys.readouterr()
+        assert main(["probe", "score", *args, "--out", str(tmp_path / "out")]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(start), lines
