@@ -29,7 +29,7 @@ class Design:
     eval_samples: int = 32
     probe_prompts: int = 128
     probe_samples: int = 64  # the base's samples per probe prompt (rare answers: 1..4 of them correct)
-    probe_keep: int = 4  # probe responses per prompt
+    probe_keep: int = 2  # probe responses per prompt (the scoring's cost grows with them; the prompts are the unit)
     extra: dict[str, Any] = field(default_factory=dict)  # anything a smaller variant changes (e.g. a smoke run)
 
     def paired_runs(self) -> list[tuple[int, dict[str, str]]]:
