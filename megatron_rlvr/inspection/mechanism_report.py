@@ -102,7 +102,9 @@ def _paired_claim(
         row.pooled = ms.prompt_interval(ms.mean_of(tested_q), res.prompts, spec, key)
         row.over_seeds = ms.seed_interval([p["tested"] for p in row.per_seed], spec.level)
         seeds = row.over_seeds if len(tested_q) > 1 else None
-        row.verdict = ms.verdict(predicted, row.pooled, seeds) if not row.missing else "cannot tell (runs missing)"
+        row.verdict = ms.verdict(predicted, row.pooled, seeds) + ("" if seeds else " (one seed pair)")
+        if row.missing:
+            row.verdict = "cannot tell (runs missing)"
     return row
 
 
@@ -378,6 +380,17 @@ def _iv(iv: Interval | dict | None, digits: int = 4, scale: float = 1.0, signed:
     return f"{e * scale:{f}} [{lo * scale:{f}}, {hi * scale:{f}}]"
 
 
+def _per_seed_cell(p: dict[str, Any]) -> str:
+    """``s1: GRPO / CaSP: tested`` for a seed pair; other rows (PSR / NSR, the base) name their values."""
+    values = {k: v for k, v in p.items() if k not in ("seed", "tested")}
+    if set(values) <= set(PAIRED_ARMS):
+        cell = " / ".join(_fmt(v) for v in values.values())
+    else:
+        cell = ", ".join(f"{k} {_fmt(v)}" for k, v in values.items())
+    head = f"s{p['seed']}" if isinstance(p["seed"], int) else str(p["seed"])
+    return f"{head}: {cell}" + (f": {_fmt(p['tested'])}" if "tested" in p else "")
+
+
 def claims_markdown(rows: list[ClaimRow]) -> str:
     lines = [
         "| claim | tested statistic | predicted | per seed pair (GRPO / CaSP: tested) | pooled [95% over prompts] "
@@ -385,12 +398,7 @@ def claims_markdown(rows: list[ClaimRow]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        seeds = "; ".join(
-            f"s{p['seed']}: "
-            + " / ".join(_fmt(v) for k, v in p.items() if k not in ("seed", "tested"))
-            + (f": {_fmt(p['tested'])}" if "tested" in p else "")
-            for p in r.per_seed
-        )
+        seeds = "; ".join(_per_seed_cell(p) for p in r.per_seed)
         missing = f" (missing: {', '.join(r.missing)})" if r.missing else ""
         lines.append(
             f"| {r.claim} | {r.statistic} | {r.predicted} | {seeds or '-'}{missing} | {_iv(r.pooled)} | "
