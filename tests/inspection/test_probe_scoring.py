@@ -101,6 +101,7 @@ def scored(workers2, tiny_llama, dist_checkpoint):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # the shared fixture scores at two layouts in a worker group: ~20 s on 2 cores
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_every_statistic_at_every_response_position_equals_float64(scored, layout):
     from megatron_rlvr.inspection.probe_stats import field_names
@@ -126,6 +127,7 @@ def test_every_statistic_at_every_response_position_equals_float64(scored, layou
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_the_summary_sums_each_prompts_positions_and_its_forking_ones(scored, tmp_path):
     from megatron_rlvr.inspection.mechanism_stats import prompt_interval, rare_logp, statistic
     from megatron_rlvr.inspection.probe_figure import render
