@@ -135,3 +135,15 @@ def threshold_verdict(over_prompts: Interval, threshold: float) -> str:
     if over_prompts.high < threshold:
         return "fails"
     return "cannot tell"
+
+
+def interval_text(iv: Interval | dict | None, digits: int = 4, scale: float = 1.0, signed: bool = True) -> str:
+    """``estimate [low, high]`` for tables (an Interval or its JSON form; ``scale`` 100 for percent); the estimate
+    alone when the interval has no width (one seed), ``-`` for none."""
+    if iv is None:
+        return "-"
+    e, lo, hi = (iv.estimate, iv.low, iv.high) if isinstance(iv, Interval) else (iv["estimate"], iv["low"], iv["high"])
+    f = f"{'+' if signed else ''}.{digits}f"
+    if not math.isfinite(lo):
+        return f"{e * scale:{f}}"
+    return f"{e * scale:{f}} [{lo * scale:{f}}, {hi * scale:{f}}]"

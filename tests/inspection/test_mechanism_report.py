@@ -11,7 +11,8 @@ import pytest
 
 from megatron_rlvr.eval.bootstrap import IntervalSpec
 from megatron_rlvr.inspection.mechanism_design import BASE, Design, probe_label
-from megatron_rlvr.inspection.mechanism_report import claims, passk, write_report
+from megatron_rlvr.inspection.mechanism_passk import passk
+from megatron_rlvr.inspection.mechanism_report import claims, write_report
 from megatron_rlvr.inspection.mechanism_results import Results
 from megatron_rlvr.inspection.probe_summary import SCORES_FORMAT, statistic_names
 
