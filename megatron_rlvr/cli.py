@@ -1,4 +1,4 @@
-"""`megatron-rlvr` command line: train | eval | convert | demo | candidates | toy-tree | plan | data | ckpt.
+"""`megatron-rlvr` command line: train | eval | convert | demo | candidates | toy-tree | probe | plan | data | ckpt.
 
 Each subcommand imports its implementation lazily, so `megatron-rlvr --help` is instant and a failure in one
 component never breaks the others' commands.
@@ -32,6 +32,11 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
         "megatron_rlvr.inspection.toy_tree",
         "main",
         "the didactic tree MDP: GRPO vs entropy bonus vs CaSP (fixed and adaptive candidates)",
+    ),
+    "probe": (
+        "megatron_rlvr.inspection.probe",
+        "main",
+        "a fixed probe: score base-model responses teacher-forced with each checkpoint (rank-1, entropy, ...)",
     ),
     "plan": ("megatron_rlvr.plan.command", "main", "per-GPU memory of a recipe's layout, before it is queued"),
     "estimate": (
