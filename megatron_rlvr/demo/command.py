@@ -43,8 +43,11 @@ def _check(overrides: list[str], nproc: int) -> None:
         cfg.preflight(nproc)
 
 
-def _train(out: Path, overrides: list[str], nproc: int) -> int:
-    """Training's exit status: 0, 2 when it stopped on a user error (it has printed the line), else a failure."""
+def _train(out: Path, overrides: list[str], nproc: int, stopped: Path) -> int:
+    """Training's exit status: 0, 2 when it stopped on a user error (it has printed the line), else a failure.
+    Its rank 0 writes the stopping signal's name to ``stopped`` when the ranks stop on one."""
+    from megatron_rlvr.runtime.preemption import STOP_MARKER_ENV
+
     cmd = [
         sys.executable,
         "-m",
@@ -55,7 +58,8 @@ def _train(out: Path, overrides: list[str], nproc: int) -> int:
         f"trainer.output_dir={out / 'train'}",
         *overrides,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # the marker goes to the training command alone: this process (a test's, say) keeps its own environment
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{STOP_MARKER_ENV: str(stopped)})
     print("+ " + " ".join(cmd), flush=True)
     from megatron_rlvr.runtime.stop_relay import forwarding
 
@@ -220,12 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (base_model / "config.json").is_file():
         shutil.copytree(MODEL_DIR, base_model, dirs_exist_ok=True)
     start = time.perf_counter()
-    from megatron_rlvr.runtime.preemption import STOP_MARKER_ENV
-
-    stopped = out / "train" / "stopped"  # rank 0 writes the signal's name there when the ranks stop on one
+    stopped = out / "train" / "stopped"
     stopped.unlink(missing_ok=True)
-    os.environ[STOP_MARKER_ENV] = str(stopped)
-    status = _train(out, [f"model.hf_dir={base_model}", *overrides], args.nproc)
+    status = _train(out, [f"model.hf_dir={base_model}", *overrides], args.nproc, stopped)
     if status == 2:
         return 2  # a user error: the training command has printed its one line
     if status == 0 and stopped.is_file():
