@@ -109,10 +109,16 @@ def memory_limits(limits: SandboxLimits, cgroup: bool) -> tuple[int, int]:
     return limits.memory_mb * mb // nproc, nproc
 
 
+def run_uids(pid: int) -> range:
+    """The per-run uids the sandboxes of process ``pid`` take (root only): a block of 64 of its own, distinct per
+    process, so concurrent runs never share an RLIMIT_NPROC count or signal each other."""
+    first = UID_BASE + (pid % 20_000) * 64
+    return range(first, first + 64)
+
+
 def _next_uid() -> int:
     with _uid_lock:
-        # distinct per process and per run, so concurrent runs never share an RLIMIT_NPROC count or signal each other
-        return UID_BASE + (os.getpid() % 20_000) * 64 + next(_uid_counter) % 64
+        return run_uids(os.getpid())[next(_uid_counter) % 64]  # distinct per run too
 
 
 def _kill_uid(uid: int) -> None:

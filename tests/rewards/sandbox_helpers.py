@@ -5,10 +5,9 @@ from pathlib import Path
 
 from megatron_rlvr.rewards import cgroup
 from megatron_rlvr.rewards.sandbox import SandboxLimits
-from megatron_rlvr.rewards.sandbox_run import UID_BASE
+from megatron_rlvr.rewards.sandbox_run import run_uids
 
 LIMITS = SandboxLimits(cpu_s=2, wall_s=5, memory_mb=512, nproc=16)
-_UID_END = UID_BASE + 20_000 * 64  # the range of the per-run uids (sandbox_run._next_uid)
 
 
 def _nested_pid_namespace(status: str) -> bool:
@@ -22,9 +21,14 @@ def _own_levels() -> int:
         return next(len(line.split()) - 1 for line in f if line.startswith("NSpid:"))
 
 
-def sandbox_processes() -> list[int]:
-    """Host processes of a sandbox (there must be none after a run): a per-run uid, or a cwd in a sandbox dir, or
-    (not root: the sandbox runs as us, in a user namespace) one of ours in a PID namespace below ours."""
+def sandbox_processes(*owners: int) -> list[int]:
+    """Host processes of the sandboxes this process started, or the processes ``owners`` (there must be none after a
+    run): one of their per-run uids, or a cwd in one of their sandbox dirs, or (not root: every sandbox runs as us, in
+    a user namespace) one of ours in a PID namespace below ours. As root, the sandboxes of other processes (tests
+    running beside these, in another xdist worker or another session) do not count."""
+    owners = owners or (os.getpid(),)
+    uids = {uid for pid in owners for uid in run_uids(pid)}
+    dirs = tuple(f"rlvr-sandbox-{pid}." for pid in owners)  # sandbox_run: named by cgroup.owner_tag(), pid first
     found = []
     uid_here = os.getuid()
     for entry in os.listdir("/proc"):
@@ -35,7 +39,7 @@ def sandbox_processes() -> list[int]:
                 status = f.read()
             uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
             nested_ours = uid_here != 0 and uid == uid_here and _nested_pid_namespace(status)
-            if UID_BASE <= uid < _UID_END or nested_ours or "rlvr-sandbox-" in os.readlink(f"/proc/{entry}/cwd"):
+            if uid in uids or nested_ours or any(d in os.readlink(f"/proc/{entry}/cwd") for d in dirs):
                 found.append(int(entry))
         except (OSError, StopIteration, ValueError):
             pass

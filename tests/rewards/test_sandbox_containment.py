@@ -187,16 +187,16 @@ def test_a_killed_scoring_process_takes_its_sandbox_along():
     )
     try:
         deadline = time.monotonic() + 30
-        while not sandbox_processes() and time.monotonic() < deadline:
+        while not sandbox_processes(scorer.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert sandbox_processes(), "the program never started"
+        assert sandbox_processes(scorer.pid), "the program never started"
     finally:
         scorer.send_signal(signal.SIGKILL)
         scorer.wait()
     deadline = time.monotonic() + 5
-    while sandbox_processes() and time.monotonic() < deadline:
+    while sandbox_processes(scorer.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sandbox_processes() == []
+    assert sandbox_processes(scorer.pid) == []
     # its host dir and its group outlive it until the next scoring process (the replacement worker) sweeps them
     sweeper = subprocess.run(
         [
