@@ -31,5 +31,18 @@ fi
 
 # The package itself, editable, with the C++ extension built against the venv's torch. setuptools' note on every
 # editable install (a folder named like the package can shadow it: that folder is this checkout) says nothing to act on.
-PYTHONWARNINGS="ignore:Editable installation" quiet $PIP install -q --no-deps --no-build-isolation -e .
+# The build (~40 s of compiling) is skipped when nothing it reads changed since the last one: this checkout, the stack,
+# the packaging files, csrc/ and the build switches; the test command runs this script every time.
+BUILT=$VENV/.megatron_rlvr_build
+build_hash() {
+  { echo "$ROOT ${MEGATRON_RLVR_NO_EXT:-} ${MEGATRON_RLVR_FORCE_CUDA:-}"; cat "$STAMP" setup.py pyproject.toml csrc/*; } \
+    | sha256sum | cut -d' ' -f1
+}
+if [ "$(cat "$BUILT" 2>/dev/null)" = "$(build_hash)" ] && { [ "${MEGATRON_RLVR_NO_EXT:-}" = 1 ] || ls megatron_rlvr/_C*.so > /dev/null 2>&1; }; then
+  echo "[setup] the package and its extension are up to date"
+else
+  rm -f "$BUILT"
+  PYTHONWARNINGS="ignore:Editable installation" quiet $PIP install -q --no-deps --no-build-isolation -e .
+  build_hash > "$BUILT"
+fi
 echo "[setup] ready: $VENV"
