@@ -1,0 +1,225 @@
+"""The suite's three tiers, and `--tier` to run one (`tools/run_tests.sh --tier unit|integration|system`).
+
+- **unit**: one process. The test runs inside pytest's own process: no gloo worker group, no vLLM engine, no
+  process of the project (the command line, torchrun, a tool or launcher script). Helper processes that are not
+  the project (git, bash, the reward sandbox's child, the verifier pool) are fine. The developer's quick loop.
+- **integration**: several processes on one machine. Gloo worker groups (`workers2`, `workers4`, `WorkerGroup`),
+  the vLLM-CPU engine, the command line run as a process (its checks, a few torchrun steps).
+- **system**: the product as its user runs it. The local Slurm cluster, the docs' commands, the real pretrained
+  model, and runs killed or signalled and resumed or requeued through the real launcher.
+
+A test file belongs to one tier, so that moving the files into `tests/unit`, `tests/integration` and `tests/system`
+is a rename. Its tier is, in this order:
+
+1. its folder, once it sits under `tests/<tier>/`;
+2. otherwise the highest of its entry in `LISTED` below (for what markers do not say: a process started, a kill and
+   resume) and the tiers its tests' markers and fixtures imply: `slurm`, `docs` or a real-model fixture: system;
+   `dist`, `engine` or a worker-group fixture: integration; otherwise unit.
+
+A file under `tests/<tier>/` whose tests imply a higher tier, or a `LISTED` entry with no file, fails the
+collection. While a unit test runs, starting a project process or a worker group fails it, naming the command:
+the unit tier stays a one-process loop.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+TIERS = ("unit", "integration", "system")
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+# Files whose tier their markers do not show, relative to tests/. Once the files sit in tier folders this goes.
+LISTED = {
+    # the command line, a tool or a launcher run as a process (several seconds of imports each)
+    "test_entry_points.py": "integration",
+    "test_cli.py": "integration",
+    "bridge/test_convert.py": "integration",
+    "bridge/test_convert_memory.py": "integration",
+    "eval/test_runner.py": "integration",
+    "eval/test_command.py": "integration",
+    "inspection/test_toy_tree.py": "integration",
+    "launch/test_launch.py": "integration",
+    "launch/test_dryrun_writes_nothing.py": "integration",
+    "demo/test_make_demo_model.py": "integration",
+    "demo/test_model.py": "integration",
+    "tools/test_gpu_check_dry_run.py": "integration",
+    "tools/test_plan_tables.py": "integration",
+    "launch/test_slurm_signal.py": "integration",
+    "launch/test_slurm_local_script.py": "integration",
+    "configs/test_recipes.py": "integration",  # the published sizes: a model built on the meta device, in a worker
+    "ops/test_token_stats.py": "integration",  # each CPU instruction set's kernels, in a process of its own
+    # killed or signalled through the real launcher (torchrun), then resumed
+    "experience/test_async_training.py": "system",
+    "runtime/test_stop_relay.py": "system",
+    "eval/test_engine_eval.py": "system",
+}
+
+# What implies a tier: markers, and fixtures that start the tier's machinery.
+SYSTEM_MARKERS = {"slurm", "docs"}
+SYSTEM_FIXTURES = {"slurm_cluster", "smollm2_gguf", "smollm2_hf_dir", "smollm2_gguf_reference", "smollm2_chat_batch"}
+INTEGRATION_MARKERS = {"dist", "engine"}
+INTEGRATION_FIXTURES = {"workers2", "workers4"}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier",
+        action="append",
+        choices=TIERS,
+        default=[],
+        help="run only this tier's test files (repeatable); see tests/tiers.py",
+    )
+
+
+def implied_tier(item: pytest.Item) -> str:
+    """The tier one test's markers and fixtures imply."""
+    markers = {m.name for m in item.iter_markers()}
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if markers & SYSTEM_MARKERS or fixtures & SYSTEM_FIXTURES:
+        return "system"
+    if markers & INTEGRATION_MARKERS or fixtures & INTEGRATION_FIXTURES:
+        return "integration"
+    return "unit"
+
+
+def _rel(item: pytest.Item) -> str:
+    return Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
+
+
+def _highest(tiers) -> str:
+    return max(tiers, key=TIERS.index, default="unit")
+
+
+def file_tiers(items: list[pytest.Item]) -> dict[str, str]:
+    """Each collected test file's tier (see the module's docstring)."""
+    implied: dict[str, list[str]] = {}
+    for item in items:
+        implied.setdefault(_rel(item), []).append(implied_tier(item))
+    tiers, problems = {}, []
+    for rel, found in implied.items():
+        folder = rel.split("/", 1)[0]
+        if folder in TIERS:
+            if TIERS.index(_highest(found)) > TIERS.index(folder):
+                problems.append(f"tests/{rel}: in tests/{folder}, but its tests are {_highest(found)} tests")
+            tiers[rel] = folder
+        else:
+            tiers[rel] = _highest([*found, LISTED.get(rel, "unit")])
+    stale = [rel for rel in LISTED if not (TESTS / rel).is_file()]
+    problems += [f"tests/tiers.py: LISTED names tests/{rel}, which does not exist" for rel in stale]
+    if problems:
+        raise pytest.UsageError("\n".join(problems))
+    return tiers
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: a file's tier is that of all its tests
+def pytest_collection_modifyitems(config, items):
+    tiers = file_tiers(items)
+    for item in items:
+        item.add_marker(tiers[_rel(item)])
+    wanted = config.getoption("tier")
+    if wanted:
+        keep = [item for item in items if tiers[_rel(item)] in wanted]
+        dropped = [item for item in items if tiers[_rel(item)] not in wanted]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The unit tier's guard: no process of the project, no worker group
+
+_ENTRY_POINTS = {"megatron-rlvr", "torchrun"}
+_MODULES = re.compile(r"(megatron_rlvr|torch\.distributed\.run)\b")
+_IMPORTS = re.compile(r"^\s*(import|from)\s[^\n]*\b(megatron|torch|vllm)\b", re.MULTILINE)
+_SCRIPT_DIRS = tuple(REPO / d for d in ("launch", "tools", "tests"))
+_LIGHT_SCRIPTS = REPO / "tools" / "checks"  # the house checks: the standard library only
+_running_unit: list[str] = []  # the unit test being set up, run or torn down, if any
+
+
+def project_command(args) -> str | None:
+    """The command line when ``args`` start a process of the project (its command line, torchrun, a launcher, tool or
+    test script, or Python code importing torch, megatron or vLLM), which costs seconds of imports; None otherwise
+    (git, bash, a sandboxed program, the house checks)."""
+    argv = shlex.split(args) if isinstance(args, str) else [os.fsdecode(a) for a in args]
+    if not argv:
+        return None
+    name = Path(argv[0]).name
+    found = name in _ENTRY_POINTS
+    if name.startswith("python"):
+        for flag, arg in zip(argv[1:], argv[2:]):
+            found = found or (flag == "-m" and _MODULES.match(arg)) or (flag == "-c" and _IMPORTS.search(arg))
+        scripts = [Path(a).resolve() for a in argv[1:] if a.endswith(".py")]
+        heavy = [p for p in scripts if not p.is_relative_to(_LIGHT_SCRIPTS)]
+        found = found or any(p.is_relative_to(d) for p in heavy for d in _SCRIPT_DIRS)
+    return " ".join(argv) if found else None
+
+
+def _refuse(what: str) -> None:
+    raise RuntimeError(
+        f"{_running_unit[0]} is in the unit tier but started {what}: a test that starts the project's processes is "
+        "an integration test (tests/tiers.py: LISTED, or a marker such as `dist`)"
+    )
+
+
+_real_popen_init = subprocess.Popen.__init__
+_real_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs):
+    if _running_unit:
+        command = project_command(args)
+        if command:
+            _refuse(f"the process `{command[:200]}`")
+    _real_popen_init(self, args, *rest, **kwargs)
+
+
+def _guarded_process_start(self):
+    if _running_unit and (self.name or "").startswith("megatron-rlvr-worker"):
+        _refuse("a gloo worker group (megatron_rlvr.testing.workers)")
+    _real_process_start(self)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    unit = item.get_closest_marker("unit") is not None
+    if unit:
+        _running_unit.append(item.nodeid)
+        subprocess.Popen.__init__ = _guarded_popen_init
+        multiprocessing.process.BaseProcess.start = _guarded_process_start
+    try:
+        yield
+    finally:
+        if unit:
+            _running_unit.clear()
+            subprocess.Popen.__init__ = _real_popen_init
+            multiprocessing.process.BaseProcess.start = _real_process_start
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The summary: tests and seconds per tier (set-up, call and tear-down summed over the tests, whichever worker ran them)
+
+_spent: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report):
+    tier = next((t for t in TIERS if t in report.keywords), None)
+    if tier is None:
+        return
+    count, seconds = _spent.get(tier, [0, 0.0])
+    _spent[tier] = [count + (report.when == "call" or (report.when == "setup" and report.skipped)), seconds]
+    _spent[tier][1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _spent:
+        parts = [f"{t} {int(_spent[t][0])} tests {_spent[t][1]:.0f} s" for t in TIERS if t in _spent]
+        total = sum(s for _, s in _spent.values())
+        terminalreporter.write_line(f"[tiers] {', '.join(parts)}; test time summed {total:.0f} s")
