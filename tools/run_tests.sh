@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv/ (made if missing, reused if present), build, check the house rules, and
-# run the whole suite. Extra arguments go to pytest (e.g. `bash tools/run_tests.sh tests/algos -x`).
+# run the whole suite on both cores. `--tier unit|integration|system` (repeatable) runs one tier of the suite
+# (tests/tiers.py); `--tier unit` is the quick loop. Other arguments go to pytest (e.g. `bash tools/run_tests.sh
+# tests/algos -x`). MEGATRON_RLVR_TEST_WORKERS sets the number of xdist workers (default 2, the machine's cores; 0
+# runs everything in pytest's own process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The command's own wall time, setup included, printed last whether the tests pass or fail; the exit status stays
@@ -12,6 +15,15 @@ wall_time() {
   exit $status
 }
 trap wall_time EXIT
+ARGS=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --tier) [ $# -ge 2 ] || { echo "error: --tier needs one of unit, integration, system" >&2; exit 2; }
+      ARGS+=("--tier" "$2"); shift 2 ;;
+    --tier=*) ARGS+=("--tier" "${1#--tier=}"); shift ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
 bash tools/env/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The house checks first: seconds each, and a failure names the rule it breaks.
@@ -20,6 +32,9 @@ echo "[checks] ruff check, ruff format --check, lint-imports, tools/checks/check
 .venv/bin/ruff format --check --quiet .
 .venv/bin/lint-imports --no-cache
 .venv/bin/python tools/checks/check_imports.py
-# --timeout is a per-test backstop on top of the worker groups' own hang detection; --durations lists the slowest
-# tests, which is where the suite's time goes (the install + tests budget is 30 minutes on 2 cores).
-.venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1200 --durations=25 "$@"
+# Two xdist workers: much of the suite is one process on one core, or waits on its subprocesses. tests/parallel.py
+# keeps each file (and the tests sharing the Slurm cluster or the converted real model) in one worker and sends the
+# longest first. --timeout is a per-test backstop on top of the worker groups' own hang detection; --durations lists
+# the slowest tests, and the summary the time per tier (the install + tests budget is 30 minutes on 2 cores).
+.venv/bin/python -m pytest tests -q -p no:cacheprovider -n "${MEGATRON_RLVR_TEST_WORKERS:-2}" --dist loadgroup \
+  --timeout=1200 --durations=25 "${ARGS[@]}"

@@ -33,10 +33,30 @@ CPU = [b for b in BLOCKS if b.kind == "cpu"]
 SYNTAX_ONLY = [b for b in BLOCKS if b.kind in ("cluster", "gpu")]
 ERROR_LINE = re.compile(r"^\s*error:", re.MULTILINE)
 TAIL_LINES = 40
+# What the quick start's demo (README.md) leaves for the pages after it
+DEMO_OUTPUTS = re.compile(r"outputs/demo(?![\w.-])")
 
 
-def _ids(blocks: list[Block]) -> list[str]:
-    return [b.where for b in blocks]
+def _params(blocks: list[Block]) -> list:
+    """One test per block, skipped at collection when its directives say so. Under xdist (tests/parallel.py) the
+    README's blocks and the blocks that read what they leave run in one worker, in document order; every other block
+    is a unit of its own and must not need another block's outputs."""
+    params = []
+    for b in blocks:
+        marks = []
+        if b.skip:
+            marks.append(pytest.mark.skip(reason=f"{b.where}: {b.skip}"))
+        elif b.long and b.kind == "cpu":  # a cluster or gpu block is only syntax-checked: never long
+            marks.append(
+                pytest.mark.skipif(
+                    os.environ.get("DOC_TEST_LONG") != "1",
+                    reason=f"{b.where}: long (DOC_TEST_LONG=1 runs it): {b.long}",
+                )
+            )
+        together = b.path == "README.md" or DEMO_OUTPUTS.search(b.text)
+        marks.append(pytest.mark.xdist_group("docs README.md" if together else f"docs {b.where}"))
+        params.append(pytest.param(b, marks=marks, id=b.where))
+    return params
 
 
 @pytest.mark.docs
@@ -79,9 +99,10 @@ def _tracked_files() -> list[str]:
     return [p for p in out.decode().split("\0") if p]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def scratch(tmp_path_factory) -> Path:
-    """A fresh-clone stand-in: the tracked files, the built extension, .venv linked to the real environment."""
+    """A fresh-clone stand-in: the tracked files, the built extension, .venv linked to the real environment. One per
+    session (per xdist worker), kept while other files' tests run between the blocks."""
     root = tmp_path_factory.mktemp("doc_commands") / "repo"
     for rel in _tracked_files():
         src = REPO / rel
@@ -162,12 +183,8 @@ def _report(block: Block, result: str, wall: float, cpu: float) -> None:
 
 @pytest.mark.slow
 @pytest.mark.docs
-@pytest.mark.parametrize("block", CPU, ids=_ids(CPU))
+@pytest.mark.parametrize("block", _params(CPU))
 def test_cpu_block_runs(block: Block, scratch: Path):
-    if block.skip:
-        pytest.skip(f"{block.where}: {block.skip}")
-    if block.long and os.environ.get("DOC_TEST_LONG") != "1":
-        pytest.skip(f"{block.where}: long (DOC_TEST_LONG=1 runs it): {block.long}")
     status, output, wall, cpu = _run(block.runnable_text(), scratch, block.timeout)
     _report(block, "pass" if status == 0 and not ERROR_LINE.search(output) else "FAIL", wall, cpu)
     _check(block, "the block", status, output)
@@ -198,10 +215,8 @@ def _dry_run_argv(argv: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.docs
-@pytest.mark.parametrize("block", SYNTAX_ONLY, ids=_ids(SYNTAX_ONLY))
+@pytest.mark.parametrize("block", _params(SYNTAX_ONLY))
 def test_cluster_and_gpu_blocks_parse_and_their_recipes_plan(block: Block, scratch: Path):
-    if block.skip:
-        pytest.skip(f"{block.where}: {block.skip}")
     syntax = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)
     _check(block, "bash -n", syntax.returncode, syntax.stderr)
     from launch.recipes import find_recipe

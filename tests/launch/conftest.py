@@ -3,7 +3,9 @@ per test session for the tests marked `slurm`, in a state directory of the sessi
 
 The start (on a fresh machine: apt-get install, MariaDB's first start; a minute or more, mostly waiting on disk and
 network) begins in the background as soon as collection has found a `slurm` test, so it overlaps the tests that run
-before them; the fixture waits for it. A session that never reaches the fixture stops the cluster at its end.
+before them; the fixture waits for it. A session that never reaches the fixture stops the cluster at its end. Under
+xdist (tools/run_tests.sh) the worker that runs the `slurm` tests starts it when the first one needs it: they form one
+unit, sent out first, while the other worker runs other tests.
 
 It skips (with the reason) only where the cluster cannot be made: not root, or packages missing and no apt-get.
 Where it can be made and fails to start, the tests fail.
@@ -89,6 +91,10 @@ _background: list[_Cluster] = []  # the session's cluster, once collection has s
 
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
+        return
+    # an xdist worker: every worker collects every test, and only the one that runs the `slurm` tests (one unit,
+    # tests/parallel.py, sent out first) needs the cluster; its fixture starts it
+    if hasattr(session.config, "workerinput"):
         return
     if any(item.get_closest_marker("slurm") for item in session.items) and cannot_make_a_cluster() is None:
         _background.append(_Cluster())
