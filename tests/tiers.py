@@ -23,14 +23,15 @@ the unit tier stays a one-process loop.
 
 from __future__ import annotations
 
-import multiprocessing.process
 import os
 import re
 import shlex
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_rlvr.testing.workers import WORKER_GROUP_EVENT
 
 TIERS = ("unit", "integration", "system")
 TESTS = Path(__file__).resolve().parent
@@ -162,45 +163,36 @@ def project_command(args) -> str | None:
     return " ".join(argv) if found else None
 
 
-def _refuse(what: str) -> None:
-    raise RuntimeError(
-        f"{_running_unit[0]} is in the unit tier but started {what}: a test that starts the project's processes is "
-        "an integration test (tests/tiers.py: LISTED, or a marker such as `dist`)"
-    )
+def _audit(event: str, args: tuple) -> None:
+    """Python's audit hook (no function of the standard library or the package is swapped): refuses, inside a unit
+    test, a project process (`subprocess.Popen`) and a worker group (megatron_rlvr.testing.workers says when it starts
+    one)."""
+    if not _running_unit:
+        return
+    what = None
+    if event == "subprocess.Popen":
+        command = project_command(args[1])
+        what = command and f"the process `{command[:200]}`"
+    elif event == WORKER_GROUP_EVENT:
+        what = f"a gloo worker group of {args[0]} processes (megatron_rlvr.testing.workers)"
+    if what:
+        raise RuntimeError(
+            f"{_running_unit[0]} is in the unit tier but started {what}: a test that starts the project's processes "
+            "is an integration test (tests/tiers.py: LISTED, or a marker such as `dist`)"
+        )
 
 
-_real_popen_init = subprocess.Popen.__init__
-_real_process_start = multiprocessing.process.BaseProcess.start
-
-
-def _guarded_popen_init(self, args, *rest, **kwargs):
-    if _running_unit:
-        command = project_command(args)
-        if command:
-            _refuse(f"the process `{command[:200]}`")
-    _real_popen_init(self, args, *rest, **kwargs)
-
-
-def _guarded_process_start(self):
-    if _running_unit and (self.name or "").startswith("megatron-rlvr-worker"):
-        _refuse("a gloo worker group (megatron_rlvr.testing.workers)")
-    _real_process_start(self)
+sys.addaudithook(_audit)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    unit = item.get_closest_marker("unit") is not None
-    if unit:
+    if item.get_closest_marker("unit") is not None:
         _running_unit.append(item.nodeid)
-        subprocess.Popen.__init__ = _guarded_popen_init
-        multiprocessing.process.BaseProcess.start = _guarded_process_start
     try:
         yield
     finally:
-        if unit:
-            _running_unit.clear()
-            subprocess.Popen.__init__ = _real_popen_init
-            multiprocessing.process.BaseProcess.start = _real_process_start
+        _running_unit.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------

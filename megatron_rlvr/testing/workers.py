@@ -20,6 +20,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 import weakref
@@ -46,6 +47,9 @@ def _die_with_parent() -> None:
     except OSError:  # not Linux: the parent's cleanup is all we have
         pass
 
+
+# The audit event (`sys.audit`) raised when a group starts its processes: how a test harness sees it (tests/tiers.py)
+WORKER_GROUP_EVENT = "megatron_rlvr.testing.worker_group"
 
 # How groups start their workers: "spawn" (fresh interpreters), or "forkserver" once fork_from_a_preloaded_server ran.
 _start_method = "spawn"
@@ -134,6 +138,7 @@ class WorkerGroup:
         self.close()
 
     def _start(self) -> None:
+        sys.audit(WORKER_GROUP_EVENT, self.world_size)
         ctx = mp.get_context(_start_method)
         port = free_port()
         for rank in range(self.world_size):
