@@ -3,17 +3,25 @@
 
 - **Units of work.** A test file is one unit: its module-scoped fixtures (a converted model, a worker group's
   state, an engine) are made once, in one worker. Tests that share an expensive session fixture form one unit across
-  files (`SHARED`: the local Slurm cluster, the converted real model), so it is made once per run. A test that says
-  its own `xdist_group` keeps it (tests/docs: the quick start's demo and the blocks that read its outputs form one
-  unit; every other docs block is a unit of its own).
+  files (`SHARED`: the local Slurm cluster, the converted real model), so it is made once per run. A test marked
+  `xdist_group(name)` joins that unit instead (tests/docs: the quick start's demo and the blocks that read its
+  outputs form one unit; every other docs block is a unit of its own).
 - **Order.** Units go out longest first (an estimate from markers, `cost`), so that the long ones start early and the
   short ones fill the end of both workers' queues evenly.
+
+The workers know the markers; xdist's scheduler, in the controlling process, sees only test ids. Each worker writes
+each test's unit to a file the controller named (`pytest_configure_node`), and `UnitScheduling` reads it. (xdist's
+own loadgroup appends the group to the test id, which pytest 9.2's structured ids no longer carry: it would
+silently spread every unit over both workers.)
 
 Without xdist (plain `pytest`), nothing changes: every test runs in collection order in one process.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,13 +36,9 @@ SHARED = {
 
 # Seconds a test takes on a 2-core machine, roughly, by what it does: only the order of the units depends on it.
 _COST = (("slurm", 60.0), ("docs", 15.0), ("slow", 10.0), ("engine", 3.0), ("dist", 2.0))
-_REAL_MODEL_COST = 10.0
+_SHARED_COST = 10.0
 _BASE_COST = 0.3
-
-
-def distributed(config: pytest.Config) -> bool:
-    """Whether this process is an xdist worker of a `--dist loadgroup` run."""
-    return bool(getattr(config.option, "loadgroup", False))  # set by xdist in its workers
+_UNITS_KEY = "megatron_rlvr_test_units"  # workerinput: the file each worker writes the units to
 
 
 def cost(item: pytest.Item) -> float:
@@ -44,36 +48,102 @@ def cost(item: pytest.Item) -> float:
     markers = {m.name for m in item.iter_markers()}
     seconds = _BASE_COST + sum(s for name, s in _COST if name in markers)
     if SHARED.keys() & set(getattr(item, "fixturenames", ())):
-        seconds += _REAL_MODEL_COST
+        seconds += _SHARED_COST
     return seconds
 
 
-def _file(item: pytest.Item) -> str:
-    return Path(str(item.path)).as_posix()
-
-
-def group_of(item: pytest.Item, shared_by_file: dict[str, str]) -> str:
-    own = item.get_closest_marker("xdist_group")
-    if own is not None:
-        return own.args[0] if own.args else own.kwargs["name"]
-    return shared_by_file.get(_file(item)) or item.nodeid.split("::", 1)[0]
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    if not distributed(config):
-        return
-    shared_by_file: dict[str, str] = {}
+def units(items: list[pytest.Item]) -> dict[pytest.Item, str]:
+    """Each test's unit of work (see the module's docstring)."""
+    shared_by_file: dict[Path, str] = {}
     for item in items:
         for fixture in getattr(item, "fixturenames", ()):
             if fixture in SHARED:
-                shared_by_file.setdefault(_file(item), SHARED[fixture])
+                shared_by_file.setdefault(item.path, SHARED[fixture])
+    found = {}
+    for item in items:
+        own = item.get_closest_marker("xdist_group")
+        if own is not None:
+            found[item] = str(own.args[0] if own.args else own.kwargs["name"])
+        else:
+            found[item] = shared_by_file.get(item.path) or item.nodeid.split("::", 1)[0]
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In the workers: the longest units first, and each test's unit written for the controller
+
+
+@pytest.hookimpl(trylast=True)  # after the tiers' and -k/-m's deselection: order what runs
+def pytest_collection_modifyitems(config, items):
+    if _UNITS_KEY not in getattr(config, "workerinput", {}):
+        return
+    unit = units(items)
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        group = group_of(item, shared_by_file)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        groups.setdefault(group, []).append(item)
-    # longest first; each group's tests stay in their collection order
+        groups.setdefault(unit[item], []).append(item)
+    # longest first; each unit's tests stay in their collection order
     ordered = sorted(groups.values(), key=lambda tests: -sum(cost(t) for t in tests))
     items[:] = [item for tests in ordered for item in tests]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist sends the collected ids to the controller
+def pytest_collection_finish(session):
+    path = getattr(session.config, "workerinput", {}).get(_UNITS_KEY)
+    if path is None:
+        return
+    unit = units(session.items)
+    mine = Path(f"{path}.{os.getpid()}")
+    mine.write_text(json.dumps({item.nodeid: unit[item] for item in session.items}))
+    mine.replace(path)  # every worker collects the same tests: whichever writes last, the file is whole
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In the controller: xdist's scheduler, by unit
+
+
+_units_path = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    controller = not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
+    if controller and config.getoption("dist", "no") == "loadgroup":
+        fd, path = tempfile.mkstemp(prefix="megatron-rlvr-test-units-", suffix=".json")
+        os.close(fd)
+        config.stash[_units_path] = path
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(_units_path, None)
+    if path:
+        Path(path).unlink(missing_ok=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    path = node.config.stash.get(_units_path, None)
+    if path:
+        node.workerinput[_UNITS_KEY] = path
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    path = config.stash.get(_units_path, None)
+    if path is None:
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with this plugin's units as the scopes, in the workers' order (longest first)."""
+
+        _units: dict[str, str] | None = None
+
+        def __init__(self, config, log=None):
+            config.option.loadscopereorder = False  # keep the workers' order (longest first), not the test counts'
+            super().__init__(config, log)
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._units is None:
+                self._units = json.loads(Path(path).read_text())
+            return self._units.get(nodeid) or nodeid.split("::", 1)[0]
+
+    return UnitScheduling(config, log)
