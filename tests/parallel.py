@@ -8,6 +8,9 @@
   outputs form one unit; every other docs block is a unit of its own).
 - **Order.** Units go out longest first (an estimate from markers, `cost`), so that the long ones start early and the
   short ones fill the end of both workers' queues evenly.
+- **Alone.** A unit in `ALONE` (the real model: its layouts hold up to ~18 GB in 6 processes) goes out first, and
+  starts only when no other worker runs anything but unit-tier tests (one process, little memory); while it runs,
+  the others take unit-tier tests only. Beside it, a Slurm job's preflight once found 0.5 GB free and failed.
 
 The workers know the markers; xdist's scheduler, in the controlling process, sees only test ids. Each worker writes
 each test's unit to a file the controller named (`pytest_configure_node`), and `UnitScheduling` reads it. (xdist's
@@ -33,6 +36,9 @@ SHARED = {
     "smollm2_gguf_reference": "real-model",
     "smollm2_chat_batch": "real-model",
 }
+
+# Units that need the machine's memory to themselves (see the module's docstring)
+ALONE = {"real-model"}
 
 # Seconds a test takes on a 2-core machine, roughly, by what it does: only the order of the units depends on it.
 _COST = (("slurm", 60.0), ("docs", 15.0), ("slow", 10.0), ("engine", 3.0), ("dist", 2.0))
@@ -81,8 +87,10 @@ def pytest_collection_modifyitems(config, items):
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         groups.setdefault(unit[item], []).append(item)
-    # longest first; each unit's tests stay in their collection order
-    ordered = sorted(groups.values(), key=lambda tests: -sum(cost(t) for t in tests))
+    # the `ALONE` units first, while every worker is free to give them the machine, then the longest first; each
+    # unit's tests stay in their collection order
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0] not in ALONE, -sum(cost(t) for t in kv[1])))
+    ordered = [tests for _, tests in ordered]
     items[:] = [item for tests in ordered for item in tests]
 
 
@@ -92,8 +100,10 @@ def pytest_collection_finish(session):
     if path is None:
         return
     unit = units(session.items)
+    heavy = {unit[item] for item in session.items if item.get_closest_marker("unit") is None}
+    light = sorted(set(unit.values()) - heavy)  # units of unit-tier tests alone
     mine = Path(f"{path}.{os.getpid()}")
-    mine.write_text(json.dumps({item.nodeid: unit[item] for item in session.items}))
+    mine.write_text(json.dumps({"units": {item.nodeid: unit[item] for item in session.items}, "light": light}))
     mine.replace(path)  # every worker collects the same tests: whichever writes last, the file is whole
 
 
@@ -128,22 +138,59 @@ def pytest_configure_node(node):
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     path = config.stash.get(_units_path, None)
-    if path is None:
-        return None
+    return None if path is None else unit_scheduling(config, log, path)
+
+
+def unit_scheduling(config, log, path: str):
+    """xdist's scheduler over the units the workers wrote to ``path``."""
     from xdist.scheduler import LoadScopeScheduling
 
     class UnitScheduling(LoadScopeScheduling):
-        """xdist's scope scheduling with this plugin's units as the scopes, in the workers' order (longest first)."""
-
-        _units: dict[str, str] | None = None
+        """xdist's scope scheduling with this plugin's units as the scopes, in the workers' order (longest first),
+        and the `ALONE` units run beside unit-tier tests only."""
 
         def __init__(self, config, log=None):
             config.option.loadscopereorder = False  # keep the workers' order (longest first), not the test counts'
             super().__init__(config, log)
+            self._units: dict[str, str] | None = None
+            self._light: set[str] = set()
 
         def _split_scope(self, nodeid: str) -> str:
             if self._units is None:
-                self._units = json.loads(Path(path).read_text())
+                found = json.loads(Path(path).read_text())
+                self._units, self._light = found["units"], set(found["light"])
             return self._units.get(nodeid) or nodeid.split("::", 1)[0]
+
+        def _running(self, node) -> set[str]:
+            """The units with tests still to run on ``node``."""
+            return {scope for scope, tests in self.assigned_work.get(node, {}).items() if not all(tests.values())}
+
+        def _pick(self, node) -> str | None:
+            """The next unit for ``node``: the first in the queue that may run beside what runs elsewhere."""
+            elsewhere = set().union(*(self._running(n) for n in self.nodes if n is not node))
+            alone_running = bool((elsewhere | self._running(node)) & ALONE)
+            heavy_elsewhere = bool(elsewhere - self._light)
+            for scope in self.workqueue:
+                if scope in ALONE:
+                    if not (alone_running or heavy_elsewhere):  # this node's own tests run before it, not beside
+                        return scope
+                elif scope in self._light or not alone_running:
+                    return scope
+            return None
+
+        def _assign_work_unit(self, node) -> None:
+            scope = self._pick(node)
+            if scope is None:
+                return
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+        def mark_test_complete(self, node, item_index, duration=0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:  # an idle worker held back by an `ALONE` unit may go on now
+                if other is not node and not self._running(other):
+                    self._reschedule(other)
 
     return UnitScheduling(config, log)
