@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.bridge.expert_export import ExpertLayout, expert_layout, stand_in_name
 from megatron_rlvr.bridge.layout import shard_to_hf
-from megatron_rlvr.bridge.local_params import as_chunks, experts_laid_out_apart, local_entries, raise_everywhere
+from megatron_rlvr.bridge.local_params import BridgeError, as_chunks, experts_laid_out_apart, local_entries
 from megatron_rlvr.bridge.mapping import ParamMapping, hf_shapes
 from megatron_rlvr.bridge.shm_exchange import ShmExchange, aligned
 from megatron_rlvr.models.dims import ModelDims
@@ -136,6 +136,17 @@ def plan_for(model_chunks, hf: Mapping[str, Any]) -> tuple[ExportPlan, dict[str,
     plan = ExportPlan(dims, groups.tp, groups.tp_rank, groups.pp_rank, pp_ranks, plan_entries, experts)
     setattr(cache_owner, _CACHE_ATTRIBUTE, plan)
     return plan, params, True
+
+
+def raise_everywhere(problems: list[str], group) -> None:
+    """One all-reduce decides whether any rank found a problem; if so all ranks raise with everyone's messages."""
+    flag = torch.tensor([1 if problems else 0], dtype=torch.int64)
+    dist.all_reduce(flag, group=group)
+    if flag.item():
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, problems, group=group)
+        messages = sorted({p for rank_problems in gathered for p in rank_problems})
+        raise BridgeError("weight export refused before sending anything: " + "; ".join(messages))
 
 
 # ---------------------------------------------------------------------------------------------------------------
