@@ -29,7 +29,13 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
   workspace); asleep it keeps only the workspace (sleep mode frees weights and KV cache on the GPU; level 1 moves
   the weights to host memory, level 2 drops them).
 
-Assumptions that were not measured here are named constants below. Sizes are in bytes; GB means 10^9 bytes.
+This module reads a run's Config into a `Layout` and sums the terms into the peak of each phase of a step, per kind
+of rank (`plan_layout`): whether it fits, and what breaks it. The terms themselves are arithmetic of (ModelDims,
+Layout) in modules of their own: an actor rank's in plan/actor_terms.py, an engine's in plan/engine_terms.py, and
+those of MoE and CP, LoRA and a teacher pass in plan/parallel_terms.py, plan/lora_terms.py and plan/teacher_terms.py.
+
+Assumptions that were not measured here are named constants (below, and in the terms' modules). Sizes are in bytes;
+GB means 10^9 bytes (plan/units.py).
 """
 
 from __future__ import annotations
@@ -41,25 +47,24 @@ from typing import Any
 
 from megatron_rlvr.models.builder import attention_choice, padded_vocab_size
 from megatron_rlvr.models.dims import ModelDims
-from megatron_rlvr.plan.lora_terms import adapter_hf_params, adapter_saved_bytes, adapter_split, largest_adapter_grad
-from megatron_rlvr.plan.parallel_terms import (
-    cp_kv_bytes,
-    dispatcher_bytes,
-    expert_shard_ranks,
-    moe_mlp_saved_bytes,
+from megatron_rlvr.plan.actor_terms import (
+    activations,
+    actor_static,
+    largest_layer_bytes,
+    logits_bytes,
+    op_scratch_bytes,
 )
-from megatron_rlvr.plan.stage_params import stage_params, stage_split, teacher_dims
+from megatron_rlvr.plan.engine_terms import engine_components, in_flight_kv_note, kv_tokens
+from megatron_rlvr.plan.lora_terms import largest_adapter_grad
+from megatron_rlvr.plan.parallel_terms import cp_kv_bytes, dispatcher_bytes
+from megatron_rlvr.plan.stage_params import teacher_dims
 from megatron_rlvr.plan.teacher_terms import teacher_scores_bytes, teacher_top_n
+from megatron_rlvr.plan.units import FP32, GB
 
-GB = 1e9
-FP32 = 4
 # CUDA context, NCCL communicators and cuBLAS workspaces of one GPU process: an estimate (GPU only).
 RUNTIME_BYTES = int(2.0 * GB)
-# vLLM's profiled activation peak, sampler logits and CUDA graphs inside its gpu_memory_utilization budget; sleep
-# mode does not free it. An estimate from vLLM's profile run at its default batch limits, not measured here.
-ENGINE_WORKSPACE_BYTES = int(2.0 * GB)
-# The components that are the two estimates above, not derived from the recipe and the model: `megatron-rlvr plan`
-# marks them, as the host table marks its own.
+# The components that are estimates (this one and plan/engine_terms.py's ENGINE_WORKSPACE_BYTES), not derived from
+# the recipe and the model: `megatron-rlvr plan` marks them, as the host table marks its own.
 ESTIMATED_PARTS = ("runtime", "engine_workspace")
 # Kept free on every GPU for the caching allocator's fragmentation and what the estimates above miss.
 HEADROOM_FRACTION = 0.05
@@ -178,144 +183,8 @@ class Layout:
         )
 
 
-def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
-    """The distillation teacher's weights on one rank of ``stage`` (0 without one)."""
-    if lay.teacher:
-        teacher = teacher_dims(lay.teacher)
-        return stage_params(teacher, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp) * lay.param_bytes
-    if lay.teacher_copy:
-        return stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp) * lay.param_bytes
-    return 0
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Actor
-
-
-def actor_static(dims: ModelDims, lay: Layout, stage: int) -> dict[str, int]:
-    """Weights, main grads, optimizer state and reference of one rank of ``stage``: held through every phase."""
-    dense, expert = stage_split(dims, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp)
-    n = dense + expert
-    per_value = 2 * FP32 + (FP32 if lay.param_bytes != FP32 else 0)  # Adam m, v (+ fp32 main params)
-    if lay.lora_rank:  # the base frozen: grads and optimizer state of the adapters alone (plan/lora_terms.py)
-        base_weights = n * lay.param_bytes
-        dense, expert = adapter_split(dims, lay, stage)
-        n = dense + expert
-    if lay.distributed_optimizer:  # dense state over DP x CP, expert state over the expert-data-parallel ranks
-        shard = math.ceil(dense / (lay.dp * lay.cp)) + math.ceil(expert / expert_shard_ranks(lay))
-    else:
-        shard = n
-    return {
-        "actor_weights": base_weights if lay.lora_rank else n * lay.param_bytes,
-        "adapters": n * lay.param_bytes if lay.lora_rank else 0,
-        "actor_grads": n * FP32,
-        "optimizer": shard * per_value,
-        "reference": n * lay.param_bytes if lay.reference else 0,
-        "teacher": teacher_bytes(dims, lay, stage),
-    }
-
-
-def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None, moe: bool = False) -> int:
-    """What one transformer layer keeps for its backward, for one micro-batch of ``lay.micro_tokens`` tokens (per
-    CP rank).
-
-    Per token, in the compute dtype: the inputs of both norms and of the two linears they feed (sharded over TP
-    with sequence parallelism), q, k, v after RoPE and the attention output (TP-sharded), and SwiGLU's fc1 output,
-    silu(gate) and their product (TP-sharded); an MoE layer (``moe``) keeps its router's and experts' tensors
-    instead of the dense MLP's (plan/parallel_terms.py). Unfused attention (CPU) also keeps the softmax output,
-    [heads/tp, local queries, keys of the whole sequence] in fp32 (plus its cast when the compute dtype is not
-    fp32), unless selective recompute drops it. Full recompute keeps only the layer's input.
-    """
-    recompute = lay.recompute if recompute is None else recompute
-    t, e = lay.micro_tokens, lay.param_bytes
-    h_part = dims.hidden // (lay.tp if lay.sequence_parallel else 1)
-    if recompute == "full":
-        return t * h_part * e
-    mlp = 0 if moe else 4 * dims.ffn
-    per_token = 4 * h_part + (2 * dims.q_width + 2 * dims.kv_width + mlp) // lay.tp
-    stored = t * per_token * e + 2 * t * FP32  # + the norms' fp32 inverse RMS
-    stored += adapter_saved_bytes(dims, lay, moe)
-    if moe:
-        stored += moe_mlp_saved_bytes(dims, lay)
-    if recompute == "none" and lay.attention_kind == "unfused":
-        s = min(lay.max_seq_len, t * lay.cp)  # keys: the whole sequence, gathered over CP
-        score_values = dims.heads // lay.tp * s * t  # local queries t, each against its sequence's s keys
-        stored += score_values * (FP32 + (e if e != FP32 else 0))
-    return stored
-
-
-def largest_layer_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> int:
-    """One layer's saved tensors, of the larger kind (dense or MoE) the model has."""
-    kinds = {dims.is_moe_layer(i) for i in range(dims.layers)}
-    return max(layer_activation_bytes(dims, lay, recompute, moe=kind) for kind in kinds)
-
-
-def in_flight(lay: Layout, stage: int) -> float:
-    """Micro-batches whose activations a stage holds at once under 1F1B: pp - stage (interleaving adds
-    (pp - 1) / (pp * vpp) of a micro-batch per stage, Narayanan et al. 2021), at most the micro-batch count."""
-    count = float(min(lay.pp - stage, lay.micro_batches))
-    if lay.vpp and lay.pp > 1:
-        count *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
-    return count
-
-
-def logits_bytes(dims: ModelDims, lay: Layout) -> int:
-    """The output layer's logits shard [tokens, Vp/tp] in the compute dtype: the fused op keeps it for its backward
-    and writes the gradient into it in place."""
-    return lay.micro_tokens * padded_vocab_size(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * lay.param_bytes
-
-
-def op_scratch_bytes(lay: Layout) -> int:
-    """The fused op's per-token fp64 records (4 + 2N values): this rank's and the TP all-gather of everyone's."""
-    top_n = max(lay.top_n, lay.teacher_top_n)  # the teacher's pass runs the op with its own top-N
-    return (lay.micro_tokens + 1) * (4 + 2 * top_n) * 8 * (1 + lay.tp)
-
-
-def activations(dims: ModelDims, lay: Layout, stage: int) -> int:
-    """Stored activations of a stage during the update: its layers x the micro-batches in flight, plus on the last
-    stage the final norm's input and output (the output layer's input)."""
-    moe_layers = dims.moe_layers_of(lay.pp, stage)
-    dense_layers = dims.layers // lay.pp - moe_layers
-    per_micro = dense_layers * layer_activation_bytes(dims, lay) + moe_layers * layer_activation_bytes(
-        dims, lay, moe=True
-    )
-    total = in_flight(lay, stage) * per_micro
-    if stage == lay.pp - 1:
-        h_part = dims.hidden // (lay.tp if lay.sequence_parallel else 1)
-        total += 2 * lay.micro_tokens * h_part * lay.param_bytes
-    return int(total)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Engine
-
-
-def engine_components(dims: ModelDims, lay: Layout, gpu_memory: int) -> dict[str, int]:
-    """One rank's share of a vLLM engine: weights (HF count / engine TP, bf16 when the actor computes in bf16), the
-    KV cache (what the gpu_memory_utilization budget leaves), and the workspace. Zero on CPU (no GPU budget)."""
-    if not lay.gpu:
-        return {"engine_weights": 0, "kv_cache": 0, "engine_workspace": 0, "engine_budget": 0}
-    budget = int(lay.gpu_memory_utilization * gpu_memory)
-    weights = dims.hf_params() * lay.param_bytes // lay.engine_tp
-    if lay.lora_sync == "adapters" and lay.lora_rank:  # vLLM's LoRA: the adapter beside the base it serves
-        weights += adapter_hf_params(dims, lay.lora_rank, lay.lora_targets) * lay.param_bytes // lay.engine_tp
-    kv = budget - weights - ENGINE_WORKSPACE_BYTES
-    return {
-        "engine_weights": weights,
-        "kv_cache": kv,
-        "engine_workspace": ENGINE_WORKSPACE_BYTES,
-        "engine_budget": budget,
-    }
-
-
-def kv_tokens(dims: ModelDims, lay: Layout, kv_cache: int) -> int:
-    """Tokens the KV cache holds (one rank holds kv_heads/engine_tp heads of every token)."""
-    per_token = dims.kv_bytes_per_token(lay.param_bytes) // lay.engine_tp
-    return max(0, kv_cache) // per_token
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Phases
+# Phases: the terms of plan/actor_terms.py and plan/engine_terms.py, summed
 
 
 @dataclass
@@ -461,30 +330,6 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
         if lay.placement == "separate" and lay.step_sequences:
             plan.notes.append(in_flight_kv_note(dims, lay, engine["kv_cache"]))
     return plan
-
-
-def in_flight_sequences(lay: Layout) -> int:
-    """Sequences one engine replica may hold at once: a step's (on-policy), two steps' (one-step-off: the step sampled
-    ahead while the last one trains), or (k + 1) steps' under fully asynchronous training (the admission bound,
-    experience/admission.py), shared by the replicas."""
-    steps = 1 if lay.max_staleness == 0 else (2 if lay.max_staleness == 1 else lay.max_staleness + 1)
-    replicas = max(1, lay.engine_ranks // lay.engine_tp)
-    return math.ceil(steps * lay.step_sequences / replicas)
-
-
-def in_flight_kv_note(dims: ModelDims, lay: Layout, kv_cache: int) -> str:
-    """The KV the sequences in flight would take at full length against the engine's KV cache. The cache is a fixed
-    budget (gpu_memory_utilization), so k steps in flight cost no GPU memory beyond it: what does not fit waits in
-    vLLM's queue (or is preempted and recomputed), which costs time, not memory."""
-    sequences = in_flight_sequences(lay)
-    need = sequences * lay.max_seq_len * dims.kv_bytes_per_token(lay.param_bytes) // lay.engine_tp
-    runnable = kv_tokens(dims, lay, kv_cache) // max(1, lay.max_seq_len)
-    share = "all of them" if runnable >= sequences else f"{runnable} of them at once; the others wait in vLLM's queue"
-    return (
-        f"in flight: rollout.max_staleness={lay.max_staleness} lets one engine replica hold up to {sequences} "
-        f"sequences, {need / GB:.1f} GB of KV at rollout.max_model_len={lay.max_seq_len}; its KV cache "
-        f"({kv_cache / GB:.1f} GB) holds {share}"
-    )
 
 
 def plan_config(

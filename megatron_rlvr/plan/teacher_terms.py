@@ -1,7 +1,7 @@
 """The plan's terms of a teacher pass (``algo.distill``: teacher, self or crpo; actor/teacher.py): the top-N the
 teacher's pass runs the fused op with, and the scores it gathers to every rank.
 
-The teacher's weights themselves are counted with the actor's (memory.teacher_bytes): a model of its own shapes
+The teacher's weights themselves are counted with the actor's (actor_terms.teacher_bytes): a model of its own shapes
 (``teacher``) or one more copy of the student (``self``, ``crpo``).
 """
 
