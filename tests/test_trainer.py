@@ -67,11 +67,11 @@ def _train_first_token_rewards(hf_dir: str, out_dir: str, tp: int, pp: int, step
     """_train with _first_token_rewards in place of the verifier pool."""
     from megatron_rlvr.experience import collect as experience
 
-    real_score, experience.score = experience.score, _first_token_rewards
+    real_verify, experience.verify = experience.verify, _first_token_rewards
     try:
         return _train(hf_dir, out_dir, tp, pp, steps, extra)
     finally:
-        experience.score = real_score
+        experience.verify = real_verify
 
 
 def _engine_logp_shifted(hf_dir: str, out_dir: str, shift: float, extra: list[str]):
@@ -420,14 +420,15 @@ def _even_first_token_rewards(pool, items, completions):
 
 def _train_armor(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
     """_train with _even_first_token_rewards scoring both the policy's samples and the anchors' candidates."""
-    from megatron_rlvr.experience import anchors, collect
+    from megatron_rlvr.experience import collect
+    from megatron_rlvr.experience.methods import armor
 
-    real = collect.score, anchors.score
-    collect.score = anchors.score = _even_first_token_rewards
+    real = collect.verify, armor.verify
+    collect.verify = armor.verify = _even_first_token_rewards
     try:
         return _train(hf_dir, out_dir, tp, pp, steps, extra)
     finally:
-        collect.score, anchors.score = real
+        collect.verify, armor.verify = real
 
 
 _ARMOR = ["algo.loss=grpo", "algo.anchor_rollout=true", "algo.anchor_reset_every=2"]

@@ -48,7 +48,7 @@ class ActorConfig:
     moe_aux_loss_coeff: float = 0.0
     # Routing replay for MoE models (docs/routing-replay.md): "train" records each MoE layer's top-k experts per token in the
     # step's first pass and replays them in every later pass; "rollout" replays the engine's own routing, carried
-    # with the tokens (SequenceBatch.routed_experts).
+    # with the tokens (Sequences.routed_experts).
     router_replay: Literal["none", "train", "rollout"] = "none"
     # Context-parallel size (docs/context-parallel.md): every packed sequence is cut over cp ranks.
     cp: int = 1

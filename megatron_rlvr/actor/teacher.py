@@ -8,15 +8,16 @@
   before the whole sequence (prompt + response).
 - ``crpo``: the same frozen initial policy, its privileged context being a correct response of the row's own group
   (``CorrectResponseContext``: its token ids in the template's ``{answer}``), scored on its top-K
-  (``algo.crpo_top_k``, capped at the vocabulary); the batch's ``crpo_group`` / ``crpo_context`` say which rows
-  form a group and whether it had a correct response. With ``algo.crpo_teacher: ema`` the teacher is a copy of
+  (``algo.crpo_top_k``, capped at the vocabulary); its `ContextGroups` say which rows form a group and whether it
+  had a correct response. With ``algo.crpo_teacher: ema`` the teacher is a copy of
   its own that follows the policy after every optimizer step (``Teacher.follow``), and its weights are part of the
   actor's checkpointed state (``sharded_state`` / ``load_state``).
 
-``Teacher.attach(batch, items, mini_batches)`` runs ONE forward-only pass of the teacher over the batch (planned
-mini-batch by mini-batch, packed and scheduled by the actor's own `ActorPasses`, as the update runs the student) and
-fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and ``batch.teacher_logits``
-[B, S - 1, N] (the teacher's logits / temperature at its top-N ids), every rank, in the student's layout. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths: row i
+``Teacher.scores(rollouts, items, mini_batches)`` runs ONE forward-only pass of the teacher over the rollouts
+(planned mini-batch by mini-batch, packed and scheduled by the actor's own `ActorPasses`, as the update runs the
+student) and returns its `TeacherScores`: ``logp`` [B, S - 1], ``topn_ids`` [B, S - 1, N] and ``topn_logits``
+[B, S - 1, N] (the teacher's logits / temperature at its top-N ids), every rank, in the student's layout, with
+CRPO's `ContextGroups`. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths: row i
 is shifted by its prefix length k_i, its response mask too, and the scores come back at ``t + k_i`` -> ``t``, so the
 teacher scores exactly the student's response tokens.
 
@@ -41,7 +42,7 @@ from megatron_rlvr.errors import UserError
 from megatron_rlvr.models.tokenizer_check import check_same_tokenizer
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.ops.given_ids import logits_at_ids
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import ContextGroups, Rollouts, Sequences
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -102,11 +103,11 @@ class CorrectResponseContext:
         self.parts = [list(tokenizer(part, add_special_tokens=False)["input_ids"]) for part in parts]
         self.correct_reward = correct_reward
 
-    def prefixes(self, batch: SequenceBatch, group_size: int) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-        """(each row's prefix, its group index [B], whether its group has a correct response [B])."""
-        if batch.rewards is None or tuple(batch.rewards.shape) != (len(batch),):
+    def prefixes(self, batch: Rollouts, group_size: int) -> tuple[list[list[int]], ContextGroups]:
+        """(each row's prefix, each row's group and whether its group has a correct response)."""
+        if tuple(batch.rewards.shape) != (len(batch),):
             raise ValueError(
-                f"batch.rewards: algo.distill=crpo needs the rewards [B] = [{len(batch)}] to choose each row's "
+                f"rollouts.rewards: algo.distill=crpo needs the rewards [B] = [{len(batch)}] to choose each row's "
                 "correct response"
             )
         correct = (batch.rewards >= self.correct_reward).tolist()
@@ -127,15 +128,13 @@ class CorrectResponseContext:
             for part in self.parts[1:]:
                 prefix += response + part
             prefixes.append(prefix)
-        return prefixes, group, context
+        return prefixes, ContextGroups(group=group, has_context=context)
 
 
 def privileged_batch(
-    batch: SequenceBatch, prefixes: Sequence[Sequence[int]], pad_id: int = 0
-) -> tuple[SequenceBatch, torch.Tensor]:
+    batch: Sequences, prefixes: Sequence[Sequence[int]], pad_id: int = 0
+) -> tuple[Sequences, torch.Tensor]:
     """(prefix_i + tokens_i rows with the response mask shifted by k_i = len(prefix_i), the shifts k [B])."""
-    from megatron_rlvr.protocols.batch import SequenceBatch
-
     if len(prefixes) != len(batch):
         raise ValueError(f"prefixes: expected one per sequence ({len(batch)}), got {len(prefixes)}")
     shifts = torch.tensor([len(p) for p in prefixes], dtype=torch.long)
@@ -148,7 +147,7 @@ def privileged_batch(
         tokens[i, :k] = torch.tensor(list(prefix), dtype=batch.tokens.dtype)
         tokens[i, k : k + s] = batch.tokens[i]
         mask[i, k : k + s - 1] = batch.response_mask[i]
-    return SequenceBatch(tokens, mask, batch.advantages), shifts
+    return Sequences(tokens=tokens, response_mask=mask), shifts
 
 
 def realign(values: torch.Tensor, shifts: torch.Tensor, width: int) -> torch.Tensor:
@@ -208,16 +207,20 @@ class Teacher:
             prefix = f"{EMA_KEY}{i}."
             chunk.load_state_dict({k[len(prefix) :]: v for k, v in loaded[f"{EMA_KEY}{i}"].items()})
 
-    def attach(self, batch: SequenceBatch, items: Sequence[PromptItem], mini_batches: int = 1) -> None:
-        """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields, each of the
-        update's ``mini_batches`` planned on its own as the update plans it (ActorPasses.per_token)."""
-        scored, shifts = batch, None
+    def scores(
+        self, batch: Rollouts, items: Sequence[PromptItem], mini_batches: int = 1
+    ) -> tuple[TeacherScores, ContextGroups | None]:
+        """The teacher's scores of ``batch`` (rows in (prompt, sample) order over ``items``; 0 off the response
+        mask), each of the update's ``mini_batches`` planned on its own as the update plans it
+        (ActorPasses.per_token), and CRPO's context groups (None for the other teachers)."""
+        scored = Sequences(tokens=batch.tokens, response_mask=batch.response_mask)  # a teacher's routing is its own
+        shifts, groups = None, None
         if self.context is not None:
             per_item = len(batch) // max(len(items), 1)
             if per_item * len(items) != len(batch):
                 raise ValueError(f"items: {len(items)} prompts do not divide the batch's {len(batch)} sequences")
             if isinstance(self.context, CorrectResponseContext):
-                prefixes, batch.crpo_group, batch.crpo_context = self.context.prefixes(batch, per_item)
+                prefixes, groups = self.context.prefixes(batch, per_item)
             else:
                 prefixes = [self.context.ids(item) for item in items for _ in range(per_item)]
             scored, shifts = privileged_batch(batch, prefixes)
@@ -228,12 +231,15 @@ class Teacher:
                 *(realign(t, shifts, width) for t in (scores.logp, scores.topn_ids, scores.topn_logits))
             )
         keep = batch.response_mask.to(torch.bool)  # prompt and padding positions: 0, as their statistics are
-        batch.teacher_logp = torch.where(keep, scores.logp, torch.zeros_like(scores.logp))
-        batch.teacher_ids = torch.where(keep[..., None], scores.topn_ids, torch.zeros_like(scores.topn_ids))
-        batch.teacher_logits = torch.where(keep[..., None], scores.topn_logits, torch.zeros_like(scores.topn_logits))
+        masked = TeacherScores(
+            torch.where(keep, scores.logp, torch.zeros_like(scores.logp)),
+            torch.where(keep[..., None], scores.topn_ids, torch.zeros_like(scores.topn_ids)),
+            torch.where(keep[..., None], scores.topn_logits, torch.zeros_like(scores.topn_logits)),
+        )
+        return masked, groups
 
     @torch.no_grad()
-    def score(self, batch: SequenceBatch, mini_batches: int = 1) -> TeacherScores:
+    def score(self, batch: Sequences, mini_batches: int = 1) -> TeacherScores:
         """One forward-only pass of the teacher's chunks over ``batch``, mini-batch by mini-batch (each planned on its
         own, as the update plans it): its scores in ``batch``'s own layout."""
         passes = self.passes

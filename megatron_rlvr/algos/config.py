@@ -97,7 +97,7 @@ class AlgoConfig:
     # advantage: group (GRPO / Dr.GRPO by normalize_std), reward (A = r: REINFORCE without a baseline; with psr, NLL
     # on the rewarded samples, rejection-sampling fine-tuning), signed_reward (A = 2r - 1: +-1 for 0/1 rewards)
     advantage: Literal["group", "reward", "signed_reward"] = "group"
-    # demonstrations: every response is the prompt's reference solution (SFT's off-policy data; experience/demonstrations.py)
+    # demonstrations: every response is the prompt's reference solution (SFT's off-policy data; experience/methods/demonstrations.py)
     demonstrations: bool = False
 
     def __post_init__(self) -> None:

@@ -33,7 +33,7 @@ from torch import Tensor
 from megatron_rlvr.algos.config import AlgoConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class TeacherScores:
     """The teacher's scores of the student's response tokens, in the student's [B, T] layout (0 off the mask)."""
 

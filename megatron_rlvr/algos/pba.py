@@ -4,7 +4,7 @@ Base evidence ``c_b`` is the number of correct answers among ``pba_base_samples`
 training prompt (drawn once before training: base_evidence.py). Prompts with ``c_b >= pba_min_correct`` are
 sharpened with the plain loss (plus ``algo.kl_coef`` if set); the others are "risky" (rare or no base evidence) and
 their responses are anchored to the base with ``pba_kl_coef``. The coefficient travels per response
-(``SequenceBatch.kl_coef``) into ``policy_loss``'s k3 term, so PBA composes with every loss.
+(``Targets.kl_coef``) into ``policy_loss``'s k3 term, so PBA composes with every loss.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class Layout:
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * seq_share
         # ARMOR's mixed ratio reads a reference too (reset to the policy: a copy, never LoRA's base); its anchors come
-        # from the rollout engine itself (experience/anchors.py), so they add no engine memory
+        # from the rollout engine itself (experience/methods/armor.py), so they add no engine memory
         needs_reference = (
             cfg.algo.kl_coef > 0
             or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)

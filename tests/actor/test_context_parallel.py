@@ -9,6 +9,7 @@ and the teacher's pass (distillation) at CP = 2 equals CP = 1."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -79,14 +80,14 @@ def _mask(lengths: list[int], width: int) -> torch.Tensor:
 
 
 def _batch(vocab: int):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(5)
     width = max(LENGTHS)
     tokens = torch.randint(0, vocab, (len(LENGTHS), width), generator=g)
     for i, n in enumerate(LENGTHS):
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, _mask(LENGTHS, width - 1), torch.tensor(ADVANTAGES))
+    return rollouts(tokens, _mask(LENGTHS, width - 1))
 
 
 def _valid(width: int) -> torch.Tensor:
@@ -116,6 +117,7 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
+    from megatron_rlvr.protocols import Statistics, Targets
     from megatron_rlvr.runtime.cpu import attention as cpu_attention
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -141,8 +143,8 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
             stats = (actor.compute_old_logp(batch), actor.compute_entropy(batch), actor.compute_ref_logp(batch))
             g = torch.Generator().manual_seed(1)
             old = stats[0] + 0.3 * torch.randn(stats[0].shape, generator=g)
-            batch.ref_logp = stats[2]
-            batch.rollout_logp = stats[0] + 0.2 * torch.randn(old.shape, generator=g)
+            statistics = Statistics(old_logp=old, ref_logp=stats[2])
+            batch = dataclasses.replace(batch, engine_logp=stats[0] + 0.2 * torch.randn(old.shape, generator=g))
             runs = []
             # the same micro-batches at both layouts (3 sequences each), so that per-micro-batch monitoring subsets
             # (the high-entropy tokens) compare too; then token budgets, which plan per CP rank (other bins)
@@ -152,10 +154,8 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
                 kwargs = dict(kwargs)
                 seq_kl = kwargs.pop("seq_kl", False)
                 actor.algo_cfg = AlgoConfig(**kwargs)
-                run = batch.select(slice(None))
-                run.kl_coef = torch.tensor(SEQ_KL) if seq_kl else None
-                run.old_logp = old
-                metrics = actor.update(run, mini_batches=1)
+                targets = Targets(advantages=torch.tensor(ADVANTAGES), kl_coef=torch.tensor(SEQ_KL) if seq_kl else None)
+                metrics = actor.update(batch, targets, statistics, mini_batches=1)
                 grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])
                 runs.append((metrics, grads))
             return stats, runs

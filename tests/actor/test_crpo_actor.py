@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rlvr.data import PromptItem
-from tests.actor.test_teacher import _actor, _batch
+from tests.actor.test_teacher import _actor, _batch, _targets
 
 TEMPLATE = "Answer: {answer}\n"
 ITEMS = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2), "34", "math")]
@@ -24,11 +24,9 @@ def crpo_updates(hf_dir: str, tp: int, runs: list[dict]) -> list[dict]:
     for algo in runs:
         with model_parallel(tp=tp, pp=1, seed=11):
             actor = _actor(hf_dir, tp, algo)
-            batch = _batch(actor.vocab_size)
-            batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-            if actor.teacher is not None:
-                actor.teacher.attach(batch, ITEMS)
-            out.append(actor.update(batch, mini_batches=1))
+            batch = _batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])
+            statistics = actor.score(batch, ITEMS, mini_batches=1)
+            out.append(actor.update(batch, _targets(), statistics, mini_batches=1))
     return out
 
 
@@ -68,10 +66,8 @@ def ema_teacher_round_trip(hf_dir: str, ckpt_root: str, tp: int):
     algo = {**CRPO, "crpo_teacher": "ema", "crpo_ema_decay": 0.25}
 
     def step(actor):
-        batch = _batch(actor.vocab_size)
-        batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-        actor.teacher.attach(batch, ITEMS)
-        return actor.update(batch, mini_batches=1)
+        batch = _batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])
+        return actor.update(batch, _targets(), actor.score(batch, ITEMS, mini_batches=1), mini_batches=1)
 
     with model_parallel(tp=tp, pp=1, seed=11):
         live = _actor(hf_dir, tp, algo)

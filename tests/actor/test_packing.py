@@ -7,6 +7,7 @@ Also: the update without a statistics pass (old log-probs = its own, detached) e
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -149,14 +150,14 @@ def test_pack_to_a_fixed_total_pads_the_tail_and_rejects_a_total_too_small():
 
 
 def _batch(vocab: int):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(5)
     width = max(LENGTHS)
     tokens = torch.randint(0, vocab, (len(LENGTHS), width), generator=g)
     for i, n in enumerate(LENGTHS):
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, _mask(LENGTHS, width - 1), torch.tensor(ADVANTAGES))
+    return rollouts(tokens, _mask(LENGTHS, width - 1))
 
 
 def _valid(width: int) -> torch.Tensor:
@@ -177,19 +178,18 @@ def _metric_diff(a: dict[str, float], b: dict[str, float]) -> float:
     return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-3) for k in a)
 
 
-def _update(actor, batch, algo_kwargs: dict, *, pack: bool, budget: int, mbs: int, old_logp):
+def _update(actor, batch, algo_kwargs: dict, *, pack: bool, budget: int, mbs: int, old_logp, ref_logp=None):
     """One update at lr = 0 (the weights stay, so one actor serves every case): its metrics and gradients."""
     from megatron_rlvr.algos.config import AlgoConfig
+    from megatron_rlvr.protocols import Statistics, Targets
 
     actor.cfg.pack_sequences, actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = pack, budget, mbs
     kwargs = dict(algo_kwargs)
     seq_kl = kwargs.pop("seq_kl", False)  # PBA's per-sequence KL coefficient travels with its rows
     actor.algo_cfg = AlgoConfig(**kwargs)
-    run = batch.select(slice(None))
-    run.kl_coef = torch.tensor(SEQ_KL) if seq_kl else None
-    run.old_logp = old_logp
-    metrics = actor.update(run, mini_batches=1)
-    return metrics, _grads(actor), run
+    targets = Targets(advantages=torch.tensor(ADVANTAGES), kl_coef=torch.tensor(SEQ_KL) if seq_kl else None)
+    metrics = actor.update(batch, targets, Statistics(old_logp=old_logp, ref_logp=ref_logp), mini_batches=1)
+    return metrics, _grads(actor)
 
 
 def _layout_numbers(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: list[dict]):
@@ -236,13 +236,14 @@ def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: 
         # old log-probs off the current policy, so ratios differ from 1 and some tokens are clipped
         g = torch.Generator().manual_seed(1)
         old = per_token[False][0] + 0.3 * torch.randn(per_token[False][0].shape, generator=g)
-        batch.ref_logp = per_token[False][2]
-        batch.rollout_logp = per_token[False][0] + 0.2 * torch.randn(old.shape, generator=g)
+        ref = per_token[False][2]
+        engine = dataclasses.replace(batch, engine_logp=per_token[False][0] + 0.2 * torch.randn(old.shape, generator=g))
         for budget, mbs, cases in ((BUDGET, 1, configs), (0, 3, count_configs)):
             for kwargs in cases:
                 key = f"budget={budget} mbs={mbs} " + " ".join(f"{k}={v}" for k, v in kwargs.items())
-                (m0, g0, _), (m1, g1, _) = (
-                    _update(actor, batch, kwargs, pack=p, budget=budget, mbs=mbs, old_logp=old) for p in (False, True)
+                (m0, g0), (m1, g1) = (
+                    _update(actor, engine, kwargs, pack=p, budget=budget, mbs=mbs, old_logp=old, ref_logp=ref)
+                    for p in (False, True)
                 )
                 out[f"{key}/grad"] = _rel(g1, g0)
                 out[f"{key}/metrics"] = _metric_diff(m1, m0)
@@ -254,11 +255,16 @@ def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: 
         actor.reference = None  # needs_statistics_pass: not with a reference model
         assert not actor.needs_statistics_pass(1) and actor.needs_statistics_pass(2)
         for pack in (False, True):
-            m0, g0, _ = _update(actor, batch, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=per_token[pack][0])
-            m1, g1, run = _update(actor, batch, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=None)
+            stats = per_token[pack][0]
+            m0, g0 = _update(actor, batch, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=stats)
+            m1, g1 = _update(actor, batch, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=None)
             out[f"skip pack={pack}/grad"] = _rel(g1, g0)
             out[f"skip pack={pack}/metrics"] = _metric_diff(m1, m0)
-            out[f"skip pack={pack}/old_logp"] = _rel(run.old_logp[valid], per_token[pack][0][valid])
+            # the update's own old log-probs against the statistics pass's, read from the mismatch metric it reports
+            # with the statistics pass's log-probs as the engine's: mean |own - statistics| over the trained tokens
+            stats_as_engine = dataclasses.replace(batch, engine_logp=stats)
+            m2, _ = _update(actor, stats_as_engine, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=None)
+            out[f"skip pack={pack}/old_logp"] = m2["rollout/logp_mismatch"] / float(stats[valid].abs().max())
         return out
 
 

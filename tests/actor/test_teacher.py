@@ -17,8 +17,14 @@ TEMPLATE = "Answer: {answer}\n"
 ITEMS = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2), "a much longer answer", "math")]
 
 
-def _batch(vocab: int, seed: int = 0):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+def _targets():
+    from megatron_rlvr.protocols import Targets
+
+    return Targets(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+
+
+def _batch(vocab: int, seed: int = 0, rewards: list[float] | None = None):
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
     b, s = 4, 10
@@ -28,7 +34,7 @@ def _batch(vocab: int, seed: int = 0):
     for i, n in enumerate(lengths):
         mask[i, 2 : n - 1] = True
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    return rollouts(tokens, mask, rewards=None if rewards is None else torch.tensor(rewards))
 
 
 def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True, cp: int = 1):
@@ -47,7 +53,7 @@ def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True, cp: int = 1):
 
 
 def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool, cp: int = 1):
-    """The teacher's fields of the batch after attach, and the metrics of one update with them (at TP x CP)."""
+    """The teacher's scores of the batch, and the metrics of one update with them (at TP x CP)."""
     from megatron_rlvr.runtime.distributed import model_parallel
 
     algo = (
@@ -58,9 +64,10 @@ def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool
     with model_parallel(tp=tp, pp=1, seed=11, cp=cp):
         actor = _actor(hf_dir, tp, algo, pack, cp)
         batch = _batch(actor.vocab_size)
-        actor.teacher.attach(batch, ITEMS)
-        metrics = actor.update(batch, mini_batches=1)
-        return batch.teacher_logp, batch.teacher_ids, batch.teacher_logits, metrics
+        statistics = actor.score(batch, ITEMS, mini_batches=1)
+        metrics = actor.update(batch, _targets(), statistics, mini_batches=1)
+        teacher = statistics.teacher
+        return teacher.logp, teacher.topn_ids, teacher.topn_logits, metrics
 
 
 def plain_forward(hf_dir: str, prefixes: list[list[int]]):

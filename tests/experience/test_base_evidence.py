@@ -1,4 +1,4 @@
-"""base_evidence: PBA's per-prompt correct counts among M base samples, stored once and reused (base_evidence.py)."""
+"""base_evidence: PBA's per-prompt correct counts among M base samples, stored once and reused (experience/methods/pba.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem
-from megatron_rlvr.experience.base_evidence import BaseEvidenceError, base_evidence
+from megatron_rlvr.experience.methods.pba import BaseEvidenceError, base_evidence
 from megatron_rlvr.rollout.base import Completion
 from megatron_rlvr.rollout.prefixes import PrefixedEngine
 from megatron_rlvr.testing.engines import ScriptedEngineBase

@@ -215,8 +215,9 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
         measure_rank(dataclasses.replace(case, seq_len=16), hf_dir, update=True, warm_up=False)
 
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.protocols import Targets
     from megatron_rlvr.runtime.distributed import model_parallel, world_size
+    from megatron_rlvr.testing.handoffs import rollouts
 
     cfg = config_of(case, hf_dir, world_size())
     _trim()
@@ -233,16 +234,17 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
             tokens = torch.randint(0, actor.vocab_size, (case.sequences, case.seq_len), generator=g)
             mask = torch.zeros(case.sequences, case.seq_len - 1, dtype=torch.bool)
             mask[:, case.seq_len // 4 :] = True
-            batch = SequenceBatch(tokens, mask, torch.linspace(-1, 1, case.sequences))
-            batch.old_logp = actor.compute_old_logp(batch)
-            if actor.has_reference:  # a frozen copy, or (LoRA) the base with the adapters off
-                batch.ref_logp = actor.compute_ref_logp(batch)
+            batch, targets = rollouts(tokens, mask), Targets(advantages=torch.linspace(-1, 1, case.sequences))
+            # the statistics pass always (as with 2 mini-batches), and a frozen copy's or (LoRA) the base's
+            statistics = actor.statistics_pass(batch)
+            if actor.has_reference:
+                statistics = dataclasses.replace(statistics, ref_logp=actor.compute_ref_logp(batch))
             # The first step creates Adam's state lazily, on top of a heap that glibc has not handed back after the
             # backward (on GPU the caching allocator reuses those blocks): measure the steady state, the second update.
-            actor.update(batch, mini_batches=1)
+            actor.update(batch, targets, statistics, mini_batches=1)
             _trim()
             with PeakSampler() as sampler:
-                actor.update(batch, mini_batches=1)
+                actor.update(batch, targets, statistics, mini_batches=1)
             out["update_peak"] = sampler.peak - base
         out["optimizer"] = _optimizer_bytes(actor)
         del actor

@@ -13,8 +13,9 @@ Rank 0 stores each interval's anchors in ``<output_dir>/anchors/reset_<r>.pt``; 
 engine no longer holds that reference), and the reset reference itself is in the checkpoint (the actor's
 ``reference{i}``), so resume is exact.
 
-`AnchorRollout.attach` turns a step's experience (G - 1 policy samples per prompt: the source samples with
-``rollout.group_size - 1``) into G per group: the anchor goes last, the rewards (overlong penalty included) and
+The transform (registered as ``armor``: `AnchorRollout.before` runs ``prepare``, calling it runs ``attach``) reserves
+one sample of each group: the source samples ``rollout.group_size - 1`` per prompt. `AnchorRollout.attach` turns a
+step's experience (G - 1 policy samples per prompt) into G per group: the anchor goes last, the rewards (overlong penalty included) and
 advantages are recomputed over the G responses, and the paper's prompt filter masks out every response of a group
 whose policy rewards are all equal or that has no correct anchor. An anchor is a positive sample only: where its
 advantage is not > 0 (a group with partial credit or an overlong penalty), its tokens are masked out.
@@ -35,7 +36,9 @@ import torch.distributed as dist
 
 from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.errors import ConfigError
-from megatron_rlvr.experience.collect import Experience, generate, group_of, score, to_batch
+from megatron_rlvr.experience.collect import Experience, generate, group_of, to_rollouts, untruncated, verify
+from megatron_rlvr.experience.transforms import ExperienceTransform, TransformSetup, experience_transform
+from megatron_rlvr.protocols.handoffs import Targets
 from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout.prefixes import without_prefixes
 
@@ -50,11 +53,6 @@ FORMAT = 1
 ANCHOR_STEP = -3
 
 
-def policy_rollout(cfg: Config) -> Config:
-    """The run's config as the experience source sees it under ARMOR: G - 1 policy samples per prompt."""
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, group_size=cfg.rollout.group_size - 1))
-
-
 @dataclasses.dataclass
 class Interval:
     """The anchors of steps ``start`` .. ``start + len(steps) - 1``: per step, per prompt, (id, anchor or None, the
@@ -66,7 +64,20 @@ class Interval:
     candidates_drawn: int
 
 
-class AnchorRollout:
+@experience_transform("armor", enabled=lambda cfg: cfg.algo.anchor_rollout, reserved_samples=1)
+def build(setup: TransformSetup) -> AnchorRollout:
+    return AnchorRollout(
+        setup.cfg,
+        setup.engine,
+        setup.pool,
+        setup.loader,
+        setup.actor.reset_reference,
+        setup.output_dir / "anchors",
+        pad_id=setup.pad_id,
+    )
+
+
+class AnchorRollout(ExperienceTransform):
     """The reference's anchors for each step (see the module doc); ``reset`` sets the actor's reference to its policy."""
 
     def __init__(
@@ -86,6 +97,12 @@ class AnchorRollout:
 
     def path(self, start: int) -> Path:
         return self.directory / f"reset_{start}.pt"
+
+    def before(self, step: int) -> dict[str, float]:
+        return self.prepare(step)
+
+    def __call__(self, step: int, experience: Experience) -> Experience:
+        return self.attach(step, experience)
 
     def prepare(self, step: int) -> dict[str, float]:
         """Before step ``step``'s rollout: on a reset step, reset the reference and draw the interval's anchors (or
@@ -125,7 +142,7 @@ class AnchorRollout:
             completions = generate(
                 engine, items, rollout, run_seed=cfg.trainer.seed, step=ANCHOR_STEP - start, refill_round=offset
             )
-            rewards, _ = score(self.pool, items, completions)
+            rewards, _ = verify(self.pool, items, completions)
             correct = rewards.view(len(items), k) >= 1.0
             correct_total, drawn = correct_total + int(correct.sum()), drawn + correct.numel()
             row = []
@@ -204,7 +221,7 @@ def with_anchors(
     policy_g = g - 1
     groups, rewards, keep, found = [], [], [], []
     for i, (item, (anchor, anchor_reward)) in enumerate(zip(exp.items, anchors)):
-        own = exp.rewards[i * policy_g : (i + 1) * policy_g]
+        own = exp.rollouts.rewards[i * policy_g : (i + 1) * policy_g]
         varied = bool((own != own[0]).any())
         completions = list(exp.completions[i]) + [anchor if anchor is not None else exp.completions[i][0]]
         group = group_of(0, i, item, completions, torch.cat([own, torch.tensor([anchor_reward])]), cfg)
@@ -217,14 +234,11 @@ def with_anchors(
     flat = torch.cat(rewards)
     advantages, _ = compute_advantages(flat, g, cfg.algo)
     items, completions = exp.items, [grp.completions for grp in groups]
-    batch, engine_logp = to_batch(items, completions, advantages, pad_id)
     kept = torch.tensor(keep).repeat_interleave(g)
     anchor_rows = (torch.arange(len(flat)) % g) == g - 1
     kept &= ~anchor_rows | (advantages > 0)  # anchors are positive samples only
-    batch.response_mask &= kept[:, None]
-    if cfg.algo.mask_truncated:
-        truncated = torch.tensor([c.finish_reason == "length" for group in completions for c in group])
-        batch.response_mask &= ~truncated[:, None]
+    trains = kept & untruncated(completions, cfg.algo.mask_truncated)
+    rollouts = to_rollouts(items, completions, flat, pad_id, trains=trains)
     n = max(len(exp.items), 1)
     metrics = {
         "anchor/groups_trained": float(sum(keep)),
@@ -235,5 +249,9 @@ def with_anchors(
     if interval is not None:
         metrics["anchor/reference_pass_rate"] = interval.candidates_correct / max(interval.candidates_drawn, 1)
     return dataclasses.replace(
-        exp, completions=completions, rewards=flat, batch=batch, engine_logp=engine_logp, metrics=exp.metrics | metrics
+        exp,
+        completions=completions,
+        rollouts=rollouts,
+        targets=Targets(advantages=advantages.float()),
+        metrics=exp.metrics | metrics,
     )
