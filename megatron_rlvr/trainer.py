@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rlvr import checkpoint
-from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
+from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict, upgraded
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.experience.validation import load_validation_items
 from megatron_rlvr.protocols.actor import Actor
@@ -137,7 +137,14 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
         )
         for warning in cfg.warnings():
             print(f"[config] warning: {warning}", file=sys.stderr, flush=True)
-    actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature, total_steps=t.steps)
+    actor = MegatronActor(
+        cfg.model,
+        cfg.actor,
+        cfg.algo,
+        temperature=cfg.rollout.temperature,
+        total_steps=t.steps,
+        group_size=cfg.rollout.group_size,
+    )
 
     ckpt_root = out / "checkpoints"
     start_step, nonfinite_in_a_row, pending = 0, 0, None
@@ -147,7 +154,8 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
         prompts.loader.load_state_dict(state["loader"])
         # one-step-off: the step sampled ahead; streamed: the stream's state (finished groups, responses in flight)
         pending = checkpoint.load_object(resume_from, "pending_rollout")
-        changed = differences(state["config"], to_dict(cfg)) if "config" in state else []
+        # a checkpoint written before keys moved is read with today's keys (config/renamed.py)
+        changed = differences(upgraded(state["config"]), to_dict(cfg)) if "config" in state else []
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
             print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
         start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
@@ -301,7 +309,7 @@ def _progress(enabled: bool, start: int, total: int) -> tqdm:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rlvr train", description=__doc__)
     parser.add_argument("config", help="YAML recipe (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2 algo.alpha=0.05")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2 algo.loss.alpha=0.05")
     parser.add_argument(
         "--resume", default=None, help="'latest' (default from the recipe), a checkpoint dir, or 'none'"
     )

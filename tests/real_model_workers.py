@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.testing.configs import algo_config
 from tests.real_model import RESPONSE_TOKENS, ChatBatch
 
 BUCKET_BYTES = 64 << 20
@@ -35,7 +36,6 @@ def actor_at(hf_dir: str, tp: int, pp: int, cp: int = 1, lr: float = 0.0) -> Ite
     """A MegatronActor (fp32, GRPO, sampling temperature 1) inside megatron's parallel state at (TP, PP, CP)."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -43,7 +43,7 @@ def actor_at(hf_dir: str, tp: int, pp: int, cp: int = 1, lr: float = 0.0) -> Ite
         yield MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=tp, pp=pp, cp=cp, lr=lr),
-            AlgoConfig(loss="grpo"),
+            algo_config({"loss.kind": "grpo"}),
             temperature=1.0,
             total_steps=4,
         )
@@ -207,7 +207,7 @@ def engine_rank_tour(hf_dir: str, batch: ChatBatch) -> dict[str, Any]:
             "actor.tp=1",
             "actor.pp=2",
             "actor.lr=1e-5",
-            "algo.loss=grpo",
+            "algo.loss.kind=grpo",
             "rollout.placement=separate",
             "rollout.engine_ranks=1",
             f"rollout.max_model_len={ENGINE['max_model_len']}",

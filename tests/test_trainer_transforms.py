@@ -47,7 +47,7 @@ def _train_with_toy_transform(hf_dir: str, out_dir: str):
             f"model.hf_dir={hf_dir}",
             "actor.tp=2",
             "actor.micro_batch_size=4",
-            "algo.loss=grpo",
+            "algo.loss.kind=grpo",
             "rollout.group_size=4",
             "rollout.max_new_tokens=6",
             "rollout.max_model_len=64",

@@ -32,7 +32,9 @@ def contrast_weights(
     ``passes.plan(mini)``."""
     teacher, groups = mini.teacher, mini.context_groups
     if teacher is None or groups is None:
-        raise ValueError("statistics: algo.distill=crpo needs the teacher's scores and context groups (Teacher.scores)")
+        raise ValueError(
+            "statistics: algo.distill.kind=crpo needs the teacher's scores and context groups (Teacher.scores)"
+        )
     plan, micro = planned
     width = mini.response_mask.shape[1]
 

@@ -19,13 +19,13 @@ With ``actor.cp > 1`` (docs/context-parallel.md) each CP rank runs its share of 
 the op's per-token outputs are gathered over CP (actor/context_parallel.py), and every CP rank computes the identical
 whole micro-batch loss; its gradient share is summed over DP x CP by megatron's DDP.
 
-With ``algo.kl_coef > 0`` (or PBA with ``algo.pba_kl_coef > 0``) the actor also holds a frozen reference policy (the
+With ``algo.kl.coef > 0`` (or PBA with ``algo.kl.pba.coef > 0``) the actor also holds a frozen reference policy (the
 same chunks, loaded from the same initial weights, never trained) whose log-probs feed the loss's k3 KL term; without
 it nothing extra is built. With ``actor.lora`` (actor/lora.py, docs/lora.md) the base is frozen, adapters train, and
 the reference is the policy's own chunks with the adapters off: no copy is built. ``Targets.kl_coef`` (PBA) gives
-that term's coefficient per sequence. With ``algo.distill`` the actor also holds a frozen teacher
+that term's coefficient per sequence. With ``algo.distill.kind`` the actor also holds a frozen teacher
 (actor/teacher.py), scored beside the reference; its scores travel in ``Statistics.teacher`` into the loss's
-distillation terms. Under ``algo.distill: crpo`` each mini-batch
+distillation terms. Under ``algo.distill.kind: crpo`` each mini-batch
 first runs a forward-only pass of the policy (actor/contrast.py) for CRPO's group-coupled weights, then its update.
 With ``actor.router_replay`` (MoE models, docs/routing-replay.md) every forward routes each token to the experts its
 statistics pass recorded (``Statistics.routed_experts``) or its engine chose (``Rollouts.routed_experts``;
@@ -62,7 +62,6 @@ from megatron_rlvr.algos.metrics import (
     logp_mismatch,
     summed_over_data_parallel,
 )
-from megatron_rlvr.algos.mixed_ratio import mixing
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.models.config import ModelConfig
 from megatron_rlvr.protocols.actor import WeightBucket
@@ -82,6 +81,7 @@ class MegatronActor:
         *,
         temperature: float,
         total_steps: int,
+        group_size: int | None = None,
     ) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -94,6 +94,10 @@ class MegatronActor:
         from megatron_rlvr.models.dims import ModelDims
 
         self.cfg, self.algo_cfg = actor_cfg, algo_cfg
+        if algo_cfg.armor.anchors and group_size is None:
+            raise ValueError("MegatronActor: algo.armor.anchors needs group_size (the rollout's responses per prompt)")
+        # ARMOR's a of the mixed ratio, which the loss reads (None: the plain ratio)
+        self.mixed_ratio_share = algo_cfg.mixed_ratio_share(group_size or 1)
         self.hf = load_hf_config(model_cfg.hf_dir)
         actor_cfg.layout().check(ModelDims.from_hf(self.hf))  # the rules Config.validate ran; a direct build too
         dtype = torch.bfloat16 if actor_cfg.bf16 else torch.float32
@@ -138,8 +142,8 @@ class MegatronActor:
             self.tcfg.finalize_model_grads_func = self.lora.finalize_grads(finalize_model_grads)
         # The KL term's frozen reference: the same initial weights, never trained. Checkpoints do not hold it: a
         # resumed run rebuilds it from the same initial weights, which is the reference it had. ARMOR's reference
-        # (algo.mixed_ratio_share) is reset to the policy (reset_reference), so checkpoints hold that one.
-        separate = needs_reference(algo_cfg) and self.lora is None
+        # (algo.armor.mixed_ratio_share) is reset to the policy (reset_reference), so checkpoints hold that one.
+        separate = algo_cfg.needs_reference and self.lora is None
         self.reference: list[torch.nn.Module] | None = freeze(initial()) if separate else None
         self.replay.install(chunks, self.reference)  # actor.router_replay hooks on both models' routers
         ddp_config = DistributedDataParallelConfig(
@@ -159,7 +163,7 @@ class MegatronActor:
             temperature=temperature,
             replay=self.replay,
         )
-        # algo.distill: a frozen teacher beside the reference (teacher.py), scored through the same passes
+        # algo.distill.kind: a frozen teacher beside the reference (teacher.py), scored through the same passes
         self.teacher = build_teacher(
             self.passes,
             model_cfg,
@@ -181,8 +185,8 @@ class MegatronActor:
     # --- scoring: the statistics the update reads ----------------------------------------------------------------
     def score(self, rollouts: Rollouts, items: Sequence[PromptItem], *, mini_batches: int) -> Statistics:
         """The `Statistics` of ``rollouts``: the behaviour log-probs (unless the update takes its own:
-        `needs_statistics_pass`), the reference's (a KL reference: algo.kl_coef > 0, or PBA's anchor) and the
-        teacher's scores (algo.distill), each of the update's ``mini_batches`` planned as the update plans it (so the
+        `needs_statistics_pass`), the reference's (a KL reference: algo.kl.coef > 0, or PBA's anchor) and the
+        teacher's scores (algo.distill.kind), each of the update's ``mini_batches`` planned as the update plans it (so the
         first mini-batch's are exactly what its forward computes from the same weights). Under routing replay's
         ``train`` the statistics pass records the routing that every later pass, the update's too, replays."""
         old_logp, routed, scored = None, None, rollouts
@@ -201,7 +205,7 @@ class MegatronActor:
         """The policy's statistics pass alone: the behaviour log-probs of all ``sequences`` [B, S - 1], on every
         rank, and the routing it recorded (routing replay's ``train``; else None), planned per mini-batch of an
         update of ``mini_batches``."""
-        top_n = self.algo_cfg.top_n
+        top_n = self.algo_cfg.loss.top_n
         logp, routed = self.passes.per_token(sequences, "logp", self.model, "statistics", top_n, mini_batches)
         return Statistics(old_logp=logp, routed_experts=routed)
 
@@ -211,14 +215,14 @@ class MegatronActor:
 
     def compute_ref_logp(self, sequences: Sequences, mini_batches: int = 1) -> torch.Tensor:
         """The frozen reference's log-probs of all ``sequences`` [B, S - 1], on every rank (needs a reference model:
-        algo.kl_coef > 0, or algo.pba with algo.pba_kl_coef > 0; planned per mini-batch of an update of
+        algo.kl.coef > 0, or algo.kl.pba.enabled with algo.kl.pba.coef > 0; planned per mini-batch of an update of
         ``mini_batches``)."""
         if not self.has_reference:
             raise RuntimeError(
-                "compute_ref_logp: the actor has no reference model (algo.kl_coef = 0 and no PBA "
-                "anchor: algo.pba false or algo.pba_kl_coef = 0)"
+                "compute_ref_logp: the actor has no reference model (algo.kl.coef = 0 and no PBA "
+                "anchor: algo.kl.pba.enabled false or algo.kl.pba.coef = 0)"
             )
-        top_n = self.algo_cfg.top_n
+        top_n = self.algo_cfg.loss.top_n
         if self.lora is not None:  # the base: the policy's chunks with every adapter off
             with self.lora.base():
                 return self.passes.per_token(sequences, "logp", self.model, "other", top_n, mini_batches)[0]
@@ -227,12 +231,12 @@ class MegatronActor:
     @property
     def resets_reference(self) -> bool:
         """ARMOR's reference: a frozen copy that ``reset_reference`` sets to the policy (saved in checkpoints)."""
-        return self.reference is not None and mixing(self.algo_cfg)
+        return self.reference is not None and self.algo_cfg.mixes_ratio
 
     @property
     def has_reference(self) -> bool:
         """Whether the loss reads a KL reference: a frozen copy, or under LoRA the base with the adapters off."""
-        return self.reference is not None or (self.lora is not None and needs_reference(self.algo_cfg))
+        return self.reference is not None or (self.lora is not None and self.algo_cfg.needs_reference)
 
     def compute_entropy(self, sequences: Sequences) -> torch.Tensor:
         """The policy's entropy at every position of all ``sequences`` [B, S - 1], on every rank (0 past a
@@ -246,7 +250,7 @@ class MegatronActor:
             padded = sequences.select(torch.cat([torch.arange(n), torch.zeros(extra, dtype=torch.long)]))
             keep = (torch.arange(n + extra) < n)[:, None]
             sequences = dataclasses.replace(padded, response_mask=padded.response_mask & keep)
-        return self.passes.per_token(sequences, "entropy", self.model, "other", self.algo_cfg.top_n)[0][:n]
+        return self.passes.per_token(sequences, "entropy", self.model, "other", self.algo_cfg.loss.top_n)[0][:n]
 
     def needs_statistics_pass(self, mini_batches: int) -> bool:
         """Whether the update needs old log-probs from a statistics pass first. Not when it is exactly on-policy:
@@ -281,7 +285,9 @@ class MegatronActor:
         for rows in mini_batch_rows(len(batch), mini_batches):  # the split `score` planned by
             mini = batch.select(rows)
             contrast: dict[str, float] = {}
-            if self.algo_cfg.distill == "crpo" and self.algo_cfg.crpo_coef > 0:  # mini-batches hold whole groups
+            if (
+                self.algo_cfg.distill.kind == "crpo" and self.algo_cfg.distill.crpo.coef > 0
+            ):  # mini-batches hold whole groups
                 planned = self.passes.plan(mini)
                 with self.replay.pass_over(mini, planned[0], "other"):
                     weights, contrast = contrast_weights(self.passes, self.model, mini, planned, self.algo_cfg)
@@ -300,7 +306,7 @@ class MegatronActor:
                 if seqs.teacher is not None:  # distillation: the student's logits at the teacher's top-N ids
                     logits, student_at = student_logits_at(self.passes, logits, mb, seqs.teacher.topn_ids)
                 # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
-                stats = self.passes.token_stats(logits, mb, self.algo_cfg.top_n, inplace_backward=True)
+                stats = self.passes.token_stats(logits, mb, self.algo_cfg.loss.top_n, inplace_backward=True)
                 self.replay.note_logp(mb, stats.logp)
                 old_logp = seqs.old_logp
                 if own_old:
@@ -321,6 +327,7 @@ class MegatronActor:
                     teacher=seqs.teacher,
                     student_at_teacher_ids=student_at,
                     crpo_weights=seqs.crpo_weights,
+                    mixed_ratio_share=self.mixed_ratio_share,
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()
@@ -362,7 +369,7 @@ class MegatronActor:
         """The policy's log-probs of ``micro``, forward only (routing replay's comparison; last stage, else [])."""
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
-            return torch.zeros(()), {"logp": self.passes.token_stats(logits, mb, self.algo_cfg.top_n).logp.float()}
+            return torch.zeros(()), {"logp": self.passes.token_stats(logits, mb, self.algo_cfg.loss.top_n).logp.float()}
 
         return [o["logp"] for o in self.passes.run(micro, collect, forward_only=True, model=self.model)]
 
@@ -418,7 +425,7 @@ class MegatronActor:
         this rank's chunks at one layout, so the copy is local: no communication."""
         if self.reference is None or self.lora is not None:
             raise RuntimeError(
-                "reset_reference: the actor has no resettable reference (ARMOR needs algo.mixed_ratio_share)"
+                "reset_reference: the actor has no resettable reference (ARMOR needs algo.armor.mixed_ratio_share)"
             )
         with torch.no_grad():
             for ref, policy in zip(self.reference, self.model_chunks):
@@ -465,12 +472,6 @@ class MegatronActor:
 
     def load_scheduler_state_dict(self, state: Mapping[str, Any]) -> None:
         load_schedule(self.scheduler, dict(state))
-
-
-def needs_reference(cfg: AlgoConfig) -> bool:
-    """Whether the loss reads a reference: a KL term (a global coefficient, or PBA's anchor on risky prompts), or
-    ARMOR's mixed ratio."""
-    return cfg.kl_coef > 0 or (cfg.pba and cfg.pba_kl_coef > 0) or mixing(cfg)
 
 
 def _unprefixed(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -1,15 +1,15 @@
 """The distillation teacher on the actor ranks: built beside the KL reference, frozen, scored with the fused op.
 
-``build_teacher(passes, model_cfg, algo_cfg, ...)`` returns a ``Teacher`` (or None under ``algo.distill: none``):
-- ``teacher``: the model of ``algo.teacher_hf_dir`` (any size, the same tokenizer as the student: checked), built at
+``build_teacher(passes, model_cfg, algo_cfg, ...)`` returns a ``Teacher`` (or None under ``algo.distill.kind: none``):
+- ``teacher``: the model of ``algo.distill.teacher_hf_dir`` (any size, the same tokenizer as the student: checked), built at
   the actor's TP/PP/VPP/CP like the reference, no optimizer, no grad, eval mode;
 - ``self``: the frozen initial policy (the reference's chunks when the actor has a reference, else a copy built the
-  same way) reading a privileged context: ``algo.self_distill_template`` with the item's reference answer, put
+  same way) reading a privileged context: ``algo.distill.template`` with the item's reference answer, put
   before the whole sequence (prompt + response).
 - ``crpo``: the same frozen initial policy, its privileged context being a correct response of the row's own group
   (``CorrectResponseContext``: its token ids in the template's ``{answer}``), scored on its top-K
-  (``algo.crpo_top_k``, capped at the vocabulary); its `ContextGroups` say which rows form a group and whether it
-  had a correct response. With ``algo.crpo_teacher: ema`` the teacher is a copy of
+  (``algo.distill.crpo.top_k``, capped at the vocabulary); its `ContextGroups` say which rows form a group and whether it
+  had a correct response. With ``algo.distill.crpo.teacher: ema`` the teacher is a copy of
   its own that follows the policy after every optimizer step (``Teacher.follow``), and its weights are part of the
   actor's checkpointed state (``sharded_state`` / ``load_state``).
 
@@ -72,8 +72,8 @@ def reference_text(item: PromptItem) -> str:
     elif isinstance(answer, str) and answer.strip():
         return answer
     raise UserError(
-        f"algo.distill=self: prompt {item.id!r} has no reference answer to put in "
-        f"algo.self_distill_template (its answer is {answer!r})"
+        f"algo.distill.kind=self: prompt {item.id!r} has no reference answer to put in "
+        f"algo.distill.template (its answer is {answer!r})"
     )
 
 
@@ -107,7 +107,7 @@ class CorrectResponseContext:
         """(each row's prefix, each row's group and whether its group has a correct response)."""
         if tuple(batch.rewards.shape) != (len(batch),):
             raise ValueError(
-                f"rollouts.rewards: algo.distill=crpo needs the rewards [B] = [{len(batch)}] to choose each row's "
+                f"rollouts.rewards: algo.distill.kind=crpo needs the rewards [B] = [{len(batch)}] to choose each row's "
                 "correct response"
             )
         correct = (batch.rewards >= self.correct_reward).tolist()
@@ -170,12 +170,12 @@ class Teacher:
     ) -> None:
         self.chunks, self.local_vocab, self.cfg, self.context, self.passes = chunks, local_vocab, cfg, context, passes
         # the teacher's top-N: distill_top_n, or CRPO's support (top-K; at most the vocabulary: then all of it)
-        self.top_n = min(cfg.crpo_top_k, passes.vocab_size) if cfg.distill == "crpo" else cfg.distill_top_n
+        self.top_n = min(cfg.distill.crpo.top_k, passes.vocab_size) if cfg.distill.kind == "crpo" else cfg.distill.top_n
 
     @property
     def follows(self) -> bool:
         """Whether the teacher is CRPO's EMA of the policy (state to follow and to checkpoint) rather than frozen."""
-        return self.cfg.distill == "crpo" and self.cfg.crpo_teacher == "ema"
+        return self.cfg.distill.kind == "crpo" and self.cfg.distill.crpo.teacher == "ema"
 
     @torch.no_grad()
     def follow(self, policy: Sequence[torch.nn.Module]) -> None:
@@ -183,7 +183,7 @@ class Teacher:
         (the same chunks, built alike: names must match). Nothing unless ``follows``."""
         if not self.follows:
             return
-        decay = self.cfg.crpo_ema_decay
+        decay = self.cfg.distill.crpo.ema_decay
         for mine, theirs in zip(self.chunks, policy, strict=True):
             pairs = zip(mine.named_parameters(), theirs.named_parameters(), strict=True)
             for (name, t), (other, p) in pairs:
@@ -308,12 +308,14 @@ def teacher_chunks(
     hf = load_hf_config(teacher_dir)
     if int(hf["vocab_size"]) < passes.vocab_size:
         raise UserError(
-            f"algo.teacher_hf_dir={teacher_dir!r}: vocab_size {hf['vocab_size']} is smaller than the "
+            f"algo.distill.teacher_hf_dir={teacher_dir!r}: vocab_size {hf['vocab_size']} is smaller than the "
             f"student's {passes.vocab_size}"
         )
     problems = a.layout().problems(ModelDims.from_hf(hf), training=False)
     if problems:
-        raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: the actor's layout does not fit it: {problems[0]}")
+        raise UserError(
+            f"algo.distill.teacher_hf_dir={teacher_dir!r}: the actor's layout does not fit it: {problems[0]}"
+        )
     tcfg = transformer_config_from_hf(
         hf,
         tp=a.tp,
@@ -340,25 +342,25 @@ def build_teacher(
     initial_policy: Callable[[], list[torch.nn.Module]],
     fresh_policy: Callable[[], list[torch.nn.Module]],
 ) -> Teacher | None:
-    """The teacher of ``algo.distill`` on this rank (frozen), or None under ``none``. ``initial_policy`` gives the
+    """The teacher of ``algo.distill.kind`` on this rank (frozen), or None under ``none``. ``initial_policy`` gives the
     frozen initial policy's chunks under ``self`` and ``crpo`` (``fresh_policy``: a copy of its own, for CRPO's EMA
     teacher, which moves) (the reference's when the actor has one: the same weights)."""
-    if cfg.distill == "none":
+    if cfg.distill.kind == "none":
         return None
     context = None
-    if cfg.distill == "teacher":
-        check_same_tokenizer("algo.teacher_hf_dir", cfg.teacher_hf_dir, model_cfg.hf_dir)
+    if cfg.distill.kind == "teacher":
+        check_same_tokenizer("algo.distill.teacher_hf_dir", cfg.distill.teacher_hf_dir, model_cfg.hf_dir)
         chunks, local_vocab = teacher_chunks(
-            passes, cfg.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by, use_te, model_cfg.core_attention
+            passes, cfg.distill.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by, use_te, model_cfg.core_attention
         )
     else:
         from transformers import AutoTokenizer
 
-        ema = cfg.distill == "crpo" and cfg.crpo_teacher == "ema"
+        ema = cfg.distill.kind == "crpo" and cfg.distill.crpo.teacher == "ema"
         chunks, local_vocab = (fresh_policy() if ema else initial_policy()), passes.local_vocab
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.hf_dir)
-        if cfg.distill == "crpo":
-            context = CorrectResponseContext(tokenizer, cfg.self_distill_template, cfg.crpo_correct_reward)
+        if cfg.distill.kind == "crpo":
+            context = CorrectResponseContext(tokenizer, cfg.distill.template, cfg.distill.crpo.correct_reward)
         else:
-            context = PrivilegedContext(tokenizer, cfg.self_distill_template)
+            context = PrivilegedContext(tokenizer, cfg.distill.template)
     return Teacher(freeze(chunks), local_vocab, cfg, context, passes)

@@ -7,7 +7,7 @@ one it is given). The loop asks the registry for the run's transforms and applie
 
 A transform registers itself in its own module, with the `experience_transform` decorator on its builder::
 
-    @experience_transform("armor", enabled=lambda cfg: cfg.algo.anchor_rollout, reserved_samples=1)
+    @experience_transform("armor", enabled=lambda cfg: cfg.algo.armor.anchors, reserved_samples=1)
     def build(setup: TransformSetup) -> ExperienceTransform:
         return AnchorRollout(...)
 
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from megatron_rlvr.config import Config
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.experience.collect import Experience
 
 if TYPE_CHECKING:
@@ -132,8 +133,13 @@ def registrations() -> list[Registration]:
 
 
 def enabled(cfg: Config) -> list[Registration]:
-    """The transforms ``cfg`` asks for, in the order they apply."""
-    return [r for r in registrations() if r.enabled(cfg)]
+    """The transforms ``cfg`` asks for, in the order they apply. Two that each add samples of their own to every
+    group would each expect the group to be the policy's plus theirs: one at most."""
+    chosen = [r for r in registrations() if r.enabled(cfg)]
+    adding = [r.name for r in chosen if r.reserved_samples]
+    if len(adding) > 1:
+        raise ConfigError(f"algo: {' and '.join(adding)} both add samples of their own to each group; enable one")
+    return chosen
 
 
 def source_config(cfg: Config) -> Config:

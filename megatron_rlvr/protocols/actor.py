@@ -81,4 +81,4 @@ class Actor(WeightSource, AdapterSource, TrainState, EntropyScorer, Protocol):
         behaviour log-probs are the statistics' or, exactly on-policy, the update's own)."""
 
     def reset_reference(self) -> None:
-        """ARMOR: the frozen reference takes the policy's current weights (needs algo.mixed_ratio_share)."""
+        """ARMOR: the frozen reference takes the policy's current weights (needs algo.armor.mixed_ratio_share)."""

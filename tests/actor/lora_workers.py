@@ -8,6 +8,8 @@ import zlib
 
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 REL = 1e-5
 
 
@@ -52,7 +54,6 @@ def build(
 ):
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     cfg = ActorConfig(
@@ -71,7 +72,7 @@ def build(
     return MegatronActor(
         ModelConfig(hf_dir=hf_dir),
         cfg,
-        AlgoConfig(loss="grpo", kl_coef=kl_coef),
+        algo_config({"loss.kind": "grpo", "kl.coef": kl_coef}),
         temperature=temperature,
         total_steps=4,
     )

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_rlvr.actor.packing import context_parallel_index, cp_padded_length, pack, stream_tokens, unpack
+from megatron_rlvr.testing.configs import algo_config
 from tests.actor.test_packing import AGGS, LOSSES, RTOL, SEQ_KL  # the same loss grid as the packing equality tests
 
 LENGTHS = [61, 1, 7, 13, 2, 9, 1, 5]  # 61 > the other 38 together; 1s; 7, 13, 9, 5 not multiples of 4
@@ -96,14 +97,32 @@ def _valid(width: int) -> torch.Tensor:
 
 def _configs(full: bool) -> list[dict]:
     every = [
-        dict(loss=loss, loss_agg=agg, tau_q=0.5, cov_fraction=0.2, max_len_norm=16, kl_coef=0.05 if i % 4 == 0 else 0.0)
+        {
+            "loss.kind": loss,
+            "loss.agg": agg,
+            "loss.tau_q": 0.5,
+            "loss.cov_fraction": 0.2,
+            "loss.max_len_norm": 16,
+            "kl.coef": 0.05 if i % 4 == 0 else 0.0,
+        }
         for i, (loss, agg) in enumerate(itertools.product(LOSSES, AGGS))
     ]
     every += [
-        dict(loss="grpo", rollout_correction="tis", rollout_is_cap=1.5),
-        dict(loss="casp", tau_q=0.5, rollout_correction="mis", rollout_correction_level="sequence"),
-        dict(loss="casp", tau_q=0.5, seq_kl=True, candidates="adaptive", candidate_mass=0.01),
-        dict(loss="grpo", kl_coef=0.1, loss_agg="seq_mean_token_mean"),
+        {"loss.kind": "grpo", "rollout_correction.kind": "tis", "rollout_correction.cap": 1.5},
+        {
+            "loss.kind": "casp",
+            "loss.tau_q": 0.5,
+            "rollout_correction.kind": "mis",
+            "rollout_correction.level": "sequence",
+        },
+        {
+            "loss.kind": "casp",
+            "loss.tau_q": 0.5,
+            "seq_kl": True,
+            "loss.candidates": "adaptive",
+            "loss.candidate_mass": 0.01,
+        },
+        {"loss.kind": "grpo", "kl.coef": 0.1, "loss.agg": "seq_mean_token_mean"},
     ]
     if full:
         return every
@@ -115,7 +134,6 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
     """This rank's statistics, and per case the update's metrics and full gradients, at (TP, CP, PP, VPP)."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.protocols import Statistics, Targets
     from megatron_rlvr.runtime.cpu import attention as cpu_attention
@@ -135,7 +153,7 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
                     max_tokens_per_micro_batch=BUDGET,
                     use_distributed_optimizer=False,
                 ),
-                AlgoConfig(kl_coef=0.1),
+                algo_config({"kl.coef": 0.1}),
                 temperature=0.9,
                 total_steps=2,
             )
@@ -153,7 +171,7 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
                 actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = budget, 4 if vpp else 3
                 kwargs = dict(kwargs)
                 seq_kl = kwargs.pop("seq_kl", False)
-                actor.algo_cfg = AlgoConfig(**kwargs)
+                actor.algo_cfg = algo_config({**kwargs})
                 targets = Targets(advantages=torch.tensor(ADVANTAGES), kl_coef=torch.tensor(SEQ_KL) if seq_kl else None)
                 metrics = actor.update(batch, targets, statistics, mini_batches=1)
                 grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])

@@ -12,7 +12,13 @@ from tests.actor.test_teacher import _actor, _batch, _targets
 
 TEMPLATE = "Answer: {answer}\n"
 ITEMS = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2), "34", "math")]
-CRPO = dict(distill="crpo", self_distill_template=TEMPLATE, crpo_top_k=6, crpo_positive_share=0.3, crpo_coef=5.0)
+CRPO = {
+    "distill.kind": "crpo",
+    "distill.template": TEMPLATE,
+    "distill.crpo.top_k": 6,
+    "distill.crpo.positive_share": 0.3,
+    "distill.crpo.coef": 5.0,
+}
 
 
 def crpo_updates(hf_dir: str, tp: int, runs: list[dict]) -> list[dict]:
@@ -39,7 +45,7 @@ def student(tmp_path_factory):
 
 @pytest.mark.dist
 def test_crpo_update_tp2_equals_tp1_and_zero_coefficient_is_grpo(workers2, student):
-    runs = [CRPO, {**CRPO, "crpo_coef": 0.0}, {}]
+    runs = [CRPO, {**CRPO, "distill.crpo.coef": 0.0}, {}]
     tp1 = workers2.run(crpo_updates, student, 1, runs)  # TP = 1 x DP = 2
     tp2 = workers2.run(crpo_updates, student, 2, runs[:1])  # TP = 2 x DP = 1
     crpo, zero, grpo = tp1[0]
@@ -63,7 +69,7 @@ def ema_teacher_round_trip(hf_dir: str, ckpt_root: str, tp: int):
     from megatron_rlvr import checkpoint
     from megatron_rlvr.runtime.distributed import model_parallel
 
-    algo = {**CRPO, "crpo_teacher": "ema", "crpo_ema_decay": 0.25}
+    algo = {**CRPO, "distill.crpo.teacher": "ema", "distill.crpo.ema_decay": 0.25}
 
     def step(actor):
         batch = _batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])

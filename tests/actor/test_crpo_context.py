@@ -60,5 +60,5 @@ def test_rewards_of_another_shape_are_one_line():
     import dataclasses
 
     batch = dataclasses.replace(_batch([1.0, 0.0]), rewards=torch.zeros(3))
-    with pytest.raises(ValueError, match=r"^rollouts.rewards: algo.distill=crpo needs the rewards \[B\] = \[2\]"):
+    with pytest.raises(ValueError, match=r"^rollouts.rewards: algo.distill.kind=crpo needs the rewards \[B\] = \[2\]"):
         CorrectResponseContext(CharTokenizer(), "{answer}", 1.0).prefixes(batch, 2)

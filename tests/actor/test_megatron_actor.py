@@ -1,13 +1,15 @@
 """MegatronActor: the statistics pass and the update give the same numbers at every (TP, PP) layout, the interleaved
 schedule (virtual pipeline stages) included, and the update is exactly the gradient of the whole mini-batch loss
-whatever the micro-batch size; with algo.kl_coef > 0 the frozen reference starts equal to the policy and stays put
+whatever the micro-batch size; with algo.kl.coef > 0 the frozen reference starts equal to the policy and stays put
 while the policy trains; PBA builds the reference too, and the batch's per-sequence KL coefficient reaches the loss
-through the micro-batches in place of algo.kl_coef."""
+through the micro-batches in place of algo.kl.coef."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from megatron_rlvr.testing.configs import algo_config, replaced
 
 pytestmark = pytest.mark.dist
 
@@ -38,7 +40,6 @@ def _batch(vocab: int, seed: int = 0):
 def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: str = "casp", vpp: int | None = None):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.protocols import Statistics
     from megatron_rlvr.runtime.distributed import model_parallel
@@ -47,7 +48,7 @@ def _actor_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int, loss: s
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=tp, pp=pp, vpp=vpp, micro_batch_size=micro_batch_size, lr=1e-3),
-            AlgoConfig(loss=loss, tau_q=0.5),
+            algo_config({"loss.kind": loss, "loss.tau_q": 0.5}),
             temperature=0.9,
             total_steps=2,
         )
@@ -62,7 +63,6 @@ def _reference_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int):
     """Policy and reference log-probs before and after one update with the KL term, and a second update's metrics."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -70,7 +70,7 @@ def _reference_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int):
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=1e-3),
-            AlgoConfig(loss="grpo", kl_coef=0.1),
+            algo_config({"loss.kind": "grpo", "kl.coef": 0.1}),
             temperature=0.9,
             total_steps=2,
         )
@@ -135,16 +135,15 @@ def test_targets_carry_the_kl_coefficient():
 
 def _per_sequence_kl_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: int):
     """Updates at lr = 0 (the weights stay) with a reference log-prob off the policy: the loss and gradient with a
-    per-sequence coefficient against algo.kl_coef, and the metrics with a mixed one."""
+    per-sequence coefficient against algo.kl.coef, and the metrics with a mixed one."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.protocols import Statistics
     from megatron_rlvr.runtime.distributed import model_parallel
 
     with model_parallel(tp=tp, pp=pp, seed=11):
-        pba = AlgoConfig(loss="casp", tau_q=0.5, pba=True, pba_kl_coef=0.1)
+        pba = algo_config({"loss.kind": "casp", "loss.tau_q": 0.5, "kl.pba.enabled": True, "kl.pba.coef": 0.1})
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, lr=0.0),
@@ -152,7 +151,7 @@ def _per_sequence_kl_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: in
             temperature=0.9,
             total_steps=2,
         )
-        assert actor.reference is not None  # PBA's anchor needs the frozen base even with algo.kl_coef = 0
+        assert actor.reference is not None  # PBA's anchor needs the frozen base even with algo.kl.coef = 0
         batch = _batch(actor.vocab_size)
         old_logp = actor.compute_old_logp(batch)
         ref_logp = actor.compute_ref_logp(batch) + 0.3 * torch.randn(
@@ -167,14 +166,12 @@ def _per_sequence_kl_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: in
             grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])
             return metrics, grads
 
-        from dataclasses import replace
-
         return {
-            "global": update(replace(pba, kl_coef=0.1), None),
+            "global": update(replaced(pba, {"kl.coef": 0.1}), None),
             "uniform": update(pba, [0.1, 0.1, 0.1, 0.1]),
             "mixed": update(pba, [0.1, 0.0, 0.1, 0.0]),
-            "zero": update(replace(pba, kl_coef=0.5), [0.0, 0.0, 0.0, 0.0]),
-            "none": update(replace(pba, pba=False), None),
+            "zero": update(replaced(pba, {"kl.coef": 0.5}), [0.0, 0.0, 0.0, 0.0]),
+            "none": update(replaced(pba, {"kl.pba.enabled": False}), None),
         }
 
 
@@ -182,7 +179,7 @@ def _per_sequence_kl_numbers(hf_dir: str, tp: int, pp: int, micro_batch_size: in
 def test_per_sequence_kl_coefficient_reaches_the_loss(workers2, tiny_qwen, tp, pp, mbs):
     runs = workers2.run(_per_sequence_kl_numbers, tiny_qwen, tp, pp, mbs)[0]
     (m_global, g_global), (m_uniform, g_uniform) = runs["global"], runs["uniform"]
-    # the same coefficient for every sequence is algo.kl_coef (up to the order of float sums)
+    # the same coefficient for every sequence is algo.kl.coef (up to the order of float sums)
     assert m_uniform["actor/loss"] == pytest.approx(m_global["actor/loss"], rel=1e-5)
     torch.testing.assert_close(g_uniform, g_global, rtol=1e-5, atol=1e-7)
     assert m_uniform["loss/kl_loss"] == pytest.approx(0.1 * m_global["loss/kl_ref"], rel=1e-5)
@@ -191,7 +188,7 @@ def test_per_sequence_kl_coefficient_reaches_the_loss(workers2, tiny_qwen, tp, p
     assert 0 < m_mixed["loss/kl_loss"] < m_uniform["loss/kl_loss"]
     assert m_mixed["actor/loss"] == pytest.approx(m_mixed["loss/pg_loss"] + m_mixed["loss/kl_loss"], rel=1e-5)
     assert not torch.allclose(g_mixed, g_uniform)
-    # zero everywhere: no KL, whatever algo.kl_coef says
+    # zero everywhere: no KL, whatever algo.kl.coef says
     (m_zero, g_zero), (m_none, g_none) = runs["zero"], runs["none"]
     assert m_zero["loss/kl_loss"] == 0.0
     assert m_zero["actor/loss"] == pytest.approx(m_none["actor/loss"], rel=1e-6)
@@ -207,20 +204,21 @@ def _handed_over_step(hf_dir: str):
 
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.data import PromptItem
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
     from megatron_rlvr.testing.handoffs import assert_untouched, versions
 
-    algo = AlgoConfig(
-        loss="casp",
-        tau_q=0.5,
-        kl_coef=0.1,
-        distill="crpo",
-        self_distill_template="Answer: {answer}\n",
-        crpo_top_k=6,
-        rollout_correction="tis",
+    algo = algo_config(
+        {
+            "loss.kind": "casp",
+            "loss.tau_q": 0.5,
+            "kl.coef": 0.1,
+            "distill.kind": "crpo",
+            "distill.template": "Answer: {answer}\n",
+            "distill.crpo.top_k": 6,
+            "rollout_correction.kind": "tis",
+        }
     )
     items = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2), "34", "math")]
     with model_parallel(tp=2, pp=1, seed=11):

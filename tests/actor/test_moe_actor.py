@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 pytestmark = pytest.mark.dist
 
 REL = 1e-5
@@ -30,7 +32,6 @@ def _batch(vocab: int, seed: int = 0):
 def _actor_numbers(hf_dir: str, ep: int, kl_coef: float):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.protocols import Statistics, Targets
     from megatron_rlvr.runtime.distributed import model_parallel
@@ -39,7 +40,7 @@ def _actor_numbers(hf_dir: str, ep: int, kl_coef: float):
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(ep=ep, etp=1, micro_batch_size=2, lr=1e-3, pack_sequences=True),
-            AlgoConfig(loss="casp", tau_q=0.5, kl_coef=kl_coef),
+            algo_config({"loss.kind": "casp", "loss.tau_q": 0.5, "kl.coef": kl_coef}),
             temperature=0.9,
             total_steps=2,
         )

@@ -17,6 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 pytestmark = pytest.mark.dist
 
 REL = 1e-5
@@ -66,7 +68,6 @@ def _perturb_routers(chunks, scale: float) -> None:
 def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_size: int, **actor_overrides):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     actor = MegatronActor(
@@ -80,7 +81,7 @@ def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_siz
             router_replay=mode,
             **actor_overrides,
         ),
-        AlgoConfig(loss="casp", tau_q=0.5),
+        algo_config({"loss.kind": "casp", "loss.tau_q": 0.5}),
         temperature=TEMPERATURE,
         total_steps=2,
     )
@@ -117,7 +118,6 @@ def _reference_worker(hf_dir: str, noise: float):
     replays the routing the policy recorded."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -125,7 +125,7 @@ def _reference_worker(hf_dir: str, noise: float):
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(ep=2, micro_batch_size=2, lr=1e-3, router_replay="train"),
-            AlgoConfig(loss="casp", tau_q=0.5, kl_coef=0.1),
+            algo_config({"loss.kind": "casp", "loss.tau_q": 0.5, "kl.coef": 0.1}),
             temperature=TEMPERATURE,
             total_steps=2,
         )

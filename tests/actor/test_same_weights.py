@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron_rlvr.data import PromptItem
+from megatron_rlvr.testing.configs import algo_config
 
 pytestmark = pytest.mark.dist
 
@@ -54,13 +55,12 @@ def _batch(vocab: int):
 def _actor(hf_dir: str, tp: int, pp: int, algo: dict, lora: bool = False):
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     return MegatronActor(
         ModelConfig(hf_dir=hf_dir),
         ActorConfig(tp=tp, pp=pp, micro_batch_size=2, lr=1e-2, lora=LoraConfig(rank=4) if lora else None),
-        AlgoConfig(**{"loss": "grpo", **algo}),
+        algo_config({**{"loss.kind": "grpo", **algo}}),
         temperature=0.9,
         total_steps=4,
     )
@@ -85,22 +85,27 @@ def same_weights_numbers(hf_dir: str, tp: int, pp: int) -> dict[str, dict]:
 
     out = {}
     with model_parallel(tp=tp, pp=pp, seed=11):
-        teacher = dict(distill="teacher", teacher_hf_dir=hf_dir, distill_only=True, distill_top_n=3)
+        teacher = {
+            "distill.kind": "teacher",
+            "distill.teacher_hf_dir": hf_dir,
+            "distill.only": True,
+            "distill.top_n": 3,
+        }
         actor = _actor(hf_dir, tp, pp, teacher)
         vocab = actor.vocab_size
         out["teacher = student"] = _step(actor, _batch(vocab), advantages=True)  # distill_only: advantages unused
 
-        crpo = dict(distill="crpo", self_distill_template=TEMPLATE, crpo_top_k=6)
+        crpo = {"distill.kind": "crpo", "distill.template": TEMPLATE, "distill.crpo.top_k": 6}
         out["CRPO frozen teacher"] = _step(_actor(hf_dir, tp, pp, crpo), _batch(vocab))
 
-        actor = _actor(hf_dir, tp, pp, dict(kl_coef=0.1))
+        actor = _actor(hf_dir, tp, pp, {"kl.coef": 0.1})
         out["KL reference"] = _step(actor, _batch(vocab))
         # the policy did not move: the KL to it is still 0 on a batch whose policy term trains
         out["KL reference, one mini-batch"] = _step(actor, _batch(vocab), advantages=True, mini_batches=1)
 
         # ARMOR's reference takes the policy's weights after it moved; its only use is the mixed ratio, which is then
         # 1 exactly (loss/kl_old, the k3 estimate of the log-ratio, 0) on the first mini-batch after the reset
-        actor = _actor(hf_dir, tp, pp, dict(mixed_ratio_share=0.75))
+        actor = _actor(hf_dir, tp, pp, {"armor.mixed_ratio_share": 0.75})
         moved = _batch(vocab)
         _step(actor, moved, advantages=True, mini_batches=1)
         off = actor.compute_ref_logp(moved) - actor.compute_old_logp(moved)
@@ -108,7 +113,7 @@ def same_weights_numbers(hf_dir: str, tp: int, pp: int) -> dict[str, dict]:
         actor.reset_reference()
         out["ARMOR reset reference"] = _step(actor, _batch(vocab), advantages=True, mini_batches=1)
 
-        out["LoRA base"] = _step(_actor(hf_dir, tp, pp, dict(kl_coef=0.1), lora=True), _batch(vocab))
+        out["LoRA base"] = _step(_actor(hf_dir, tp, pp, {"kl.coef": 0.1}, lora=True), _batch(vocab))
     return out
 
 

@@ -89,7 +89,7 @@ def _actors(hf_dir: str, tp: int, *overrides: str):
             "actor.pp=1",
             "actor.micro_batch_size=2",
             "actor.lr=1e-3",
-            "algo.loss=casp",
+            "algo.loss.kind=casp",
             *overrides,
         ],
     )

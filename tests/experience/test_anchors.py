@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlvr.algos import AlgoConfig
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptLoader
 from megatron_rlvr.errors import ConfigError
@@ -15,6 +14,7 @@ from megatron_rlvr.experience.collect import collect
 from megatron_rlvr.experience.methods.armor import AnchorRollout
 from megatron_rlvr.experience.transforms import source_config
 from megatron_rlvr.rollout import RolloutConfig
+from megatron_rlvr.testing.configs import algo_config, run_config
 from tests.experience.test_collect import FAILED, MIXED, SOLVED, ScriptedEngine, ScriptedPool, _items
 
 G = 4
@@ -23,7 +23,7 @@ KINDS = [MIXED, SOLVED, FAILED, MIXED] * 3
 
 def _cfg(**algo) -> Config:
     return Config(
-        algo=AlgoConfig(anchor_rollout=True, anchor_reset_every=2, **algo),
+        algo=algo_config({"armor.anchors": True, "armor.reset_every": 2, **algo}),
         rollout=RolloutConfig(group_size=G, max_new_tokens=5),
     )
 
@@ -36,7 +36,7 @@ def _run(cfg, loader, anchors, step, engine):
 
 def test_anchors_join_each_group_and_the_filter_drops_the_rest(tmp_path):
     cfg = _cfg()
-    assert cfg.algo.mixed_ratio_share == (G - 1) / G  # ARMOR's a: the on-policy share
+    assert cfg.algo.mixed_ratio_share(G) == (G - 1) / G  # ARMOR's a: the on-policy share
     loader, engine, resets = PromptLoader(_items(KINDS), 4, seed=0, shuffle=False), ScriptedEngine(), []
     anchors = AnchorRollout(cfg, engine, ScriptedPool(), loader, lambda: resets.append(1), tmp_path, pad_id=0)
     exp = _run(cfg, loader, anchors, 0, engine)
@@ -81,17 +81,17 @@ def test_a_resume_without_the_interval_file_is_one_line(tmp_path):
     cfg = _cfg()
     loader = loader_at(1)
     anchors = AnchorRollout(cfg, ScriptedEngine(), ScriptedPool(), loader, lambda: None, tmp_path, pad_id=0)
-    with pytest.raises(ConfigError, match=r"^algo.anchor_rollout: resuming at step 1, but .*reset_0.pt .* is missing"):
+    with pytest.raises(ConfigError, match=r"^algo.armor.anchors: resuming at step 1, but .*reset_0.pt .* is missing"):
         anchors.prepare(1)
 
 
 def test_armor_settings_are_checked_in_one_line():
-    with pytest.raises(ValueError, match=r"^algo.kl_coef: expected 0 under ARMOR"):
-        AlgoConfig(anchor_rollout=True, kl_coef=0.1)
-    with pytest.raises(ValueError, match=r"^algo.anchor_candidates: expected >= 1"):
-        AlgoConfig(anchor_candidates=0)
-    with pytest.raises(ConfigError, match=r"^algo.anchor_rollout: rollout.group_size=1 leaves no policy sample"):
-        Config(algo=AlgoConfig(anchor_rollout=True), rollout=RolloutConfig(group_size=1))
-    cfg = Config(algo=AlgoConfig(anchor_rollout=True, drop_uniform_groups=True))
-    with pytest.raises(ConfigError, match=r"^algo.anchor_rollout: ARMOR's prompt filter already drops"):
+    with pytest.raises(ValueError, match=r"^algo.kl.coef: expected 0.0 under ARMOR"):
+        run_config({"algo.armor.anchors": True, "algo.kl.coef": 0.1})
+    with pytest.raises(ValueError, match=r"^algo.armor.candidates: expected >= 1"):
+        algo_config({"armor.candidates": 0})
+    with pytest.raises(ConfigError, match=r"^algo.armor.anchors: rollout.group_size=1 leaves no policy sample"):
+        run_config({"algo.armor.anchors": True, "rollout.group_size": 1})
+    cfg = Config(algo=algo_config({"armor.anchors": True, "drop_uniform_groups": True}))
+    with pytest.raises(ConfigError, match=r"^algo.armor.anchors: ARMOR's prompt filter already drops"):
         cfg.validate()

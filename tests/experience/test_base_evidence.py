@@ -58,7 +58,7 @@ def _items(correct: list[int]) -> list[PromptItem]:
 
 def _cfg(m: int = M, hf_dir: str = "models/base") -> Config:
     cfg = Config()
-    cfg.algo.pba_base_samples = m
+    cfg.algo.kl.pba.base_samples = m
     cfg.model.hf_dir = hf_dir
     return cfg
 

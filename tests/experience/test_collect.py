@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from megatron_rlvr.actor.config import ActorConfig
-from megatron_rlvr.algos import AlgoConfig
 from megatron_rlvr.config import load_config
 from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.experience.collect import RoutingMissingError, collect, overlong_penalty
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout import Completion, RolloutConfig
+from megatron_rlvr.testing.configs import algo_config
 from megatron_rlvr.testing.engines import ScriptedEngineBase
 
 G = 4
@@ -76,7 +76,7 @@ def _cfg(
     return SimpleNamespace(
         actor=ActorConfig(router_replay=router_replay),
         rollout=RolloutConfig(group_size=G, max_new_tokens=max_new_tokens, refill_max_rounds=rounds),
-        algo=AlgoConfig(drop_uniform_groups=drop, mask_truncated=mask_truncated),
+        algo=algo_config({"drop_uniform_groups": drop, "mask_truncated": mask_truncated}),
         reward=RewardConfig(overlong_buffer=buffer, overlong_penalty=penalty),
     )
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlvr.algos import AlgoConfig
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.errors import UserError
@@ -16,6 +15,7 @@ from megatron_rlvr.experience.methods.demonstrations import Demonstrations, refe
 from megatron_rlvr.protocols import Targets
 from megatron_rlvr.rewards.countdown import score_countdown
 from megatron_rlvr.rollout import Completion, RolloutConfig
+from megatron_rlvr.testing.configs import algo_config, run_config
 
 COUNTDOWN = PromptItem("cd0", "", (5, 6), {"numbers": [3, 4, 5, 6], "target": 24}, "countdown")
 
@@ -34,7 +34,7 @@ class CountdownPool:
 
 def test_countdown_demonstrations_replace_the_samples():
     cfg = Config(
-        algo=AlgoConfig(loss="psr", advantage="reward", demonstrations=True),
+        algo=algo_config({"loss.kind": "psr", "advantage.kind": "reward", "demonstrations": True}),
         rollout=RolloutConfig(group_size=2, stop=["\n"]),
     )
     solution = reference_solution(COUNTDOWN)
@@ -55,5 +55,5 @@ def test_a_task_without_reference_solutions_is_one_line():
     with pytest.raises(UserError, match=r"^algo.demonstrations: prompt 'm1' \(task 'math'\) has no reference solution"):
         reference_solution(item)
     assert reference_solution(PromptItem("m2", "", (1,), {"solution": "2 + 2 = 4"}, "math")) == "2 + 2 = 4"
-    with pytest.raises(ValueError, match=r"^algo.advantage: expected 'reward' or 'signed_reward' under algo.demo"):
-        AlgoConfig(demonstrations=True)
+    with pytest.raises(ValueError, match=r"^algo.advantage.kind: expected 'reward' or 'signed_reward' under algo.demo"):
+        run_config({"algo.demonstrations": True})

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlvr.algos import AlgoConfig, policy_loss
+from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.config import load_config
 from megatron_rlvr.experience.collect import collect
 from megatron_rlvr.experience.construction import make_rollout_engine, prompt_stream
 from megatron_rlvr.experience.stream import StreamCore
 from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.testing.configs import algo_config
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +43,7 @@ def _loss(exp, vocab: int, proximal: str = "own"):
             old_logp = vocab_parallel_token_stats((table + step)[batch.tokens[:, :-1]], targets, 1).logp
     else:
         old_logp = batch.engine_logp
-    cfg = AlgoConfig(loss="casp", rollout_correction="tis")
+    cfg = algo_config({"loss.kind": "casp", "rollout_correction.kind": "tis"})
     loss, metrics = policy_loss(
         stats,
         old_logp,

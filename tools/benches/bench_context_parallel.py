@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
@@ -87,7 +89,6 @@ def _worker(hf_dir: str, cfg: BenchConfig) -> dict[str, Any]:
 
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -98,7 +99,7 @@ def _worker(hf_dir: str, cfg: BenchConfig) -> dict[str, Any]:
             actor = MegatronActor(
                 ModelConfig(hf_dir=hf_dir),
                 ActorConfig(cp=cp, lr=0.0, max_tokens_per_micro_batch=1, use_distributed_optimizer=False),
-                AlgoConfig(loss="casp", loss_agg="token_mean"),
+                algo_config({"loss.kind": "casp", "loss.agg": "token_mean"}),
                 temperature=1.0,
                 total_steps=1,
             )

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # the tiny Qwen3-MoE of testing/tiny_models.py (8 experts, top-2, layer 1 dense, 4 layers) at a larger width
@@ -99,7 +101,6 @@ def run_layout(hf_dir: str, ep: int, sequences: int, seq_len: int, steps: int) -
 
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
     from tools.benches.measure_memory import PeakSampler, _rss_anon, _trim
@@ -110,7 +111,7 @@ def run_layout(hf_dir: str, ep: int, sequences: int, seq_len: int, steps: int) -
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(ep=ep, etp=1, micro_batch_size=sequences // 2, lr=1e-4, pack_sequences=True),
-            AlgoConfig(loss="casp"),
+            algo_config({"loss.kind": "casp"}),
             temperature=1.0,
             total_steps=steps + 1,
         )

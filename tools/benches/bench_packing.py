@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
@@ -111,7 +113,6 @@ def _peak_bytes(fn: Callable[[], Any]) -> int:
 def _worker(hf_dir: str, cfg: BenchConfig, lengths: list[int]) -> dict[str, Any]:
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -120,7 +121,7 @@ def _worker(hf_dir: str, cfg: BenchConfig, lengths: list[int]) -> dict[str, Any]
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=2, lr=0.0, micro_batch_size=cfg.micro_batch_size),
-            AlgoConfig(loss="casp", loss_agg="token_mean"),
+            algo_config({"loss.kind": "casp", "loss.agg": "token_mean"}),
             temperature=1.0,
             total_steps=1,
         )

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # A random Qwen2 big enough that allocator noise (tens of MB) is small against what is measured (~1 GB a rank).
@@ -98,7 +100,6 @@ class Case:
 def config_of(case: Case, hf_dir: str, world: int):
     """The run Config of a case (CPU: fp32), as the plan reads it."""
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.config import Config, TrainerConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.rollout.config import RolloutConfig
@@ -114,7 +115,7 @@ def config_of(case: Case, hf_dir: str, world: int):
             use_distributed_optimizer=case.distributed_optimizer,
             lora=LoraConfig(rank=case.lora, alpha=32.0) if case.lora else None,
         ),
-        algo=AlgoConfig(loss="casp", kl_coef=0.05 if case.reference else 0.0),
+        algo=algo_config({"loss.kind": "casp", "kl.coef": 0.05 if case.reference else 0.0}),
         rollout=RolloutConfig(max_model_len=case.seq_len, max_new_tokens=case.seq_len // 2, group_size=case.sequences),
         trainer=TrainerConfig(prompts_per_step=1, mini_batches_per_step=1),
     )

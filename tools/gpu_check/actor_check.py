@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (after the path: the scripts run from a plain checkout)
@@ -110,7 +112,6 @@ def preflight(args: argparse.Namespace) -> list[str]:
 
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor  # noqa: F401
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.builder import attention_choice  # noqa: F401
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.ops import backends  # noqa: F401
@@ -118,7 +119,7 @@ def preflight(args: argparse.Namespace) -> list[str]:
     from megatron_rlvr.testing.handoffs import rollouts  # noqa: F401
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
 
-    AlgoConfig(loss="casp", kl_coef=args.kl_coef)
+    algo_config({"loss.kind": "casp", "kl.coef": args.kl_coef})
     if args.lora_rank:
         LoraConfig(rank=args.lora_rank)
     missing = [f for f in PACKING_FIELDS if f not in {f.name for f in dataclasses.fields(ActorConfig)}]
@@ -196,13 +197,12 @@ def reset_peak(cuda: bool) -> None:
 
 def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool, total_steps: int):
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     return MegatronActor(
         ModelConfig(hf_dir=str(hf_dir), core_attention=args.core_attention),
         actor_config(args, layout, bf16),
-        AlgoConfig(loss="casp", kl_coef=args.kl_coef),
+        algo_config({"loss.kind": "casp", "kl.coef": args.kl_coef}),
         temperature=1.0,
         total_steps=total_steps,
     )

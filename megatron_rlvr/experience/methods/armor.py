@@ -1,11 +1,11 @@
 """ARMOR's anchor rollout (docs/algorithms.md, "ARMOR"): each group is G - 1 policy samples plus one anchor, a
 correct sample of the reference pi_ref.
 
-The reference is reset to the policy every ``algo.anchor_reset_every`` (beta) steps. Right after a reset the
+The reference is reset to the policy every ``algo.armor.reset_every`` (beta) steps. Right after a reset the
 colocated engine holds exactly the reference's weights (the policy's, synced after the last update), so
 `AnchorRollout.prepare` draws the anchors of the whole interval there and then: for each prompt of the next beta steps
 (read ahead from the loader, whose order is a pure function of the seed: the prompts each step will draw)
-``algo.anchor_candidates`` samples, scored by the reward pool; the first correct one (reward >= 1) is the prompt's
+``algo.armor.candidates`` samples, scored by the reward pool; the first correct one (reward >= 1) is the prompt's
 anchor. No second engine and no second weight sync: the cost is ``anchor_candidates`` samples per trained prompt,
 drawn in one go per interval (one chunk per step, seeded like a rollout round with step ``ANCHOR_STEP - r``).
 
@@ -64,7 +64,7 @@ class Interval:
     candidates_drawn: int
 
 
-@experience_transform("armor", enabled=lambda cfg: cfg.algo.anchor_rollout, reserved_samples=1)
+@experience_transform("armor", enabled=lambda cfg: cfg.algo.armor.anchors, reserved_samples=1)
 def build(setup: TransformSetup) -> AnchorRollout:
     return AnchorRollout(
         setup.cfg,
@@ -107,7 +107,7 @@ class AnchorRollout(ExperienceTransform):
     def prepare(self, step: int) -> dict[str, float]:
         """Before step ``step``'s rollout: on a reset step, reset the reference and draw the interval's anchors (or
         read them back); on a resumed run's first step, read its interval's anchors."""
-        beta = self.cfg.algo.anchor_reset_every
+        beta = self.cfg.algo.armor.reset_every
         start = step - step % beta
         if self.interval is not None and self.interval.start == start:
             return {"anchor/reset": 0.0}
@@ -118,7 +118,7 @@ class AnchorRollout(ExperienceTransform):
         interval = self._read(start)
         if interval is None:
             raise ConfigError(
-                f"algo.anchor_rollout: resuming at step {step}, but {self.path(start)} (the anchors the reference of "
+                f"algo.armor.anchors: resuming at step {step}, but {self.path(start)} (the anchors the reference of "
                 f"step {start} drew) is missing and the engine no longer holds that reference; restore the file or "
                 "start the run afresh"
             )
@@ -128,13 +128,13 @@ class AnchorRollout(ExperienceTransform):
     def _draw(self, start: int) -> Interval:
         cfg = self.cfg
         # the whole interval, even past trainer.steps: a resumed run with more steps finds its anchors
-        count = cfg.algo.anchor_reset_every
+        count = cfg.algo.armor.reset_every
         position = self.loader.state_dict()
         try:
             per_step = [self.loader.next_batch() for _ in range(count)]
         finally:
             self.loader.load_state_dict(position)  # read ahead only: each step draws its own prompts
-        k = cfg.algo.anchor_candidates
+        k = cfg.algo.armor.candidates
         rollout = dataclasses.replace(cfg.rollout, group_size=k)
         engine = without_prefixes(self.engine)
         steps, correct_total, drawn = [], 0, 0
@@ -164,8 +164,8 @@ class AnchorRollout(ExperienceTransform):
         return {
             "format": FORMAT,
             "start": start,
-            "candidates": c.algo.anchor_candidates,
-            "reset_every": c.algo.anchor_reset_every,
+            "candidates": c.algo.armor.candidates,
+            "reset_every": c.algo.armor.reset_every,
             "seed": c.trainer.seed,
             "model": str(c.model.hf_dir),
             "sampling": [r.temperature, r.top_p, r.max_new_tokens, list(r.stop)],
@@ -187,7 +187,7 @@ class AnchorRollout(ExperienceTransform):
         data = torch.load(path, weights_only=False)
         if data.get("header") != self._header(start):
             raise ConfigError(
-                f"algo.anchor_rollout: {path} was drawn for another setting ({data.get('header')}); use another "
+                f"algo.armor.anchors: {path} was drawn for another setting ({data.get('header')}); use another "
                 "trainer.output_dir, or delete the file"
             )
         return Interval(**data["interval"])

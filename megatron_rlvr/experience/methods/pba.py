@@ -1,6 +1,6 @@
 """PBA's base evidence: how many of M base-model samples per training prompt are correct (docs/algorithms.md, "PBA").
 
-`base_evidence(engine, pool, items, cfg, path, run_seed=...)` draws ``M = algo.pba_base_samples`` samples per
+`base_evidence(engine, pool, items, cfg, path, run_seed=...)` draws ``M = algo.kl.pba.base_samples`` samples per
 prompt from the engine's current weights (the caller runs it before the first update, so they are the base's),
 scores them with the reward pool (correct: reward >= 1, as pass@k counts) and stores ``prompt id -> count`` in
 ``path`` (JSON). The draw goes in chunks of prompts (``chunk_samples`` samples per chunk); each chunk is sampled like
@@ -60,12 +60,12 @@ def base_evidence(
     run_seed: int,
     chunk_samples: int = 4096,
 ) -> dict[str, int]:
-    """prompt id -> correct answers among cfg.algo.pba_base_samples samples of the engine's current (base) weights.
+    """prompt id -> correct answers among cfg.algo.kl.pba.base_samples samples of the engine's current (base) weights.
     Reads ``path`` when it holds every item's count (a rerun draws nothing); otherwise generates the missing chunks
     (ranks share the work like collect.generate), rank 0 writes ``path`` atomically. A collective over all
     ranks (all of them read the same file and take the same branch)."""
     path = Path(path)
-    m = cfg.algo.pba_base_samples
+    m = cfg.algo.kl.pba.base_samples
     header = _header(cfg, run_seed)
     counts = _read(path, header)
     ids = list(dict.fromkeys(item.id for item in items))  # first occurrence: the chunks' fixed layout
@@ -98,7 +98,7 @@ def _header(cfg: Config, run_seed: int) -> dict[str, Any]:
     r = cfg.rollout
     return {
         "format": FORMAT,
-        "samples": cfg.algo.pba_base_samples,
+        "samples": cfg.algo.kl.pba.base_samples,
         "model": str(cfg.model.hf_dir),
         "load": cfg.model.load,
         "seed": run_seed,
@@ -149,7 +149,7 @@ def _write(path: Path, header: dict[str, Any], counts: dict[str, int]) -> None:
     os.replace(tmp, path)  # readers see the old file or the new one, never a half-written one
 
 
-@experience_transform("pba", enabled=lambda cfg: cfg.algo.pba, stage="targets")
+@experience_transform("pba", enabled=lambda cfg: cfg.algo.kl.pba.enabled, stage="targets")
 def build(setup: TransformSetup) -> BaseAnchoring:
     return BaseAnchoring(
         setup.cfg,
@@ -176,7 +176,7 @@ class BaseAnchoring(ExperienceTransform):
     ) -> None:
         if start_step > 0 and not path.is_file():  # the engine now holds trained weights: they are not the base
             raise ConfigError(
-                f"algo.pba: resuming at step {start_step} but {path} (the base's evidence) is missing; "
+                f"algo.kl.pba.enabled: resuming at step {start_step} but {path} (the base's evidence) is missing; "
                 "start the run afresh or restore the file"
             )
         self.cfg = cfg
