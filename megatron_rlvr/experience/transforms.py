@@ -15,7 +15,9 @@ A transform registers itself in its own module, with the `experience_transform` 
 - ``reserved_samples``: samples of each group of ``rollout.group_size`` that the transform adds itself (ARMOR's
   anchor), so the experience source samples that many fewer per prompt (`source_config`);
 - ``stage``: ``rollouts`` for transforms that change which responses train (they run first, in name order),
-  ``targets`` for those that only weigh them (after).
+  ``targets`` for those that only weigh them (after);
+- ``check(cfg)``: the method's own rules against the rest of the run's config (a one-line message, or None),
+  checked when the run starts; two enabled transforms that both add samples are refused there too.
 
 Modules in `megatron_rlvr.experience.methods` are found and imported when the registry is first read, so a new
 method is one new module there (and its config section): no list to edit, nothing in the loop.
@@ -77,6 +79,9 @@ class TransformSetup:
 Builder = Callable[[TransformSetup], ExperienceTransform]
 
 
+Check = Callable[[Config], "str | None"]
+
+
 @dataclass(frozen=True)
 class Registration:
     name: str
@@ -84,13 +89,19 @@ class Registration:
     enabled: Callable[[Config], bool]
     reserved_samples: int = 0
     stage: Stage = "rollouts"
+    check: Check | None = None
 
 
 _REGISTRY: dict[str, Registration] = {}
 
 
 def experience_transform(
-    name: str, *, enabled: Callable[[Config], bool], reserved_samples: int = 0, stage: Stage = "rollouts"
+    name: str,
+    *,
+    enabled: Callable[[Config], bool],
+    reserved_samples: int = 0,
+    stage: Stage = "rollouts",
+    check: Check | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register the decorated builder as transform ``name`` (see the module doc)."""
     if stage not in STAGES:
@@ -101,7 +112,7 @@ def experience_transform(
     def register(build: Builder) -> Builder:
         if name in _REGISTRY and _REGISTRY[name].build is not build:
             raise ValueError(f"experience_transform {name!r}: registered twice")
-        _REGISTRY[name] = Registration(name, build, enabled, reserved_samples, stage)
+        _REGISTRY[name] = Registration(name, build, enabled, reserved_samples, stage, check)
         return build
 
     return register
@@ -115,9 +126,10 @@ def registered(
     enabled: Callable[[Config], bool],
     reserved_samples: int = 0,
     stage: Stage = "rollouts",
+    check: Check | None = None,
 ) -> Iterator[None]:
     """Transform ``name`` registered for the duration of the block (a transform from outside the package: tests)."""
-    experience_transform(name, enabled=enabled, reserved_samples=reserved_samples, stage=stage)(build)
+    experience_transform(name, enabled=enabled, reserved_samples=reserved_samples, stage=stage, check=check)(build)
     try:
         yield
     finally:
@@ -133,12 +145,16 @@ def registrations() -> list[Registration]:
 
 
 def enabled(cfg: Config) -> list[Registration]:
-    """The transforms ``cfg`` asks for, in the order they apply. Two that each add samples of their own to every
-    group would each expect the group to be the policy's plus theirs: one at most."""
+    """The transforms ``cfg`` asks for, in the order they apply, each one's ``check`` passed. Two that each add
+    samples of their own to every group would each expect the group to be the policy's plus theirs: one at most."""
     chosen = [r for r in registrations() if r.enabled(cfg)]
     adding = [r.name for r in chosen if r.reserved_samples]
     if len(adding) > 1:
         raise ConfigError(f"algo: {' and '.join(adding)} both add samples of their own to each group; enable one")
+    for registration in chosen:
+        message = registration.check(cfg) if registration.check is not None else None
+        if message:
+            raise ConfigError(message)
     return chosen
 
 

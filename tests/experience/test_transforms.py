@@ -68,3 +68,14 @@ def test_two_transforms_that_add_samples_are_one_line():
         pytest.raises(ConfigError, match=r"^algo: armor and zz_inject both add samples of their own"),
     ):
         source_config(cfg)
+
+
+def test_a_methods_own_check_is_one_line_when_the_run_starts():
+    def refuse_correction(cfg) -> str | None:
+        kind = cfg.algo.rollout_correction.kind
+        return f"algo.rollout_correction.kind={kind}: not with zz_strict" if kind != "none" else None
+
+    with registered("zz_strict", lambda s: None, enabled=lambda c: True, check=refuse_correction):
+        assert [r.name for r in enabled(run_config())] == ["zz_strict"]
+        with pytest.raises(ConfigError, match=r"^algo.rollout_correction.kind=tis: not with zz_strict$"):
+            source_config(run_config({"algo.rollout_correction.kind": "tis"}))
