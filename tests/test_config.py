@@ -293,7 +293,7 @@ def test_limits_are_checked_once_by_the_loader_naming_the_key():
         "algo.loss.alpha=1.5": r"^algo\.loss\.alpha: expected in \[0, 1\], got 1\.5$",
         "algo.distill.crpo.tau=0": r"^algo\.distill\.crpo\.tau: expected > 0, finite, got 0$",
         "rollout.top_p=0": r"^rollout\.top_p: expected in \(0, 1\], got 0$",
-        "rollout.prefix_cut=[0.8, 0.2]": r"^rollout\.prefix_cut: expected a range \[lo, hi\] with 0 <= lo <= hi <= 1, got",
+        "rollout.prefix_cut=[0.8, 0.2]": r"^rollout\.prefix_cut: expected a range \[lo, hi\] with 0 <= lo <= hi <= 1",
         "environment.observation_role=''": r"^environment\.observation_role: expected a chat role such as 'tool'",
         "actor.micro_batch_size=0": r"^actor\.micro_batch_size: expected >= 1, got 0$",
         "reward.overlong_penalty=-1": r"^reward\.overlong_penalty: expected >= 0, got -1$",

@@ -4,8 +4,8 @@ exports its weights and hands its state to checkpoints. It writes into nothing i
 
 The actor sees rollouts as `Rollouts` (prompt + response token ids, right-padded, a mask of the response positions,
 the engine's log-probs, the rewards) with their `Targets` (per-sequence advantages); the update joins them with the
-statistics into its own `TrainingRows` (rows.py). Every loss reads only the fused op's per-token statistics, computed on the
-last pipeline stage from the vocab-sharded logits. Loss scaling: `policy_loss` normalizes by the global token /
+statistics into its own `TrainingRows` (rows.py). Every loss reads only the fused op's per-token statistics, computed
+on the last pipeline stage from the vocab-sharded logits. Loss scaling: `policy_loss` normalizes by the global token /
 sequence counts of the whole mini-batch, and the schedule's `/ num_microbatches` and DDP's `/ dp` are undone here, so
 the gradient is exactly that of the mini-batch loss whatever the micro-batching and data parallelism.
 
@@ -186,8 +186,8 @@ class MegatronActor:
     def score(self, rollouts: Rollouts, items: Sequence[PromptItem], *, mini_batches: int) -> Statistics:
         """The `Statistics` of ``rollouts``: the behaviour log-probs (unless the update takes its own:
         `needs_statistics_pass`), the reference's (a KL reference: algo.kl.coef > 0, or PBA's anchor) and the
-        teacher's scores (algo.distill.kind), each of the update's ``mini_batches`` planned as the update plans it (so the
-        first mini-batch's are exactly what its forward computes from the same weights). Under routing replay's
+        teacher's scores (algo.distill.kind), each of the update's ``mini_batches`` planned as the update plans it (so
+        the first mini-batch's are exactly what its forward computes from the same weights). Under routing replay's
         ``train`` the statistics pass records the routing that every later pass, the update's too, replays."""
         old_logp, routed, scored = None, None, rollouts
         if self.needs_statistics_pass(mini_batches):

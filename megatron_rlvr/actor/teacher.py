@@ -1,15 +1,15 @@
 """The distillation teacher on the actor ranks: built beside the KL reference, frozen, scored with the fused op.
 
 ``build_teacher(passes, model_cfg, algo_cfg, ...)`` returns a ``Teacher`` (or None under ``algo.distill.kind: none``):
-- ``teacher``: the model of ``algo.distill.teacher_hf_dir`` (any size, the same tokenizer as the student: checked), built at
-  the actor's TP/PP/VPP/CP like the reference, no optimizer, no grad, eval mode;
+- ``teacher``: the model of ``algo.distill.teacher_hf_dir`` (any size, the same tokenizer as the student: checked),
+  built at the actor's TP/PP/VPP/CP like the reference, no optimizer, no grad, eval mode;
 - ``self``: the frozen initial policy (the reference's chunks when the actor has a reference, else a copy built the
   same way) reading a privileged context: ``algo.distill.template`` with the item's reference answer, put
   before the whole sequence (prompt + response).
 - ``crpo``: the same frozen initial policy, its privileged context being a correct response of the row's own group
   (``CorrectResponseContext``: its token ids in the template's ``{answer}``), scored on its top-K
-  (``algo.distill.crpo.top_k``, capped at the vocabulary); its `ContextGroups` say which rows form a group and whether it
-  had a correct response. With ``algo.distill.crpo.teacher: ema`` the teacher is a copy of
+  (``algo.distill.crpo.top_k``, capped at the vocabulary); its `ContextGroups` say which rows form a group and whether
+  it had a correct response. With ``algo.distill.crpo.teacher: ema`` the teacher is a copy of
   its own that follows the policy after every optimizer step (``Teacher.follow``), and its weights are part of the
   actor's checkpointed state (``sharded_state`` / ``load_state``).
 
@@ -17,9 +17,9 @@
 (planned mini-batch by mini-batch, packed and scheduled by the actor's own `ActorPasses`, as the update runs the
 student) and returns its `TeacherScores`: ``logp`` [B, S - 1], ``topn_ids`` [B, S - 1, N] and ``topn_logits``
 [B, S - 1, N] (the teacher's logits / temperature at its top-N ids), every rank, in the student's layout, with
-CRPO's `ContextGroups`. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths: row i
-is shifted by its prefix length k_i, its response mask too, and the scores come back at ``t + k_i`` -> ``t``, so the
-teacher scores exactly the student's response tokens.
+CRPO's `ContextGroups`. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths:
+row i is shifted by its prefix length k_i, its response mask too, and the scores come back at ``t + k_i`` -> ``t``, so
+the teacher scores exactly the student's response tokens.
 
 ``student_logits_at(passes, logits, mb, ids)`` is the student's side of the top-N forward KL inside the update's loss:
 its logits / temperature at the teacher's ids (ops.given_ids), in the padded view the losses read.

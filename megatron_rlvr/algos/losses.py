@@ -194,9 +194,9 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss ``cfg.loss.kind`` of one (micro-)batch and its metrics (plain floats over this batch's response tokens).
 
-    ``stats`` is the fused op's TokenStats with [B, T] / [B, T, N] tensors (N >= cfg.loss.top_n; the first cfg.loss.top_n
-    columns enter the loss, up to three feed the rank metrics); ``old_logp`` [B, T], or None when the update is
-    exactly on-policy (the behaviour log-probs are then ``stats.logp.detach()``); ``advantages`` [B];
+    ``stats`` is the fused op's TokenStats with [B, T] / [B, T, N] tensors (N >= cfg.loss.top_n; the first
+    cfg.loss.top_n columns enter the loss, up to three feed the rank metrics); ``old_logp`` [B, T], or None when the
+    update is exactly on-policy (the behaviour log-probs are then ``stats.logp.detach()``); ``advantages`` [B];
     ``mask`` [B, T] marks response tokens (bool or 0/1). ``ref_logp`` [B, T] is required when cfg.kl.coef > 0.
     ``rollout_logp`` [B, T], the engine's log-probs of the sampled tokens, is required when cfg.rollout_correction.kind
     is not "none" (and unused otherwise); its metrics come back as ``rollout_correction/*``.
@@ -386,7 +386,8 @@ def _token_view(
     for name, tensor in (("stats.topn_logp", stats.topn_logp), ("stats.topn_ids", stats.topn_ids)):
         if tensor.dim() != 3 or tuple(tensor.shape[:2]) != shape or tensor.shape[2] < cfg.loss.top_n:
             raise ValueError(
-                f"{name}: expected shape [B, T, N] = [{shape[0]}, {shape[1]}, N >= algo.loss.top_n = {cfg.loss.top_n}], "
+                f"{name}: expected shape [B, T, N] = [{shape[0]}, {shape[1]}, N >= algo.loss.top_n = "
+                f"{cfg.loss.top_n}], "
                 f"got {tuple(tensor.shape)}"
             )
     if tuple(advantages.shape) != shape[:1]:

@@ -1,6 +1,7 @@
 """The run config: every section's dataclass composed into one `Config` (run.py), read from YAML recipes and dotted
 overrides with every key, type and declared limit checked once (loader.py), the rules between fields in one table
-(rules.py), the sections of no wing (sections.py), the keys that moved (renamed.py), and `megatron-rlvr config explain` (explain.py).
+(rules.py), the sections of no wing (sections.py), the keys that moved (renamed.py), and `megatron-rlvr config
+explain` (explain.py).
 """
 
 from megatron_rlvr.config.loader import (

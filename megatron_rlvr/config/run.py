@@ -122,7 +122,8 @@ class Config:
             out.append(
                 f"rollout.max_staleness={k} with algo.rollout_correction.kind=none: the loss's old log-probs are the "
                 f"current weights' (the proximal policy), and nothing corrects for the responses having been sampled "
-                f"by weights up to {k} update(s) older; set algo.rollout_correction.kind (e.g. tis) for decoupled PPO's "
+                f"by weights up to {k} update(s) older; set algo.rollout_correction.kind (e.g. tis) for decoupled "
+                "PPO's "
                 "off-policy weight exp(old_logp - engine_logp) (docs/algorithms.md, 'Rollout correction')"
             )
         return out

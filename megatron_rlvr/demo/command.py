@@ -77,7 +77,8 @@ def _run_note(config_yaml: Path, prompts: int, n: int) -> str:
     t = cfg.trainer
     return (
         f"trained {t.steps} steps of {t.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
-        f"(algo.loss.kind={cfg.algo.loss.kind}, seed {t.seed}; its config: {config_yaml}); evaluated on {prompts} held-out "
+        f"(algo.loss.kind={cfg.algo.loss.kind}, seed {t.seed}; its config: {config_yaml}); evaluated on {prompts} "
+        "held-out "
         f"prompts x {n} samples (eval seed {EVAL_SEED})"
     )
 

@@ -143,8 +143,8 @@ def problem_of(item: PromptItem) -> Problem:
 def verify(
     pool: RewardPool, items: list[PromptItem], completions: list[list[Completion]], *, shared: bool = True
 ) -> tuple[torch.Tensor, dict[str, int]]:
-    """The verifiers' rewards of every response, in (prompt, sample) order. ``shared``: each rank scores a share and all ranks get
-    all; otherwise this rank scores them all alone."""
+    """The verifiers' rewards of every response, in (prompt, sample) order. ``shared``: each rank scores a share and
+    all ranks get all; otherwise this rank scores them all alone."""
     flat = [(item, c) for item, group in zip(items, completions) for c in group]
     world, rank = (dist.get_world_size(), dist.get_rank()) if shared and dist.is_initialized() else (1, 0)
     mine = list(range(rank, len(flat), world))

@@ -15,11 +15,11 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
 - LoRA (``actor.lora``, plan/lora_terms.py): the frozen base's weights, the adapters' weights, and grads and
   optimizer state of the adapters alone; the reference is free (the base with the adapters off);
 - the distillation teacher (teacher.py): ``algo.distill.kind: teacher`` holds the model of
-  ``algo.distill.teacher_hf_dir`` at the actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
-  like the statistics pass); ``self`` and ``crpo`` hold a copy of the student unless the reference is that copy
-  already (CRPO's EMA teacher is always a copy of its own); its pass's op records and gathered scores:
-  plan/teacher_terms.py (``teacher_scores``, the statistics phase; under ``crpo`` the prefix is a response, so its
-  sequences are up to two lengths long);
+  ``algo.distill.teacher_hf_dir`` at the actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer;
+  its no-grad pass is one layer at a time like the statistics pass); ``self`` and ``crpo`` hold a copy of the student
+  unless the reference is that copy already (CRPO's EMA teacher is always a copy of its own); its pass's op records
+  and gathered scores: plan/teacher_terms.py (``teacher_scores``, the statistics phase; under ``crpo`` the prefix is a
+  response, so its sequences are up to two lengths long);
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware;
   an MoE layer's router and experts, plan/parallel_terms.py), times the micro-batches the 1F1B schedule keeps in
   flight on a pipeline stage; the fused op's logits shard (kept for its in-place backward) and its per-token

@@ -11,7 +11,8 @@ from megatron_rlvr.algos.config import AlgoConfig
 
 
 def teacher_top_n(algo: AlgoConfig) -> int:
-    """The N of the teacher's top-N ids (0: no teacher pass): ``algo.distill.crpo.top_k`` under crpo, else distill_top_n."""
+    """The N of the teacher's top-N ids (0: no teacher pass): ``algo.distill.crpo.top_k`` under crpo, else
+    distill_top_n."""
     return {"none": 0, "crpo": algo.distill.crpo.top_k}.get(algo.distill.kind, algo.distill.top_n)
 
 

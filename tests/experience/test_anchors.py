@@ -1,6 +1,6 @@
-"""ARMOR's anchor rollout (experience/methods/armor.py) with the scripted engine and verifier of test_collect: the reset and
-the draw of a whole interval at its first step, one correct reference sample per group placed last, the paper's
-prompt filter (counted), anchors positive only, the interval read back on resume, and the one-line errors."""
+"""ARMOR's anchor rollout (experience/methods/armor.py) with the scripted engine and verifier of test_collect: the
+reset and the draw of a whole interval at its first step, one correct reference sample per group placed last, the
+paper's prompt filter (counted), anchors positive only, the interval read back on resume, and the one-line errors."""
 
 from __future__ import annotations
 

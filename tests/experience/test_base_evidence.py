@@ -1,4 +1,5 @@
-"""base_evidence: PBA's per-prompt correct counts among M base samples, stored once and reused (experience/methods/pba.py)."""
+"""base_evidence: PBA's per-prompt correct counts among M base samples, stored once and reused
+(experience/methods/pba.py)."""
 
 from __future__ import annotations
 

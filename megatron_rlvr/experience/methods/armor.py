@@ -15,10 +15,10 @@ engine no longer holds that reference), and the reset reference itself is in the
 
 The transform (registered as ``armor``: `AnchorRollout.before` runs ``prepare``, calling it runs ``attach``) reserves
 one sample of each group: the source samples ``rollout.group_size - 1`` per prompt. `AnchorRollout.attach` turns a
-step's experience (G - 1 policy samples per prompt) into G per group: the anchor goes last, the rewards (overlong penalty included) and
-advantages are recomputed over the G responses, and the paper's prompt filter masks out every response of a group
-whose policy rewards are all equal or that has no correct anchor. An anchor is a positive sample only: where its
-advantage is not > 0 (a group with partial credit or an overlong penalty), its tokens are masked out.
+step's experience (G - 1 policy samples per prompt) into G per group: the anchor goes last, the rewards (overlong
+penalty included) and advantages are recomputed over the G responses, and the paper's prompt filter masks out every
+response of a group whose policy rewards are all equal or that has no correct anchor. An anchor is a positive sample
+only: where its advantage is not > 0 (a group with partial credit or an overlong penalty), its tokens are masked out.
 Metrics: ``anchor/groups_trained``, ``anchor/dropped_no_anchor``, ``anchor/dropped_uniform``, ``anchor/found_frac``,
 ``anchor/reference_pass_rate`` (correct share of the reference's candidates), ``anchor/reset`` (1 on reset steps).
 """
@@ -78,7 +78,8 @@ def build(setup: TransformSetup) -> AnchorRollout:
 
 
 class AnchorRollout(ExperienceTransform):
-    """The reference's anchors for each step (see the module doc); ``reset`` sets the actor's reference to its policy."""
+    """The reference's anchors for each step (see the module doc); ``reset`` sets the actor's reference to its
+    policy."""
 
     def __init__(
         self,
@@ -216,7 +217,8 @@ def with_anchors(
     interval: Interval | None = None,
 ) -> Experience:
     """G - 1 policy samples per group + its anchor and the anchor's reward (a placeholder copy of the first sample
-    where there is none, masked out with its whole group) -> the G-sample `Experience`, the anchor/* metrics among its metrics."""
+    where there is none, masked out with its whole group) -> the G-sample `Experience`, the anchor/* metrics among its
+    metrics."""
     g = cfg.rollout.group_size
     policy_g = g - 1
     groups, rewards, keep, found = [], [], [], []

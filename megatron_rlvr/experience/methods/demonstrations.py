@@ -1,13 +1,13 @@
 """SFT on demonstrations, the off-policy corner of the SFT-to-RL grid (docs/algorithms.md, "The SFT-to-RL grid").
 
-`Demonstrations(cfg, tokenizer, pool, pad_id)` (the transform registered as ``demonstrations``) turns a step's experience into one whose every response is the
-prompt's reference solution (`reference_solution`: the task's own solution; the embedded countdown task's is the
-first solution of its solver), ended as the engine's answers end (the first of ``rollout.stop``, else the
-tokenizer's EOS). The reward pool scores the demonstrations (a demonstration the verifier rejects keeps its reward),
-and the advantages are recomputed with ``algo.advantage.kind`` (``reward``: A = r). The engine's log-probs of a
-demonstration are unknown (0). The step still samples its policy responses first: ``reward/*`` and ``response/*``
-stay the policy's own behaviour on the step's prompts, ``demo/verified_frac`` is the demonstrations' share with
-reward >= 1.
+`Demonstrations(cfg, tokenizer, pool, pad_id)` (the transform registered as ``demonstrations``) turns a step's
+experience into one whose every response is the prompt's reference solution (`reference_solution`: the task's own
+solution; the embedded countdown task's is the first solution of its solver), ended as the engine's answers end (the
+first of ``rollout.stop``, else the tokenizer's EOS). The reward pool scores the demonstrations (a demonstration the
+verifier rejects keeps its reward), and the advantages are recomputed with ``algo.advantage.kind`` (``reward``: A =
+r). The engine's log-probs of a demonstration are unknown (0). The step still samples its policy responses first:
+``reward/*`` and ``response/*`` stay the policy's own behaviour on the step's prompts, ``demo/verified_frac`` is the
+demonstrations' share with reward >= 1.
 """
 
 from __future__ import annotations

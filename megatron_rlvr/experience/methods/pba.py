@@ -4,9 +4,9 @@
 prompt from the engine's current weights (the caller runs it before the first update, so they are the base's),
 scores them with the reward pool (correct: reward >= 1, as pass@k counts) and stores ``prompt id -> count`` in
 ``path`` (JSON). The draw goes in chunks of prompts (``chunk_samples`` samples per chunk); each chunk is sampled like
-one rollout step (experience/collect.py `generate`: rollout ranks share its prompts, seeds from the run seed, the chunk's index
-and the rollout rank, at the rollout's temperature, top-p, budget and stop strings), so the counts are a function
-of the run seed and the prompt list. Rank 0 rewrites the file atomically after every chunk: an interrupted draw
+one rollout step (experience/collect.py `generate`: rollout ranks share its prompts, seeds from the run seed, the
+chunk's index and the rollout rank, at the rollout's temperature, top-p, budget and stop strings), so the counts are a
+function of the run seed and the prompt list. Rank 0 rewrites the file atomically after every chunk: an interrupted draw
 resumes at its first incomplete chunk, and a rerun whose file holds every prompt draws nothing.
 
 The file records M, the base model (``model.hf_dir`` and ``model.load``), the run seed and the sampling settings; a
