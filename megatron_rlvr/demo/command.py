@@ -77,7 +77,8 @@ def _run_note(config_yaml: Path, prompts: int, n: int) -> str:
     t = cfg.trainer
     return (
         f"trained {t.steps} steps of {t.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
-        f"(algo.loss={cfg.algo.loss}, seed {t.seed}; its config: {config_yaml}); evaluated on {prompts} held-out "
+        f"(algo.loss.kind={cfg.algo.loss.kind}, seed {t.seed}; its config: {config_yaml}); evaluated on {prompts} "
+        "held-out "
         f"prompts x {n} samples (eval seed {EVAL_SEED})"
     )
 
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
             raise UserError("--seed and trainer.seed=... both given; give one")
         args.overrides.append(f"trainer.seed={args.seed}")
-    overrides = [f"algo.loss={args.algo}", *args.overrides]
+    overrides = [f"algo.loss.kind={args.algo}", *args.overrides]
     _check(overrides, args.nproc)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()

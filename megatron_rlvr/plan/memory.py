@@ -9,17 +9,17 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
 - optimizer: Adam's two fp32 moments plus fp32 main params when the model params are not fp32 (megatron keeps fp32
   params themselves as the main params), sharded with the distributed optimizer: dense parameters over DP x CP,
   experts over the expert-data-parallel ranks; none of the three divides by cp;
-- the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``, or ARMOR's
-  ``algo.mixed_ratio_share``): a second copy of the weights, no grads, no optimizer (ARMOR's anchors are sampled by
-  the rollout engine itself and its checkpoints also hold the reference: no other term);
+- the frozen reference (`AlgoConfig.needs_reference`: ``algo.kl.coef > 0``, PBA's coefficient, or ARMOR): a second
+  copy of the weights, no grads, no optimizer (ARMOR's anchors are sampled by the rollout engine itself and its
+  checkpoints also hold the reference: no other term);
 - LoRA (``actor.lora``, plan/lora_terms.py): the frozen base's weights, the adapters' weights, and grads and
   optimizer state of the adapters alone; the reference is free (the base with the adapters off);
-- the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
-  actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
-  like the statistics pass); ``self`` and ``crpo`` hold a copy of the student unless the reference is that copy
-  already (CRPO's EMA teacher is always a copy of its own); its pass's op records and gathered scores:
-  plan/teacher_terms.py (``teacher_scores``, the statistics phase; under ``crpo`` the prefix is a response, so its
-  sequences are up to two lengths long);
+- the distillation teacher (teacher.py): ``algo.distill.kind: teacher`` holds the model of
+  ``algo.distill.teacher_hf_dir`` at the actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer;
+  its no-grad pass is one layer at a time like the statistics pass); ``self`` and ``crpo`` hold a copy of the student
+  unless the reference is that copy already (CRPO's EMA teacher is always a copy of its own); its pass's op records
+  and gathered scores: plan/teacher_terms.py (``teacher_scores``, the statistics phase; under ``crpo`` the prefix is a
+  response, so its sequences are up to two lengths long);
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware;
   an MoE layer's router and experts, plan/parallel_terms.py), times the micro-batches the 1F1B schedule keeps in
   flight on a pipeline stage; the fused op's logits shard (kept for its in-place backward) and its per-token
@@ -89,9 +89,9 @@ class Layout:
     distributed_optimizer: bool = True
     param_bytes: int = 2
     reference: bool = False
-    teacher: str = ""  # algo.distill=teacher: algo.teacher_hf_dir, whose config.json gives the teacher's shapes
-    teacher_copy: bool = False  # algo.distill=self / crpo without a reference: one more copy of the student
-    teacher_top_n: int = 0  # the teacher pass's top-N (algo.distill_top_n, or crpo_top_k); 0: no teacher
+    teacher: str = ""  # kind=teacher: algo.distill.teacher_hf_dir, whose config.json gives the teacher's shapes
+    teacher_copy: bool = False  # algo.distill.kind=self / crpo without a reference: one more copy of the student
+    teacher_top_n: int = 0  # the teacher pass's top-N (algo.distill.top_n, or crpo_top_k); 0: no teacher
     teacher_seq_len: int = 0  # the longest privileged sequence the teacher scores
     top_n: int = 3
     divisible_by: int = 128
@@ -131,23 +131,18 @@ class Layout:
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * seq_share
         # ARMOR's mixed ratio reads a reference too (reset to the policy: a copy, never LoRA's base); its anchors come
-        # from the rollout engine itself (experience/anchors.py), so they add no engine memory
-        needs_reference = (
-            cfg.algo.kl_coef > 0
-            or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
-            or cfg.algo.mixed_ratio_share is not None
-        )
+        # from the rollout engine itself (experience/methods/armor.py), so they add no engine memory
         lora = a.lora
-        reference = needs_reference and lora is None  # LoRA's reference is the base with the adapters off: free
-        teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""
-        ema_teacher = cfg.algo.distill == "crpo" and cfg.algo.crpo_teacher == "ema"  # moves: never the reference
+        reference = cfg.algo.needs_reference and lora is None  # LoRA's reference is the base, adapters off: free
+        teacher = cfg.algo.distill.teacher_hf_dir if cfg.algo.distill.kind == "teacher" else ""
+        ema_teacher = cfg.algo.distill.kind == "crpo" and cfg.algo.distill.crpo.teacher == "ema"  # never the reference
         if teacher:
             teacher_dims(teacher)  # a bad teacher directory fails here, naming the key
         return cls(
             teacher=teacher,
-            teacher_copy=cfg.algo.distill in ("self", "crpo") and (not reference or ema_teacher),
+            teacher_copy=cfg.algo.distill.kind in ("self", "crpo") and (not reference or ema_teacher),
             teacher_top_n=teacher_top_n(cfg.algo),
-            teacher_seq_len=r.max_model_len * (2 if cfg.algo.distill == "crpo" else 1),
+            teacher_seq_len=r.max_model_len * (2 if cfg.algo.distill.kind == "crpo" else 1),
             attention=attention_choice(
                 gpu and cfg.model.use_transformer_engine != "off", cfg.model.core_attention, cuda=gpu, cp=cp
             ),
@@ -169,7 +164,7 @@ class Layout:
             distributed_optimizer=a.use_distributed_optimizer,
             param_bytes=2 if a.bf16 else FP32,
             reference=reference,
-            top_n=max(cfg.algo.top_n, 3),
+            top_n=max(cfg.algo.loss.top_n, 3),
             divisible_by=cfg.model.make_vocab_size_divisible_by,
             engine_tp=r.tp,
             gpu_memory_utilization=r.gpu_memory_utilization,
@@ -311,7 +306,7 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
     plan = Plan(lay, gpu_memory, ranks, headroom=int(headroom_gb * GB))
     held = max(r.components.get("teacher", 0) for r in ranks)
     if held and plan.over > 0 and plan.over <= held:  # it is the teacher that does not fit
-        key = f"algo.teacher_hf_dir={lay.teacher!r}" if lay.teacher else "algo.distill=self"
+        key = f"algo.distill.teacher_hf_dir={lay.teacher!r}" if lay.teacher else "algo.distill.kind=self"
         plan.problems.append(
             f"{key}: the teacher's weights, {held / GB:.1f} GB per GPU at TP={lay.tp} PP={lay.pp}, do not fit beside "
             f"the student (peak {(plan.peak + plan.headroom) / GB:.1f} GB with headroom, of {gpu_memory / GB:.1f} GB;"

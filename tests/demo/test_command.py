@@ -66,7 +66,7 @@ def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, f
     report = out / "report"
     md = (report / "report.md").read_text()
     assert "## Candidate matrix" in md and "![candidates](candidates.png)" in md
-    assert "- trained 2 steps of 16 prompts x 8 samples (algo.loss=casp, seed 7;" in md
+    assert "- trained 2 steps of 16 prompts x 8 samples (algo.loss.kind=casp, seed 7;" in md
     assert "evaluated on 4 held-out prompts x 4 samples (eval seed 1234)" in md
     assert "the tables in README.md and docs/demo.md are other runs of the same command" in md
     assert (report / "candidates.png").read_bytes()[:4] == b"\x89PNG"
