@@ -218,7 +218,7 @@ def recipe_job_main(subcommand: str, argv: list[str] | None, description: str) -
         "--recipe", required=True, help=f"name in configs/ or a YAML path; known: {', '.join(recipe_names())}"
     )
     add_launch_arguments(parser)
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. algo.alpha=0.05")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. algo.loss.alpha=0.05")
     if subcommand == "train":
         parser.add_argument(
             "--force",

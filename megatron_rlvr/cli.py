@@ -1,4 +1,5 @@
-"""`megatron-rlvr` command line: train | eval | convert | demo | candidates | toy-tree | probe | plan | data | ckpt.
+"""`megatron-rlvr` command line: train | eval | convert | demo | candidates | toy-tree | probe | plan | data | ckpt |
+config.
 
 Each subcommand imports its implementation lazily, so `megatron-rlvr --help` is instant and a failure in one
 component never breaks the others' commands.
@@ -46,6 +47,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "data": ("megatron_rlvr.data.prepare", "main", "data prepare NAME: training sets from the public releases"),
     "ckpt": ("megatron_rlvr.checkpoint.command", "main", "ckpt verify DIR: check a checkpoint's recorded checksums"),
+    "config": ("megatron_rlvr.config.explain", "main", "config explain KEY: a config key's doc, default and limits"),
 }
 
 

@@ -1,11 +1,13 @@
-"""The RLVR loop: experience (generate -> reward -> advantages) -> statistics -> update -> sync weights ->
-validate / log / checkpoint.
+"""The RLVR loop: experience (generate -> reward -> advantages) -> the algorithm's experience transforms ->
+statistics -> update -> sync weights -> validate / log / checkpoint.
 
 Run under torchrun (one process per GPU, or per CPU worker with gloo): `megatron-rlvr train RECIPE.yaml k=v ...`;
 on one machine `megatron-rlvr train --nproc-per-node N RECIPE.yaml k=v ...` checks the run and starts the N ranks.
 Every rank runs the same loop; rank 0 alone writes metrics and the progress bar. Under separate placement the last
 ``rollout.engine_ranks`` ranks serve the engines instead (experience/engine_server.py) and the loop reads their
-experience through the same `ExperienceSource` (docs/design.md, "One training step").
+experience through the same `ExperienceSource` (docs/design.md, "One training step"). The loop names no algorithm:
+what an algorithm changes in a step's experience is a transform it registers (experience/transforms.py), what it
+changes in the loss is read by the actor from its config section.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rlvr import checkpoint
-from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict
+from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict, upgraded
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.experience.validation import load_validation_items
 from megatron_rlvr.protocols.actor import Actor
@@ -32,18 +34,13 @@ from megatron_rlvr.runtime.console import attach_log_file, has_log_file
 from megatron_rlvr.runtime.preemption import Preemption
 
 if TYPE_CHECKING:  # imported when the loop starts (they import megatron-core, vLLM, TensorBoard)
-    import torch
     from tqdm import tqdm
 
-    from megatron_rlvr.experience.anchors import AnchorRollout
     from megatron_rlvr.experience.collect import Experience
-    from megatron_rlvr.experience.demonstrations import Demonstrations
     from megatron_rlvr.experience.source import ExperienceSource
+    from megatron_rlvr.experience.transforms import Transforms
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.runtime.roles import Roles
-
-# PBA: a step's prompts -> per-response KL coefficients and the pba/* metrics
-Anchor = Callable[[Sequence[PromptItem]], tuple["torch.Tensor", dict[str, float]]]
 
 
 class Timer:
@@ -65,11 +62,13 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class Run:
-    """What the loop reads: the run's config, its actor and experience source, and where it logs and saves."""
+    """What the loop reads: the run's config, its actor, experience source and the algorithm's transforms of the
+    experience, and where it logs and saves."""
 
     cfg: Config
     actor: Actor
     source: ExperienceSource
+    transforms: Transforms
     preemption: Preemption
     logger: MetricLogger | None  # rank 0's; None elsewhere
     progress: tqdm  # disabled off rank 0
@@ -78,9 +77,6 @@ class Run:
     pad_id: int
     start_step: int
     nonfinite_in_a_row: int
-    anchor: Anchor | None = None
-    anchors: AnchorRollout | None = None  # ARMOR: the reference's correct samples, one per group
-    demonstrations: Demonstrations | None = None  # SFT: the prompts' reference solutions replace the samples
 
     def validate(self, step: int, timer: Timer | None = None) -> dict[str, float]:
         with timer("eval") if timer else contextlib.nullcontext():
@@ -99,23 +95,22 @@ def train(cfg: Config) -> list[dict[str, float]]:
         roles = None
         if cfg.rollout.placement == "separate":  # the last rollout.engine_ranks ranks serve engines from here on
             from megatron_rlvr.experience.engine_server import serve
+            from megatron_rlvr.experience.transforms import source_config
             from megatron_rlvr.runtime.roles import pin_cpu_cores, split_roles
 
             roles = split_roles(cfg.rollout.engine_ranks)
             pin_cpu_cores()  # an engine rank and an actor rank on different cores (docs/separate-placement.md)
-            if roles.is_engine:
-                serve(cfg, roles)
+            if roles.is_engine:  # sampling as the actor's source does (experience/transforms.py)
+                serve(source_config(cfg), roles)
                 return []
         return _train(cfg, roles, preemption)
 
 
 def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dict[str, float]]:
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.experience.anchors import AnchorRollout, policy_rollout
-    from megatron_rlvr.experience.base_evidence import pba_anchor
     from megatron_rlvr.experience.construction import prompt_stream
-    from megatron_rlvr.experience.demonstrations import Demonstrations
     from megatron_rlvr.experience.source import make_source
+    from megatron_rlvr.experience.transforms import Transforms, TransformSetup, source_config
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.rewards import RewardPool
     from megatron_rlvr.rewards.containment import check_run_containment
@@ -142,7 +137,14 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
         )
         for warning in cfg.warnings():
             print(f"[config] warning: {warning}", file=sys.stderr, flush=True)
-    actor = MegatronActor(cfg.model, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature, total_steps=t.steps)
+    actor = MegatronActor(
+        cfg.model,
+        cfg.actor,
+        cfg.algo,
+        temperature=cfg.rollout.temperature,
+        total_steps=t.steps,
+        group_size=cfg.rollout.group_size,
+    )
 
     ckpt_root = out / "checkpoints"
     start_step, nonfinite_in_a_row, pending = 0, 0, None
@@ -152,7 +154,8 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
         prompts.loader.load_state_dict(state["loader"])
         # one-step-off: the step sampled ahead; streamed: the stream's state (finished groups, responses in flight)
         pending = checkpoint.load_object(resume_from, "pending_rollout")
-        changed = differences(state["config"], to_dict(cfg)) if "config" in state else []
+        # a checkpoint written before keys moved is read with today's keys (config/renamed.py)
+        changed = differences(upgraded(state["config"]), to_dict(cfg)) if "config" in state else []
         if rank0 and changed:  # e.g. more steps on purpose, or another recipe by mistake in the same directory
             print(f"[resume] {resume_from} was written with another config; now: " + "; ".join(changed), flush=True)
         start_step, nonfinite_in_a_row = state["step"], state.get("nonfinite_in_a_row", 0)
@@ -164,31 +167,35 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
     progress = _progress(rank0, start_step, t.steps)
 
     with RewardPool(cfg.reward) as pool:
-        # colocated: this rank's engine; separate: the engine ranks, fed with the actor's weights
-        # ARMOR: the source samples G - 1 policy responses per prompt, the anchor rollout adds the reference's one
-        source_cfg = policy_rollout(cfg) if cfg.algo.anchor_rollout else cfg
+        # colocated: this rank's engine; separate: the engine ranks, fed with the actor's weights. The source samples
+        # each group less the samples the run's transforms add themselves
         source = make_source(
-            source_cfg, roles, actor, pool, prompts.loader, prompts.pad_id, start_step=start_step, pending=pending
+            source_config(cfg),
+            roles,
+            actor,
+            pool,
+            prompts.loader,
+            prompts.pad_id,
+            start_step=start_step,
+            pending=pending,
         )
-        anchors = (
-            AnchorRollout(
-                cfg, source.engine, pool, prompts.loader, actor.reset_reference, out / "anchors", pad_id=prompts.pad_id
-            )
-            if cfg.algo.anchor_rollout
-            else None
-        )
-        demonstrations = (
-            Demonstrations(cfg, prompts.tokenizer, pool, prompts.pad_id) if cfg.algo.demonstrations else None
-        )
-        anchor = (
-            pba_anchor(cfg, source.engine, pool, prompts.items, out / "base_evidence.json", start_step)
-            if cfg.algo.pba
-            else None
+        setup = TransformSetup(
+            cfg,
+            source.engine,
+            pool,
+            prompts.loader,
+            prompts.items,
+            prompts.tokenizer,
+            prompts.pad_id,
+            actor,
+            out,
+            start_step,
         )
         run = Run(
             cfg,
             actor,
             source,
+            Transforms.build(setup),
             preemption,
             logger,
             progress,
@@ -197,9 +204,6 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
             prompts.pad_id,
             start_step,
             nonfinite_in_a_row,
-            anchor,
-            anchors,
-            demonstrations,
         )
         history, preempted = _loop(run)
         # not after an error: a rank that raised alone must exit (engine ranks see it go and exit too), not wait here
@@ -214,8 +218,8 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
 
 
 def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
-    """Steps ``start_step`` .. ``trainer.steps``: experience -> statistics -> update -> weights out -> validation,
-    logs, checkpoint. Returns the metrics of every step and whether a preemption stopped it."""
+    """Steps ``start_step`` .. ``trainer.steps``: experience -> transforms -> statistics -> update -> weights out ->
+    validation, logs, checkpoint. Returns the metrics of every step and whether a preemption stopped it."""
     cfg, actor, source = run.cfg, run.actor, run.source
     t, history, preempted, nonfinite_in_a_row = cfg.trainer, [], False, run.nonfinite_in_a_row
     validating = bool(run.val_items)
@@ -226,23 +230,14 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
     for step in range(run.start_step, t.steps):
         timer = Timer()
         with timer("rollout+reward"):
-            # ARMOR: every anchor_reset_every steps the reference becomes the policy and draws its anchors
-            anchor_metrics = run.anchors.prepare(step) if run.anchors is not None else {}
+            prepared = run.transforms.before(step)  # e.g. a reference that samples before the step's prompts do
             exp, source_metrics = source.next(step)
-            if run.anchors is not None:
-                exp = run.anchors.attach(step, exp)
-            if run.demonstrations is not None:
-                exp = run.demonstrations(exp)
-            source_metrics |= anchor_metrics
-        if run.anchor is not None:  # PBA: per-response KL coefficients from the base's evidence on each prompt
-            exp.batch.kl_coef, pba_stats = run.anchor(exp.items)
-            source_metrics |= pba_stats
-        # CRPO's teacher picks each row's privileged context (a correct response of its group) by the rewards
-        exp.batch.rewards = exp.rewards
+            exp = run.transforms(step, exp)
+            source_metrics = source_metrics | prepared
         with timer("statistics"):  # behaviour log-probs, the KL reference's, the teacher's: what the loss reads
-            actor.score(exp.batch, exp.items, mini_batches=t.mini_batches_per_step)
+            statistics = actor.score(exp.rollouts, exp.items, mini_batches=t.mini_batches_per_step)
         with timer("update"):
-            update_metrics = actor.update(exp.batch, t.mini_batches_per_step)
+            update_metrics = actor.update(exp.rollouts, exp.targets, statistics, mini_batches=t.mini_batches_per_step)
         nonfinite_in_a_row = nonfinite_in_a_row + 1 if update_metrics.get("actor/nonfinite", 0) else 0
         if nonfinite_in_a_row > cfg.actor.max_nonfinite_in_a_row:
             raise NonFiniteError(
@@ -252,9 +247,15 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
         with timer("sync"):
             source_metrics |= source.after_update(step)
         last = step + 1 == t.steps
-        if validating and ((step + 1) % t.eval_every == 0 or last):
-            update_metrics |= run.validate(step + 1, timer)
-        metrics = {"step": step + 1, **_rollout_metrics(exp), **update_metrics, **source_metrics, **timer.seconds}
+        validated = run.validate(step + 1, timer) if validating and ((step + 1) % t.eval_every == 0 or last) else {}
+        metrics = {
+            "step": step + 1,
+            **_rollout_metrics(exp),
+            **update_metrics,
+            **validated,
+            **source_metrics,
+            **timer.seconds,
+        }
         history.append(metrics)
         preempted = run.preemption.requested()  # a collective: every rank stops after the same step
         if run.logger is not None:
@@ -291,14 +292,9 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
 
 
 def _rollout_metrics(exp: Experience) -> dict[str, float]:
-    batch = exp.batch
-    mask = batch.response_mask
-    mismatch = ((exp.engine_logp - batch.old_logp).abs() * mask).sum() / mask.sum().clamp_min(1)
     metrics = {
         **exp.metrics,  # reward/*, response/* over every response sampled, batch/* (dynamic sampling)
-        "response/tokens_trained": float(mask.sum()),
-        # |engine log-prob - actor log-prob| on sampled tokens: the train/inference mismatch
-        "rollout/logp_mismatch": float(mismatch),
+        "response/tokens_trained": float(exp.rollouts.response_mask.sum()),
     }
     metrics.update({f"reward/{k}": float(v) for k, v in exp.reward_counters.items()})
     return metrics
@@ -313,7 +309,7 @@ def _progress(enabled: bool, start: int, total: int) -> tqdm:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rlvr train", description=__doc__)
     parser.add_argument("config", help="YAML recipe (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2 algo.alpha=0.05")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2 algo.loss.alpha=0.05")
     parser.add_argument(
         "--resume", default=None, help="'latest' (default from the recipe), a checkpoint dir, or 'none'"
     )

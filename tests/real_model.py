@@ -49,7 +49,7 @@ class GGUFReference(NamedTuple):
 
 class ChatBatch(NamedTuple):
     """Prompt + response token ids, right-padded with the pad id; position t of ``logp`` and ``response_mask``
-    predicts token t + 1 (the actor's `SequenceBatch` convention)."""
+    predicts token t + 1 (the actor's `Sequences` convention)."""
 
     prompts: list[tuple[int, ...]]  # the chat-templated prompt ids
     tokens: Any  # [8, S] int64

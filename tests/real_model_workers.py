@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.testing.configs import algo_config
 from tests.real_model import RESPONSE_TOKENS, ChatBatch
 
 BUCKET_BYTES = 64 << 20
@@ -25,10 +26,9 @@ ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=192 << 20)
 
 
 def sequence_batch(batch: ChatBatch, rows: slice = slice(None)):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.testing.handoffs import rollouts
 
-    n = batch.tokens[rows].shape[0]
-    return SequenceBatch(batch.tokens[rows], batch.response_mask[rows], torch.linspace(-1.0, 1.0, n))
+    return rollouts(batch.tokens[rows], batch.response_mask[rows])
 
 
 @contextmanager
@@ -36,7 +36,6 @@ def actor_at(hf_dir: str, tp: int, pp: int, cp: int = 1, lr: float = 0.0) -> Ite
     """A MegatronActor (fp32, GRPO, sampling temperature 1) inside megatron's parallel state at (TP, PP, CP)."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -44,7 +43,7 @@ def actor_at(hf_dir: str, tp: int, pp: int, cp: int = 1, lr: float = 0.0) -> Ite
         yield MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=tp, pp=pp, cp=cp, lr=lr),
-            AlgoConfig(loss="grpo"),
+            algo_config({"loss.kind": "grpo"}),
             temperature=1.0,
             total_steps=4,
         )
@@ -53,10 +52,13 @@ def actor_at(hf_dir: str, tp: int, pp: int, cp: int = 1, lr: float = 0.0) -> Ite
 def train_one_step(actor, batch: ChatBatch) -> float:
     """One GRPO update (exactly on-policy) on two of the chat sequences; returns how far it moved their log-probs
     (max |after - before|), the scale a weight sync that carried nothing would be off by."""
+    from megatron_rlvr.protocols import Targets
+
     step = sequence_batch(batch, UPDATE_ROWS)
-    actor.update(step, mini_batches=1)  # fills step.old_logp with its own forward's (the weights before)
-    before = step.old_logp
-    after = actor.compute_old_logp(step)
+    before = actor.statistics_pass(step)  # the weights before
+    targets = Targets(advantages=torch.linspace(-1.0, 1.0, len(step)))
+    actor.update(step, targets, before, mini_batches=1)
+    before, after = before.old_logp, actor.compute_old_logp(step)
     return float((after - before)[step.response_mask].abs().max())
 
 
@@ -70,11 +72,11 @@ def engine_vs_actor(actor, batch: ChatBatch, completions) -> dict[str, float]:
     """The actor's log-probs of the engine's samples against the engine's own: mean and max |delta| over every
     response token."""
     from megatron_rlvr.data import PromptItem
-    from megatron_rlvr.experience.collect import to_batch
+    from megatron_rlvr.experience.collect import to_rollouts
 
     items = [PromptItem(str(i), "", p, None, "none") for i, p in enumerate(batch.prompts)]
-    sampled, engine_logp = to_batch(items, completions, torch.zeros(len(items) * SAMPLES_PER_PROMPT), batch.pad_id)
-    delta = (actor.compute_old_logp(sampled) - engine_logp)[sampled.response_mask].double().abs()
+    sampled = to_rollouts(items, completions, torch.zeros(len(items) * SAMPLES_PER_PROMPT), batch.pad_id)
+    delta = (actor.compute_old_logp(sampled) - sampled.engine_logp)[sampled.response_mask].double().abs()
     lengths = [len(c.token_ids) for group in completions for c in group]
     return {
         "mean": float(delta.mean()),
@@ -205,7 +207,7 @@ def engine_rank_tour(hf_dir: str, batch: ChatBatch) -> dict[str, Any]:
             "actor.tp=1",
             "actor.pp=2",
             "actor.lr=1e-5",
-            "algo.loss=grpo",
+            "algo.loss.kind=grpo",
             "rollout.placement=separate",
             "rollout.engine_ranks=1",
             f"rollout.max_model_len={ENGINE['max_model_len']}",

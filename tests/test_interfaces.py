@@ -56,31 +56,28 @@ def test_the_scan_sees_a_reach_into_the_actor(tmp_path):
 def test_the_loops_run_has_no_any_field_and_its_types_resolve():
     from typing import get_type_hints
 
-    import torch
     from tqdm import tqdm
 
     from megatron_rlvr import trainer
-    from megatron_rlvr.experience.anchors import AnchorRollout
     from megatron_rlvr.experience.collect import Experience
-    from megatron_rlvr.experience.demonstrations import Demonstrations
     from megatron_rlvr.experience.source import ExperienceSource
+    from megatron_rlvr.experience.transforms import Transforms
     from megatron_rlvr.monitor import MetricLogger
     from megatron_rlvr.runtime.roles import Roles
 
     fields = dataclasses.fields(trainer.Run)
     assert [f.name for f in fields if "Any" in str(f.type)] == []
     names = vars(trainer) | {
-        "torch": torch,
         "tqdm": tqdm,
         "Experience": Experience,
         "ExperienceSource": ExperienceSource,
+        "Transforms": Transforms,
         "MetricLogger": MetricLogger,
         "Roles": Roles,
-        "AnchorRollout": AnchorRollout,
-        "Demonstrations": Demonstrations,
     }
     hints = get_type_hints(trainer.Run, globalns=names)
     assert hints["actor"].__name__ == "Actor" and hints["source"] is ExperienceSource
+    assert hints["transforms"] is Transforms
 
 
 def _protocol_members(protocol: type) -> dict[str, inspect.Signature]:

@@ -1,6 +1,6 @@
 """The training loop end to end on CPU: 2 steps at (TP, PP) = (2, 1) and (1, 2) with vLLM rollouts; resume after a
 checkpoint repeats an uninterrupted run's metrics exactly (also with dynamic sampling's refill rounds and the
-rollout correction on); a failed checkpoint write leaves the previous intact; algo.kl_coef > 0 trains against the
+rollout correction on); a failed checkpoint write leaves the previous intact; algo.kl.coef > 0 trains against the
 frozen reference and logs the KL to it; a teacher that is the student gives 0 exactly through the loop."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def _config(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list
             f"actor.pp={pp}",
             "actor.micro_batch_size=4",
             "actor.lr=1e-3",
-            "algo.loss=entropy_bonus",
-            "algo.beta=0.05",
+            "algo.loss.kind=entropy_bonus",
+            "algo.loss.beta=0.05",
             "rollout.group_size=4",
             "rollout.max_new_tokens=6",
             "rollout.max_model_len=64",
@@ -67,11 +67,11 @@ def _train_first_token_rewards(hf_dir: str, out_dir: str, tp: int, pp: int, step
     """_train with _first_token_rewards in place of the verifier pool."""
     from megatron_rlvr.experience import collect as experience
 
-    real_score, experience.score = experience.score, _first_token_rewards
+    real_verify, experience.verify = experience.verify, _first_token_rewards
     try:
         return _train(hf_dir, out_dir, tp, pp, steps, extra)
     finally:
-        experience.score = real_score
+        experience.verify = real_verify
 
 
 def _engine_logp_shifted(hf_dir: str, out_dir: str, shift: float, extra: list[str]):
@@ -246,7 +246,7 @@ def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp, kl_coef):
         tp,
         pp,
         2,
-        [*_VALIDATION, f"algo.kl_coef={kl_coef}"],
+        [*_VALIDATION, f"algo.kl.coef={kl_coef}"],
         timeout_s=900,
     )
     histories = [history for history, _ in runs]
@@ -311,11 +311,11 @@ def test_a_teacher_that_is_the_student_gives_zero_through_the_loop(workers2, tin
     tests/actor/test_same_weights.py covers PP = 2, DP = 2 and the other frozen copies."""
     extra = [
         "trainer.mini_batches_per_step=2",
-        "algo.loss=grpo",  # no entropy bonus: the teacher and the reference are the only signals
-        "algo.distill=teacher",
-        f"algo.teacher_hf_dir={tiny_model}",
-        "algo.distill_only=true",
-        "algo.kl_coef=0.1",
+        "algo.loss.kind=grpo",  # no entropy bonus: the teacher and the reference are the only signals
+        "algo.distill.kind=teacher",
+        f"algo.distill.teacher_hf_dir={tiny_model}",
+        "algo.distill.only=true",
+        "algo.kl.coef=0.1",
     ]
     (step,) = workers2.run(_train, tiny_model, str(tmp_path / "run"), 2, 1, 1, extra, timeout_s=900)[0]
     keys = ("actor/loss", "actor/grad_norm", "loss/kl_ref", "distill/reverse_kl", "distill/forward_kl_topn")
@@ -324,7 +324,7 @@ def test_a_teacher_that_is_the_student_gives_zero_through_the_loop(workers2, tin
     assert step["distill/top1_agreement"] == 1.0 and step["response/tokens_trained"] > 0
 
 
-_REFILL = ["algo.drop_uniform_groups=true", "rollout.refill_max_rounds=2", "algo.rollout_correction=tis"]
+_REFILL = ["algo.drop_uniform_groups=true", "rollout.refill_max_rounds=2", "algo.rollout_correction.kind=tis"]
 
 
 @pytest.mark.parametrize("refill", [False, True], ids=["plain", "refill"])
@@ -374,7 +374,7 @@ def test_rollout_correction_reads_the_engine_log_probs(workers2, tiny_model, tmp
         tiny_model,
         str(tmp_path / "rc"),
         shift,
-        [f"algo.rollout_correction={kind}"],
+        [f"algo.rollout_correction.kind={kind}"],
         timeout_s=900,
     )[0]
     key = "rollout_correction/clipped_frac" if kind == "tis" else "rollout_correction/masked_frac"
@@ -420,17 +420,18 @@ def _even_first_token_rewards(pool, items, completions):
 
 def _train_armor(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
     """_train with _even_first_token_rewards scoring both the policy's samples and the anchors' candidates."""
-    from megatron_rlvr.experience import anchors, collect
+    from megatron_rlvr.experience import collect
+    from megatron_rlvr.experience.methods import armor
 
-    real = collect.score, anchors.score
-    collect.score = anchors.score = _even_first_token_rewards
+    real = collect.verify, armor.verify
+    collect.verify = armor.verify = _even_first_token_rewards
     try:
         return _train(hf_dir, out_dir, tp, pp, steps, extra)
     finally:
-        collect.score, anchors.score = real
+        collect.verify, armor.verify = real
 
 
-_ARMOR = ["algo.loss=grpo", "algo.anchor_rollout=true", "algo.anchor_reset_every=2"]
+_ARMOR = ["algo.loss.kind=grpo", "algo.armor.anchors=true", "algo.armor.reset_every=2"]
 
 
 def test_armor_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):

@@ -16,7 +16,7 @@ DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 
 
 def test_two_steps_at_cp2_end_to_end(workers2, tiny_model, tmp_path):  # noqa: F811
-    extra = ["actor.cp=2", "algo.kl_coef=0.1", "actor.max_tokens_per_micro_batch=32", "checkpoint.save_every=2"]
+    extra = ["actor.cp=2", "algo.kl.coef=0.1", "actor.max_tokens_per_micro_batch=32", "checkpoint.save_every=2"]
     histories = workers2.run(_train, tiny_model, str(tmp_path / "run"), 1, 1, 2, extra, timeout_s=900)
     assert [len(h) for h in histories] == [2, 2]
     for metrics in histories[0]:

@@ -14,7 +14,7 @@ from tests.test_trainer import _COMPARED, _train
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
-_LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.sync=adapters", "algo.kl_coef=0.1"]
+_LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.sync=adapters", "algo.kl.coef=0.1"]
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ def test_two_training_steps_of_a_moe_model_end_to_end(workers2, tiny_moe, tmp_pa
         1,
         1,
         2,
-        [f"actor.ep={EP}", "actor.etp=1", "algo.kl_coef=0.05", "actor.router_replay=train"],
+        [f"actor.ep={EP}", "actor.etp=1", "algo.kl.coef=0.05", "actor.router_replay=train"],
         timeout_s=900,
     )
     histories = [history for history, _ in runs]

@@ -1,10 +1,11 @@
 """MegatronActor: a megatron-core policy (any TP/PP/VPP/CP/EP) with its optimizer, the loop's `protocols.Actor`: it
-scores a batch (behaviour log-probs, the frozen reference's, the teacher's), updates on it, exports its weights and
-hands its state to checkpoints.
+scores rollouts (behaviour log-probs, the frozen reference's, the teacher's: its `Statistics`), updates on them,
+exports its weights and hands its state to checkpoints. It writes into nothing it is given (protocols/handoffs.py).
 
-The actor sees rollouts as `SequenceBatch` (prompt + response token ids, right-padded, a mask of the response
-positions, per-sequence advantages). Every loss reads only the fused op's per-token statistics, computed on the
-last pipeline stage from the vocab-sharded logits. Loss scaling: `policy_loss` normalizes by the global token /
+The actor sees rollouts as `Rollouts` (prompt + response token ids, right-padded, a mask of the response positions,
+the engine's log-probs, the rewards) with their `Targets` (per-sequence advantages); the update joins them with the
+statistics into its own `TrainingRows` (rows.py). Every loss reads only the fused op's per-token statistics, computed
+on the last pipeline stage from the vocab-sharded logits. Loss scaling: `policy_loss` normalizes by the global token /
 sequence counts of the whole mini-batch, and the schedule's `/ num_microbatches` and DDP's `/ dp` are undone here, so
 the gradient is exactly that of the mini-batch loss whatever the micro-batching and data parallelism.
 
@@ -18,19 +19,22 @@ With ``actor.cp > 1`` (docs/context-parallel.md) each CP rank runs its share of 
 the op's per-token outputs are gathered over CP (actor/context_parallel.py), and every CP rank computes the identical
 whole micro-batch loss; its gradient share is summed over DP x CP by megatron's DDP.
 
-With ``algo.kl_coef > 0`` (or PBA with ``algo.pba_kl_coef > 0``) the actor also holds a frozen reference policy (the
+With ``algo.kl.coef > 0`` (or PBA with ``algo.kl.pba.coef > 0``) the actor also holds a frozen reference policy (the
 same chunks, loaded from the same initial weights, never trained) whose log-probs feed the loss's k3 KL term; without
 it nothing extra is built. With ``actor.lora`` (actor/lora.py, docs/lora.md) the base is frozen, adapters train, and
-the reference is the policy's own chunks with the adapters off: no copy is built. ``SequenceBatch.kl_coef`` (PBA) gives that term's coefficient per sequence.
-With ``algo.distill`` the actor also holds a frozen teacher (actor/teacher.py), scored beside the reference; its scores
-travel in ``SequenceBatch.teacher_*`` into the loss's distillation terms. Under ``algo.distill: crpo`` each mini-batch
+the reference is the policy's own chunks with the adapters off: no copy is built. ``Targets.kl_coef`` (PBA) gives
+that term's coefficient per sequence. With ``algo.distill.kind`` the actor also holds a frozen teacher
+(actor/teacher.py), scored beside the reference; its scores travel in ``Statistics.teacher`` into the loss's
+distillation terms. Under ``algo.distill.kind: crpo`` each mini-batch
 first runs a forward-only pass of the policy (actor/contrast.py) for CRPO's group-coupled weights, then its update.
 With ``actor.router_replay`` (MoE models, docs/routing-replay.md) every forward routes each token to the experts its
-statistics pass recorded or its engine chose (actor/router_replay.py), carried in ``SequenceBatch.routed_experts``.
+statistics pass recorded (``Statistics.routed_experts``) or its engine chose (``Rollouts.routed_experts``;
+actor/router_replay.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
@@ -48,16 +52,20 @@ from megatron_rlvr.actor.optimizer import build_optimizer, load_schedule, prepar
 from megatron_rlvr.actor.packing import MicroBatch, mini_batch_rows
 from megatron_rlvr.actor.passes import ActorPasses
 from megatron_rlvr.actor.router_replay import RouterReplayer
+from megatron_rlvr.actor.rows import TrainingRows
 from megatron_rlvr.actor.teacher import build_teacher, student_logits_at
 from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.algos.config import AlgoConfig
-from megatron_rlvr.algos.distill import TeacherScores
-from megatron_rlvr.algos.metrics import combine_micro_batches, finish_subset_means, summed_over_data_parallel
-from megatron_rlvr.algos.mixed_ratio import mixing
+from megatron_rlvr.algos.metrics import (
+    combine_micro_batches,
+    finish_subset_means,
+    logp_mismatch,
+    summed_over_data_parallel,
+)
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.models.config import ModelConfig
 from megatron_rlvr.protocols.actor import WeightBucket
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import Rollouts, Sequences, Statistics, Targets
 from megatron_rlvr.runtime import distributed
 
 
@@ -73,6 +81,7 @@ class MegatronActor:
         *,
         temperature: float,
         total_steps: int,
+        group_size: int | None = None,
     ) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -85,6 +94,10 @@ class MegatronActor:
         from megatron_rlvr.models.dims import ModelDims
 
         self.cfg, self.algo_cfg = actor_cfg, algo_cfg
+        if algo_cfg.armor.anchors and group_size is None:
+            raise ValueError("MegatronActor: algo.armor.anchors needs group_size (the rollout's responses per prompt)")
+        # ARMOR's a of the mixed ratio, which the loss reads (None: the plain ratio)
+        self.mixed_ratio_share = algo_cfg.mixed_ratio_share(group_size or 1)
         self.hf = load_hf_config(model_cfg.hf_dir)
         actor_cfg.layout().check(ModelDims.from_hf(self.hf))  # the rules Config.validate ran; a direct build too
         dtype = torch.bfloat16 if actor_cfg.bf16 else torch.float32
@@ -129,8 +142,8 @@ class MegatronActor:
             self.tcfg.finalize_model_grads_func = self.lora.finalize_grads(finalize_model_grads)
         # The KL term's frozen reference: the same initial weights, never trained. Checkpoints do not hold it: a
         # resumed run rebuilds it from the same initial weights, which is the reference it had. ARMOR's reference
-        # (algo.mixed_ratio_share) is reset to the policy (reset_reference), so checkpoints hold that one.
-        separate = needs_reference(algo_cfg) and self.lora is None
+        # (algo.armor.mixed_ratio_share) is reset to the policy (reset_reference), so checkpoints hold that one.
+        separate = algo_cfg.needs_reference and self.lora is None
         self.reference: list[torch.nn.Module] | None = freeze(initial()) if separate else None
         self.replay.install(chunks, self.reference)  # actor.router_replay hooks on both models' routers
         ddp_config = DistributedDataParallelConfig(
@@ -150,7 +163,7 @@ class MegatronActor:
             temperature=temperature,
             replay=self.replay,
         )
-        # algo.distill: a frozen teacher beside the reference (teacher.py), scored through the same passes
+        # algo.distill.kind: a frozen teacher beside the reference (teacher.py), scored through the same passes
         self.teacher = build_teacher(
             self.passes,
             model_cfg,
@@ -169,61 +182,75 @@ class MegatronActor:
         """The policy's true vocabulary (ids at and above it are the padded rows of the sharded logits)."""
         return self.passes.vocab_size
 
-    # --- scoring: every per-token field the update reads --------------------------------------------------------
-    def score(self, batch: SequenceBatch, items: Sequence[PromptItem], *, mini_batches: int) -> None:
-        """Fill ``batch.old_logp`` (unless the update takes its own: `needs_statistics_pass`), ``batch.ref_logp``
-        (a KL reference: algo.kl_coef > 0, or PBA's anchor) and the ``teacher_*`` fields (algo.distill), each of
-        the update's ``mini_batches`` planned as the update plans it (so the first mini-batch's are exactly what its
-        forward computes from the same weights)."""
+    # --- scoring: the statistics the update reads ----------------------------------------------------------------
+    def score(self, rollouts: Rollouts, items: Sequence[PromptItem], *, mini_batches: int) -> Statistics:
+        """The `Statistics` of ``rollouts``: the behaviour log-probs (unless the update takes its own:
+        `needs_statistics_pass`), the reference's (a KL reference: algo.kl.coef > 0, or PBA's anchor) and the
+        teacher's scores (algo.distill.kind), each of the update's ``mini_batches`` planned as the update plans it (so
+        the first mini-batch's are exactly what its forward computes from the same weights). Under routing replay's
+        ``train`` the statistics pass records the routing that every later pass, the update's too, replays."""
+        old_logp, routed, scored = None, None, rollouts
         if self.needs_statistics_pass(mini_batches):
-            batch.old_logp = self.compute_old_logp(batch, mini_batches)
-        if self.has_reference:
-            batch.ref_logp = self.compute_ref_logp(batch, mini_batches)
-        if self.teacher is not None:
-            self.teacher.attach(batch, items, mini_batches)
+            policy = self.statistics_pass(rollouts, mini_batches)
+            old_logp, routed = policy.old_logp, policy.routed_experts
+            if routed is not None:
+                scored = dataclasses.replace(rollouts, routed_experts=routed)
+        ref_logp = self.compute_ref_logp(scored, mini_batches) if self.has_reference else None
+        teacher, groups = self.teacher.scores(rollouts, items, mini_batches) if self.teacher else (None, None)
+        return Statistics(
+            old_logp=old_logp, ref_logp=ref_logp, teacher=teacher, context_groups=groups, routed_experts=routed
+        )
 
-    def compute_old_logp(self, batch: SequenceBatch, mini_batches: int = 1) -> torch.Tensor:
-        """The behaviour log-probs of the whole batch [B, S - 1], on every rank (planned per mini-batch of an update
-        of ``mini_batches``)."""
-        return self.passes.per_token(batch, "logp", self.model, "statistics", self.algo_cfg.top_n, mini_batches)
+    def statistics_pass(self, sequences: Sequences, mini_batches: int = 1) -> Statistics:
+        """The policy's statistics pass alone: the behaviour log-probs of all ``sequences`` [B, S - 1], on every
+        rank, and the routing it recorded (routing replay's ``train``; else None), planned per mini-batch of an
+        update of ``mini_batches``."""
+        top_n = self.algo_cfg.loss.top_n
+        logp, routed = self.passes.per_token(sequences, "logp", self.model, "statistics", top_n, mini_batches)
+        return Statistics(old_logp=logp, routed_experts=routed)
 
-    def compute_ref_logp(self, batch: SequenceBatch, mini_batches: int = 1) -> torch.Tensor:
-        """The frozen reference's log-probs of the whole batch [B, S - 1], on every rank (needs a reference model:
-        algo.kl_coef > 0, or algo.pba with algo.pba_kl_coef > 0; planned per mini-batch of an update of
+    def compute_old_logp(self, sequences: Sequences, mini_batches: int = 1) -> torch.Tensor:
+        """The behaviour log-probs of `statistics_pass`."""
+        return self.statistics_pass(sequences, mini_batches).old_logp
+
+    def compute_ref_logp(self, sequences: Sequences, mini_batches: int = 1) -> torch.Tensor:
+        """The frozen reference's log-probs of all ``sequences`` [B, S - 1], on every rank (needs a reference model:
+        algo.kl.coef > 0, or algo.kl.pba.enabled with algo.kl.pba.coef > 0; planned per mini-batch of an update of
         ``mini_batches``)."""
         if not self.has_reference:
             raise RuntimeError(
-                "compute_ref_logp: the actor has no reference model (algo.kl_coef = 0 and no PBA "
-                "anchor: algo.pba false or algo.pba_kl_coef = 0)"
+                "compute_ref_logp: the actor has no reference model (algo.kl.coef = 0 and no PBA "
+                "anchor: algo.kl.pba.enabled false or algo.kl.pba.coef = 0)"
             )
-        top_n = self.algo_cfg.top_n
+        top_n = self.algo_cfg.loss.top_n
         if self.lora is not None:  # the base: the policy's chunks with every adapter off
             with self.lora.base():
-                return self.passes.per_token(batch, "logp", self.model, "other", top_n, mini_batches)
-        return self.passes.per_token(batch, "logp", self.reference, "other", top_n, mini_batches)
+                return self.passes.per_token(sequences, "logp", self.model, "other", top_n, mini_batches)[0]
+        return self.passes.per_token(sequences, "logp", self.reference, "other", top_n, mini_batches)[0]
 
     @property
     def resets_reference(self) -> bool:
         """ARMOR's reference: a frozen copy that ``reset_reference`` sets to the policy (saved in checkpoints)."""
-        return self.reference is not None and mixing(self.algo_cfg)
+        return self.reference is not None and self.algo_cfg.mixes_ratio
 
     @property
     def has_reference(self) -> bool:
         """Whether the loss reads a KL reference: a frozen copy, or under LoRA the base with the adapters off."""
-        return self.reference is not None or (self.lora is not None and needs_reference(self.algo_cfg))
+        return self.reference is not None or (self.lora is not None and self.algo_cfg.needs_reference)
 
-    def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
-        """The policy's entropy at every position of the whole batch [B, S - 1], on every rank (0 past a
+    def compute_entropy(self, sequences: Sequences) -> torch.Tensor:
+        """The policy's entropy at every position of all ``sequences`` [B, S - 1], on every rank (0 past a
         sequence's last response token when packed). Any batch size: the first sequence is repeated, masked out,
         until every DP rank gets whole micro-batches (pipeline stages exchange fixed-shape activations)."""
         from megatron.core import parallel_state as ps
 
-        n = len(batch)
+        n = len(sequences)
         extra = -n % (ps.get_data_parallel_world_size() * self.cfg.micro_batch_size)
         if extra:
-            batch = batch.select(torch.cat([torch.arange(n), torch.zeros(extra, dtype=torch.long)]))
-            batch.response_mask[n:] = False
-        return self.passes.per_token(batch, "entropy", self.model, "other", self.algo_cfg.top_n)[:n]
+            padded = sequences.select(torch.cat([torch.arange(n), torch.zeros(extra, dtype=torch.long)]))
+            keep = (torch.arange(n + extra) < n)[:, None]
+            sequences = dataclasses.replace(padded, response_mask=padded.response_mask & keep)
+        return self.passes.per_token(sequences, "entropy", self.model, "other", self.algo_cfg.loss.top_n)[0][:n]
 
     def needs_statistics_pass(self, mini_batches: int) -> bool:
         """Whether the update needs old log-probs from a statistics pass first. Not when it is exactly on-policy:
@@ -232,33 +259,39 @@ class MegatronActor:
         return mini_batches > 1 or self.has_reference
 
     # --- the update ---------------------------------------------------------------------------------------------
-    def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
-        """One optimizer step per mini-batch over the rollouts; returns averaged loss metrics (on every rank).
+    def update(
+        self, rollouts: Rollouts, targets: Targets, statistics: Statistics, *, mini_batches: int
+    ) -> dict[str, float]:
+        """One optimizer step per mini-batch over the rollouts; returns averaged loss metrics (on every rank) and
+        ``rollout/logp_mismatch``, the train/inference mismatch of the behaviour log-probs.
 
-        ``batch.old_logp is None`` (see ``needs_statistics_pass``): the old log-probs are the update's own, detached,
-        and ``batch.old_logp`` is filled with them (the whole batch, every rank) for the caller's logs."""
+        ``statistics.old_logp is None`` (see ``needs_statistics_pass``): the old log-probs are the update's own,
+        detached (the mismatch then reads those)."""
         from megatron.core import parallel_state as ps
 
+        batch = TrainingRows.join(rollouts, targets, statistics)
         own_old = batch.old_logp is None
         if own_old and mini_batches != 1:
             raise ValueError(
-                f"update: batch.old_logp is None with {mini_batches} mini-batches; only a single mini-batch is "
-                "on-policy (see needs_statistics_pass): run compute_old_logp first"
+                f"update: statistics.old_logp is None with {mini_batches} mini-batches; only a single mini-batch is "
+                "on-policy (see needs_statistics_pass): score first"
             )
         for m in self.model:
             m.train()
         dp = ps.get_data_parallel_world_size()
         device = distributed.device()
         totals: dict[str, list[float]] = {}
+        behaviour_logp = batch.old_logp
         for rows in mini_batch_rows(len(batch), mini_batches):  # the split `score` planned by
             mini = batch.select(rows)
             contrast: dict[str, float] = {}
-            if self.algo_cfg.distill == "crpo" and self.algo_cfg.crpo_coef > 0:  # mini-batches hold whole groups
+            if (
+                self.algo_cfg.distill.kind == "crpo" and self.algo_cfg.distill.crpo.coef > 0
+            ):  # mini-batches hold whole groups
                 planned = self.passes.plan(mini)
                 with self.replay.pass_over(mini, planned[0], "other"):
-                    mini.crpo_weights, contrast = contrast_weights(
-                        self.passes, self.model, mini, planned, self.algo_cfg
-                    )
+                    weights, contrast = contrast_weights(self.passes, self.model, mini, planned, self.algo_cfg)
+                mini = dataclasses.replace(mini, crpo_weights=weights)
             plan, micro = self.passes.plan(mini)
             scale = len(micro) * dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
             num_tokens = float(mini.response_mask.sum())
@@ -267,12 +300,13 @@ class MegatronActor:
 
             def loss_fn(mb: MicroBatch, logits: torch.Tensor):
                 seqs = mb.seqs.to(device)
-                teacher, student_at = None, None
-                if seqs.teacher_logp is not None:  # distillation: the student's logits at the teacher's top-N ids
-                    teacher = TeacherScores(seqs.teacher_logp, seqs.teacher_ids, seqs.teacher_logits)
-                    logits, student_at = student_logits_at(self.passes, logits, mb, seqs.teacher_ids)
+                if not isinstance(seqs, TrainingRows):
+                    raise TypeError("update: a micro-batch without its training rows")
+                student_at = None
+                if seqs.teacher is not None:  # distillation: the student's logits at the teacher's top-N ids
+                    logits, student_at = student_logits_at(self.passes, logits, mb, seqs.teacher.topn_ids)
                 # nothing reads the logits after the loss: the op's backward may overwrite them with their gradient
-                stats = self.passes.token_stats(logits, mb, self.algo_cfg.top_n, inplace_backward=True)
+                stats = self.passes.token_stats(logits, mb, self.algo_cfg.loss.top_n, inplace_backward=True)
                 self.replay.note_logp(mb, stats.logp)
                 old_logp = seqs.old_logp
                 if own_old:
@@ -285,14 +319,15 @@ class MegatronActor:
                     seqs.response_mask,
                     self.algo_cfg,
                     ref_logp=seqs.ref_logp,
-                    rollout_logp=seqs.rollout_logp,
+                    rollout_logp=seqs.engine_logp,
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
                     target_ids=seqs.tokens[:, 1:],
                     kl_coef=seqs.kl_coef,
-                    teacher=teacher,
+                    teacher=seqs.teacher,
                     student_at_teacher_ids=student_at,
                     crpo_weights=seqs.crpo_weights,
+                    mixed_ratio_share=self.mixed_ratio_share,
                 )
                 return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()} | {
                     "loss": loss.detach().clone()
@@ -303,8 +338,8 @@ class MegatronActor:
             self.optimizer.zero_grad()
             with self.replay.pass_over(mini, plan, "update", rescore=self._rescore):  # then: log-probs, no replay
                 outputs = self.passes.run(micro, loss_fn, forward_only=False, model=self.model)
-            if own_old:
-                batch.old_logp = self.passes.gather(logp_rows, plan, len(mini), mini.response_mask.shape[1])
+            if own_old:  # the whole batch (one mini-batch), every rank
+                behaviour_logp = self.passes.gather(logp_rows, plan, len(mini), mini.response_mask.shape[1])
             if self._all_finite(outputs):
                 ok, grad_norm, _ = self.optimizer.step()
             else:  # a non-finite loss or gradient anywhere: every rank skips this step (the trainer counts them)
@@ -327,13 +362,14 @@ class MegatronActor:
                 totals.setdefault(key, []).append(value)
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}
         metrics = finish_subset_means(across_data_parallel(metrics, summed=summed_over_data_parallel()))
-        return from_last_stage(metrics) | self.replay.metrics()
+        mismatch = logp_mismatch(rollouts.engine_logp, behaviour_logp, rollouts.response_mask)
+        return from_last_stage(metrics) | self.replay.metrics() | {"rollout/logp_mismatch": mismatch}
 
     def _rescore(self, micro: list[MicroBatch]) -> list[torch.Tensor]:
         """The policy's log-probs of ``micro``, forward only (routing replay's comparison; last stage, else [])."""
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
-            return torch.zeros(()), {"logp": self.passes.token_stats(logits, mb, self.algo_cfg.top_n).logp.float()}
+            return torch.zeros(()), {"logp": self.passes.token_stats(logits, mb, self.algo_cfg.loss.top_n).logp.float()}
 
         return [o["logp"] for o in self.passes.run(micro, collect, forward_only=True, model=self.model)]
 
@@ -389,7 +425,7 @@ class MegatronActor:
         this rank's chunks at one layout, so the copy is local: no communication."""
         if self.reference is None or self.lora is not None:
             raise RuntimeError(
-                "reset_reference: the actor has no resettable reference (ARMOR needs algo.mixed_ratio_share)"
+                "reset_reference: the actor has no resettable reference (ARMOR needs algo.armor.mixed_ratio_share)"
             )
         with torch.no_grad():
             for ref, policy in zip(self.reference, self.model_chunks):
@@ -436,12 +472,6 @@ class MegatronActor:
 
     def load_scheduler_state_dict(self, state: Mapping[str, Any]) -> None:
         load_schedule(self.scheduler, dict(state))
-
-
-def needs_reference(cfg: AlgoConfig) -> bool:
-    """Whether the loss reads a reference: a KL term (a global coefficient, or PBA's anchor on risky prompts), or
-    ARMOR's mixed ratio."""
-    return cfg.kl_coef > 0 or (cfg.pba and cfg.pba_kl_coef > 0) or mixing(cfg)
 
 
 def _unprefixed(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:

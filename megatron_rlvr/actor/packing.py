@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import Sequences
 
 Plan = list[list[list[int]]]  # [dp rank][micro-batch] -> indices into the mini-batch
 
@@ -190,7 +190,7 @@ class MicroBatch:
     """One micro-batch of this rank: its rows of the mini-batch (the padded view the losses read) and, when packed,
     the THD stream the model runs on."""
 
-    seqs: SequenceBatch
+    seqs: Sequences  # the pass's own row type (the update's: TrainingRows)
     packed: PackedLayout | None
 
     def targets(self) -> torch.Tensor:

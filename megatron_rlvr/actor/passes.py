@@ -39,7 +39,7 @@ from megatron_rlvr.actor.packing import (
 )
 from megatron_rlvr.actor.router_replay import RouterReplayer
 from megatron_rlvr.ops import TokenStats, vocab_parallel_token_stats
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import Sequences
 from megatron_rlvr.runtime import distributed
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class ActorPasses:
         return ps.get_tensor_model_parallel_rank() * (local_vocab or self.local_vocab)
 
     # --- plan ------------------------------------------------------------------------------------------------
-    def plan(self, batch: SequenceBatch) -> tuple[Plan, list[MicroBatch]]:
+    def plan(self, batch: Sequences) -> tuple[Plan, list[MicroBatch]]:
         """The batch's plan over all DP ranks (the same on every rank) and this rank's micro-batches."""
         from megatron.core import parallel_state as ps
 
@@ -194,15 +194,16 @@ class ActorPasses:
     @torch.no_grad()
     def per_token(
         self,
-        batch: SequenceBatch,
+        batch: Sequences,
         field: str,
         model: list[torch.nn.Module],
         kind: str,
         top_n: int = MONITOR_TOP_N,
         mini_batches: int = 1,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One per-token statistic of the fused op over the whole batch through ``model``'s chunks, no grad,
-        gathered to every rank [B, S - 1]. ``kind`` is routing replay's name of the pass (``statistics`` for the
+        gathered to every rank [B, S - 1], and the routing the pass recorded (routing replay's ``record``; else
+        None). ``kind`` is routing replay's name of the pass (``statistics`` for the
         policy's behaviour log-probs, else ``other``). Positions past a sequence's last response token are padding:
         0 when packed (nothing computes them), whatever the padded block gives otherwise.
 
@@ -213,16 +214,16 @@ class ActorPasses:
         for m in model:
             m.eval()
         parts = [batch.select(rows) for rows in mini_batch_rows(len(batch), mini_batches)]
-        values = []
+        values, routed = [], []
         for part in parts:
             plan, micro = self.plan(part)
 
             def collect(mb: MicroBatch, logits: torch.Tensor):
                 return torch.zeros(()), {field: getattr(self.token_stats(logits, mb, top_n), field).float()}
 
-            with self.replay.pass_over(part, plan, kind):
+            with self.replay.pass_over(part, plan, kind) as recorded:
                 outputs = self.run(micro, collect, forward_only=True, model=model)
             values.append(self.gather([o[field] for o in outputs], plan, len(part), batch.response_mask.shape[1]))
-        if all(p.routed_experts is not None for p in parts):  # what routing replay recorded (or replayed)
-            batch.routed_experts = torch.cat([p.routed_experts for p in parts])
-        return torch.cat(values)
+            routed.append(recorded.routed_experts)
+        recorded_all = torch.cat(routed) if all(r is not None for r in routed) else None
+        return torch.cat(values), recorded_all

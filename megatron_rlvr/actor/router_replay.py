@@ -10,8 +10,9 @@ instantiation order across every model built in the process, which says nothing 
 Per pass (``pass_over``) one action holds for every micro-batch:
 
 - ``record`` (``train``, the statistics pass): each layer's own top-k of every token is kept and, after the pass,
-  put into ``batch.routed_experts`` [B, S, L, k] (every rank, every layer: the ranks' shares are merged with one
-  all-reduce MAX over the world, -1 where no rank routed a position, i.e. padding);
+  handed back as the pass's `Recorded.routed_experts` [B, S, L, k] (every rank, every layer: the ranks' shares are
+  merged with one all-reduce MAX over the world, -1 where no rank routed a position, i.e. padding), which the
+  statistics carry to every later pass;
 - ``replay``: the batch's ``routed_experts`` are given to the routers; a token whose ids are -1 (padding, positions
   the engine did not route) takes the router's own choice; the gate values are the router's own scores at the
   replayed experts (megatron's REPLAY_FORWARD math);
@@ -19,7 +20,7 @@ Per pass (``pass_over``) one action holds for every micro-batch:
 
 The ids follow the tokens of each micro-batch (``micro_batch``, around the model call): into the packed stream by
 ``PackedLayout.gather``, or the padded block's [S, b] order, then this rank's sequence-parallel slice; the router
-sees exactly those tokens. Micro-batching and DP balancing select rows of the `SequenceBatch`, which carry them.
+sees exactly those tokens. Micro-batching and DP balancing select rows of the `Sequences`, which carry them.
 
 Metrics (``metrics``), summed over the world between two calls: ``moe/routing_mismatch``, the share of (real token,
 MoE layer) pairs whose top-k set from the policy's own router differs from the replayed one, over the policy's
@@ -40,10 +41,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.actor.packing import MicroBatch, PackedLayout, sequence_lengths
+from megatron_rlvr.actor.rows import TrainingRows
 from megatron_rlvr.errors import UserError
 
 if TYPE_CHECKING:
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.protocols.handoffs import Sequences
 
 Action = Literal["free", "record", "replay"]
 # the policy's log-probs [b, S - 1] of the given micro-batches, forward only (the last pipeline stage; [] elsewhere)
@@ -81,7 +83,7 @@ class _LayerReplay:
         if target.shape != own.shape:
             raise RouterReplayError(
                 f"actor.router_replay: MoE layer {self.moe_index} routes {tuple(own.shape)} [tokens, top_k] here but "
-                f"was given {tuple(target.shape)} expert ids (SequenceBatch.routed_experts does not follow this layout)"
+                f"was given {tuple(target.shape)} expert ids (Sequences.routed_experts does not follow this layout)"
             )
         self.chosen = torch.where(target[:, :1] >= 0, target, own)
         return scores.gather(1, self.chosen), self.chosen
@@ -91,6 +93,13 @@ class _LayerReplay:
 class _Chunk:
     hooks: list[_LayerReplay]
     policy: bool  # the trained model (counted in the metrics), not the frozen reference
+
+
+@dataclass
+class Recorded:
+    """What a recording pass recorded, set when the pass ends: the routing of every row (None: nothing recorded)."""
+
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -160,7 +169,7 @@ class RouterReplayer:
     @contextmanager
     def pass_over(
         self,
-        batch: SequenceBatch,
+        batch: Sequences,
         plan: Sequence[Sequence[Sequence[int]]],
         kind: str,
         rescore: Rescore | None = None,
@@ -168,9 +177,11 @@ class RouterReplayer:
         """One actor pass over ``batch`` as planned (``plan[dp rank]``: this rank's micro-batches' rows); ``kind``
         is ``statistics`` (compute_old_logp), ``update`` or ``other`` (reference, entropy). ``train``: the statistics
         pass records, every pass after it replays; ``rollout``: every pass replays the engine's ids, which the
-        statistics pass and the update must have. An update given ``rescore`` then runs ``compare_logp``."""
+        statistics pass and the update must have. An update given ``rescore`` then runs ``compare_logp``. Yields
+        the pass's `Recorded`, whose routing is there once the pass ends."""
+        recorded = Recorded()
         if not self.enabled:
-            yield
+            yield recorded
             return
         from megatron.core import parallel_state as ps
 
@@ -192,13 +203,13 @@ class RouterReplayer:
         mine = [list(rows) for rows in plan[ps.get_data_parallel_rank()]]
         self._pass, self._noted = _Pass(action, kind, mine, store), []
         try:
-            yield
+            yield recorded
         finally:
             done, self._pass = self._pass, None
         if done.store is not None:
             routed = self._merge(done.store)
             if action == "record":
-                batch.routed_experts = routed
+                recorded.routed_experts = routed
             if self.capture:
                 self.captured.append(routed)
         if rescore is not None:
@@ -264,9 +275,9 @@ class RouterReplayer:
             self._pass = None
         for (mb, replayed), logp in zip(noted, rescored):  # the last pipeline stage only: [] elsewhere
             seqs = mb.seqs
-            if replayed is None:
+            if replayed is None or not isinstance(seqs, TrainingRows):
                 continue
-            target = seqs.rollout_logp if self.mode == "rollout" and seqs.rollout_logp is not None else seqs.old_logp
+            target = seqs.engine_logp if self.mode == "rollout" and seqs.engine_logp is not None else seqs.old_logp
             if target is None:
                 continue
             mask = seqs.response_mask.to(replayed.device).float()
@@ -299,18 +310,18 @@ class RouterReplayer:
         return out
 
     # ------------------------------------------------------------------------------------------------------------
-    def _check_shape(self, batch: SequenceBatch) -> None:
+    def _check_shape(self, batch: Sequences) -> None:
         b, s = batch.tokens.shape
         want = (b, s, len(self.layers), self.topk)
         routed = batch.routed_experts
         if tuple(routed.shape) != want or routed.dtype.is_floating_point or routed.dtype == torch.bool:
             raise RouterReplayError(
-                f"SequenceBatch.routed_experts: expected integer expert ids of shape {list(want)} [B, S, MoE layers, "
+                f"Sequences.routed_experts: expected integer expert ids of shape {list(want)} [B, S, MoE layers, "
                 f"top_k] for actor.router_replay={self.mode}, got {routed.dtype} {list(routed.shape)}"
             )
         if bool((routed >= self.num_experts).any()) or bool((routed < -1).any()):
             raise RouterReplayError(
-                f"SequenceBatch.routed_experts: expert ids must lie in 0..{self.num_experts - 1} (-1: not routed)"
+                f"Sequences.routed_experts: expert ids must lie in 0..{self.num_experts - 1} (-1: not routed)"
             )
 
     def _sp_slice(self, values: torch.Tensor) -> torch.Tensor:
@@ -327,12 +338,12 @@ class RouterReplayer:
         ordered = packed.gather(values).unsqueeze(1) if packed is not None else values.transpose(0, 1)
         return self._sp_slice(ordered).flatten(0, 1)
 
-    def _real(self, seqs: SequenceBatch, packed: PackedLayout | None) -> torch.Tensor:
+    def _real(self, seqs: Sequences, packed: PackedLayout | None) -> torch.Tensor:
         lengths = torch.tensor(sequence_lengths(seqs.response_mask))
         real = torch.arange(seqs.tokens.shape[1])[None, :] < lengths[:, None]
         return self._to_local(real, packed)
 
-    def _count_mismatch(self, chunk: _Chunk, seqs: SequenceBatch, packed: PackedLayout | None) -> None:
+    def _count_mismatch(self, chunk: _Chunk, seqs: Sequences, packed: PackedLayout | None) -> None:
         """Counted where the router ran (no host sync per layer: the counts stay on its device until `metrics`)."""
         real = None
         for hook in chunk.hooks:
@@ -346,7 +357,7 @@ class RouterReplayer:
             counts = torch.stack([(differs & counted).sum(), counted.sum()]).double()
             self._routing = counts if self._routing is None else self._routing + counts
 
-    def _keep(self, chunk: _Chunk, store: torch.Tensor, rows: list[int], seqs: SequenceBatch, packed) -> None:
+    def _keep(self, chunk: _Chunk, store: torch.Tensor, rows: list[int], seqs: Sequences, packed) -> None:
         """Put the micro-batch's routing (this chunk's layers, this rank's tokens) into ``store`` at its rows."""
         b, s = seqs.tokens.shape
         full_len = packed.num_tokens if packed is not None else s

@@ -1,24 +1,25 @@
 """The distillation teacher on the actor ranks: built beside the KL reference, frozen, scored with the fused op.
 
-``build_teacher(passes, model_cfg, algo_cfg, ...)`` returns a ``Teacher`` (or None under ``algo.distill: none``):
-- ``teacher``: the model of ``algo.teacher_hf_dir`` (any size, the same tokenizer as the student: checked), built at
-  the actor's TP/PP/VPP/CP like the reference, no optimizer, no grad, eval mode;
+``build_teacher(passes, model_cfg, algo_cfg, ...)`` returns a ``Teacher`` (or None under ``algo.distill.kind: none``):
+- ``teacher``: the model of ``algo.distill.teacher_hf_dir`` (any size, the same tokenizer as the student: checked),
+  built at the actor's TP/PP/VPP/CP like the reference, no optimizer, no grad, eval mode;
 - ``self``: the frozen initial policy (the reference's chunks when the actor has a reference, else a copy built the
-  same way) reading a privileged context: ``algo.self_distill_template`` with the item's reference answer, put
+  same way) reading a privileged context: ``algo.distill.template`` with the item's reference answer, put
   before the whole sequence (prompt + response).
 - ``crpo``: the same frozen initial policy, its privileged context being a correct response of the row's own group
   (``CorrectResponseContext``: its token ids in the template's ``{answer}``), scored on its top-K
-  (``algo.crpo_top_k``, capped at the vocabulary); the batch's ``crpo_group`` / ``crpo_context`` say which rows
-  form a group and whether it had a correct response. With ``algo.crpo_teacher: ema`` the teacher is a copy of
+  (``algo.distill.crpo.top_k``, capped at the vocabulary); its `ContextGroups` say which rows form a group and whether
+  it had a correct response. With ``algo.distill.crpo.teacher: ema`` the teacher is a copy of
   its own that follows the policy after every optimizer step (``Teacher.follow``), and its weights are part of the
   actor's checkpointed state (``sharded_state`` / ``load_state``).
 
-``Teacher.attach(batch, items, mini_batches)`` runs ONE forward-only pass of the teacher over the batch (planned
-mini-batch by mini-batch, packed and scheduled by the actor's own `ActorPasses`, as the update runs the student) and
-fills ``batch.teacher_logp`` [B, S - 1], ``batch.teacher_ids`` [B, S - 1, N] and ``batch.teacher_logits``
-[B, S - 1, N] (the teacher's logits / temperature at its top-N ids), every rank, in the student's layout. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths: row i
-is shifted by its prefix length k_i, its response mask too, and the scores come back at ``t + k_i`` -> ``t``, so the
-teacher scores exactly the student's response tokens.
+``Teacher.scores(rollouts, items, mini_batches)`` runs ONE forward-only pass of the teacher over the rollouts
+(planned mini-batch by mini-batch, packed and scheduled by the actor's own `ActorPasses`, as the update runs the
+student) and returns its `TeacherScores`: ``logp`` [B, S - 1], ``topn_ids`` [B, S - 1, N] and ``topn_logits``
+[B, S - 1, N] (the teacher's logits / temperature at its top-N ids), every rank, in the student's layout, with
+CRPO's `ContextGroups`. Under ``self`` the pass runs on (prefix + prompt + response) streams with their own lengths:
+row i is shifted by its prefix length k_i, its response mask too, and the scores come back at ``t + k_i`` -> ``t``, so
+the teacher scores exactly the student's response tokens.
 
 ``student_logits_at(passes, logits, mb, ids)`` is the student's side of the top-N forward KL inside the update's loss:
 its logits / temperature at the teacher's ids (ops.given_ids), in the padded view the losses read.
@@ -41,7 +42,7 @@ from megatron_rlvr.errors import UserError
 from megatron_rlvr.models.tokenizer_check import check_same_tokenizer
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.ops.given_ids import logits_at_ids
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import ContextGroups, Rollouts, Sequences
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,8 +72,8 @@ def reference_text(item: PromptItem) -> str:
     elif isinstance(answer, str) and answer.strip():
         return answer
     raise UserError(
-        f"algo.distill=self: prompt {item.id!r} has no reference answer to put in "
-        f"algo.self_distill_template (its answer is {answer!r})"
+        f"algo.distill.kind=self: prompt {item.id!r} has no reference answer to put in "
+        f"algo.distill.template (its answer is {answer!r})"
     )
 
 
@@ -102,11 +103,11 @@ class CorrectResponseContext:
         self.parts = [list(tokenizer(part, add_special_tokens=False)["input_ids"]) for part in parts]
         self.correct_reward = correct_reward
 
-    def prefixes(self, batch: SequenceBatch, group_size: int) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-        """(each row's prefix, its group index [B], whether its group has a correct response [B])."""
-        if batch.rewards is None or tuple(batch.rewards.shape) != (len(batch),):
+    def prefixes(self, batch: Rollouts, group_size: int) -> tuple[list[list[int]], ContextGroups]:
+        """(each row's prefix, each row's group and whether its group has a correct response)."""
+        if tuple(batch.rewards.shape) != (len(batch),):
             raise ValueError(
-                f"batch.rewards: algo.distill=crpo needs the rewards [B] = [{len(batch)}] to choose each row's "
+                f"rollouts.rewards: algo.distill.kind=crpo needs the rewards [B] = [{len(batch)}] to choose each row's "
                 "correct response"
             )
         correct = (batch.rewards >= self.correct_reward).tolist()
@@ -127,15 +128,13 @@ class CorrectResponseContext:
             for part in self.parts[1:]:
                 prefix += response + part
             prefixes.append(prefix)
-        return prefixes, group, context
+        return prefixes, ContextGroups(group=group, has_context=context)
 
 
 def privileged_batch(
-    batch: SequenceBatch, prefixes: Sequence[Sequence[int]], pad_id: int = 0
-) -> tuple[SequenceBatch, torch.Tensor]:
+    batch: Sequences, prefixes: Sequence[Sequence[int]], pad_id: int = 0
+) -> tuple[Sequences, torch.Tensor]:
     """(prefix_i + tokens_i rows with the response mask shifted by k_i = len(prefix_i), the shifts k [B])."""
-    from megatron_rlvr.protocols.batch import SequenceBatch
-
     if len(prefixes) != len(batch):
         raise ValueError(f"prefixes: expected one per sequence ({len(batch)}), got {len(prefixes)}")
     shifts = torch.tensor([len(p) for p in prefixes], dtype=torch.long)
@@ -148,7 +147,7 @@ def privileged_batch(
         tokens[i, :k] = torch.tensor(list(prefix), dtype=batch.tokens.dtype)
         tokens[i, k : k + s] = batch.tokens[i]
         mask[i, k : k + s - 1] = batch.response_mask[i]
-    return SequenceBatch(tokens, mask, batch.advantages), shifts
+    return Sequences(tokens=tokens, response_mask=mask), shifts
 
 
 def realign(values: torch.Tensor, shifts: torch.Tensor, width: int) -> torch.Tensor:
@@ -171,12 +170,12 @@ class Teacher:
     ) -> None:
         self.chunks, self.local_vocab, self.cfg, self.context, self.passes = chunks, local_vocab, cfg, context, passes
         # the teacher's top-N: distill_top_n, or CRPO's support (top-K; at most the vocabulary: then all of it)
-        self.top_n = min(cfg.crpo_top_k, passes.vocab_size) if cfg.distill == "crpo" else cfg.distill_top_n
+        self.top_n = min(cfg.distill.crpo.top_k, passes.vocab_size) if cfg.distill.kind == "crpo" else cfg.distill.top_n
 
     @property
     def follows(self) -> bool:
         """Whether the teacher is CRPO's EMA of the policy (state to follow and to checkpoint) rather than frozen."""
-        return self.cfg.distill == "crpo" and self.cfg.crpo_teacher == "ema"
+        return self.cfg.distill.kind == "crpo" and self.cfg.distill.crpo.teacher == "ema"
 
     @torch.no_grad()
     def follow(self, policy: Sequence[torch.nn.Module]) -> None:
@@ -184,7 +183,7 @@ class Teacher:
         (the same chunks, built alike: names must match). Nothing unless ``follows``."""
         if not self.follows:
             return
-        decay = self.cfg.crpo_ema_decay
+        decay = self.cfg.distill.crpo.ema_decay
         for mine, theirs in zip(self.chunks, policy, strict=True):
             pairs = zip(mine.named_parameters(), theirs.named_parameters(), strict=True)
             for (name, t), (other, p) in pairs:
@@ -208,16 +207,20 @@ class Teacher:
             prefix = f"{EMA_KEY}{i}."
             chunk.load_state_dict({k[len(prefix) :]: v for k, v in loaded[f"{EMA_KEY}{i}"].items()})
 
-    def attach(self, batch: SequenceBatch, items: Sequence[PromptItem], mini_batches: int = 1) -> None:
-        """Score ``batch`` (rows in (prompt, sample) order over ``items``) and fill its teacher fields, each of the
-        update's ``mini_batches`` planned on its own as the update plans it (ActorPasses.per_token)."""
-        scored, shifts = batch, None
+    def scores(
+        self, batch: Rollouts, items: Sequence[PromptItem], mini_batches: int = 1
+    ) -> tuple[TeacherScores, ContextGroups | None]:
+        """The teacher's scores of ``batch`` (rows in (prompt, sample) order over ``items``; 0 off the response
+        mask), each of the update's ``mini_batches`` planned on its own as the update plans it
+        (ActorPasses.per_token), and CRPO's context groups (None for the other teachers)."""
+        scored = Sequences(tokens=batch.tokens, response_mask=batch.response_mask)  # a teacher's routing is its own
+        shifts, groups = None, None
         if self.context is not None:
             per_item = len(batch) // max(len(items), 1)
             if per_item * len(items) != len(batch):
                 raise ValueError(f"items: {len(items)} prompts do not divide the batch's {len(batch)} sequences")
             if isinstance(self.context, CorrectResponseContext):
-                prefixes, batch.crpo_group, batch.crpo_context = self.context.prefixes(batch, per_item)
+                prefixes, groups = self.context.prefixes(batch, per_item)
             else:
                 prefixes = [self.context.ids(item) for item in items for _ in range(per_item)]
             scored, shifts = privileged_batch(batch, prefixes)
@@ -228,12 +231,15 @@ class Teacher:
                 *(realign(t, shifts, width) for t in (scores.logp, scores.topn_ids, scores.topn_logits))
             )
         keep = batch.response_mask.to(torch.bool)  # prompt and padding positions: 0, as their statistics are
-        batch.teacher_logp = torch.where(keep, scores.logp, torch.zeros_like(scores.logp))
-        batch.teacher_ids = torch.where(keep[..., None], scores.topn_ids, torch.zeros_like(scores.topn_ids))
-        batch.teacher_logits = torch.where(keep[..., None], scores.topn_logits, torch.zeros_like(scores.topn_logits))
+        masked = TeacherScores(
+            torch.where(keep, scores.logp, torch.zeros_like(scores.logp)),
+            torch.where(keep[..., None], scores.topn_ids, torch.zeros_like(scores.topn_ids)),
+            torch.where(keep[..., None], scores.topn_logits, torch.zeros_like(scores.topn_logits)),
+        )
+        return masked, groups
 
     @torch.no_grad()
-    def score(self, batch: SequenceBatch, mini_batches: int = 1) -> TeacherScores:
+    def score(self, batch: Sequences, mini_batches: int = 1) -> TeacherScores:
         """One forward-only pass of the teacher's chunks over ``batch``, mini-batch by mini-batch (each planned on its
         own, as the update plans it): its scores in ``batch``'s own layout."""
         passes = self.passes
@@ -302,12 +308,14 @@ def teacher_chunks(
     hf = load_hf_config(teacher_dir)
     if int(hf["vocab_size"]) < passes.vocab_size:
         raise UserError(
-            f"algo.teacher_hf_dir={teacher_dir!r}: vocab_size {hf['vocab_size']} is smaller than the "
+            f"algo.distill.teacher_hf_dir={teacher_dir!r}: vocab_size {hf['vocab_size']} is smaller than the "
             f"student's {passes.vocab_size}"
         )
     problems = a.layout().problems(ModelDims.from_hf(hf), training=False)
     if problems:
-        raise UserError(f"algo.teacher_hf_dir={teacher_dir!r}: the actor's layout does not fit it: {problems[0]}")
+        raise UserError(
+            f"algo.distill.teacher_hf_dir={teacher_dir!r}: the actor's layout does not fit it: {problems[0]}"
+        )
     tcfg = transformer_config_from_hf(
         hf,
         tp=a.tp,
@@ -334,25 +342,25 @@ def build_teacher(
     initial_policy: Callable[[], list[torch.nn.Module]],
     fresh_policy: Callable[[], list[torch.nn.Module]],
 ) -> Teacher | None:
-    """The teacher of ``algo.distill`` on this rank (frozen), or None under ``none``. ``initial_policy`` gives the
+    """The teacher of ``algo.distill.kind`` on this rank (frozen), or None under ``none``. ``initial_policy`` gives the
     frozen initial policy's chunks under ``self`` and ``crpo`` (``fresh_policy``: a copy of its own, for CRPO's EMA
     teacher, which moves) (the reference's when the actor has one: the same weights)."""
-    if cfg.distill == "none":
+    if cfg.distill.kind == "none":
         return None
     context = None
-    if cfg.distill == "teacher":
-        check_same_tokenizer("algo.teacher_hf_dir", cfg.teacher_hf_dir, model_cfg.hf_dir)
+    if cfg.distill.kind == "teacher":
+        check_same_tokenizer("algo.distill.teacher_hf_dir", cfg.distill.teacher_hf_dir, model_cfg.hf_dir)
         chunks, local_vocab = teacher_chunks(
-            passes, cfg.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by, use_te, model_cfg.core_attention
+            passes, cfg.distill.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by, use_te, model_cfg.core_attention
         )
     else:
         from transformers import AutoTokenizer
 
-        ema = cfg.distill == "crpo" and cfg.crpo_teacher == "ema"
+        ema = cfg.distill.kind == "crpo" and cfg.distill.crpo.teacher == "ema"
         chunks, local_vocab = (fresh_policy() if ema else initial_policy()), passes.local_vocab
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.hf_dir)
-        if cfg.distill == "crpo":
-            context = CorrectResponseContext(tokenizer, cfg.self_distill_template, cfg.crpo_correct_reward)
+        if cfg.distill.kind == "crpo":
+            context = CorrectResponseContext(tokenizer, cfg.distill.template, cfg.distill.crpo.correct_reward)
         else:
-            context = PrivilegedContext(tokenizer, cfg.self_distill_template)
+            context = PrivilegedContext(tokenizer, cfg.distill.template)
     return Teacher(freeze(chunks), local_vocab, cfg, context, passes)

@@ -14,7 +14,7 @@ def compute_advantages(rewards: Tensor, group_size: int, cfg: AlgoConfig) -> tup
 
     ``rewards`` is [B] with B = prompts * group_size, each prompt's group contiguous. The group std is the unbiased
     (Bessel-corrected) one, as in the GRPO reference implementations; a group of one response has std 0.
-    ``cfg.advantage`` other than ``group`` takes no group statistics (docs/algorithms.md, "The SFT-to-RL grid"):
+    ``cfg.advantage.kind`` other than ``group`` takes no group statistics (docs/algorithms.md, "The SFT-to-RL grid"):
     ``reward`` is ``A_i = r_i`` and ``signed_reward`` is ``A_i = 2 r_i - 1``, in every group, uniform ones included.
     Returns ``(advantages [B] float32, keep [B] bool)``: keep is False for every response of a group whose rewards
     are all equal when ``cfg.drop_uniform_groups`` (such groups carry no signal: the caller refills or drops them),
@@ -35,13 +35,13 @@ def compute_advantages(rewards: Tensor, group_size: int, cfg: AlgoConfig) -> tup
     centred = groups - mean
     # Uniform groups are detected on the raw rewards so that float noise in the mean cannot make them non-zero.
     uniform = (groups == groups[:, :1]).all(dim=1, keepdim=True)
-    if cfg.normalize_std:
+    if cfg.advantage.normalize_std:
         std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
-        centred = centred / (std + cfg.adv_eps)
+        centred = centred / (std + cfg.advantage.eps)
     advantages = torch.where(uniform, torch.zeros_like(centred), centred)
-    if cfg.advantage == "reward":
+    if cfg.advantage.kind == "reward":
         advantages = groups
-    elif cfg.advantage == "signed_reward":
+    elif cfg.advantage.kind == "signed_reward":
         advantages = 2 * groups - 1
     if cfg.drop_uniform_groups:
         keep = ~uniform.expand_as(groups)

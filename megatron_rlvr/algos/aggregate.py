@@ -31,5 +31,5 @@ def aggregate(
     if loss_agg == "seq_mean_token_sum_norm":
         return masked.sum() / float(max_len_norm) / max(num_seqs, 1.0)
     raise ValueError(
-        f"algo.loss_agg: got {loss_agg!r}; allowed values: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"
+        f"algo.loss.agg: got {loss_agg!r}; allowed values: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"
     )

@@ -1,4 +1,4 @@
-"""CRPO's group-coupled contrastive term (``algo.distill: crpo``; docs/distillation.md, "CRPO").
+"""CRPO's group-coupled contrastive term (``algo.distill.kind: crpo``; docs/distillation.md, "CRPO").
 
 The teacher is the frozen initial policy reading a correct response of the same group before the sequence
 (actor/teacher.py); it scored every response position and gave its top-K ids ``S_t`` and its scaled logits there.
@@ -65,7 +65,7 @@ def group_weights(
     sim, d_entropy = sim.detach().cpu().to(dtype), d_entropy.detach().cpu().to(dtype)
     group, context = group.cpu(), context.cpu().to(torch.bool)
     ids = torch.unique(group)  # sorted: every rank sees the same order
-    tau = cfg.crpo_tau
+    tau = cfg.distill.crpo.tau
     losses, positive_sims, all_sims = [], [], []
     for g in ids.tolist():
         rows = torch.nonzero(group == g).flatten()
@@ -74,7 +74,7 @@ def group_weights(
         where = mask[rows]  # [r, T]
         s, de = sim[rows][where], d_entropy[rows][where]  # row-major: earlier row, then earlier position
         n = s.numel()
-        k = positive_count(cfg.crpo_positive_share, n)
+        k = positive_count(cfg.distill.crpo.positive_share, n)
         order = torch.sort(de, stable=True).indices
         positive = torch.zeros(n, dtype=torch.bool)
         positive[order[:k]] = True

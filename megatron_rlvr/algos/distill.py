@@ -33,7 +33,7 @@ from torch import Tensor
 from megatron_rlvr.algos.config import AlgoConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class TeacherScores:
     """The teacher's scores of the student's response tokens, in the student's [B, T] layout (0 off the mask)."""
 
@@ -51,11 +51,11 @@ def check_teacher(teacher: TeacherScores, shape: tuple[int, int], student_at: Te
             raise ValueError(
                 f"{name}: expected shape [B, T, N] = [{shape[0]}, {shape[1]}, N], got {tuple(tensor.shape)}"
             )
-    uses_topn = cfg.distill_signal in ("topn_forward_kl", "both")
+    uses_topn = cfg.distill.signal in ("topn_forward_kl", "both")
     if uses_topn and student_at is None:
         raise ValueError(
-            "student_at_teacher_ids: algo.distill_signal="
-            f"{cfg.distill_signal} needs the student's scaled logits at the teacher's top-N ids [B, T, N]"
+            "student_at_teacher_ids: algo.distill.signal="
+            f"{cfg.distill.signal} needs the student's scaled logits at the teacher's top-N ids [B, T, N]"
         )
     if student_at is not None and tuple(student_at.shape) != tuple(teacher.topn_ids.shape):
         raise ValueError(

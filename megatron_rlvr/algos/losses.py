@@ -22,7 +22,7 @@ Choices where docs/algorithms.md leaves room (each checked by tests/algos agains
   prefix reaching the mass exactly stops there, at most top_n, ``candidate_mass = 1`` keeps all top_n); u is
   uniform 1/|C_t| or the softmax over C_t, 0 outside it. A full C_t gets the fixed path's u bit for bit, so
   ``candidate_mass = 1`` is ``fixed`` exactly.
-- A per-sequence KL coefficient (``kl_coef`` [B]) replaces ``algo.kl_coef`` for the k3 term, row by row; 0 on a
+- A per-sequence KL coefficient (``kl_coef`` [B]) replaces ``algo.kl.coef`` for the k3 term, row by row; 0 on a
   row removes its KL term exactly (``torch.where``, so an infinite estimate on it cannot leak in as NaN).
 - The entropy bonus, k3 KL and kl_cov penalty are aggregated with the same ``loss_agg`` as the policy term.
 - kl_cov / clip_cov keep PPO-clip underneath and select the top ``cov_fraction`` tokens deterministically within
@@ -55,7 +55,7 @@ from megatron_rlvr.algos.distill import (
     topn_forward_kl,
 )
 from megatron_rlvr.algos.metrics import loss_metrics
-from megatron_rlvr.algos.mixed_ratio import mixed_log_probs, mixing
+from megatron_rlvr.algos.mixed_ratio import mixed_log_probs
 from megatron_rlvr.algos.rollout_correction import correction_weights
 from megatron_rlvr.algos.token_masks import adaptive_candidates, high_entropy_mask, top_covariance_mask
 from megatron_rlvr.algos.token_view import TokenView
@@ -86,40 +86,40 @@ def _grpo(v: TokenView) -> _Shaping:
 def _casp(v: TokenView) -> _Shaping:
     cfg = v.cfg
     shaping = _Shaping(v.advantages)
-    if cfg.apply_to in ("both", "positive"):
+    if cfg.loss.apply_to in ("both", "positive"):
         smoothed = v.positive & v.high_entropy
-        shaping.smoothing = _choose(smoothed, cfg.alpha, 0.0, v.logp)
-        if cfg.candidates == "adaptive":
-            shaping.candidates = adaptive_candidates(v.topn_logp, cfg.candidate_mass)
-    if cfg.apply_to in ("both", "negative"):
+        shaping.smoothing = _choose(smoothed, cfg.loss.alpha, 0.0, v.logp)
+        if cfg.loss.candidates == "adaptive":
+            shaping.candidates = adaptive_candidates(v.topn_logp, cfg.loss.candidate_mass)
+    if cfg.loss.apply_to in ("both", "negative"):
         penalized = v.negative & v.high_entropy & v.is_top1
-        shaping.weight_scale = _choose(penalized, 1.0 + cfg.lambda_top1, 1.0, v.logp)
+        shaping.weight_scale = _choose(penalized, 1.0 + cfg.loss.lambda_top1, 1.0, v.logp)
     return shaping
 
 
 def _entropy_bonus(v: TokenView) -> _Shaping:
-    return _Shaping(v.advantages, entropy_coef=v.cfg.beta)
+    return _Shaping(v.advantages, entropy_coef=v.cfg.loss.beta)
 
 
 def _entropy_adv(v: TokenView) -> _Shaping:
     # Capped at |A| / kappa so the shaping never flips the sign of a non-zero advantage (kappa > 1).
-    bonus = torch.minimum(v.cfg.beta * v.entropy.detach(), v.advantages.abs() / v.cfg.kappa)
+    bonus = torch.minimum(v.cfg.loss.beta * v.entropy.detach(), v.advantages.abs() / v.cfg.loss.kappa)
     return _Shaping(v.advantages + bonus)
 
 
 def _kl_cov(v: TokenView) -> _Shaping:
-    selected = top_covariance_mask(v.logp, v.advantages, v.mask, v.cfg.cov_fraction)
-    penalty = torch.where(selected, v.cfg.beta * (v.logp - v.old_logp).abs(), torch.zeros_like(v.logp))
+    selected = top_covariance_mask(v.logp, v.advantages, v.mask, v.cfg.loss.cov_fraction)
+    penalty = torch.where(selected, v.cfg.loss.beta * (v.logp - v.old_logp).abs(), torch.zeros_like(v.logp))
     return _Shaping(v.advantages, penalty=penalty)
 
 
 def _clip_cov(v: TokenView) -> _Shaping:
-    selected = top_covariance_mask(v.logp, v.advantages, v.mask, v.cfg.cov_fraction)
+    selected = top_covariance_mask(v.logp, v.advantages, v.mask, v.cfg.loss.cov_fraction)
     return _Shaping(v.advantages, weight_scale=(~selected).to(v.logp.dtype))
 
 
 def _w_reinforce(v: TokenView) -> _Shaping:
-    return _Shaping(v.advantages, weight_scale=_choose(v.positive, v.cfg.lambda_pos, 1.0, v.logp))
+    return _Shaping(v.advantages, weight_scale=_choose(v.positive, v.cfg.loss.lambda_pos, 1.0, v.logp))
 
 
 def _psr(v: TokenView) -> _Shaping:
@@ -171,7 +171,7 @@ def candidate_weights(topn_logp: Tensor, weights: str, inside: Tensor | None = N
         return torch.full_like(topn_logp, 1.0 / topn_logp.shape[-1]).detach()
     elif weights == "softmax":
         return torch.softmax(topn_logp.detach(), dim=-1)
-    raise ValueError(f"algo.weights: got {weights!r}; allowed values: 'uniform', 'softmax'")
+    raise ValueError(f"algo.loss.weights: got {weights!r}; allowed values: 'uniform', 'softmax'")
 
 
 def policy_loss(
@@ -190,38 +190,42 @@ def policy_loss(
     teacher: TeacherScores | None = None,
     student_at_teacher_ids: Tensor | None = None,
     crpo_weights: Tensor | None = None,
+    mixed_ratio_share: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The loss ``cfg.loss`` of one (micro-)batch and its metrics (plain floats over this batch's response tokens).
+    """The loss ``cfg.loss.kind`` of one (micro-)batch and its metrics (plain floats over this batch's response tokens).
 
-    ``stats`` is the fused op's TokenStats with [B, T] / [B, T, N] tensors (N >= cfg.top_n; the first cfg.top_n
-    columns enter the loss, up to three feed the rank metrics); ``old_logp`` [B, T], or None when the update is
-    exactly on-policy (the behaviour log-probs are then ``stats.logp.detach()``); ``advantages`` [B];
-    ``mask`` [B, T] marks response tokens (bool or 0/1). ``ref_logp`` [B, T] is required when cfg.kl_coef > 0.
-    ``rollout_logp`` [B, T], the engine's log-probs of the sampled tokens, is required when cfg.rollout_correction
+    ``stats`` is the fused op's TokenStats with [B, T] / [B, T, N] tensors (N >= cfg.loss.top_n; the first
+    cfg.loss.top_n columns enter the loss, up to three feed the rank metrics); ``old_logp`` [B, T], or None when the
+    update is exactly on-policy (the behaviour log-probs are then ``stats.logp.detach()``); ``advantages`` [B];
+    ``mask`` [B, T] marks response tokens (bool or 0/1). ``ref_logp`` [B, T] is required when cfg.kl.coef > 0.
+    ``rollout_logp`` [B, T], the engine's log-probs of the sampled tokens, is required when cfg.rollout_correction.kind
     is not "none" (and unused otherwise); its metrics come back as ``rollout_correction/*``.
     ``num_tokens`` / ``num_seqs``: the whole mini-batch's response tokens / responses, so micro-batch losses sum to
     the mini-batch loss; default this batch's own counts. kl_cov / clip_cov select their tokens within this batch.
     ``target_ids`` [B, T], the sampled ids, make "y_t is rank 1" an id comparison (recommended); without them it is
     read from the statistics (logp equal to the rank-1 log-prob up to rounding).
-    ``kl_coef`` [B], per response, replaces cfg.kl_coef in the k3 KL term (PBA); ``ref_logp`` is then required
+    ``kl_coef`` [B], per response, replaces cfg.kl.coef in the k3 KL term (PBA); ``ref_logp`` is then required
     when any entry is > 0. Its term comes back as the metric ``kl_loss`` (``kl_ref`` stays the unweighted estimate).
-    ``teacher`` (distill.TeacherScores, required when cfg.distill is not "none") and ``student_at_teacher_ids``
+    ``teacher`` (distill.TeacherScores, required when cfg.distill.kind is not "none") and ``student_at_teacher_ids``
     [B, T, N] (the student's logits / temperature at the teacher's top-N ids, ops.given_ids; required by the
     topn_forward_kl signal) add the distillation terms of distill.py; metrics ``distill/*`` and ``distill_loss``.
-    Under ``algo.distill: crpo`` those terms are off and ``crpo_weights`` [B, T, 2] (crpo.group_weights over the
+    Under ``algo.distill.kind: crpo`` those terms are off and ``crpo_weights`` [B, T, 2] (crpo.group_weights over the
     whole mini-batch) with ``student_at_teacher_ids`` add ``crpo_coef * L_CRPO``'s share (crpo.py); metric
-    ``crpo_loss``.
+    ``crpo_loss``. ``mixed_ratio_share``: ARMOR's a (`AlgoConfig.mixed_ratio_share` of the run's groups), required
+    exactly when ``cfg`` asks for the mixed ratio (``algo.armor``).
     """
-    if cfg.loss not in LOSSES:
-        raise ValueError(f"algo.loss: got {cfg.loss!r}; allowed values: {', '.join(LOSSES)}")
-    if cfg.distill != "none" and teacher is None:
-        raise ValueError(f"teacher: algo.distill={cfg.distill} needs the teacher's scores of the response tokens")
-    if cfg.distill_only:  # pure distillation: the group advantage term is off, whatever the rewards were
+    if cfg.loss.kind not in LOSSES:
+        raise ValueError(f"algo.loss.kind: got {cfg.loss.kind!r}; allowed values: {', '.join(LOSSES)}")
+    if cfg.distill.kind != "none" and teacher is None:
+        raise ValueError(
+            f"teacher: algo.distill.kind={cfg.distill.kind} needs the teacher's scores of the response tokens"
+        )
+    if cfg.distill.only:  # pure distillation: the group advantage term is off, whatever the rewards were
         advantages = torch.zeros_like(advantages)
     view = _token_view(stats, old_logp, advantages, mask, cfg, target_ids)
     if kl_coef is None:
-        if cfg.kl_coef > 0 and ref_logp is None:
-            raise ValueError(f"ref_logp: algo.kl_coef = {cfg.kl_coef} > 0 needs the reference model's log-probs [B, T]")
+        if cfg.kl.coef > 0 and ref_logp is None:
+            raise ValueError(f"ref_logp: algo.kl.coef = {cfg.kl.coef} > 0 needs the reference model's log-probs [B, T]")
     else:
         kl_coef = _sequence_kl_coef(kl_coef, view.logp, ref_logp is not None)
     for name, given in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
@@ -229,43 +233,47 @@ def policy_loss(
             raise ValueError(
                 f"{name}: expected shape {tuple(view.logp.shape)} like stats.logp, got {tuple(given.shape)}"
             )
-    correct = cfg.rollout_correction != "none"
+    correct = cfg.rollout_correction.kind != "none"
     if correct and rollout_logp is None:
         raise ValueError(
-            f"rollout_logp: algo.rollout_correction = {cfg.rollout_correction!r} needs the engine's "
+            f"rollout_logp: algo.rollout_correction.kind = {cfg.rollout_correction.kind!r} needs the engine's "
             "log-probs of the sampled tokens [B, T]"
         )
     local_tokens, local_seqs = response_counts(view.mask)
     counts = dict(
         num_tokens=local_tokens if num_tokens is None else float(num_tokens),
         num_seqs=local_seqs if num_seqs is None else float(num_seqs),
-        max_len_norm=cfg.max_len_norm,
+        max_len_norm=cfg.loss.max_len_norm,
     )
 
     def agg(values: Tensor) -> Tensor:
-        return aggregate(values, view.mask, cfg.loss_agg, **counts)
+        return aggregate(values, view.mask, cfg.loss.agg, **counts)
 
-    shaping = LOSSES[cfg.loss](view)
+    shaping = LOSSES[cfg.loss.kind](view)
     adv = shaping.advantages.detach()
     # coefficient 0: the RL loss bit for bit; CRPO's teacher feeds its own term below, not these signals
-    distilling = teacher is not None and cfg.distill_coef > 0 and cfg.distill != "crpo"
+    distilling = teacher is not None and cfg.distill.coef > 0 and cfg.distill.kind != "crpo"
     if teacher is not None:
         check_teacher(teacher, tuple(view.logp.shape), student_at_teacher_ids, cfg)
-        if distilling and cfg.distill_signal in ("reverse_kl_sampled", "both"):
-            adv = adv + cfg.distill_coef * reverse_kl_advantage(view.logp, teacher.logp, view.mask)
+        if distilling and cfg.distill.signal in ("reverse_kl_sampled", "both"):
+            adv = adv + cfg.distill.coef * reverse_kl_advantage(view.logp, teacher.logp, view.mask)
     # ARMOR (mixed_ratio.py): the mixed log-probs of policy and behaviour replace logp and old_logp in the ratio and
     # the target, so every loss's weight, clip and value read the mixed ratio; the plain pair otherwise
     policy_logp, behaviour_logp = view.logp, view.old_logp
-    if mixing(cfg):
+    if cfg.mixes_ratio != (mixed_ratio_share is not None):
+        raise ValueError(
+            f"mixed_ratio_share: expected {'a share' if cfg.mixes_ratio else 'None'} (AlgoConfig.mixed_ratio_share) "
+            f"with algo.armor = {cfg.armor}, got {mixed_ratio_share!r}"
+        )
+    if mixed_ratio_share is not None:
         if ref_logp is None:
             raise ValueError(
-                f"ref_logp: algo.mixed_ratio_share = {cfg.mixed_ratio_share} (ARMOR's mixed ratio) needs the "
-                "reference model's log-probs [B, T]"
+                f"ref_logp: ARMOR's mixed ratio (a = {mixed_ratio_share}) needs the reference model's log-probs [B, T]"
             )
-        policy_logp, behaviour_logp = mixed_log_probs(view.logp, view.old_logp, ref_logp, cfg.mixed_ratio_share)
+        policy_logp, behaviour_logp = mixed_log_probs(view.logp, view.old_logp, ref_logp, mixed_ratio_share)
     log_ratio = policy_logp - behaviour_logp
     rho = torch.exp(log_ratio)
-    clipped = ((adv > 0) & (rho > 1 + cfg.eps_high)) | ((adv < 0) & (rho < 1 - cfg.eps_low))
+    clipped = ((adv > 0) & (rho > 1 + cfg.loss.eps_high)) | ((adv < 0) & (rho < 1 - cfg.loss.eps_low))
     scale = torch.ones_like(rho) if shaping.weight_scale is None else shaping.weight_scale.detach()
     if correct:
         correction, correction_metrics = correction_weights(view.old_logp, rollout_logp, view.mask, cfg)
@@ -279,17 +287,17 @@ def policy_loss(
     if shaping.smoothing is not None:
         s = shaping.smoothing.detach()
         if shaping.candidates is None:
-            u = candidate_weights(view.topn_logp, cfg.weights)
+            u = candidate_weights(view.topn_logp, cfg.loss.weights)
             spread = (u * view.topn_logp).sum(dim=-1)
         else:  # where, not u = 0: a column outside C_t sends exactly no gradient (and no NaN from 0 * -inf)
-            u = candidate_weights(view.topn_logp, cfg.weights, shaping.candidates)
+            u = candidate_weights(view.topn_logp, cfg.loss.weights, shaping.candidates)
             terms = u * view.topn_logp
             spread = torch.where(shaping.candidates, terms, torch.zeros_like(terms)).sum(dim=-1)
         smoothed = (1 - s) * policy_logp + s * spread
         target = torch.where(s > 0, smoothed, policy_logp)
     pg_form = agg(-weight * target)
     with torch.no_grad():
-        clipped_rho = rho.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+        clipped_rho = rho.clamp(1 - cfg.loss.eps_low, 1 + cfg.loss.eps_high)
         pg_value = agg(torch.where(contributes, -scale * torch.minimum(rho * adv, clipped_rho * adv), zero))
     loss = pg_value + (pg_form - pg_form.detach())
 
@@ -308,25 +316,27 @@ def policy_loss(
             coef = kl_coef[:, None].expand_as(k3)
             extras["kl_loss"] = agg(torch.where(coef > 0, coef * k3, torch.zeros_like(k3)))
             loss = loss + extras["kl_loss"]
-        elif cfg.kl_coef > 0:
-            loss = loss + cfg.kl_coef * extras["kl_ref"]
+        elif cfg.kl.coef > 0:
+            loss = loss + cfg.kl.coef * extras["kl_ref"]
 
     distilled: dict[str, Tensor] = {}
     if teacher is not None:
         forward_kl = torch.zeros_like(view.logp)
         if student_at_teacher_ids is not None:
             forward_kl, form = topn_forward_kl(student_at_teacher_ids, teacher.topn_logits, view.mask)
-            if distilling and cfg.distill_signal in ("topn_forward_kl", "both"):
-                term = cfg.distill_coef * agg(form)
-                extras["distill_loss"] = cfg.distill_coef * agg(forward_kl)
+            if distilling and cfg.distill.signal in ("topn_forward_kl", "both"):
+                term = cfg.distill.coef * agg(form)
+                extras["distill_loss"] = cfg.distill.coef * agg(forward_kl)
                 loss = loss + extras["distill_loss"] + (term - term.detach())
         distilled = distill_metrics(view.logp, stats.topn_ids[..., 0], teacher, forward_kl, view.mask)
-    if teacher is not None and cfg.distill == "crpo" and cfg.crpo_coef > 0:  # 0: the RL loss bit for bit
+    if teacher is not None and cfg.distill.kind == "crpo" and cfg.distill.crpo.coef > 0:  # 0: the RL loss bit for bit
         if crpo_weights is None or student_at_teacher_ids is None:
-            raise ValueError("crpo_weights: algo.distill=crpo needs crpo.group_weights of the mini-batch [B, T, 2]")
+            raise ValueError(
+                "crpo_weights: algo.distill.kind=crpo needs crpo.group_weights of the mini-batch [B, T, 2]"
+            )
         term, value = crpo_loss(student_at_teacher_ids, teacher.topn_logits, crpo_weights, view.mask)
-        extras["crpo_loss"] = cfg.crpo_coef * value
-        loss = loss + cfg.crpo_coef * term
+        extras["crpo_loss"] = cfg.distill.crpo.coef * value
+        loss = loss + cfg.distill.crpo.coef * term
 
     metrics = loss_metrics(
         view, log_ratio=log_ratio, clipped=clipped, top_ranks=stats.topn_logp, candidates=shaping.candidates
@@ -374,9 +384,10 @@ def _token_view(
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape} like stats.logp, got {tuple(tensor.shape)}")
     for name, tensor in (("stats.topn_logp", stats.topn_logp), ("stats.topn_ids", stats.topn_ids)):
-        if tensor.dim() != 3 or tuple(tensor.shape[:2]) != shape or tensor.shape[2] < cfg.top_n:
+        if tensor.dim() != 3 or tuple(tensor.shape[:2]) != shape or tensor.shape[2] < cfg.loss.top_n:
             raise ValueError(
-                f"{name}: expected shape [B, T, N] = [{shape[0]}, {shape[1]}, N >= algo.top_n = {cfg.top_n}], "
+                f"{name}: expected shape [B, T, N] = [{shape[0]}, {shape[1]}, N >= algo.loss.top_n = "
+                f"{cfg.loss.top_n}], "
                 f"got {tuple(tensor.shape)}"
             )
     if tuple(advantages.shape) != shape[:1]:
@@ -390,11 +401,11 @@ def _token_view(
         logp=logp,
         old_logp=old_logp.detach().to(logp.dtype),
         entropy=stats.entropy,
-        topn_logp=stats.topn_logp[..., : cfg.top_n],
+        topn_logp=stats.topn_logp[..., : cfg.loss.top_n],
         is_top1=is_top1,
         advantages=adv,
         mask=mask,
-        high_entropy=high_entropy_mask(stats.entropy, mask, cfg.tau_q),
+        high_entropy=high_entropy_mask(stats.entropy, mask, cfg.loss.tau_q),
         positive=mask & (adv > 0),
         negative=mask & (adv < 0),
         cfg=cfg,

@@ -119,3 +119,9 @@ def finish_subset_means(metrics: dict[str, float]) -> dict[str, float]:
         if metric_name(key) in metrics:
             metrics[metric_name(key)] /= max(metrics[metric_name(count)], 1.0)
     return metrics
+
+
+def logp_mismatch(engine_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> float:
+    """The train/inference mismatch: the mean |engine log-prob - actor log-prob| of the sampled tokens over the
+    trained positions ``mask`` [B, T] (0 without any)."""
+    return float(((engine_logp - behaviour_logp).abs() * mask).sum() / mask.sum().clamp_min(1))

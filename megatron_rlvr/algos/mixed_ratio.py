@@ -1,7 +1,7 @@
 """ARMOR's mixed ratio (docs/algorithms.md, "ARMOR"): the policy and its behaviour each mixed with the reference.
 
 ``r_mix = (a pi_theta + (1 - a) pi_ref) / (a pi_old + (1 - a) pi_ref)`` per token, with ``a`` the on-policy share of
-the batch (``algo.mixed_ratio_share``). ``mixed_log_probs`` returns the two mixed log-probabilities, computed in log
+the batch (`AlgoConfig.mixed_ratio_share`). ``mixed_log_probs`` returns the two mixed log-probabilities, computed in log
 space with logsumexp; ``policy_loss`` takes their difference as every loss's log-ratio and the first as the target
 whose gradient the weight multiplies, so the mixed ratio composes with every loss. At ``a = 1`` the mixture weights
 are ``(1, 0)``: ``log(1) + logp`` and ``-inf + ref_logp`` give back ``logp`` and ``old_logp`` bit for bit, and the
@@ -15,20 +15,12 @@ import math
 import torch
 from torch import Tensor
 
-from megatron_rlvr.algos.config import AlgoConfig
-
-
-def mixing(cfg: AlgoConfig) -> bool:
-    """Whether the loss uses the mixed ratio (``algo.mixed_ratio_share`` set; the run's Config sets it to the
-    on-policy share under ``algo.anchor_rollout``)."""
-    return cfg.mixed_ratio_share is not None
-
 
 def mixed_log_probs(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, share: float) -> tuple[Tensor, Tensor]:
     """``(log(a pi_theta + (1 - a) pi_ref), log(a pi_old + (1 - a) pi_ref))`` per token, ``a = share`` in (0, 1].
     The gradient flows through ``logp`` only (``old_logp`` and ``ref_logp`` are detached)."""
     if not 0 < share <= 1:
-        raise ValueError(f"algo.mixed_ratio_share: expected a share in (0, 1], got {share!r}")
+        raise ValueError(f"algo.armor.mixed_ratio_share: expected a share in (0, 1], got {share!r}")
     if ref_logp.shape != logp.shape:
         raise ValueError(f"ref_logp: expected shape {tuple(logp.shape)} like stats.logp, got {tuple(ref_logp.shape)}")
     log_a = math.log(share)

@@ -26,15 +26,15 @@ MASKED_FRAC = "rollout_correction/masked_frac"  # mis / icepop: tokens whose wei
 def correction_weights(
     old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: AlgoConfig
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``(c [B, T] detached, metrics)`` for ``cfg.rollout_correction`` at ``cfg.rollout_correction_level``.
+    """``(c [B, T] detached, metrics)`` for ``cfg.rollout_correction.kind`` at ``cfg.rollout_correction.level``.
 
     ``old_logp`` / ``rollout_logp`` [B, T] hold the actor's and the engine's log-probs of the sampled tokens;
     ``mask`` (bool [B, T]) marks response tokens. ``c`` is 1 outside the mask. The metrics are 0-d tensors, means
     over the response tokens: the weight's mean and the truncated (tis) or masked (mis, icepop) fraction.
     """
-    kind, level = cfg.rollout_correction, cfg.rollout_correction_level
+    kind, level = cfg.rollout_correction.kind, cfg.rollout_correction.level
     if kind == "none":
-        raise ValueError("correction_weights: algo.rollout_correction is 'none'; there is nothing to compute")
+        raise ValueError("correction_weights: algo.rollout_correction.kind is 'none'; there is nothing to compute")
     old_logp, rollout_logp = old_logp.detach(), rollout_logp.detach().to(old_logp.dtype)
     zero = torch.zeros_like(old_logp)
     log_rho = torch.where(mask, old_logp - rollout_logp, zero)
@@ -47,15 +47,15 @@ def correction_weights(
         log_ratio = (log_rho.sum(dim=-1, keepdim=True) / count).expand_as(log_rho)
     ratio = torch.exp(log_ratio)
     if kind == "tis":
-        weight = ratio.clamp(max=cfg.rollout_is_cap)
-        dropped, dropped_key = ratio > cfg.rollout_is_cap, CLIPPED_FRAC
+        weight = ratio.clamp(max=cfg.rollout_correction.cap)
+        dropped, dropped_key = ratio > cfg.rollout_correction.cap, CLIPPED_FRAC
     elif kind in ("mis", "icepop"):
-        inside = (ratio >= cfg.rollout_is_low) & (ratio <= cfg.rollout_is_high)
+        inside = (ratio >= cfg.rollout_correction.low) & (ratio <= cfg.rollout_correction.high)
         kept = ratio if kind == "icepop" else torch.ones_like(ratio)
         weight = torch.where(inside, kept, zero)  # where, not a product: inf * 0 would be NaN
         dropped, dropped_key = ~inside, MASKED_FRAC
     else:
-        raise ValueError(f"algo.rollout_correction: got {kind!r}; allowed values: none, tis, mis, icepop")
+        raise ValueError(f"algo.rollout_correction.kind: got {kind!r}; allowed values: none, tis, mis, icepop")
     weight = torch.where(mask, weight, torch.ones_like(weight)).detach()
     tokens = mask.sum().clamp(min=1).to(weight.dtype)
     metrics = {

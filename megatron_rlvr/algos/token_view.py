@@ -12,7 +12,7 @@ from megatron_rlvr.algos.config import AlgoConfig
 
 @dataclass
 class TokenView:
-    """What a loss's shaping may read: the statistics and inputs broadcast to [B, T] (top-N cut to cfg.top_n)."""
+    """What a loss's shaping may read: the statistics and inputs broadcast to [B, T] (top-N cut to cfg.loss.top_n)."""
 
     logp: Tensor
     old_logp: Tensor

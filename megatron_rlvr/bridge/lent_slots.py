@@ -1,4 +1,4 @@
-"""Lending slots of the bridge's export held by consumers that keep lent tensors (`bridge/export.py`).
+"""Lending slots of the bridge's export held by consumers that keep lent tensors (`bridge/export_lending.py`).
 
 A lending exchange has two slots of one whole export call each; calls alternate between them. A consumer that keeps
 computing with lent tensors after the call (the CPU engine, which adopts them instead of copying) holds their slot

@@ -5,10 +5,8 @@ Float16Module), and their mapping entries."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlvr.bridge.mapping import ParamMapping, mapping_table, megatron_local_shape
 from megatron_rlvr.models.dims import ModelDims
@@ -114,14 +112,3 @@ def experts_laid_out_apart(tp: int) -> bool:
     from megatron.core import parallel_state as ps
 
     return ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() != tp
-
-
-def raise_everywhere(problems: list[str], group) -> None:
-    """One all-reduce decides whether any rank found a problem; if so all ranks raise with everyone's messages."""
-    flag = torch.tensor([1 if problems else 0], dtype=torch.int64)
-    dist.all_reduce(flag, group=group)
-    if flag.item():
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, problems, group=group)
-        messages = sorted({p for rank_problems in gathered for p in rank_problems})
-        raise BridgeError("weight export refused before sending anything: " + "; ".join(messages))

@@ -77,7 +77,8 @@ def _run_note(config_yaml: Path, prompts: int, n: int) -> str:
     t = cfg.trainer
     return (
         f"trained {t.steps} steps of {t.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
-        f"(algo.loss={cfg.algo.loss}, seed {t.seed}; its config: {config_yaml}); evaluated on {prompts} held-out "
+        f"(algo.loss.kind={cfg.algo.loss.kind}, seed {t.seed}; its config: {config_yaml}); evaluated on {prompts} "
+        "held-out "
         f"prompts x {n} samples (eval seed {EVAL_SEED})"
     )
 
@@ -152,9 +153,8 @@ def _candidate_figure(out: Path, samples: dict[str, list[dict]], models: dict[st
     if not solved:
         return {}
     pid = max(solved, key=lambda p: trained[p]["correct"] - base.get(p, {}).get("correct", 0))  # max keeps the first
-    answer = min(
-        (r for r in trained_rows if str(r["prompt_id"]) == pid and float(r["reward"]) > 0.5), key=lambda r: r["sample"]
-    )["response"]
+    correct = [r for r in trained_rows if str(r["prompt_id"]) == pid and float(r["reward"]) > 0.5]
+    answer = min(correct, key=lambda r: r["sample"])["response"]  # the trained model's first correct answer
     recipe = load_config(RECIPE)
     result = candidates.build(
         list(models.values()),
@@ -166,7 +166,12 @@ def _candidate_figure(out: Path, samples: dict[str, list[dict]], models: dict[st
     )
     png = candidates.render(result["matrices"], report_dir / "candidates.png", title=f"{prompts[pid]!r} -> {answer!r}")
     (report_dir / "candidates.json").write_text(json.dumps(candidates.to_json(result), indent=1) + "\n")
-    rate = lambda stats: f"{stats.get(pid, {}).get('correct', 0)}/{stats.get(pid, {}).get('n', 0)}"  # noqa: E731
+
+    def rate(stats: dict[str, dict]) -> str:
+        """Correct samples of all drawn on this prompt, e.g. 3/64."""
+        counts = stats.get(pid, {})
+        return f"{counts.get('correct', 0)}/{counts.get('n', 0)}"
+
     return {
         "path": png,
         "prompt_id": pid,
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
             raise UserError("--seed and trainer.seed=... both given; give one")
         args.overrides.append(f"trainer.seed={args.seed}")
-    overrides = [f"algo.loss={args.algo}", *args.overrides]
+    overrides = [f"algo.loss.kind={args.algo}", *args.overrides]
     _check(overrides, args.nproc)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()

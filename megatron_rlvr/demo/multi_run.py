@@ -4,9 +4,9 @@ set them apart (the algorithm and the recipe overrides), with the mean and the m
     megatron-rlvr demo report --runs outputs/casp_s1 outputs/casp_s2 outputs/grpo_s1 [--group-by algo] [--out t.md]
 
 Each run folder is what `megatron-rlvr demo --out DIR` leaves: ``report/results.json`` (the numbers, written by
-report.py) and ``train/config.yaml`` (the run's full config). A run's label is its ``algo.loss`` plus every key
+report.py) and ``train/config.yaml`` (the run's full config). A run's label is its ``algo.loss.kind`` plus every key
 where its config differs from the demo recipe, except the seed (what a group's runs vary) and paths; ``--group-by``
-names the keys to group by instead (``algo`` for ``algo.loss``).
+names the keys to group by instead (``algo`` for ``algo.loss.kind``).
 
 A second table gives, at the ``--ks`` columns, each group's pass@k with a 95% bootstrap interval over the eval prompts
 and its paired difference to the base and to the first group (megatron_rlvr/eval/bootstrap.py, the machinery of
@@ -35,7 +35,7 @@ CONFIG = Path("train") / "config.yaml"
 SEED_KEY = "trainer.seed"
 # where a run put its files, not how it trained: never part of a label
 PATH_KEYS = {"model.hf_dir", "model.load", "trainer.output_dir", "eval.output_dir", "checkpoint.resume"}
-ALIASES = {"algo": "algo.loss", "seed": SEED_KEY}
+ALIASES = {"algo": "algo.loss.kind", "seed": SEED_KEY}
 
 
 class MultiRunError(UserError, ValueError):
@@ -144,14 +144,14 @@ def label_of(run: RunStats, recipe: Mapping[str, Any], group_by: Sequence[str] =
         return run.trained_label
     if group_by:
         return ", ".join(
-            f"{k}={_fmt(run.config.get(k))}" if k != "algo.loss" else str(run.config.get(k)) for k in group_by
+            f"{k}={_fmt(run.config.get(k))}" if k != "algo.loss.kind" else str(run.config.get(k)) for k in group_by
         )
     changed = [
         f"{k}={_fmt(v)}"
         for k, v in sorted(run.config.items())
-        if k in recipe and k not in PATH_KEYS | {SEED_KEY, "algo.loss"} and v != recipe[k]
+        if k in recipe and k not in PATH_KEYS | {SEED_KEY, "algo.loss.kind"} and v != recipe[k]
     ]
-    return ", ".join([str(run.config.get("algo.loss", run.trained_label)), *changed])
+    return ", ".join([str(run.config.get("algo.loss.kind", run.trained_label)), *changed])
 
 
 def _cell(values: Sequence[float], scale: float = 1.0, digits: int = 1, range_digits: int | None = None) -> str:
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "--group-by",
         nargs="+",
         default=[],
-        help="config keys to group by (algo = algo.loss); default: algo plus the recipe overrides",
+        help="config keys to group by (algo = algo.loss.kind); default: algo plus the recipe overrides",
     )
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument(

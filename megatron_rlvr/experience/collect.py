@@ -1,5 +1,5 @@
 """Experience collection: prompts -> sampled responses (each rollout-DP rank on its own engine) -> rewards ->
-group advantages -> one padded `SequenceBatch`, identical on every rank.
+group advantages -> one `Experience` (its padded `Rollouts` and their `Targets`), identical on every rank.
 
 Dynamic sampling (``algo.drop_uniform_groups``, DAPO): a group whose G rewards are all equal carries no signal. Such
 groups are dropped and up to ``rollout.refill_max_rounds`` extra rounds draw and sample further prompts until the step
@@ -9,8 +9,8 @@ whose tokens are masked out, so no layout or micro-batch split changes with the 
 
 Routing replay (``actor.router_replay: rollout``, docs/routing-replay.md): each completion's
 ``Completion.routed_experts`` (the engine's experts of every prompt and response token) goes into
-``SequenceBatch.routed_experts`` at the tokens' positions, -1 on padding; an engine that returned none is an error.
-The ids move: the completions drop theirs once the batch holds them (the largest per-token payload of a step, sent
+``Rollouts.routed_experts`` at the tokens' positions, -1 on padding; an engine that returned none is an error.
+The ids move: the completions drop theirs once the rollouts hold them (the largest per-token payload of a step, sent
 once over the wire under separate placement).
 
 Determinism (exact resume): round r of step s samples with seeds that are a function of (run seed, s, r, rollout
@@ -31,7 +31,7 @@ from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.environments import EpisodeEngine, Problem
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import Rollouts, Targets
 from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout import Completion, EngineDiedError, RolloutConfig, RolloutEngine, Sampling
 
@@ -45,13 +45,15 @@ class RoutingMissingError(UserError, ValueError):
     shape than its tokens."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Experience:
+    """One step's experience: what the actor trains on (``rollouts`` and their ``targets``) and what it came from.
+    Nothing writes into it: a transform of it (experience/transforms.py) makes a new one."""
+
     items: list[PromptItem]  # the batch's prompts, one per group, in batch order
     completions: list[list[Completion]]  # [prompt][sample]
-    rewards: torch.Tensor  # [prompts * G] the batch's rewards (the overlong penalty included)
-    batch: SequenceBatch
-    engine_logp: torch.Tensor  # [B, S - 1] the engine's log-probs at response positions (0 elsewhere)
+    rollouts: Rollouts  # [prompts * G] rows in (prompt, sample) order
+    targets: Targets
     reward_counters: dict[str, int]
     # reward/*, response/* over every response sampled this step (all rounds); batch/* about what trains
     metrics: dict[str, float] = field(default_factory=dict)
@@ -138,11 +140,11 @@ def problem_of(item: PromptItem) -> Problem:
     return Problem(item.id, item.prompt, tuple(item.prompt_ids), item.task, item.answer)
 
 
-def score(
+def verify(
     pool: RewardPool, items: list[PromptItem], completions: list[list[Completion]], *, shared: bool = True
 ) -> tuple[torch.Tensor, dict[str, int]]:
-    """Rewards of every response, in (prompt, sample) order. ``shared``: each rank scores a share and all ranks get
-    all; otherwise this rank scores them all alone."""
+    """The verifiers' rewards of every response, in (prompt, sample) order. ``shared``: each rank scores a share and
+    all ranks get all; otherwise this rank scores them all alone."""
     flat = [(item, c) for item, group in zip(items, completions) for c in group]
     world, rank = (dist.get_world_size(), dist.get_rank()) if shared and dist.is_initialized() else (1, 0)
     mine = list(range(rank, len(flat), world))
@@ -200,7 +202,7 @@ def _sample_round(
     counters: dict[str, int],
 ) -> list[Group]:
     completions = generate(engine, items, cfg.rollout, run_seed=run_seed, step=step, refill_round=refill_round)
-    rewards, round_counters = score(pool, items, completions)
+    rewards, round_counters = verify(pool, items, completions)
     for key, value in round_counters.items():
         counters[key] = counters.get(key, 0) + value
     g = cfg.rollout.group_size
@@ -268,12 +270,15 @@ def assemble(
     rewards = torch.cat([g.rewards for g in chosen])
     advantages, keep = compute_advantages(rewards, cfg.rollout.group_size, cfg.algo)
     items, completions = [g.item for g in chosen], [g.completions for g in chosen]
-    batch, engine_logp = to_batch(items, completions, advantages, pad_id, cfg.actor.router_replay == "rollout")
     # dropped groups padding a short step keep their place (fixed batch shape) but contribute no tokens
-    batch.response_mask &= keep[:, None]
-    if cfg.algo.mask_truncated:  # DAPO overlong filtering: a response cut at the budget trains no tokens
-        truncated = torch.tensor([c.finish_reason == "length" for group in completions for c in group])
-        batch.response_mask &= ~truncated[:, None]
+    rollouts = to_rollouts(
+        items,
+        completions,
+        rewards,
+        pad_id,
+        trains=keep & untruncated(completions, cfg.algo.mask_truncated),
+        routed_experts=cfg.actor.router_replay == "rollout",
+    )
     trained = sum(not g.uniform for g in chosen) if refill else len(chosen)
     metrics = _sampled_metrics(sampled, cfg.reward.overlong_buffer > 0)
     metrics.update(
@@ -283,7 +288,16 @@ def assemble(
             "batch/groups_trained": float(trained),
         }
     )
-    return Experience(items, completions, rewards, batch, engine_logp, counters, metrics)
+    return Experience(items, completions, rollouts, Targets(advantages=advantages.float()), counters, metrics)
+
+
+def untruncated(completions: list[list[Completion]], mask_truncated: bool) -> torch.Tensor:
+    """[B] bool: the responses that may train under DAPO's overlong filtering (``algo.mask_truncated``: not one cut
+    at the token budget; otherwise every one)."""
+    flat = [c for group in completions for c in group]
+    if not mask_truncated:
+        return torch.ones(len(flat), dtype=torch.bool)
+    return ~torch.tensor([c.finish_reason == "length" for c in flat])
 
 
 def _choose_groups(groups: list[Group], want: int, refill: bool) -> list[Group]:
@@ -320,17 +334,20 @@ def _sampled_metrics(groups: list[Group], penalized: bool) -> dict[str, float]:
     return metrics
 
 
-def to_batch(
+def to_rollouts(
     items: list[PromptItem],
     completions: list[list[Completion]],
-    advantages: torch.Tensor,
+    rewards: torch.Tensor,
     pad_id: int,
+    *,
+    trains: torch.Tensor | None = None,
     routed_experts: bool = False,
-) -> tuple[SequenceBatch, torch.Tensor]:
+) -> Rollouts:
     """Right-padded prompt + response sequences, one length for the whole step (pipeline stages exchange
-    fixed-shape activations). The engine's per-token log-probs, placed at the same positions, are the batch's
-    ``rollout_logp`` (what the rollout correction reads) and come back beside it (the mismatch metric). The first
-    ``Completion.prefix_len`` response tokens (a weaker model's prefix) are context only: masked out.
+    fixed-shape activations), with the engine's per-token log-probs at the same positions (what the rollout
+    correction reads) and the ``rewards`` [B]. ``trains`` [B] bool: the rows whose response tokens train (default
+    all); the others keep their place with an empty mask. The first ``Completion.prefix_len`` response tokens (a
+    weaker model's prefix) are context only: masked out.
     ``routed_experts``: the engine's routing of every sequence, placed like its tokens (`routed_experts_of`).
     A multi-turn response (``Completion.episode``) follows its own prompt when its environment replaced the data's,
     and trains only its sampled tokens: the episode's loss mask is 0 on the environment's (docs/multi-turn.md)."""
@@ -355,10 +372,12 @@ def to_batch(
             mask[i, p - 1 : p - 1 + r] &= torch.tensor(env[:r], dtype=torch.bool)
         if lp:
             engine_logp[i, p - 1 : p - 1 + len(lp)] = torch.tensor(lp[:r])
-    batch = SequenceBatch(tokens, mask, advantages.float(), rollout_logp=engine_logp)
-    if routed_experts:
-        batch.routed_experts = routed_experts_of([c for group in completions for c in group], spans, length)
-    return batch, engine_logp
+    if trains is not None:
+        mask &= trains[:, None]
+    routed = routed_experts_of([c for group in completions for c in group], spans, length) if routed_experts else None
+    return Rollouts(
+        tokens=tokens, response_mask=mask, routed_experts=routed, engine_logp=engine_logp, rewards=rewards.float()
+    )
 
 
 def routed_experts_of(completions: list[Completion], spans: list[tuple[int, int]], length: int) -> torch.Tensor:
@@ -387,6 +406,6 @@ def routed_experts_of(completions: list[Completion], spans: list[tuple[int, int]
     out = torch.full((len(rows), length, *rows[0].shape[1:]), -1, dtype=torch.int16)
     for i, ids in enumerate(rows):
         out[i, : ids.shape[0]] = ids.to(torch.int16)
-    for c in completions:  # moved, not copied: the batch holds them now
+    for c in completions:  # moved, not copied: the rollouts hold them now
         c.routed_experts = None
     return out

@@ -30,7 +30,7 @@ import torch
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.experience.admission import Entry, Ledger
-from megatron_rlvr.experience.collect import Experience, Group, assemble, group_of, sampling_seed, score
+from megatron_rlvr.experience.collect import Experience, Group, assemble, group_of, sampling_seed, verify
 from megatron_rlvr.experience.group_account import GroupAccount
 from megatron_rlvr.experience.wire import Rollout
 from megatron_rlvr.rewards import RewardPool
@@ -216,7 +216,7 @@ class StreamCore:
 
     def _done(self, flight: InFlight) -> None:
         completions = [r.completion() for r in flight.responses]
-        rewards, counters = score(self.pool, [flight.item], [completions], shared=False)
+        rewards, counters = verify(self.pool, [flight.item], [completions], shared=False)
         group = group_of(0, flight.entry.index, flight.item, completions, rewards, self.cfg)
         resumed = sum(r.resumed for r in flight.responses)
         self.outbox.append(Done(flight.entry.index, group.uniform, group, counters, resumed))
@@ -292,17 +292,23 @@ class StreamCore:
             refill=self.cfg.algo.drop_uniform_groups,
         )
         self.filtered = []
-        exp.metrics |= _stream_metrics(exp, step)
-        exp.metrics |= {
-            "async/engine_idle_frac": max(0.0, 1.0 - engine_s / wall) if wall > 0 else 0.0,
-            "async/in_flight_groups": float(len(self.ledger.entries)),
-            "async/resumed_responses": float(resumed),
-            # admitted groups that did not train, were not dropped by dynamic sampling, and neither run on a replica
-            # nor wait finished: counted from the groups themselves, not from the ledger (group_account.py)
-            "async/dropped": float(self.account.dropped(self.ledger.admitted, self._present())),
-            "rollout/prefix_cache_queries": float(cache.queries),
-            "rollout/prefix_cache_hits": float(cache.hits),
-        }
+        staleness, stream_metrics = _staleness(exp, step)
+        exp = dataclasses.replace(
+            exp,
+            staleness=staleness,
+            metrics=exp.metrics
+            | stream_metrics
+            | {
+                "async/engine_idle_frac": max(0.0, 1.0 - engine_s / wall) if wall > 0 else 0.0,
+                "async/in_flight_groups": float(len(self.ledger.entries)),
+                "async/resumed_responses": float(resumed),
+                # admitted groups that did not train, were not dropped by dynamic sampling, and neither run on a replica
+                # nor wait finished: counted from the groups themselves, not from the ledger (group_account.py)
+                "async/dropped": float(self.account.dropped(self.ledger.admitted, self._present())),
+                "rollout/prefix_cache_queries": float(cache.queries),
+                "rollout/prefix_cache_hits": float(cache.hits),
+            },
+        )
         return Rollout(step, step - int(exp.staleness.max()), self.loader.state_dict(), exp, engine_s)
 
     def _present(self) -> set[int]:
@@ -386,16 +392,17 @@ class StreamCore:
             self.stream.submit(key, list(flight.item.prompt_ids) + response.token_ids, 1, sampling)
 
 
-def _stream_metrics(exp: Experience, step: int) -> dict[str, float]:
-    """Staleness and weight-version metrics of the responses a step trains (sets ``exp.staleness``)."""
+def _staleness(exp: Experience, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each response's staleness (updates between its oldest token's weights and ``step``) and the staleness and
+    weight-version metrics of the responses a step trains."""
     responses = [c for group in exp.completions for c in group]
     oldest = torch.tensor([c.versions[0] if c.versions else step for c in responses], dtype=torch.float32)
-    exp.staleness = step - oldest
+    staleness = step - oldest
     mixed = torch.tensor([bool(c.versions) and c.versions[0] != c.versions[-1] for c in responses])
     tokens = torch.tensor([len(c.token_ids) for c in responses], dtype=torch.float32)
-    return {
-        "rollout/staleness": float(exp.staleness.mean()),
-        "rollout/staleness_max": float(exp.staleness.max()),
+    return staleness, {
+        "rollout/staleness": float(staleness.mean()),
+        "rollout/staleness_max": float(staleness.max()),
         "rollout/mixed_version_frac": float(mixed.float().mean()),  # responses sampled by more than one version
         "rollout/mixed_version_tokens_frac": float((tokens * mixed).sum() / tokens.sum().clamp_min(1)),
     }

@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import torch
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem, items_from_rows, load_items, problem_rows
 from megatron_rlvr.eval.passk import pass_at_k
-from megatron_rlvr.experience.collect import generate, score, to_batch
+from megatron_rlvr.experience.collect import generate, to_rollouts, verify
 from megatron_rlvr.protocols.actor import EntropyScorer
 from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout import RolloutEngine
@@ -69,10 +68,10 @@ def validate(
         stop=list(e.stop) or list(cfg.rollout.stop),
     )
     completions = generate(without_prefixes(engine), items, rollout_cfg, run_seed=e.seed, step=_VALIDATION_STEP)
-    rewards, _ = score(pool, items, completions)
+    rewards, _ = verify(pool, items, completions)
     correct = (rewards.view(len(items), e.n_samples) >= 1.0).sum(-1).numpy()
-    batch, _ = to_batch(items, completions, torch.zeros(len(rewards)), pad_id)
-    entropy = actor.compute_entropy(batch)[batch.response_mask].numpy()
+    rollouts = to_rollouts(items, completions, rewards, pad_id)
+    entropy = actor.compute_entropy(rollouts)[rollouts.response_mask].numpy()
     lengths = [len(c.token_ids) for group in completions for c in group]
     metrics = {
         "val/reward_mean": float(rewards.mean()),

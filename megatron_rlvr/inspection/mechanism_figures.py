@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megatron_rlvr.inspection.mechanism_design import BASE, PAIRED_ARMS, SINGLE_ARMS, probe_label
+from megatron_rlvr.monitor.plots import save_figure
 
 if TYPE_CHECKING:
     from megatron_rlvr.inspection.mechanism_results import Results
@@ -34,16 +35,6 @@ def _panels(k: int) -> list[tuple[str, str, str]]:
         ("all", "rank3_below", "share with rank-3 < 0.05"),
         ("all", "rare", "rare correct: log-prob / token"),
     ]
-
-
-def _save(fig, path: Path) -> Path:
-    from megatron_rlvr.monitor.plots import pyplot
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return path
 
 
 def steps_figure(res: Results, path: Path) -> Path:
@@ -94,7 +85,7 @@ def steps_figure(res: Results, path: Path) -> Path:
         ax.set_xlabel("step", fontsize=8)
     grid.flat[0].legend(fontsize=7)
     fig.suptitle("the fixed probe over training (the base's responses, teacher-forced)", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def distinct_figure(res: Results, path: Path) -> Path:
@@ -130,7 +121,7 @@ def distinct_figure(res: Results, path: Path) -> Path:
         ax.set_xlabel("rank-1 probability")
         ax.set_ylabel(f"E[distinct tokens in {k} draws]")
         ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def passk_figure(res: Results, table: dict[str, Any], path: Path) -> Path:
@@ -163,4 +154,4 @@ def passk_figure(res: Results, table: dict[str, Any], path: Path) -> Path:
         bottom.set_xlabel("k")
         bottom.set_ylabel("points")
         bottom.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -14,6 +14,7 @@ first one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ from megatron_rlvr.actor.router_replay import RouterReplayer
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.inspection.probe_stats import check_ks, field_names, position_stats
 from megatron_rlvr.models.config import ModelConfig
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import Sequences
 from megatron_rlvr.runtime import distributed
 
 
@@ -143,7 +144,7 @@ class ProbeScorer:
             load_hf_weights(self.chunks, checkpoint)
 
     @torch.no_grad()
-    def score(self, batch: SequenceBatch) -> torch.Tensor:
+    def score(self, batch: Sequences) -> torch.Tensor:
         """Per-position statistics of the loaded model over ``batch``: [B, len(field_names(ks)), S - 1] float32 on
         every rank (position t: the distribution of token t + 1; meaningful where ``batch.response_mask`` is)."""
         from megatron.core import parallel_state as ps
@@ -154,8 +155,9 @@ class ProbeScorer:
         n = len(batch)
         extra = -n % ps.get_data_parallel_world_size()  # every DP rank holds as many sequences: repeat row 0, masked
         if extra:
-            batch = batch.select(torch.cat([torch.arange(n), torch.zeros(extra, dtype=torch.long)]))
-            batch.response_mask[n:] = False
+            padded = batch.select(torch.cat([torch.arange(n), torch.zeros(extra, dtype=torch.long)]))
+            keep = (torch.arange(n + extra) < n)[:, None]
+            batch = dataclasses.replace(padded, response_mask=padded.response_mask & keep)
         plan, micro = passes.plan(batch)
         width = batch.response_mask.shape[1]
         fields = len(field_names(ks))

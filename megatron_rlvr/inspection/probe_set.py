@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import Sequences
 
 PROBE_SET_FORMAT = "megatron-rlvr probe set 1"
 
@@ -68,7 +68,7 @@ class ProbeSet:
         payload = json.dumps([[asdict(p) for p in self.prompts], [asdict(r) for r in self.rows]], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
-    def batch(self, pad_id: int) -> SequenceBatch:
+    def batch(self, pad_id: int) -> Sequences:
         """Every row as one right-padded batch (prompt + response); ``response_mask[b, t]``: token t + 1 of row b is
         a response token, so statistic t of the actor's passes is that token's."""
         seqs = [self.prompts[r.prompt].prompt_ids + r.ids for r in self.rows]
@@ -79,7 +79,7 @@ class ProbeSet:
             tokens[b, : len(seq)] = torch.tensor(seq)
             start = len(self.prompts[row.prompt].prompt_ids) - 1
             mask[b, start : start + len(row.ids)] = True
-        return SequenceBatch(tokens=tokens, response_mask=mask, advantages=torch.zeros(len(seqs)))
+        return Sequences(tokens=tokens, response_mask=mask)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -37,12 +37,12 @@ from pathlib import Path
 import torch
 
 from megatron_rlvr.algos.advantages import compute_advantages
-from megatron_rlvr.algos.config import AlgoConfig
+from megatron_rlvr.algos.config import AlgoConfig, LossConfig
 from megatron_rlvr.algos.losses import policy_loss
 from megatron_rlvr.ops import vocab_parallel_token_stats
 
 METHODS = ("grpo", "entropy_bonus", "casp", "casp_adaptive")
-ADAPTIVE_MASS = AlgoConfig.candidate_mass  # casp_adaptive's candidate_mass: the knob's default
+ADAPTIVE_MASS = LossConfig.candidate_mass  # casp_adaptive's candidate_mass: the knob's default
 MODE_THRESHOLD = 0.01
 
 
@@ -109,12 +109,12 @@ SWEEP_SEEDS = (100, 101, 102)
 def method_config(method: str, coefficients: dict[str, float]) -> AlgoConfig:
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; allowed values: {', '.join(METHODS)}")
-    base = AlgoConfig(
-        loss=method if method != "casp_adaptive" else "casp", tau_q=0.0, top_n=3, lambda_top1=0.5, alpha=0.0, beta=0.0
+    loss = LossConfig(
+        kind=method if method != "casp_adaptive" else "casp", tau_q=0.0, top_n=3, lambda_top1=0.5, alpha=0.0, beta=0.0
     )
     if method == "casp_adaptive":
-        base = dataclasses.replace(base, candidates="adaptive", candidate_mass=ADAPTIVE_MASS)
-    return dataclasses.replace(base, **coefficients)
+        loss = dataclasses.replace(loss, candidates="adaptive", candidate_mass=ADAPTIVE_MASS)
+    return AlgoConfig(loss=dataclasses.replace(loss, **coefficients))  # coefficients: the loss's knobs
 
 
 def train(tree: Tree, schedule: Schedule, cfg: AlgoConfig, seed: int) -> torch.Tensor:
@@ -123,7 +123,7 @@ def train(tree: Tree, schedule: Schedule, cfg: AlgoConfig, seed: int) -> torch.T
     logits_table = tree.initial_logits().to(torch.float32)
     rewarding = tree.rewarding()
     mask = torch.ones(schedule.group_size, 2, dtype=torch.bool)
-    top_n = max(cfg.top_n, 3)
+    top_n = max(cfg.loss.top_n, 3)
     for _ in range(schedule.steps):
         probs_root = torch.softmax(logits_table[0], dim=-1)
         first = torch.multinomial(probs_root, schedule.group_size, replacement=True, generator=generator)

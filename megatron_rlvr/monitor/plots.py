@@ -21,7 +21,8 @@ def pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (its folder made), close it; the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -52,7 +53,7 @@ def plot_runs(
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))
 
 
 def plot_rank_probs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike) -> Path | None:
@@ -81,7 +82,7 @@ def plot_rank_probs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))
 
 
 DYNAMICS_PANELS = (
@@ -124,7 +125,7 @@ def plot_candidate_dynamics(
     axes.flat[0].legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11)
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))
 
 
 def plot_entropy(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike) -> Path | None:
@@ -151,7 +152,7 @@ def plot_entropy(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os
     ax.set_ylabel("entropy (nats)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))
 
 
 def plot_entropy_histograms(hists: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path | None:
@@ -171,7 +172,7 @@ def plot_entropy_histograms(hists: Sequence[Mapping[str, Any]], path: str | os.P
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))
 
 
 def plot_pass_at_k(
@@ -191,7 +192,7 @@ def plot_pass_at_k(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))
 
 
 def plot_metric_panels(
@@ -218,4 +219,4 @@ def plot_metric_panels(
     for ax in list(axes.flat)[len(present) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))

@@ -13,7 +13,7 @@ Per rank, from what this project's code allocates in host memory (docs/weight-sy
 - transfer buckets, in /dev/shm, i.e. host RAM (the pages a sync touches): the export's shared-memory exchange (two
   slots per TP rank, each at least SHM_SLOT_BYTES or the largest TP shard) and its lending slots. Device parameters
   (GPU) lend in two rounds of at most ``rollout.bucket_bytes``; host parameters (CPU) lend in two whole-call slots,
-  one whole model each, in TP rank 0's segment (bridge/export.py, bridge/lent_slots.py), which the engines compute on.
+  one whole model each, in TP rank 0's segment (bridge/export_lending.py, bridge/lent_slots.py), which the engines compute on.
 - the reward pool, per rank (every rank runs one): ``reward.workers`` x (the code sandbox's memory budget +
   its tmpfs) for code, else workers x a verifier process's resident set (an estimate, below).
 - the data loader: every rank holds the tokenized train split (an estimate from the row count and prompt length).
@@ -66,7 +66,7 @@ HOST_HEADROOM_FRACTION = 0.10
 CPU_RANK_PROCESS_BYTES = int(0.5 * GB)
 # the node's launcher (torchrun's agent: Python + torch.distributed imported): measured 157 MB PSS on this machine
 LAUNCHER_BYTES = int(0.16 * GB)
-SHM_SLOT_BYTES = 64 << 20  # bridge/export.py: the exchange's per-rank slot (at least the largest TP shard)
+SHM_SLOT_BYTES = 64 << 20  # bridge/export_plan.py: the exchange's per-rank slot (at least the largest TP shard)
 
 LABELS = {
     "staging": "staged weight shard (sync)",
@@ -133,7 +133,7 @@ def _exchange_bytes(dims: ModelDims, lay: Layout) -> int:
 
 def lends_whole_calls(dims: ModelDims, lay: Layout) -> bool:
     """Whether the export lends in whole-call slots: parameters in host memory (CPU), TP > 1 on one host, PP 1, and
-    no experts laid out apart (their gather is not lent: such a call lends nothing). bridge/export.py."""
+    no experts laid out apart (their gather is not lent: such a call lends nothing). bridge/export_lending.py."""
     return not lay.gpu and lay.tp > 1 and lay.pp == 1 and not dims.is_moe
 
 

@@ -9,17 +9,17 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
 - optimizer: Adam's two fp32 moments plus fp32 main params when the model params are not fp32 (megatron keeps fp32
   params themselves as the main params), sharded with the distributed optimizer: dense parameters over DP x CP,
   experts over the expert-data-parallel ranks; none of the three divides by cp;
-- the frozen reference (``algo.kl_coef > 0``, or ``algo.pba`` with ``algo.pba_kl_coef > 0``, or ARMOR's
-  ``algo.mixed_ratio_share``): a second copy of the weights, no grads, no optimizer (ARMOR's anchors are sampled by
-  the rollout engine itself and its checkpoints also hold the reference: no other term);
+- the frozen reference (`AlgoConfig.needs_reference`: ``algo.kl.coef > 0``, PBA's coefficient, or ARMOR): a second
+  copy of the weights, no grads, no optimizer (ARMOR's anchors are sampled by the rollout engine itself and its
+  checkpoints also hold the reference: no other term);
 - LoRA (``actor.lora``, plan/lora_terms.py): the frozen base's weights, the adapters' weights, and grads and
   optimizer state of the adapters alone; the reference is free (the base with the adapters off);
-- the distillation teacher (teacher.py): ``algo.distill: teacher`` holds the model of ``algo.teacher_hf_dir`` at the
-  actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer; its no-grad pass is one layer at a time
-  like the statistics pass); ``self`` and ``crpo`` hold a copy of the student unless the reference is that copy
-  already (CRPO's EMA teacher is always a copy of its own); its pass's op records and gathered scores:
-  plan/teacher_terms.py (``teacher_scores``, the statistics phase; under ``crpo`` the prefix is a response, so its
-  sequences are up to two lengths long);
+- the distillation teacher (teacher.py): ``algo.distill.kind: teacher`` holds the model of
+  ``algo.distill.teacher_hf_dir`` at the actor's TP/PP (its own shapes, the parameter dtype, no grads, no optimizer;
+  its no-grad pass is one layer at a time like the statistics pass); ``self`` and ``crpo`` hold a copy of the student
+  unless the reference is that copy already (CRPO's EMA teacher is always a copy of its own); its pass's op records
+  and gathered scores: plan/teacher_terms.py (``teacher_scores``, the statistics phase; under ``crpo`` the prefix is a
+  response, so its sequences are up to two lengths long);
 - activations of one micro-batch: the tensors each layer saves for backward (recompute and sequence-parallel aware;
   an MoE layer's router and experts, plan/parallel_terms.py), times the micro-batches the 1F1B schedule keeps in
   flight on a pipeline stage; the fused op's logits shard (kept for its in-place backward) and its per-token
@@ -29,7 +29,13 @@ follows from what the code of this project allocates (megatron_rlvr/actor/megatr
   workspace); asleep it keeps only the workspace (sleep mode frees weights and KV cache on the GPU; level 1 moves
   the weights to host memory, level 2 drops them).
 
-Assumptions that were not measured here are named constants below. Sizes are in bytes; GB means 10^9 bytes.
+This module reads a run's Config into a `Layout` and sums the terms into the peak of each phase of a step, per kind
+of rank (`plan_layout`): whether it fits, and what breaks it. The terms themselves are arithmetic of (ModelDims,
+Layout) in modules of their own: an actor rank's in plan/actor_terms.py, an engine's in plan/engine_terms.py, and
+those of MoE and CP, LoRA and a teacher pass in plan/parallel_terms.py, plan/lora_terms.py and plan/teacher_terms.py.
+
+Assumptions that were not measured here are named constants (below, and in the terms' modules). Sizes are in bytes;
+GB means 10^9 bytes (plan/units.py).
 """
 
 from __future__ import annotations
@@ -41,25 +47,24 @@ from typing import Any
 
 from megatron_rlvr.models.builder import attention_choice, padded_vocab_size
 from megatron_rlvr.models.dims import ModelDims
-from megatron_rlvr.plan.lora_terms import adapter_hf_params, adapter_saved_bytes, adapter_split, largest_adapter_grad
-from megatron_rlvr.plan.parallel_terms import (
-    cp_kv_bytes,
-    dispatcher_bytes,
-    expert_shard_ranks,
-    moe_mlp_saved_bytes,
+from megatron_rlvr.plan.actor_terms import (
+    activations,
+    actor_static,
+    largest_layer_bytes,
+    logits_bytes,
+    op_scratch_bytes,
 )
-from megatron_rlvr.plan.stage_params import stage_params, stage_split, teacher_dims
+from megatron_rlvr.plan.engine_terms import engine_components, in_flight_kv_note, kv_tokens
+from megatron_rlvr.plan.lora_terms import largest_adapter_grad
+from megatron_rlvr.plan.parallel_terms import cp_kv_bytes, dispatcher_bytes
+from megatron_rlvr.plan.stage_params import teacher_dims
 from megatron_rlvr.plan.teacher_terms import teacher_scores_bytes, teacher_top_n
+from megatron_rlvr.plan.units import FP32, GB
 
-GB = 1e9
-FP32 = 4
 # CUDA context, NCCL communicators and cuBLAS workspaces of one GPU process: an estimate (GPU only).
 RUNTIME_BYTES = int(2.0 * GB)
-# vLLM's profiled activation peak, sampler logits and CUDA graphs inside its gpu_memory_utilization budget; sleep
-# mode does not free it. An estimate from vLLM's profile run at its default batch limits, not measured here.
-ENGINE_WORKSPACE_BYTES = int(2.0 * GB)
-# The components that are the two estimates above, not derived from the recipe and the model: `megatron-rlvr plan`
-# marks them, as the host table marks its own.
+# The components that are estimates (this one and plan/engine_terms.py's ENGINE_WORKSPACE_BYTES), not derived from
+# the recipe and the model: `megatron-rlvr plan` marks them, as the host table marks its own.
 ESTIMATED_PARTS = ("runtime", "engine_workspace")
 # Kept free on every GPU for the caching allocator's fragmentation and what the estimates above miss.
 HEADROOM_FRACTION = 0.05
@@ -84,9 +89,9 @@ class Layout:
     distributed_optimizer: bool = True
     param_bytes: int = 2
     reference: bool = False
-    teacher: str = ""  # algo.distill=teacher: algo.teacher_hf_dir, whose config.json gives the teacher's shapes
-    teacher_copy: bool = False  # algo.distill=self / crpo without a reference: one more copy of the student
-    teacher_top_n: int = 0  # the teacher pass's top-N (algo.distill_top_n, or crpo_top_k); 0: no teacher
+    teacher: str = ""  # kind=teacher: algo.distill.teacher_hf_dir, whose config.json gives the teacher's shapes
+    teacher_copy: bool = False  # algo.distill.kind=self / crpo without a reference: one more copy of the student
+    teacher_top_n: int = 0  # the teacher pass's top-N (algo.distill.top_n, or crpo_top_k); 0: no teacher
     teacher_seq_len: int = 0  # the longest privileged sequence the teacher scores
     top_n: int = 3
     divisible_by: int = 128
@@ -126,23 +131,18 @@ class Layout:
         sequences = cfg.trainer.prompts_per_step * r.group_size // max(1, cfg.trainer.mini_batches_per_step)
         per_rank_tokens = math.ceil(sequences / dp) * seq_share
         # ARMOR's mixed ratio reads a reference too (reset to the policy: a copy, never LoRA's base); its anchors come
-        # from the rollout engine itself (experience/anchors.py), so they add no engine memory
-        needs_reference = (
-            cfg.algo.kl_coef > 0
-            or (cfg.algo.pba and cfg.algo.pba_kl_coef > 0)
-            or cfg.algo.mixed_ratio_share is not None
-        )
+        # from the rollout engine itself (experience/methods/armor.py), so they add no engine memory
         lora = a.lora
-        reference = needs_reference and lora is None  # LoRA's reference is the base with the adapters off: free
-        teacher = cfg.algo.teacher_hf_dir if cfg.algo.distill == "teacher" else ""
-        ema_teacher = cfg.algo.distill == "crpo" and cfg.algo.crpo_teacher == "ema"  # moves: never the reference
+        reference = cfg.algo.needs_reference and lora is None  # LoRA's reference is the base, adapters off: free
+        teacher = cfg.algo.distill.teacher_hf_dir if cfg.algo.distill.kind == "teacher" else ""
+        ema_teacher = cfg.algo.distill.kind == "crpo" and cfg.algo.distill.crpo.teacher == "ema"  # never the reference
         if teacher:
             teacher_dims(teacher)  # a bad teacher directory fails here, naming the key
         return cls(
             teacher=teacher,
-            teacher_copy=cfg.algo.distill in ("self", "crpo") and (not reference or ema_teacher),
+            teacher_copy=cfg.algo.distill.kind in ("self", "crpo") and (not reference or ema_teacher),
             teacher_top_n=teacher_top_n(cfg.algo),
-            teacher_seq_len=r.max_model_len * (2 if cfg.algo.distill == "crpo" else 1),
+            teacher_seq_len=r.max_model_len * (2 if cfg.algo.distill.kind == "crpo" else 1),
             attention=attention_choice(
                 gpu and cfg.model.use_transformer_engine != "off", cfg.model.core_attention, cuda=gpu, cp=cp
             ),
@@ -164,7 +164,7 @@ class Layout:
             distributed_optimizer=a.use_distributed_optimizer,
             param_bytes=2 if a.bf16 else FP32,
             reference=reference,
-            top_n=max(cfg.algo.top_n, 3),
+            top_n=max(cfg.algo.loss.top_n, 3),
             divisible_by=cfg.model.make_vocab_size_divisible_by,
             engine_tp=r.tp,
             gpu_memory_utilization=r.gpu_memory_utilization,
@@ -178,144 +178,8 @@ class Layout:
         )
 
 
-def teacher_bytes(dims: ModelDims, lay: Layout, stage: int) -> int:
-    """The distillation teacher's weights on one rank of ``stage`` (0 without one)."""
-    if lay.teacher:
-        teacher = teacher_dims(lay.teacher)
-        return stage_params(teacher, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp) * lay.param_bytes
-    if lay.teacher_copy:
-        return stage_params(dims, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp) * lay.param_bytes
-    return 0
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Actor
-
-
-def actor_static(dims: ModelDims, lay: Layout, stage: int) -> dict[str, int]:
-    """Weights, main grads, optimizer state and reference of one rank of ``stage``: held through every phase."""
-    dense, expert = stage_split(dims, lay.tp, lay.pp, stage, lay.divisible_by, lay.ep, lay.etp)
-    n = dense + expert
-    per_value = 2 * FP32 + (FP32 if lay.param_bytes != FP32 else 0)  # Adam m, v (+ fp32 main params)
-    if lay.lora_rank:  # the base frozen: grads and optimizer state of the adapters alone (plan/lora_terms.py)
-        base_weights = n * lay.param_bytes
-        dense, expert = adapter_split(dims, lay, stage)
-        n = dense + expert
-    if lay.distributed_optimizer:  # dense state over DP x CP, expert state over the expert-data-parallel ranks
-        shard = math.ceil(dense / (lay.dp * lay.cp)) + math.ceil(expert / expert_shard_ranks(lay))
-    else:
-        shard = n
-    return {
-        "actor_weights": base_weights if lay.lora_rank else n * lay.param_bytes,
-        "adapters": n * lay.param_bytes if lay.lora_rank else 0,
-        "actor_grads": n * FP32,
-        "optimizer": shard * per_value,
-        "reference": n * lay.param_bytes if lay.reference else 0,
-        "teacher": teacher_bytes(dims, lay, stage),
-    }
-
-
-def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None, moe: bool = False) -> int:
-    """What one transformer layer keeps for its backward, for one micro-batch of ``lay.micro_tokens`` tokens (per
-    CP rank).
-
-    Per token, in the compute dtype: the inputs of both norms and of the two linears they feed (sharded over TP
-    with sequence parallelism), q, k, v after RoPE and the attention output (TP-sharded), and SwiGLU's fc1 output,
-    silu(gate) and their product (TP-sharded); an MoE layer (``moe``) keeps its router's and experts' tensors
-    instead of the dense MLP's (plan/parallel_terms.py). Unfused attention (CPU) also keeps the softmax output,
-    [heads/tp, local queries, keys of the whole sequence] in fp32 (plus its cast when the compute dtype is not
-    fp32), unless selective recompute drops it. Full recompute keeps only the layer's input.
-    """
-    recompute = lay.recompute if recompute is None else recompute
-    t, e = lay.micro_tokens, lay.param_bytes
-    h_part = dims.hidden // (lay.tp if lay.sequence_parallel else 1)
-    if recompute == "full":
-        return t * h_part * e
-    mlp = 0 if moe else 4 * dims.ffn
-    per_token = 4 * h_part + (2 * dims.q_width + 2 * dims.kv_width + mlp) // lay.tp
-    stored = t * per_token * e + 2 * t * FP32  # + the norms' fp32 inverse RMS
-    stored += adapter_saved_bytes(dims, lay, moe)
-    if moe:
-        stored += moe_mlp_saved_bytes(dims, lay)
-    if recompute == "none" and lay.attention_kind == "unfused":
-        s = min(lay.max_seq_len, t * lay.cp)  # keys: the whole sequence, gathered over CP
-        score_values = dims.heads // lay.tp * s * t  # local queries t, each against its sequence's s keys
-        stored += score_values * (FP32 + (e if e != FP32 else 0))
-    return stored
-
-
-def largest_layer_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> int:
-    """One layer's saved tensors, of the larger kind (dense or MoE) the model has."""
-    kinds = {dims.is_moe_layer(i) for i in range(dims.layers)}
-    return max(layer_activation_bytes(dims, lay, recompute, moe=kind) for kind in kinds)
-
-
-def in_flight(lay: Layout, stage: int) -> float:
-    """Micro-batches whose activations a stage holds at once under 1F1B: pp - stage (interleaving adds
-    (pp - 1) / (pp * vpp) of a micro-batch per stage, Narayanan et al. 2021), at most the micro-batch count."""
-    count = float(min(lay.pp - stage, lay.micro_batches))
-    if lay.vpp and lay.pp > 1:
-        count *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
-    return count
-
-
-def logits_bytes(dims: ModelDims, lay: Layout) -> int:
-    """The output layer's logits shard [tokens, Vp/tp] in the compute dtype: the fused op keeps it for its backward
-    and writes the gradient into it in place."""
-    return lay.micro_tokens * padded_vocab_size(dims.vocab, lay.tp, lay.divisible_by) // lay.tp * lay.param_bytes
-
-
-def op_scratch_bytes(lay: Layout) -> int:
-    """The fused op's per-token fp64 records (4 + 2N values): this rank's and the TP all-gather of everyone's."""
-    top_n = max(lay.top_n, lay.teacher_top_n)  # the teacher's pass runs the op with its own top-N
-    return (lay.micro_tokens + 1) * (4 + 2 * top_n) * 8 * (1 + lay.tp)
-
-
-def activations(dims: ModelDims, lay: Layout, stage: int) -> int:
-    """Stored activations of a stage during the update: its layers x the micro-batches in flight, plus on the last
-    stage the final norm's input and output (the output layer's input)."""
-    moe_layers = dims.moe_layers_of(lay.pp, stage)
-    dense_layers = dims.layers // lay.pp - moe_layers
-    per_micro = dense_layers * layer_activation_bytes(dims, lay) + moe_layers * layer_activation_bytes(
-        dims, lay, moe=True
-    )
-    total = in_flight(lay, stage) * per_micro
-    if stage == lay.pp - 1:
-        h_part = dims.hidden // (lay.tp if lay.sequence_parallel else 1)
-        total += 2 * lay.micro_tokens * h_part * lay.param_bytes
-    return int(total)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Engine
-
-
-def engine_components(dims: ModelDims, lay: Layout, gpu_memory: int) -> dict[str, int]:
-    """One rank's share of a vLLM engine: weights (HF count / engine TP, bf16 when the actor computes in bf16), the
-    KV cache (what the gpu_memory_utilization budget leaves), and the workspace. Zero on CPU (no GPU budget)."""
-    if not lay.gpu:
-        return {"engine_weights": 0, "kv_cache": 0, "engine_workspace": 0, "engine_budget": 0}
-    budget = int(lay.gpu_memory_utilization * gpu_memory)
-    weights = dims.hf_params() * lay.param_bytes // lay.engine_tp
-    if lay.lora_sync == "adapters" and lay.lora_rank:  # vLLM's LoRA: the adapter beside the base it serves
-        weights += adapter_hf_params(dims, lay.lora_rank, lay.lora_targets) * lay.param_bytes // lay.engine_tp
-    kv = budget - weights - ENGINE_WORKSPACE_BYTES
-    return {
-        "engine_weights": weights,
-        "kv_cache": kv,
-        "engine_workspace": ENGINE_WORKSPACE_BYTES,
-        "engine_budget": budget,
-    }
-
-
-def kv_tokens(dims: ModelDims, lay: Layout, kv_cache: int) -> int:
-    """Tokens the KV cache holds (one rank holds kv_heads/engine_tp heads of every token)."""
-    per_token = dims.kv_bytes_per_token(lay.param_bytes) // lay.engine_tp
-    return max(0, kv_cache) // per_token
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Phases
+# Phases: the terms of plan/actor_terms.py and plan/engine_terms.py, summed
 
 
 @dataclass
@@ -442,7 +306,7 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
     plan = Plan(lay, gpu_memory, ranks, headroom=int(headroom_gb * GB))
     held = max(r.components.get("teacher", 0) for r in ranks)
     if held and plan.over > 0 and plan.over <= held:  # it is the teacher that does not fit
-        key = f"algo.teacher_hf_dir={lay.teacher!r}" if lay.teacher else "algo.distill=self"
+        key = f"algo.distill.teacher_hf_dir={lay.teacher!r}" if lay.teacher else "algo.distill.kind=self"
         plan.problems.append(
             f"{key}: the teacher's weights, {held / GB:.1f} GB per GPU at TP={lay.tp} PP={lay.pp}, do not fit beside "
             f"the student (peak {(plan.peak + plan.headroom) / GB:.1f} GB with headroom, of {gpu_memory / GB:.1f} GB;"
@@ -461,30 +325,6 @@ def plan_layout(dims: ModelDims, lay: Layout, gpu_memory_gb: float, headroom_gb:
         if lay.placement == "separate" and lay.step_sequences:
             plan.notes.append(in_flight_kv_note(dims, lay, engine["kv_cache"]))
     return plan
-
-
-def in_flight_sequences(lay: Layout) -> int:
-    """Sequences one engine replica may hold at once: a step's (on-policy), two steps' (one-step-off: the step sampled
-    ahead while the last one trains), or (k + 1) steps' under fully asynchronous training (the admission bound,
-    experience/admission.py), shared by the replicas."""
-    steps = 1 if lay.max_staleness == 0 else (2 if lay.max_staleness == 1 else lay.max_staleness + 1)
-    replicas = max(1, lay.engine_ranks // lay.engine_tp)
-    return math.ceil(steps * lay.step_sequences / replicas)
-
-
-def in_flight_kv_note(dims: ModelDims, lay: Layout, kv_cache: int) -> str:
-    """The KV the sequences in flight would take at full length against the engine's KV cache. The cache is a fixed
-    budget (gpu_memory_utilization), so k steps in flight cost no GPU memory beyond it: what does not fit waits in
-    vLLM's queue (or is preempted and recomputed), which costs time, not memory."""
-    sequences = in_flight_sequences(lay)
-    need = sequences * lay.max_seq_len * dims.kv_bytes_per_token(lay.param_bytes) // lay.engine_tp
-    runnable = kv_tokens(dims, lay, kv_cache) // max(1, lay.max_seq_len)
-    share = "all of them" if runnable >= sequences else f"{runnable} of them at once; the others wait in vLLM's queue"
-    return (
-        f"in flight: rollout.max_staleness={lay.max_staleness} lets one engine replica hold up to {sequences} "
-        f"sequences, {need / GB:.1f} GB of KV at rollout.max_model_len={lay.max_seq_len}; its KV cache "
-        f"({kv_cache / GB:.1f} GB) holds {share}"
-    )
 
 
 def plan_config(

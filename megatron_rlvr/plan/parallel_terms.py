@@ -1,5 +1,5 @@
 """The plan's terms for mixture-of-experts layers and context parallelism (docs/plan.md, docs/moe.md), as pure
-arithmetic of (ModelDims, Layout); plan/memory.py adds them into a rank's components.
+arithmetic of (ModelDims, Layout); plan/actor_terms.py and plan/memory.py add them into a rank's components.
 
 Mixture-of-experts (megatron-core 0.16's MoE layer: router, all-to-all token dispatcher, SequentialMLP experts):
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from megatron_rlvr.models.dims import ModelDims
+from megatron_rlvr.plan.units import FP32
 
 
 class Layout(Protocol):
@@ -42,7 +43,6 @@ class Layout(Protocol):
     param_bytes: int
 
 
-FP32 = 4
 # Rows one rank's experts receive over the balanced mean: 1.0 counts the mean (an estimate, not measured on a GPU).
 ROUTING_IMBALANCE = 1.0
 
@@ -60,7 +60,7 @@ def expert_rows(dims: ModelDims, lay: Layout) -> int:
 
 def moe_mlp_saved_bytes(dims: ModelDims, lay: Layout) -> int:
     """What an MoE layer's router and experts keep for backward for one micro-batch (the attention half of the
-    layer is the dense layer's, in plan/memory.py)."""
+    layer is the dense layer's, in plan/actor_terms.py)."""
     e = lay.param_bytes
     router = layer_tokens(lay) * dims.experts * (2 * FP32 + 1)  # fp32 logits and probabilities, routing map
     per_row = (dims.hidden + 5 * dims.expert_ffn // lay.etp) * e + FP32

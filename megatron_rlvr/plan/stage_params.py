@@ -52,10 +52,10 @@ def teacher_dims(hf_dir: str) -> ModelDims:
     hf = find_hf_config(hf_dir)
     if hf is None:
         raise ConfigError(
-            f"algo.teacher_hf_dir={hf_dir!r}: no config.json there or in configs/models/; the plan "
+            f"algo.distill.teacher_hf_dir={hf_dir!r}: no config.json there or in configs/models/; the plan "
             "needs the teacher's shapes"
         )
     try:
         return ModelDims.from_hf(hf)
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"algo.teacher_hf_dir={hf_dir!r}: config.json lacks a usable shape ({e})") from e
+        raise ConfigError(f"algo.distill.teacher_hf_dir={hf_dir!r}: config.json lacks a usable shape ({e})") from e

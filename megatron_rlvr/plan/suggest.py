@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 
 from megatron_rlvr.models.dims import ModelDims
-from megatron_rlvr.plan.memory import Layout, Plan, kv_tokens, plan_layout
+from megatron_rlvr.plan.engine_terms import kv_tokens
+from megatron_rlvr.plan.memory import Layout, Plan, plan_layout
 
 RANKING_RULE = (
     "fewer GPUs per actor replica (TP x PP x CP), then fewer pipeline stages, then (long sequences) less TP, then "

@@ -1,7 +1,7 @@
-"""The plan's terms of a teacher pass (``algo.distill``: teacher, self or crpo; actor/teacher.py): the top-N the
+"""The plan's terms of a teacher pass (``algo.distill.kind``: teacher, self or crpo; actor/teacher.py): the top-N the
 teacher's pass runs the fused op with, and the scores it gathers to every rank.
 
-The teacher's weights themselves are counted with the actor's (memory.teacher_bytes): a model of its own shapes
+The teacher's weights themselves are counted with the actor's (actor_terms.teacher_bytes): a model of its own shapes
 (``teacher``) or one more copy of the student (``self``, ``crpo``).
 """
 
@@ -11,8 +11,9 @@ from megatron_rlvr.algos.config import AlgoConfig
 
 
 def teacher_top_n(algo: AlgoConfig) -> int:
-    """The N of the teacher's top-N ids (0: no teacher pass): ``algo.crpo_top_k`` under crpo, else distill_top_n."""
-    return {"none": 0, "crpo": algo.crpo_top_k}.get(algo.distill, algo.distill_top_n)
+    """The N of the teacher's top-N ids (0: no teacher pass): ``algo.distill.crpo.top_k`` under crpo, else
+    distill_top_n."""
+    return {"none": 0, "crpo": algo.distill.crpo.top_k}.get(algo.distill.kind, algo.distill.top_n)
 
 
 def teacher_scores_bytes(vocab: int, top_n: int, step_sequences: int, seq_len: int) -> int:

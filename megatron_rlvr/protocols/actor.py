@@ -6,10 +6,11 @@
 - `TrainState`: what a checkpoint saves and restores (the weights' and the optimizer's sharded state, the LR
   schedule), in megatron-core's dist-checkpoint form.
 - `EntropyScorer`: the policy's entropy over sampled answers (validation's histogram).
-- `Actor`: all of the above plus what the loop itself calls: ``score`` (every per-token field the update reads:
-  behaviour log-probs, the frozen reference's, the teacher's) and ``update``.
+- `Actor`: all of the above plus what the loop itself calls: ``score`` (the `Statistics` the update reads:
+  behaviour log-probs, the frozen reference's, the teacher's) and ``update`` (its metrics).
 
-Every method is a collective over the actor's ranks: each rank calls it with the same batch.
+Every method is a collective over the actor's ranks: each rank calls it with the same inputs. No method writes into
+what it is given (protocols/handoffs.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_rlvr.data import PromptItem
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols.handoffs import Rollouts, Sequences, Statistics, Targets
 
 WeightBucket = list[tuple[str, torch.Tensor]]  # (HF name, tensor) pairs of one bounded bucket
 
@@ -60,19 +61,24 @@ class TrainState(Protocol):
 
 
 class EntropyScorer(Protocol):
-    def compute_entropy(self, batch: SequenceBatch) -> torch.Tensor:
-        """The policy's entropy at every position of ``batch`` [B, S - 1], on every rank."""
+    def compute_entropy(self, sequences: Sequences) -> torch.Tensor:
+        """The policy's entropy at every position of ``sequences`` [B, S - 1], on every rank."""
 
 
 class Actor(WeightSource, AdapterSource, TrainState, EntropyScorer, Protocol):
-    def score(self, batch: SequenceBatch, items: Sequence[PromptItem], *, mini_batches: int) -> None:
-        """Fill every per-token field of ``batch`` the update will read: ``old_logp`` (unless an update of
-        ``mini_batches`` mini-batches is exactly on-policy and takes its own), ``ref_logp`` (a KL reference),
-        ``teacher_*`` (distillation; ``items`` are the batch's prompts, ``len(batch) / len(items)`` rows each; CRPO
-        also reads ``batch.rewards`` and fills ``crpo_group`` / ``crpo_context``)."""
+    def score(self, rollouts: Rollouts, items: Sequence[PromptItem], *, mini_batches: int) -> Statistics:
+        """What the update of ``mini_batches`` mini-batches will read besides the rollouts and their targets: the
+        behaviour log-probs (None when that update is exactly on-policy and takes its own), the KL reference's,
+        the teacher's scores (distillation; ``items`` are the rollouts' prompts, ``len(rollouts) / len(items)``
+        rows each; CRPO's teacher also reads the rewards and says which rows form a group with a correct
+        response)."""
 
-    def update(self, batch: SequenceBatch, mini_batches: int) -> dict[str, float]:
-        """One optimizer step per mini-batch; the averaged loss metrics, the same on every rank."""
+    def update(
+        self, rollouts: Rollouts, targets: Targets, statistics: Statistics, *, mini_batches: int
+    ) -> dict[str, float]:
+        """One optimizer step per mini-batch; the averaged loss metrics, the same on every rank, with
+        ``rollout/logp_mismatch``: the mean |engine log-prob - behaviour log-prob| over the trained tokens (the
+        behaviour log-probs are the statistics' or, exactly on-policy, the update's own)."""
 
     def reset_reference(self) -> None:
-        """ARMOR: the frozen reference takes the policy's current weights (needs algo.mixed_ratio_share)."""
+        """ARMOR: the frozen reference takes the policy's current weights (needs algo.armor.mixed_ratio_share)."""

@@ -2,45 +2,69 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rlvr.rewards.answers import ANSWER_FORMATS, AnswerFormat
+from megatron_rlvr.rewards.answers import AnswerFormat
+from megatron_rlvr.settings import setting
 
 
 @dataclass
 class RewardConfig:
-    workers: int = 2  # verifier processes (all but countdown and generic-logic items, which are scored in-process)
-    timeout_s: float = 10.0  # wall time per math item; a worker past it is killed and replaced
-    worker_memory_mb: int = 4096  # address-space limit of each verifier process (0 = none)
-    logic_match: Literal["normalized", "exact"] = "normalized"
-    # how the answer string of a reasoning_gym:NAME row is read from the response (answers.py): "tagged" (the last
-    # <answer>...</answer>, else the whole response), "last_number" or "boxed" (chat answers, which carry no tags)
-    answer: AnswerFormat = "tagged"
-    code_cpu_s: float = 5.0  # per program run
-    code_wall_s: float = 10.0  # per program run; a code item's pool timeout is this times its runs, plus slack
-    # one budget for the whole program, all its processes together (a memory cgroup; else rlimits sized so that
-    # address space x processes fits it); the pool checks workers x (code_memory_mb + code_tmpfs_mb) fits at start
-    code_memory_mb: int = 1024
-    code_file_size_mb: int = 16
-    code_nproc: int = 32  # processes of the program's own uid (fork bombs stop here)
-    code_tmpfs_mb: int = 64  # the program's private writable tmpfs (work dir, /tmp, /dev/shm): RAM, not disk
-    # where no namespaces can be had (not root and user namespaces turned off), run code items and the Python tool
-    # with rlimits only, on the host's files and network (true), or stop the run before its first step (false)
-    sandbox_accept_rlimits_only: bool = False
-    # DAPO's soft overlong penalty (docs/algorithms.md): with budget L_max = rollout.max_new_tokens and buffer
-    # L_c = overlong_buffer, a response of L tokens gets overlong_penalty * min(0, (L_max - L_c - L) / L_c) added to
-    # its reward, floored at -overlong_penalty. 0 = off.
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-    # verifiers users bring (docs/rewards.md): TASK -> "package.module:function" or "FILE.py:function" (a path),
-    # fn(response, reference) -> float in [0, 1], run in the workers; imported and checked when the config loads
-    # (load_config calls verifiers.check_config) and by every pool worker
-    plugins: dict[str, str] = field(default_factory=dict)
-    # a checkout of github.com/MiniMax-AI/SynLogic: logic rows whose data_source it verifies use its official verifier
-    synlogic_dir: str = ""
-    logic_fallback: bool = True  # other logic rows: the generic matcher (true) or an error naming the row (false)
+    """The verifiers and the pool of processes that run them."""
 
-    def __post_init__(self) -> None:
-        if self.answer not in ANSWER_FORMATS:
-            raise ValueError(f"reward.answer: expected one of {list(ANSWER_FORMATS)}, got {self.answer!r}")
+    workers: int = setting(
+        2, "Verifier processes (all but countdown and generic-logic items, which are scored in-process).", ge=1
+    )
+    timeout_s: float = setting(10.0, "Wall time per math item; a worker past it is killed and replaced.", gt=0)
+    worker_memory_mb: int = setting(4096, "Address-space limit of each verifier process (0 = none).", ge=0)
+    logic_match: Literal["normalized", "exact"] = setting("normalized", "How a logic answer is compared.")
+    answer: AnswerFormat = setting(
+        "tagged",
+        "How the answer string of a reasoning_gym:NAME row is read from the response (answers.py): tagged (the last "
+        "<answer>...</answer>, else the whole response), last_number or boxed (chat answers, which carry no tags).",
+    )
+    code_cpu_s: float = setting(5.0, "CPU seconds per program run.", gt=0)
+    code_wall_s: float = setting(
+        10.0, "Wall seconds per program run; a code item's pool timeout is this times its runs, plus slack.", gt=0
+    )
+    code_memory_mb: int = setting(
+        1024,
+        "One budget for the whole program, all its processes together (a memory cgroup; else rlimits sized so that "
+        "address space x processes fits it); the pool checks workers x (code_memory_mb + code_tmpfs_mb) fits at "
+        "start.",
+        ge=1,
+    )
+    code_file_size_mb: int = setting(16, "The largest file a program may write.", ge=0)
+    code_nproc: int = setting(32, "Processes of the program's own uid (fork bombs stop here).", ge=1)
+    code_tmpfs_mb: int = setting(
+        64, "The program's private writable tmpfs (work dir, /tmp, /dev/shm): RAM, not disk.", ge=1
+    )
+    sandbox_accept_rlimits_only: bool = setting(
+        False,
+        "Where no namespaces can be had (not root and user namespaces turned off), run code items and the Python "
+        "tool with rlimits only, on the host's files and network (true), or stop the run before its first step "
+        "(false).",
+    )
+    overlong_buffer: int = setting(
+        0,
+        "DAPO's soft overlong penalty (docs/algorithms.md): with budget L_max = rollout.max_new_tokens and buffer "
+        "L_c = overlong_buffer (< L_max), a response of L tokens gets overlong_penalty * min(0, (L_max - L_c - L) / "
+        "L_c) added to its reward, floored at -overlong_penalty. 0 = off.",
+        ge=0,
+    )
+    overlong_penalty: float = setting(1.0, "The overlong penalty's size.", ge=0)
+    plugins: dict[str, str] = setting(
+        factory=dict,
+        doc="Verifiers users bring (docs/rewards.md): TASK -> 'package.module:function' or 'FILE.py:function' (a "
+        "path), fn(response, reference) -> float in [0, 1], run in the workers; imported and checked when the "
+        "config loads and by every pool worker.",
+    )
+    synlogic_dir: str = setting(
+        "",
+        "A checkout of github.com/MiniMax-AI/SynLogic: logic rows whose data_source it verifies use its official "
+        "verifier.",
+    )
+    logic_fallback: bool = setting(
+        True, "Other logic rows: the generic matcher (true) or an error naming the row (false)."
+    )

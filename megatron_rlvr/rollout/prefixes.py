@@ -18,7 +18,7 @@ plain samples (same call, same seed as without the wrapper). A prefixed sample:
 
 The result carries ``token_ids = prefix + continuation``, ``logprobs`` likewise (the prefix's from the weak engine),
 ``text = decode(prefix) + continuation text``, the continuation's ``finish_reason`` and ``prefix_len = p``; the
-prefixed samples come last in their group. The prefix is context: experience.to_batch masks it out of the loss.
+prefixed samples come last in their group. The prefix is context: experience.to_rollouts masks it out of the loss.
 
 Weights, sleep and wake go to the target only: the weak model is frozen. `without_prefixes(engine)` is the target
 alone, for what measures the model itself (validation, PBA's base evidence).

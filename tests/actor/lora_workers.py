@@ -8,11 +8,13 @@ import zlib
 
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 REL = 1e-5
 
 
 def batch(vocab: int, seed: int = 0):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
     b, s = 4, 10
@@ -22,7 +24,15 @@ def batch(vocab: int, seed: int = 0):
     for i, n in enumerate(lengths):
         mask[i, 2 : n - 1] = True
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    return rollouts(tokens, mask)
+
+
+def update(actor, rollouts, old_logp: torch.Tensor, ref_logp: torch.Tensor | None = None) -> dict[str, float]:
+    """One update on ``rollouts`` with the advantages [1, -1, 0.5, -0.5] and the given statistics."""
+    from megatron_rlvr.protocols import Statistics, Targets
+
+    targets = Targets(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    return actor.update(rollouts, targets, Statistics(old_logp=old_logp, ref_logp=ref_logp), mini_batches=1)
 
 
 def build(
@@ -44,7 +54,6 @@ def build(
 ):
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     cfg = ActorConfig(
@@ -63,7 +72,7 @@ def build(
     return MegatronActor(
         ModelConfig(hf_dir=hf_dir),
         cfg,
-        AlgoConfig(loss="grpo", kl_coef=kl_coef),
+        algo_config({"loss.kind": "grpo", "kl.coef": kl_coef}),
         temperature=temperature,
         total_steps=4,
     )

@@ -9,12 +9,14 @@ and the teacher's pass (distillation) at CP = 2 equals CP = 1."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
 from megatron_rlvr.actor.packing import context_parallel_index, cp_padded_length, pack, stream_tokens, unpack
+from megatron_rlvr.testing.configs import algo_config
 from tests.actor.test_packing import AGGS, LOSSES, RTOL, SEQ_KL  # the same loss grid as the packing equality tests
 
 LENGTHS = [61, 1, 7, 13, 2, 9, 1, 5]  # 61 > the other 38 together; 1s; 7, 13, 9, 5 not multiples of 4
@@ -79,14 +81,14 @@ def _mask(lengths: list[int], width: int) -> torch.Tensor:
 
 
 def _batch(vocab: int):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(5)
     width = max(LENGTHS)
     tokens = torch.randint(0, vocab, (len(LENGTHS), width), generator=g)
     for i, n in enumerate(LENGTHS):
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, _mask(LENGTHS, width - 1), torch.tensor(ADVANTAGES))
+    return rollouts(tokens, _mask(LENGTHS, width - 1))
 
 
 def _valid(width: int) -> torch.Tensor:
@@ -95,14 +97,32 @@ def _valid(width: int) -> torch.Tensor:
 
 def _configs(full: bool) -> list[dict]:
     every = [
-        dict(loss=loss, loss_agg=agg, tau_q=0.5, cov_fraction=0.2, max_len_norm=16, kl_coef=0.05 if i % 4 == 0 else 0.0)
+        {
+            "loss.kind": loss,
+            "loss.agg": agg,
+            "loss.tau_q": 0.5,
+            "loss.cov_fraction": 0.2,
+            "loss.max_len_norm": 16,
+            "kl.coef": 0.05 if i % 4 == 0 else 0.0,
+        }
         for i, (loss, agg) in enumerate(itertools.product(LOSSES, AGGS))
     ]
     every += [
-        dict(loss="grpo", rollout_correction="tis", rollout_is_cap=1.5),
-        dict(loss="casp", tau_q=0.5, rollout_correction="mis", rollout_correction_level="sequence"),
-        dict(loss="casp", tau_q=0.5, seq_kl=True, candidates="adaptive", candidate_mass=0.01),
-        dict(loss="grpo", kl_coef=0.1, loss_agg="seq_mean_token_mean"),
+        {"loss.kind": "grpo", "rollout_correction.kind": "tis", "rollout_correction.cap": 1.5},
+        {
+            "loss.kind": "casp",
+            "loss.tau_q": 0.5,
+            "rollout_correction.kind": "mis",
+            "rollout_correction.level": "sequence",
+        },
+        {
+            "loss.kind": "casp",
+            "loss.tau_q": 0.5,
+            "seq_kl": True,
+            "loss.candidates": "adaptive",
+            "loss.candidate_mass": 0.01,
+        },
+        {"loss.kind": "grpo", "kl.coef": 0.1, "loss.agg": "seq_mean_token_mean"},
     ]
     if full:
         return every
@@ -114,8 +134,8 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
     """This rank's statistics, and per case the update's metrics and full gradients, at (TP, CP, PP, VPP)."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
+    from megatron_rlvr.protocols import Statistics, Targets
     from megatron_rlvr.runtime.cpu import attention as cpu_attention
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -133,7 +153,7 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
                     max_tokens_per_micro_batch=BUDGET,
                     use_distributed_optimizer=False,
                 ),
-                AlgoConfig(kl_coef=0.1),
+                algo_config({"kl.coef": 0.1}),
                 temperature=0.9,
                 total_steps=2,
             )
@@ -141,8 +161,8 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
             stats = (actor.compute_old_logp(batch), actor.compute_entropy(batch), actor.compute_ref_logp(batch))
             g = torch.Generator().manual_seed(1)
             old = stats[0] + 0.3 * torch.randn(stats[0].shape, generator=g)
-            batch.ref_logp = stats[2]
-            batch.rollout_logp = stats[0] + 0.2 * torch.randn(old.shape, generator=g)
+            statistics = Statistics(old_logp=old, ref_logp=stats[2])
+            batch = dataclasses.replace(batch, engine_logp=stats[0] + 0.2 * torch.randn(old.shape, generator=g))
             runs = []
             # the same micro-batches at both layouts (3 sequences each), so that per-micro-batch monitoring subsets
             # (the high-entropy tokens) compare too; then token budgets, which plan per CP rank (other bins)
@@ -151,11 +171,9 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
                 actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = budget, 4 if vpp else 3
                 kwargs = dict(kwargs)
                 seq_kl = kwargs.pop("seq_kl", False)
-                actor.algo_cfg = AlgoConfig(**kwargs)
-                run = batch.select(slice(None))
-                run.kl_coef = torch.tensor(SEQ_KL) if seq_kl else None
-                run.old_logp = old
-                metrics = actor.update(run, mini_batches=1)
+                actor.algo_cfg = algo_config({**kwargs})
+                targets = Targets(advantages=torch.tensor(ADVANTAGES), kl_coef=torch.tensor(SEQ_KL) if seq_kl else None)
+                metrics = actor.update(batch, targets, statistics, mini_batches=1)
                 grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])
                 runs.append((metrics, grads))
             return stats, runs

@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from megatron_rlvr.data import PromptItem
-from tests.actor.test_teacher import _actor, _batch
+from tests.actor.test_teacher import _actor, _batch, _targets
 
 TEMPLATE = "Answer: {answer}\n"
 ITEMS = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2), "34", "math")]
-CRPO = dict(distill="crpo", self_distill_template=TEMPLATE, crpo_top_k=6, crpo_positive_share=0.3, crpo_coef=5.0)
+CRPO = {
+    "distill.kind": "crpo",
+    "distill.template": TEMPLATE,
+    "distill.crpo.top_k": 6,
+    "distill.crpo.positive_share": 0.3,
+    "distill.crpo.coef": 5.0,
+}
 
 
 def crpo_updates(hf_dir: str, tp: int, runs: list[dict]) -> list[dict]:
@@ -24,11 +30,9 @@ def crpo_updates(hf_dir: str, tp: int, runs: list[dict]) -> list[dict]:
     for algo in runs:
         with model_parallel(tp=tp, pp=1, seed=11):
             actor = _actor(hf_dir, tp, algo)
-            batch = _batch(actor.vocab_size)
-            batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-            if actor.teacher is not None:
-                actor.teacher.attach(batch, ITEMS)
-            out.append(actor.update(batch, mini_batches=1))
+            batch = _batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])
+            statistics = actor.score(batch, ITEMS, mini_batches=1)
+            out.append(actor.update(batch, _targets(), statistics, mini_batches=1))
     return out
 
 
@@ -41,7 +45,7 @@ def student(tmp_path_factory):
 
 @pytest.mark.dist
 def test_crpo_update_tp2_equals_tp1_and_zero_coefficient_is_grpo(workers2, student):
-    runs = [CRPO, {**CRPO, "crpo_coef": 0.0}, {}]
+    runs = [CRPO, {**CRPO, "distill.crpo.coef": 0.0}, {}]
     tp1 = workers2.run(crpo_updates, student, 1, runs)  # TP = 1 x DP = 2
     tp2 = workers2.run(crpo_updates, student, 2, runs[:1])  # TP = 2 x DP = 1
     crpo, zero, grpo = tp1[0]
@@ -65,13 +69,11 @@ def ema_teacher_round_trip(hf_dir: str, ckpt_root: str, tp: int):
     from megatron_rlvr import checkpoint
     from megatron_rlvr.runtime.distributed import model_parallel
 
-    algo = {**CRPO, "crpo_teacher": "ema", "crpo_ema_decay": 0.25}
+    algo = {**CRPO, "distill.crpo.teacher": "ema", "distill.crpo.ema_decay": 0.25}
 
     def step(actor):
-        batch = _batch(actor.vocab_size)
-        batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-        actor.teacher.attach(batch, ITEMS)
-        return actor.update(batch, mini_batches=1)
+        batch = _batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])
+        return actor.update(batch, _targets(), actor.score(batch, ITEMS, mini_batches=1), mini_batches=1)
 
     with model_parallel(tp=tp, pp=1, seed=11):
         live = _actor(hf_dir, tp, algo)

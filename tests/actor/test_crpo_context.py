@@ -1,6 +1,6 @@
 """CRPO's privileged context (actor/teacher.py, CorrectResponseContext): each row reads the next correct response of
 its own group other than itself (itself when it is the only one), token for token inside the template; a group
-without a correct response has no context; missing rewards are a one-line error."""
+without a correct response has no context; rewards of the wrong shape are a one-line error."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_rlvr.actor.teacher import CorrectResponseContext, privileged_batch, realign
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols import Rollouts
+from megatron_rlvr.testing.handoffs import rollouts
 
 
 class CharTokenizer:
@@ -18,7 +19,7 @@ class CharTokenizer:
         return {"input_ids": [ord(c) for c in text]}
 
 
-def _batch(rewards: list[float]) -> SequenceBatch:
+def _batch(rewards: list[float]) -> Rollouts:
     """Rows of prompt [1, 2] + a response [10 + i, 20 + i] (row i), right-padded to 5 tokens."""
     b = len(rewards)
     tokens = torch.zeros(b, 5, dtype=torch.long)
@@ -26,15 +27,14 @@ def _batch(rewards: list[float]) -> SequenceBatch:
     for i in range(b):
         tokens[i, :4] = torch.tensor([1, 2, 10 + i, 20 + i])
         mask[i, 1:3] = True
-    batch = SequenceBatch(tokens, mask, torch.zeros(b))
-    batch.rewards = torch.tensor(rewards)
-    return batch
+    return rollouts(tokens, mask, rewards=torch.tensor(rewards))
 
 
 def test_each_row_reads_another_correct_response_of_its_group():
     context = CorrectResponseContext(CharTokenizer(), "<{answer}>", correct_reward=1.0)
     batch = _batch([1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 1.0])  # groups of 4: rows 0, 2 correct; row 7 alone
-    prefixes, group, has = context.prefixes(batch, 4)
+    prefixes, groups = context.prefixes(batch, 4)
+    group, has = groups.group, groups.has_context
     lt, gt = ord("<"), ord(">")
     assert prefixes[0] == [lt, 12, 22, gt]  # row 0: the next correct one after it, row 2
     assert prefixes[1] == [lt, 12, 22, gt]  # row 1 (wrong): the next correct one after it
@@ -47,7 +47,8 @@ def test_each_row_reads_another_correct_response_of_its_group():
 def test_a_group_without_a_correct_response_has_no_context_and_is_aligned_back():
     context = CorrectResponseContext(CharTokenizer(), "{answer}|", correct_reward=1.0)
     batch = _batch([0.0, 0.0, 1.0, 0.0])
-    prefixes, _, has = context.prefixes(batch, 2)
+    prefixes, groups = context.prefixes(batch, 2)
+    has = groups.has_context
     assert prefixes[:2] == [[], []] and has.tolist() == [False, False, True, True]
     scored, shifts = privileged_batch(batch, prefixes)
     assert shifts.tolist() == [0, 0, 3, 3]
@@ -55,8 +56,9 @@ def test_a_group_without_a_correct_response_has_no_context_and_is_aligned_back()
     torch.testing.assert_close(back, batch.tokens[:, 1:].float())  # every row's own tokens at its own positions
 
 
-def test_missing_rewards_are_one_line():
-    batch = _batch([1.0, 0.0])
-    batch.rewards = None
-    with pytest.raises(ValueError, match=r"^batch.rewards: algo.distill=crpo needs the rewards \[B\] = \[2\]"):
+def test_rewards_of_another_shape_are_one_line():
+    import dataclasses
+
+    batch = dataclasses.replace(_batch([1.0, 0.0]), rewards=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"^rollouts.rewards: algo.distill.kind=crpo needs the rewards \[B\] = \[2\]"):
         CorrectResponseContext(CharTokenizer(), "{answer}", 1.0).prefixes(batch, 2)

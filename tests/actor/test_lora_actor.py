@@ -26,6 +26,7 @@ from tests.actor.lora_workers import (
     gather_sharded_grads,
     grads_hf,
     local_grads,
+    update,
     whole_grads,
 )
 
@@ -58,14 +59,14 @@ def _init_and_freeze(hf_dir: str, tp: int):
         assert actor.reference is None and actor.has_reference  # the reference is free: no second copy
         base = {n: p.detach().clone() for c in actor.model_chunks for n, p in c.named_parameters() if "lora_" not in n}
         first = actor.compute_old_logp(b)
-        b.old_logp, b.ref_logp = first, actor.compute_ref_logp(b)
+        ref_logp = actor.compute_ref_logp(b)
         trained = {id(p) for c in actor.model_chunks for p in c.parameters() if p.requires_grad}
         adapters = {id(p) for p in actor.lora.parameters()}
         adapter_numel = sum(p.numel() for p in actor.lora.parameters())
         optimizer_numel = sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])
         before = adapters_hf(actor)
         for _ in range(2):
-            actor.update(b, mini_batches=1)
+            update(actor, b, first, ref_logp)
         after = adapters_hf(actor)
         same_base = all(
             torch.equal(p, base[n]) for c in actor.model_chunks for n, p in c.named_parameters() if "lora_" not in n
@@ -77,7 +78,7 @@ def _init_and_freeze(hf_dir: str, tp: int):
             base_logp=base_logp,
             copy_ref=copy_ref,
             first=first,
-            ref=b.ref_logp,
+            ref=ref_logp,
             ref_after=actor.compute_ref_logp(b),
             new=actor.compute_old_logp(b),
             same_base=same_base,
@@ -116,9 +117,9 @@ def _loss_and_grads(hf_dir: str, tp: int, pp: int, sp: bool, vpp: int | None = N
         actor = build(hf_dir, tp=tp, pp=pp, sp=sp, vpp=vpp, cp=cp)
         fill_from_hf_layout(actor)
         b = batch(actor.vocab_size)
-        b.old_logp = actor.compute_old_logp(b)
-        metrics = actor.update(b, mini_batches=1)
-        return metrics["actor/loss"], metrics["actor/grad_norm"], grads_hf(actor), b.old_logp
+        old_logp = actor.compute_old_logp(b)
+        metrics = update(actor, b, old_logp)
+        return metrics["actor/loss"], metrics["actor/grad_norm"], grads_hf(actor), old_logp
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +153,7 @@ def _moe_numbers(hf_dir: str, ep: int):
                 stem = actor.lora.names[id(a.module)]
                 g = torch.Generator().manual_seed(zlib.crc32(stem.encode()))
                 a.B.copy_(torch.randn(a.B.shape, generator=g) * 0.05)
-        b.old_logp = actor.compute_old_logp(b)
-        metrics = actor.update(b, mini_batches=1)
+        metrics = update(actor, b, actor.compute_old_logp(b))
         return metrics["actor/loss"], local_grads(actor)
 
 
@@ -177,10 +177,10 @@ def _recipe_layout_numbers(hf_dir: str, tp: int, etp: int):
         actor = build(hf_dir, tp=tp, etp=etp, dist_opt=True, pack_sequences=True)
         fill_from_hf_layout(actor)
         b = batch(actor.vocab_size)
-        b.old_logp = actor.compute_old_logp(b)
-        metrics = actor.update(b, mini_batches=1)
+        old_logp = actor.compute_old_logp(b)
+        metrics = update(actor, b, old_logp)
         gather_sharded_grads(actor)
-        return b.old_logp, metrics["actor/loss"], metrics["actor/grad_norm"], whole_grads(actor)
+        return old_logp, metrics["actor/loss"], metrics["actor/grad_norm"], whole_grads(actor)
 
 
 def _dense_and_moe(dense_dir: str, moe_dir: str, tp: int, etp: int):

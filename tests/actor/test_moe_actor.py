@@ -8,13 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 pytestmark = pytest.mark.dist
 
 REL = 1e-5
 
 
 def _batch(vocab: int, seed: int = 0):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
     b, s = 4, 10
@@ -24,31 +26,31 @@ def _batch(vocab: int, seed: int = 0):
     for i, n in enumerate(lengths):
         mask[i, 2 : n - 1] = True
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    return rollouts(tokens, mask)
 
 
 def _actor_numbers(hf_dir: str, ep: int, kl_coef: float):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
+    from megatron_rlvr.protocols import Statistics, Targets
     from megatron_rlvr.runtime.distributed import model_parallel
 
     with model_parallel(tp=1, pp=1, seed=11, ep=ep, etp=1):
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(ep=ep, etp=1, micro_batch_size=2, lr=1e-3, pack_sequences=True),
-            AlgoConfig(loss="casp", tau_q=0.5, kl_coef=kl_coef),
+            algo_config({"loss.kind": "casp", "loss.tau_q": 0.5, "kl.coef": kl_coef}),
             temperature=0.9,
             total_steps=2,
         )
-        batch = _batch(actor.vocab_size)
-        batch.old_logp = actor.compute_old_logp(batch)
+        batch, targets = _batch(actor.vocab_size), Targets(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        statistics = Statistics(old_logp=actor.compute_old_logp(batch))
         if kl_coef:
-            batch.ref_logp = actor.compute_ref_logp(batch)
-            actor.update(batch, mini_batches=1)  # the policy moves away from the reference: the KL term is live
-        metrics = actor.update(batch, mini_batches=1)
-        return batch.old_logp, actor.compute_old_logp(batch), metrics
+            statistics = Statistics(old_logp=statistics.old_logp, ref_logp=actor.compute_ref_logp(batch))
+            actor.update(batch, targets, statistics, mini_batches=1)  # the policy moves off the reference: KL is live
+        metrics = actor.update(batch, targets, statistics, mini_batches=1)
+        return statistics.old_logp, actor.compute_old_logp(batch), metrics
 
 
 @pytest.fixture(scope="module")

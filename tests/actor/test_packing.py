@@ -7,6 +7,7 @@ Also: the update without a statistics pass (old log-probs = its own, detached) e
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -20,6 +21,7 @@ from megatron_rlvr.actor.packing import (
     sequence_lengths,
     unpack,
 )
+from megatron_rlvr.testing.configs import algo_config
 
 pytestmark = pytest.mark.dist
 
@@ -149,14 +151,14 @@ def test_pack_to_a_fixed_total_pads_the_tail_and_rejects_a_total_too_small():
 
 
 def _batch(vocab: int):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(5)
     width = max(LENGTHS)
     tokens = torch.randint(0, vocab, (len(LENGTHS), width), generator=g)
     for i, n in enumerate(LENGTHS):
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, _mask(LENGTHS, width - 1), torch.tensor(ADVANTAGES))
+    return rollouts(tokens, _mask(LENGTHS, width - 1))
 
 
 def _valid(width: int) -> torch.Tensor:
@@ -177,19 +179,17 @@ def _metric_diff(a: dict[str, float], b: dict[str, float]) -> float:
     return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-3) for k in a)
 
 
-def _update(actor, batch, algo_kwargs: dict, *, pack: bool, budget: int, mbs: int, old_logp):
+def _update(actor, batch, algo_kwargs: dict, *, pack: bool, budget: int, mbs: int, old_logp, ref_logp=None):
     """One update at lr = 0 (the weights stay, so one actor serves every case): its metrics and gradients."""
-    from megatron_rlvr.algos.config import AlgoConfig
+    from megatron_rlvr.protocols import Statistics, Targets
 
     actor.cfg.pack_sequences, actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = pack, budget, mbs
     kwargs = dict(algo_kwargs)
     seq_kl = kwargs.pop("seq_kl", False)  # PBA's per-sequence KL coefficient travels with its rows
-    actor.algo_cfg = AlgoConfig(**kwargs)
-    run = batch.select(slice(None))
-    run.kl_coef = torch.tensor(SEQ_KL) if seq_kl else None
-    run.old_logp = old_logp
-    metrics = actor.update(run, mini_batches=1)
-    return metrics, _grads(actor), run
+    actor.algo_cfg = algo_config({**kwargs})
+    targets = Targets(advantages=torch.tensor(ADVANTAGES), kl_coef=torch.tensor(SEQ_KL) if seq_kl else None)
+    metrics = actor.update(batch, targets, Statistics(old_logp=old_logp, ref_logp=ref_logp), mini_batches=1)
+    return metrics, _grads(actor)
 
 
 def _layout_numbers(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: list[dict]):
@@ -207,7 +207,6 @@ def _layout_numbers(hf_dir: str, tp: int, pp: int, configs: list[dict], count_co
 def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: list[dict]) -> dict[str, float]:
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -215,7 +214,7 @@ def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: 
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=tp, pp=pp, lr=0.0),
-            AlgoConfig(kl_coef=0.1),
+            algo_config({"kl.coef": 0.1}),
             temperature=0.9,
             total_steps=2,
         )
@@ -236,13 +235,14 @@ def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: 
         # old log-probs off the current policy, so ratios differ from 1 and some tokens are clipped
         g = torch.Generator().manual_seed(1)
         old = per_token[False][0] + 0.3 * torch.randn(per_token[False][0].shape, generator=g)
-        batch.ref_logp = per_token[False][2]
-        batch.rollout_logp = per_token[False][0] + 0.2 * torch.randn(old.shape, generator=g)
+        ref = per_token[False][2]
+        engine = dataclasses.replace(batch, engine_logp=per_token[False][0] + 0.2 * torch.randn(old.shape, generator=g))
         for budget, mbs, cases in ((BUDGET, 1, configs), (0, 3, count_configs)):
             for kwargs in cases:
                 key = f"budget={budget} mbs={mbs} " + " ".join(f"{k}={v}" for k, v in kwargs.items())
-                (m0, g0, _), (m1, g1, _) = (
-                    _update(actor, batch, kwargs, pack=p, budget=budget, mbs=mbs, old_logp=old) for p in (False, True)
+                (m0, g0), (m1, g1) = (
+                    _update(actor, engine, kwargs, pack=p, budget=budget, mbs=mbs, old_logp=old, ref_logp=ref)
+                    for p in (False, True)
                 )
                 out[f"{key}/grad"] = _rel(g1, g0)
                 out[f"{key}/metrics"] = _metric_diff(m1, m0)
@@ -250,30 +250,53 @@ def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: 
                 if "candidate_mass" in kwargs:  # the adaptive sets differ from the fixed top-N on this batch
                     out[f"{key}/loss_nonzero"] *= float(1 < m0["loss/casp_candidates"] < 3)
         # exactly on-policy: no statistics pass, the update's own detached log-probs are the old ones
-        on_policy = dict(loss="casp", tau_q=0.5)
+        on_policy = {"loss.kind": "casp", "loss.tau_q": 0.5}
         actor.reference = None  # needs_statistics_pass: not with a reference model
         assert not actor.needs_statistics_pass(1) and actor.needs_statistics_pass(2)
         for pack in (False, True):
-            m0, g0, _ = _update(actor, batch, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=per_token[pack][0])
-            m1, g1, run = _update(actor, batch, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=None)
+            stats = per_token[pack][0]
+            m0, g0 = _update(actor, batch, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=stats)
+            m1, g1 = _update(actor, batch, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=None)
             out[f"skip pack={pack}/grad"] = _rel(g1, g0)
             out[f"skip pack={pack}/metrics"] = _metric_diff(m1, m0)
-            out[f"skip pack={pack}/old_logp"] = _rel(run.old_logp[valid], per_token[pack][0][valid])
+            # the update's own old log-probs against the statistics pass's, read from the mismatch metric it reports
+            # with the statistics pass's log-probs as the engine's: mean |own - statistics| over the trained tokens
+            stats_as_engine = dataclasses.replace(batch, engine_logp=stats)
+            m2, _ = _update(actor, stats_as_engine, on_policy, pack=pack, budget=BUDGET, mbs=1, old_logp=None)
+            out[f"skip pack={pack}/old_logp"] = m2["rollout/logp_mismatch"] / float(stats[valid].abs().max())
         return out
 
 
 def _configs() -> tuple[list[dict], list[dict]]:
     every = [
-        dict(loss=loss, loss_agg=agg, tau_q=0.5, cov_fraction=0.2, max_len_norm=16, kl_coef=0.05 if i % 4 == 0 else 0.0)
+        {
+            "loss.kind": loss,
+            "loss.agg": agg,
+            "loss.tau_q": 0.5,
+            "loss.cov_fraction": 0.2,
+            "loss.max_len_norm": 16,
+            "kl.coef": 0.05 if i % 4 == 0 else 0.0,
+        }
         for i, (loss, agg) in enumerate(itertools.product(LOSSES, AGGS))
     ]
     # the engine's log-probs reach the loss (rollout correction), at token and at sequence level
     every += [
-        dict(loss="grpo", rollout_correction="tis", rollout_is_cap=1.5),
-        dict(loss="casp", tau_q=0.5, rollout_correction="mis", rollout_correction_level="sequence"),
+        {"loss.kind": "grpo", "rollout_correction.kind": "tis", "rollout_correction.cap": 1.5},
+        {
+            "loss.kind": "casp",
+            "loss.tau_q": 0.5,
+            "rollout_correction.kind": "mis",
+            "rollout_correction.level": "sequence",
+        },
         # PBA's per-sequence KL coefficient; CaSP's adaptive candidates (the tiny model's top-3 hold ~1.5% of
         # the probability, so a 1% share gives sets of every size)
-        dict(loss="casp", tau_q=0.5, seq_kl=True, candidates="adaptive", candidate_mass=0.01),
+        {
+            "loss.kind": "casp",
+            "loss.tau_q": 0.5,
+            "seq_kl": True,
+            "loss.candidates": "adaptive",
+            "loss.candidate_mass": 0.01,
+        },
     ]
     few = [every[0], every[4], every[3 * LOSSES.index("kl_cov") + 2]]
     return every, few

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rlvr.actor.packing import pack
 from megatron_rlvr.actor.router_replay import RouterReplayer, RouterReplayError, _LayerReplay, moe_layer_indices
-from megatron_rlvr.protocols.batch import SequenceBatch
+from megatron_rlvr.protocols import Sequences
 
 
 def _tcfg(arch: str = "qwen3_moe", **overrides):
@@ -24,16 +24,16 @@ def _tcfg(arch: str = "qwen3_moe", **overrides):
     return transformer_config_from_hf(load_hf_config(hf), **overrides)
 
 
-def _batch(routed: torch.Tensor | None = None) -> SequenceBatch:
+def _batch(routed: torch.Tensor | None = None) -> Sequences:
     lengths = [5, 3, 4]
     tokens = torch.arange(15).reshape(3, 5) + 1
     mask = torch.zeros(3, 4, dtype=torch.bool)
     for i, n in enumerate(lengths):
         mask[i, 1 : n - 1] = True
-    return SequenceBatch(tokens, mask, torch.zeros(3), routed_experts=routed)
+    return Sequences(tokens=tokens, response_mask=mask, routed_experts=routed)
 
 
-def _run_pass(replayer: RouterReplayer, batch: SequenceBatch, kind: str) -> None:
+def _run_pass(replayer: RouterReplayer, batch: Sequences, kind: str) -> None:
     with replayer.pass_over(batch, [[[0, 1, 2]]], kind):
         pass
 
@@ -100,7 +100,7 @@ def test_routed_experts_of_another_shape_or_range_are_refused_in_one_line():
     with pytest.raises(RouterReplayError) as info:
         _run_pass(replayer, bad, "statistics")
     message = str(info.value)
-    assert message.startswith("SequenceBatch.routed_experts: expected integer expert ids of shape [3, 5, 3, 2]")
+    assert message.startswith("Sequences.routed_experts: expected integer expert ids of shape [3, 5, 3, 2]")
     assert "got torch.int16 [3, 5, 2, 2]" in message and "\n" not in message
     with pytest.raises(RouterReplayError, match=r"expert ids must lie in 0\.\.7"):
         _run_pass(replayer, _batch(torch.full((3, 5, 3, 2), 8)), "update")

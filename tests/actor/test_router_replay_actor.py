@@ -17,6 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 pytestmark = pytest.mark.dist
 
 REL = 1e-5
@@ -24,8 +26,17 @@ LENGTHS = [12, 7, 10, 5, 9, 11]
 TEMPERATURE = 1.0
 
 
-def _batch(vocab: int, seed: int = 0):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 0.25, -0.25]
+
+
+def _targets():
+    from megatron_rlvr.protocols import Targets
+
+    return Targets(advantages=torch.tensor(ADVANTAGES))
+
+
+def _batch(vocab: int, seed: int = 0, **fields):
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
     b, s = len(LENGTHS), max(LENGTHS)
@@ -34,8 +45,7 @@ def _batch(vocab: int, seed: int = 0):
     for i, n in enumerate(LENGTHS):
         mask[i, 3 : n - 1] = True
         tokens[i, n:] = 0
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
-    return SequenceBatch(tokens, mask, advantages)
+    return rollouts(tokens, mask, **fields)
 
 
 def _real() -> torch.Tensor:
@@ -58,7 +68,6 @@ def _perturb_routers(chunks, scale: float) -> None:
 def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_size: int, **actor_overrides):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     actor = MegatronActor(
@@ -72,7 +81,7 @@ def _actor(hf_dir: str, mode: str, pp: int, ep: int, pack: bool, micro_batch_siz
             router_replay=mode,
             **actor_overrides,
         ),
-        AlgoConfig(loss="casp", tau_q=0.5),
+        algo_config({"loss.kind": "casp", "loss.tau_q": 0.5}),
         temperature=TEMPERATURE,
         total_steps=2,
     )
@@ -96,11 +105,11 @@ def _train_worker(
     with model_parallel(tp=1, pp=pp, vpp=actor_overrides.get("vpp"), seed=11, ep=ep, etp=1, cp=cp):
         actor = _actor(hf_dir, "train", pp, ep, pack, micro_batch_size, **actor_overrides)
         batch = _batch(actor.vocab_size)
-        batch.old_logp = actor.compute_old_logp(batch)
-        recorded = batch.routed_experts.clone()
+        statistics = actor.statistics_pass(batch)
+        recorded = statistics.routed_experts.clone()
         if perturb:
             _perturb_routers(actor.model_chunks, perturb)
-        metrics = actor.update(batch, mini_batches=mini_batches)
+        metrics = actor.update(batch, _targets(), statistics, mini_batches=mini_batches)
         return recorded, torch.cat(actor.replay.captured[-mini_batches:]), metrics
 
 
@@ -109,7 +118,6 @@ def _reference_worker(hf_dir: str, noise: float):
     replays the routing the policy recorded."""
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -117,15 +125,13 @@ def _reference_worker(hf_dir: str, noise: float):
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(ep=2, micro_batch_size=2, lr=1e-3, router_replay="train"),
-            AlgoConfig(loss="casp", tau_q=0.5, kl_coef=0.1),
+            algo_config({"loss.kind": "casp", "loss.tau_q": 0.5, "kl.coef": 0.1}),
             temperature=TEMPERATURE,
             total_steps=2,
         )
         _perturb_routers(actor.model_chunks, noise)
-        batch = _batch(actor.vocab_size)
-        batch.old_logp = actor.compute_old_logp(batch)
-        batch.ref_logp = actor.compute_ref_logp(batch)
-        return batch.routed_experts, batch.ref_logp
+        statistics = actor.score(_batch(actor.vocab_size), [], mini_batches=1)  # a reference: a statistics pass
+        return statistics.routed_experts, statistics.ref_logp
 
 
 def _rollout_worker(hf_dir: str, pp: int, ep: int, routed: torch.Tensor, engine_logp: torch.Tensor, mbs: int):
@@ -133,13 +139,13 @@ def _rollout_worker(hf_dir: str, pp: int, ep: int, routed: torch.Tensor, engine_
 
     with model_parallel(tp=1, pp=pp, seed=11, ep=ep, etp=1):
         actor = _actor(hf_dir, "rollout", pp, ep, True, mbs)
-        batch = _batch(actor.vocab_size)
-        batch.routed_experts, batch.rollout_logp = routed, engine_logp
-        batch.old_logp = actor.compute_old_logp(batch)
+        batch = _batch(actor.vocab_size, routed_experts=routed, engine_logp=engine_logp)
+        statistics = actor.statistics_pass(batch)
+        assert statistics.routed_experts is None  # replayed the engine's: nothing recorded
         statistics_routing = actor.replay.captured[-1]
         statistics_metrics = actor.replay.metrics()
-        metrics = actor.update(batch, mini_batches=1)
-        return batch.old_logp, statistics_routing, statistics_metrics, metrics
+        metrics = actor.update(batch, _targets(), statistics, mini_batches=1)
+        return statistics.old_logp, statistics_routing, statistics_metrics, metrics
 
 
 # -- transformers as the reference -------------------------------------------------------------------------------

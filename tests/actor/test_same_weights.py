@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron_rlvr.data import PromptItem
+from megatron_rlvr.testing.configs import algo_config
 
 pytestmark = pytest.mark.dist
 
@@ -31,8 +32,14 @@ MINI_BATCHES = 2
 TEMPLATE = "Answer: {answer}\n"
 
 
-def _batch(vocab: int, advantages: bool = False):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+def _targets(advantages: bool):
+    from megatron_rlvr.protocols import Targets
+
+    return Targets(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2) if advantages else torch.zeros(ROWS))
+
+
+def _batch(vocab: int):
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (ROWS, WIDTH), generator=g)
@@ -41,37 +48,34 @@ def _batch(vocab: int, advantages: bool = False):
     for i, n in enumerate(lengths):
         mask[i, 2 : n - 1] = True
         tokens[i, n:] = 0
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2) if advantages else torch.zeros(ROWS)
-    batch = SequenceBatch(tokens, mask, adv)
-    batch.rewards = torch.zeros(ROWS)  # CRPO: no group has a correct response, so no row reads a privileged context
-    return batch
+    # CRPO: rewards 0, so no group has a correct response and no row reads a privileged context
+    return rollouts(tokens, mask, rewards=torch.zeros(ROWS))
 
 
 def _actor(hf_dir: str, tp: int, pp: int, algo: dict, lora: bool = False):
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     return MegatronActor(
         ModelConfig(hf_dir=hf_dir),
         ActorConfig(tp=tp, pp=pp, micro_batch_size=2, lr=1e-2, lora=LoraConfig(rank=4) if lora else None),
-        AlgoConfig(**{"loss": "grpo", **algo}),
+        algo_config({**{"loss.kind": "grpo", **algo}}),
         temperature=0.9,
         total_steps=4,
     )
 
 
-def _step(actor, batch, mini_batches: int = MINI_BATCHES) -> dict:
+def _step(actor, batch, advantages: bool = False, mini_batches: int = MINI_BATCHES) -> dict:
     """The trainer's step: score, then update; the metrics and how far the frozen copy's log-probs are from the
     policy's statistics pass (max |difference| over the response tokens)."""
-    actor.score(batch, ITEMS, mini_batches=mini_batches)
-    metrics = actor.update(batch, mini_batches)
+    statistics = actor.score(batch, ITEMS, mini_batches=mini_batches)
+    metrics = actor.update(batch, _targets(advantages), statistics, mini_batches=mini_batches)
     mask = batch.response_mask
-    for name in ("ref_logp", "teacher_logp"):
-        copy = getattr(batch, name)
+    copies = {"ref_logp": statistics.ref_logp, "teacher_logp": statistics.teacher and statistics.teacher.logp}
+    for name, copy in copies.items():
         if copy is not None:
-            metrics[f"{name} - old_logp"] = float((copy - batch.old_logp)[mask].abs().max())
+            metrics[f"{name} - old_logp"] = float((copy - statistics.old_logp)[mask].abs().max())
     return metrics
 
 
@@ -81,30 +85,35 @@ def same_weights_numbers(hf_dir: str, tp: int, pp: int) -> dict[str, dict]:
 
     out = {}
     with model_parallel(tp=tp, pp=pp, seed=11):
-        teacher = dict(distill="teacher", teacher_hf_dir=hf_dir, distill_only=True, distill_top_n=3)
+        teacher = {
+            "distill.kind": "teacher",
+            "distill.teacher_hf_dir": hf_dir,
+            "distill.only": True,
+            "distill.top_n": 3,
+        }
         actor = _actor(hf_dir, tp, pp, teacher)
         vocab = actor.vocab_size
-        out["teacher = student"] = _step(actor, _batch(vocab, advantages=True))  # distill_only: advantages unused
+        out["teacher = student"] = _step(actor, _batch(vocab), advantages=True)  # distill_only: advantages unused
 
-        crpo = dict(distill="crpo", self_distill_template=TEMPLATE, crpo_top_k=6)
+        crpo = {"distill.kind": "crpo", "distill.template": TEMPLATE, "distill.crpo.top_k": 6}
         out["CRPO frozen teacher"] = _step(_actor(hf_dir, tp, pp, crpo), _batch(vocab))
 
-        actor = _actor(hf_dir, tp, pp, dict(kl_coef=0.1))
+        actor = _actor(hf_dir, tp, pp, {"kl.coef": 0.1})
         out["KL reference"] = _step(actor, _batch(vocab))
         # the policy did not move: the KL to it is still 0 on a batch whose policy term trains
-        out["KL reference, one mini-batch"] = _step(actor, _batch(vocab, advantages=True), mini_batches=1)
+        out["KL reference, one mini-batch"] = _step(actor, _batch(vocab), advantages=True, mini_batches=1)
 
         # ARMOR's reference takes the policy's weights after it moved; its only use is the mixed ratio, which is then
         # 1 exactly (loss/kl_old, the k3 estimate of the log-ratio, 0) on the first mini-batch after the reset
-        actor = _actor(hf_dir, tp, pp, dict(mixed_ratio_share=0.75))
-        moved = _batch(vocab, advantages=True)
-        _step(actor, moved, mini_batches=1)
+        actor = _actor(hf_dir, tp, pp, {"armor.mixed_ratio_share": 0.75})
+        moved = _batch(vocab)
+        _step(actor, moved, advantages=True, mini_batches=1)
         off = actor.compute_ref_logp(moved) - actor.compute_old_logp(moved)
         out["ARMOR before the reset"] = {"ref_logp - old_logp": float(off[moved.response_mask].abs().max())}
         actor.reset_reference()
-        out["ARMOR reset reference"] = _step(actor, _batch(vocab, advantages=True), mini_batches=1)
+        out["ARMOR reset reference"] = _step(actor, _batch(vocab), advantages=True, mini_batches=1)
 
-        out["LoRA base"] = _step(_actor(hf_dir, tp, pp, dict(kl_coef=0.1), lora=True), _batch(vocab))
+        out["LoRA base"] = _step(_actor(hf_dir, tp, pp, {"kl.coef": 0.1}, lora=True), _batch(vocab))
     return out
 
 

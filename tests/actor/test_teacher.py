@@ -11,14 +11,21 @@ import torch
 
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.testing.configs import algo_config
 
 TEMPERATURE = 0.9
 TEMPLATE = "Answer: {answer}\n"
 ITEMS = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2), "a much longer answer", "math")]
 
 
-def _batch(vocab: int, seed: int = 0):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+def _targets():
+    from megatron_rlvr.protocols import Targets
+
+    return Targets(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+
+
+def _batch(vocab: int, seed: int = 0, rewards: list[float] | None = None):
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
     b, s = 4, 10
@@ -28,39 +35,39 @@ def _batch(vocab: int, seed: int = 0):
     for i, n in enumerate(lengths):
         mask[i, 2 : n - 1] = True
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    return rollouts(tokens, mask, rewards=None if rewards is None else torch.tensor(rewards))
 
 
 def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True, cp: int = 1):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     return MegatronActor(
         ModelConfig(hf_dir=hf_dir),
         ActorConfig(tp=tp, cp=cp, micro_batch_size=2, lr=1e-3, pack_sequences=pack),
-        AlgoConfig(**{"loss": "grpo", "distill_top_n": 4, **algo}),
+        algo_config({**{"loss.kind": "grpo", "distill.top_n": 4, **algo}}),
         temperature=TEMPERATURE,
         total_steps=2,
     )
 
 
 def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool, cp: int = 1):
-    """The teacher's fields of the batch after attach, and the metrics of one update with them (at TP x CP)."""
+    """The teacher's scores of the batch, and the metrics of one update with them (at TP x CP)."""
     from megatron_rlvr.runtime.distributed import model_parallel
 
     algo = (
-        dict(distill="teacher", teacher_hf_dir=teacher_dir)
+        {"distill.kind": "teacher", "distill.teacher_hf_dir": teacher_dir}
         if mode == "teacher"
-        else dict(distill="self", self_distill_template=TEMPLATE)
+        else {"distill.kind": "self", "distill.template": TEMPLATE}
     )
     with model_parallel(tp=tp, pp=1, seed=11, cp=cp):
         actor = _actor(hf_dir, tp, algo, pack, cp)
         batch = _batch(actor.vocab_size)
-        actor.teacher.attach(batch, ITEMS)
-        metrics = actor.update(batch, mini_batches=1)
-        return batch.teacher_logp, batch.teacher_ids, batch.teacher_logits, metrics
+        statistics = actor.score(batch, ITEMS, mini_batches=1)
+        metrics = actor.update(batch, _targets(), statistics, mini_batches=1)
+        teacher = statistics.teacher
+        return teacher.logp, teacher.topn_ids, teacher.topn_logits, metrics
 
 
 def plain_forward(hf_dir: str, prefixes: list[list[int]]):
@@ -161,7 +168,7 @@ def test_a_teacher_with_another_tokenizer_is_one_line_naming_the_key(student, tm
     from megatron_rlvr.models.tokenizer_check import check_same_tokenizer as check
 
     def check_same_tokenizer(student_dir, teacher_dir):
-        return check("algo.teacher_hf_dir", teacher_dir, student_dir)
+        return check("algo.distill.teacher_hf_dir", teacher_dir, student_dir)
 
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
 
@@ -173,9 +180,9 @@ def test_a_teacher_with_another_tokenizer_is_one_line_naming_the_key(student, tm
     with pytest.raises(UserError) as e:
         check_same_tokenizer(student, str(other))
     message = str(e.value)
-    assert message.startswith(f"algo.teacher_hf_dir={str(other)!r}: its tokenizer differs from model.hf_dir's")
+    assert message.startswith(f"algo.distill.teacher_hf_dir={str(other)!r}: its tokenizer differs from model.hf_dir's")
     assert "\n" not in message
-    with pytest.raises(UserError, match="algo.teacher_hf_dir=.*no config.json"):
+    with pytest.raises(UserError, match="algo.distill.teacher_hf_dir=.*no config.json"):
         check_same_tokenizer(student, str(tmp_path / "missing"))
 
 
@@ -186,9 +193,9 @@ def test_a_missing_reference_answer_under_self_is_one_line(answer):
     item = PromptItem("row-7", "2+2=", (1,), answer, "math")
     with pytest.raises(UserError) as e:
         reference_text(item)
-    assert str(e.value).startswith("algo.distill=self: prompt 'row-7' has no reference answer") and "\n" not in str(
-        e.value
-    )
+    assert str(e.value).startswith(
+        "algo.distill.kind=self: prompt 'row-7' has no reference answer"
+    ) and "\n" not in str(e.value)
 
 
 def test_reference_answers_of_strings_numbers_and_the_countdown_task():
@@ -212,5 +219,7 @@ def test_a_teacher_whose_heads_do_not_divide_the_actor_tp_is_one_line(other_mode
     with pytest.raises(UserError) as e:
         teacher_chunks(passes, other_model, 128, use_te=None)
     message = str(e.value)
-    assert message.startswith(f"algo.teacher_hf_dir={other_model!r}: the actor's layout does not fit it: "), message
+    assert message.startswith(f"algo.distill.teacher_hf_dir={other_model!r}: the actor's layout does not fit it: "), (
+        message
+    )
     assert "actor.tp=3 must divide the model's" in message and "\n" not in message

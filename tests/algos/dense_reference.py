@@ -86,7 +86,7 @@ def reference_loss(
     token_advantages: Tensor | None = None,
 ) -> Tensor:
     """The loss of docs/algorithms.md: value = clipped surrogate (+ extra terms), gradient = detached-weight form.
-    ``kl_coefs`` [B]: the KL coefficient of each response in place of cfg.kl_coef (PBA). ``token_advantages``
+    ``kl_coefs`` [B]: the KL coefficient of each response in place of cfg.kl.coef (PBA). ``token_advantages``
     [B, T]: added to each token's advantage in the weight, clip and value (distillation's reverse-KL signal); which
     tokens are positive / negative samples stays the response's advantage."""
     B, T, _ = logits.shape
@@ -95,27 +95,27 @@ def reference_loss(
     logp = logprobs.gather(-1, targets[..., None])[..., 0]
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     order = torch.sort(logprobs.detach(), dim=-1, descending=True, stable=True).indices
-    top_ids = order[..., : cfg.top_n]
+    top_ids = order[..., : cfg.loss.top_n]
     top_logp = logprobs.gather(-1, top_ids)
 
     # h[t]: entropy above the tau_q quantile of its own response's token entropies.
     high = torch.zeros(B, T, dtype=torch.bool)
     for b in range(B):
         if mask[b].any():
-            if cfg.tau_q == 0:
+            if cfg.loss.tau_q == 0:
                 high[b] = mask[b]
             else:
-                threshold = torch.quantile(entropy[b][mask[b]].detach(), cfg.tau_q)
+                threshold = torch.quantile(entropy[b][mask[b]].detach(), cfg.loss.tau_q)
                 high[b] = (entropy[b].detach() > threshold) & mask[b]
 
     # kl_cov / clip_cov: top cov_fraction of tokens by (logp - mean logp) * (A - mean A) over response tokens.
     selected = torch.zeros(B, T, dtype=torch.bool)
-    if cfg.loss in ("kl_cov", "clip_cov"):
+    if cfg.loss.kind in ("kl_cov", "clip_cov"):
         positions = [(b, t) for b in range(B) for t in range(T) if mask[b, t]]
         lp = torch.stack([logp[b, t].detach() for b, t in positions])
         ad = torch.stack([advantages[b].detach().to(lp.dtype) for b, t in positions])
         cov = (lp - lp.mean()) * (ad - ad.mean())
-        k = max(1, int(len(positions) * cfg.cov_fraction))
+        k = max(1, int(len(positions) * cfg.loss.cov_fraction))
         for index in torch.argsort(cov, descending=True)[:k].tolist():
             selected[positions[index]] = True
 
@@ -127,34 +127,39 @@ def reference_loss(
             if not mask[b, t]:
                 continue
             A = float(advantages[b])
-            if cfg.loss == "entropy_adv":
-                A = A + min(cfg.beta * float(entropy[b, t].detach()), abs(A) / cfg.kappa)
+            if cfg.loss.kind == "entropy_adv":
+                A = A + min(cfg.loss.beta * float(entropy[b, t].detach()), abs(A) / cfg.loss.kappa)
             A_token = A if token_advantages is None else A + float(token_advantages[b, t])
             rho = float(torch.exp(logp[b, t].detach() - old_logp[b, t]))
-            clipped = (A_token > 0 and rho > 1 + cfg.eps_high) or (A_token < 0 and rho < 1 - cfg.eps_low)
+            clipped = (A_token > 0 and rho > 1 + cfg.loss.eps_high) or (A_token < 0 and rho < 1 - cfg.loss.eps_low)
             scale = 1.0
             target = logp[b, t]
-            if cfg.loss == "casp":
-                if A > 0 and high[b, t] and cfg.apply_to in ("both", "positive"):
+            if cfg.loss.kind == "casp":
+                if A > 0 and high[b, t] and cfg.loss.apply_to in ("both", "positive"):
                     size = candidate_set_size(top_logp[b, t], cfg)
                     candidates = top_logp[b, t, :size]
-                    if cfg.weights == "uniform":
+                    if cfg.loss.weights == "uniform":
                         u = torch.full((size,), 1.0 / size, dtype=logits.dtype)
                     else:
                         u = torch.softmax(candidates.detach(), dim=-1)
-                    target = (1 - cfg.alpha) * logp[b, t] + cfg.alpha * (u * candidates).sum()
-                if A < 0 and high[b, t] and targets[b, t] == top_ids[b, t, 0] and cfg.apply_to in ("both", "negative"):
-                    scale = 1.0 + cfg.lambda_top1
-            elif cfg.loss == "w_reinforce" and A > 0:
-                scale = cfg.lambda_pos
+                    target = (1 - cfg.loss.alpha) * logp[b, t] + cfg.loss.alpha * (u * candidates).sum()
+                if (
+                    A < 0
+                    and high[b, t]
+                    and targets[b, t] == top_ids[b, t, 0]
+                    and cfg.loss.apply_to in ("both", "negative")
+                ):
+                    scale = 1.0 + cfg.loss.lambda_top1
+            elif cfg.loss.kind == "w_reinforce" and A > 0:
+                scale = cfg.loss.lambda_pos
             elif (
-                cfg.loss == "psr"
+                cfg.loss.kind == "psr"
                 and not A > 0
-                or cfg.loss == "nsr"
+                or cfg.loss.kind == "nsr"
                 and not A < 0
-                or cfg.loss == "forking_tokens"
+                or cfg.loss.kind == "forking_tokens"
                 and not high[b, t]
-                or cfg.loss == "clip_cov"
+                or cfg.loss.kind == "clip_cov"
                 and selected[b, t]
             ):
                 scale = 0.0
@@ -162,14 +167,14 @@ def reference_loss(
                 scale = scale * correction[b][t]
             w = 0.0 if clipped else A_token * rho * scale
             grad_terms[b, t] = -w * target
-            clipped_rho = min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high)
+            clipped_rho = min(max(rho, 1 - cfg.loss.eps_low), 1 + cfg.loss.eps_high)
             value_terms[b, t] = -scale * min(rho * A_token, clipped_rho * A_token)
             extra = torch.zeros((), dtype=logits.dtype)
-            if cfg.loss == "kl_cov" and selected[b, t]:
-                extra = extra + cfg.beta * (logp[b, t] - old_logp[b, t]).abs()
-            if cfg.loss == "entropy_bonus":
-                extra = extra - cfg.beta * entropy[b, t]
-            coef = cfg.kl_coef if kl_coefs is None else float(kl_coefs[b])
+            if cfg.loss.kind == "kl_cov" and selected[b, t]:
+                extra = extra + cfg.loss.beta * (logp[b, t] - old_logp[b, t]).abs()
+            if cfg.loss.kind == "entropy_bonus":
+                extra = extra - cfg.loss.beta * entropy[b, t]
+            coef = cfg.kl.coef if kl_coefs is None else float(kl_coefs[b])
             if ref_logp is not None and coef > 0:
                 d = ref_logp[b, t] - logp[b, t]
                 extra = extra + coef * (torch.exp(d) - d - 1)
@@ -178,11 +183,11 @@ def reference_loss(
     def agg(x: Tensor) -> Tensor:
         tokens = float(mask.sum()) if num_tokens is None else num_tokens
         seqs = float(mask.any(-1).sum()) if num_seqs is None else num_seqs
-        if cfg.loss_agg == "token_mean":
+        if cfg.loss.agg == "token_mean":
             return x.sum() / tokens
-        if cfg.loss_agg == "seq_mean_token_mean":
+        if cfg.loss.agg == "seq_mean_token_mean":
             return sum(x[b].sum() / mask[b].sum() for b in range(B) if mask[b].any()) / seqs
-        return x.sum() / cfg.max_len_norm / seqs
+        return x.sum() / cfg.loss.max_len_norm / seqs
 
     grad_form = agg(grad_terms)
     return agg(value_terms) + (grad_form - grad_form.detach()) + agg(extra_terms)
@@ -196,14 +201,14 @@ def sequence_coefs(rows: int) -> Tensor:
 def candidate_set_size(top_logp: Tensor, cfg: AlgoConfig) -> int:
     """|C_t|: all top_n columns (fixed, or candidate_mass = 1), else the fewest top ranks whose probabilities sum
     to at least candidate_mass, at most top_n, summed one by one in Python floats."""
-    if cfg.candidates == "fixed" or cfg.candidate_mass >= 1:
-        return cfg.top_n
+    if cfg.loss.candidates == "fixed" or cfg.loss.candidate_mass >= 1:
+        return cfg.loss.top_n
     total = 0.0
-    for k in range(cfg.top_n):
+    for k in range(cfg.loss.top_n):
         total += math.exp(float(top_logp[k].detach()))
-        if total >= cfg.candidate_mass:
+        if total >= cfg.loss.candidate_mass:
             return k + 1
-    return cfg.top_n
+    return cfg.loss.top_n
 
 
 def reference_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: AlgoConfig) -> list[list[float]]:
@@ -213,15 +218,15 @@ def reference_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c
     for b in range(B):
         tokens = [t for t in range(T) if mask[b, t]]
         logs = [float(old_logp[b, t]) - float(rollout_logp[b, t]) for t in tokens]
-        if cfg.rollout_correction_level == "sequence" and tokens:
+        if cfg.rollout_correction.level == "sequence" and tokens:
             total = math.fsum(logs)
-            if cfg.rollout_correction == "tis":
-                shared = cfg.rollout_is_cap if total > math.log(cfg.rollout_is_cap) else math.exp(total)
+            if cfg.rollout_correction.kind == "tis":
+                shared = cfg.rollout_correction.cap if total > math.log(cfg.rollout_correction.cap) else math.exp(total)
             else:
                 shared = _band(math.exp(total / len(tokens)), cfg)
             values = [shared] * len(tokens)
-        elif cfg.rollout_correction == "tis":
-            values = [min(math.exp(x), cfg.rollout_is_cap) for x in logs]
+        elif cfg.rollout_correction.kind == "tis":
+            values = [min(math.exp(x), cfg.rollout_correction.cap) for x in logs]
         else:
             values = [_band(math.exp(x), cfg) for x in logs]
         for t, value in zip(tokens, values):
@@ -230,7 +235,7 @@ def reference_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c
 
 
 def _band(ratio: float, cfg: AlgoConfig) -> float:
-    inside = cfg.rollout_is_low <= ratio <= cfg.rollout_is_high
-    if cfg.rollout_correction == "mis":
+    inside = cfg.rollout_correction.low <= ratio <= cfg.rollout_correction.high
+    if cfg.rollout_correction.kind == "mis":
         return 1.0 if inside else 0.0
     return ratio if inside else 0.0

@@ -4,20 +4,28 @@ The op at TP = 1 / 2 is in test_losses_op.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
-from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
+from megatron_rlvr.algos import LOSS_NAMES, policy_loss
 from megatron_rlvr.algos.token_masks import adaptive_candidates
 from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.testing.configs import algo_config, replaced
 from tests.algos.dense_reference import candidate_set_size, dense_token_stats, random_problem, reference_loss
 from tests.algos.stats_providers import PROVIDERS
 
-BASE = dict(alpha=0.3, lambda_top1=0.5, tau_q=0.5, beta=0.1, kappa=2.0, cov_fraction=0.2, lambda_pos=0.1)
-ADAPTIVE = dict(loss="casp", candidates="adaptive", candidate_mass=0.5, top_n=4)
+BASE = {
+    "loss.alpha": 0.3,
+    "loss.lambda_top1": 0.5,
+    "loss.tau_q": 0.5,
+    "loss.beta": 0.1,
+    "loss.kappa": 2.0,
+    "loss.cov_fraction": 0.2,
+    "loss.lambda_pos": 0.1,
+}
+ADAPTIVE = {"loss.kind": "casp", "loss.candidates": "adaptive", "loss.candidate_mass": 0.5, "loss.top_n": 4}
 
 
 def test_the_set_is_the_smallest_top_ranked_prefix_reaching_the_mass():
@@ -37,7 +45,7 @@ def _one_token_gradient(provider, probs, sampled, cfg):
     """Gradient of the loss w.r.t. the logits of one positive token with A * rho = 1: p - q, q the target."""
     logits = torch.tensor([[[math.log(p) for p in row] for row in probs]], dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([sampled])
-    stats = PROVIDERS[provider](logits, targets, max(cfg.top_n, 3))
+    stats = PROVIDERS[provider](logits, targets, max(cfg.loss.top_n, 3))
     mask = torch.ones(1, len(probs), dtype=torch.bool)
     loss, metrics = policy_loss(
         stats, stats.logp.detach().clone(), torch.tensor([1.0], dtype=torch.float64), mask, cfg, target_ids=targets
@@ -61,8 +69,16 @@ P = [0.4, 0.3, 0.15, 0.1, 0.05]  # ranks 1..5 are tokens 0..4; mass of ranks 1, 
     ],
 )
 def test_positive_token_trains_towards_the_smoothed_target_over_the_set(provider, mass, weights, target):
-    cfg = AlgoConfig(
-        loss="casp", top_n=3, alpha=0.3, tau_q=0.0, candidates="adaptive", candidate_mass=mass, weights=weights
+    cfg = algo_config(
+        {
+            "loss.kind": "casp",
+            "loss.top_n": 3,
+            "loss.alpha": 0.3,
+            "loss.tau_q": 0.0,
+            "loss.candidates": "adaptive",
+            "loss.candidate_mass": mass,
+            "loss.weights": weights,
+        }
     )
     grad, metrics = _one_token_gradient(provider, [P], [3], cfg)
     expected = torch.tensor(P, dtype=torch.float64) - torch.tensor(target, dtype=torch.float64)
@@ -73,7 +89,16 @@ def test_positive_token_trains_towards_the_smoothed_target_over_the_set(provider
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_each_token_gets_its_own_set_and_the_metric_is_their_mean_size(provider):
     peaked, flat = [0.9, 0.05, 0.03, 0.01, 0.01], [0.3, 0.25, 0.2, 0.15, 0.1]
-    cfg = AlgoConfig(loss="casp", top_n=3, alpha=0.3, tau_q=0.0, candidates="adaptive", candidate_mass=0.8)
+    cfg = algo_config(
+        {
+            "loss.kind": "casp",
+            "loss.top_n": 3,
+            "loss.alpha": 0.3,
+            "loss.tau_q": 0.0,
+            "loss.candidates": "adaptive",
+            "loss.candidate_mass": 0.8,
+        }
+    )
     grad, metrics = _one_token_gradient(provider, [peaked, flat], [2, 4], cfg)
     tol = dict(rtol=0, atol=1e-12 if provider == "dense" else 2e-6)
     # peaked: rank 1 alone holds 0.9 >= 0.8; flat: 0.75 after three ranks, capped at 3. token_mean over 2 tokens.
@@ -86,7 +111,7 @@ def test_each_token_gets_its_own_set_and_the_metric_is_their_mean_size(provider)
 
 def _loss_and_grad(problem, cfg, stats_fn, dtype):
     logits = problem.logits.to(dtype).clone().requires_grad_(True)
-    stats = stats_fn(logits, problem.targets, max(cfg.top_n, 3))
+    stats = stats_fn(logits, problem.targets, max(cfg.loss.top_n, 3))
     loss, metrics = policy_loss(
         stats, problem.old_logp.to(dtype), problem.advantages.to(dtype), problem.mask, cfg, target_ids=problem.targets
     )
@@ -105,8 +130,10 @@ STATS = {"dense": (dense_token_stats, torch.float64), "op_fp32": (_op, torch.flo
 @pytest.mark.parametrize("weights", ["uniform", "softmax"])
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_mass_one_is_the_fixed_top_n_bit_for_bit(stats, weights, loss_agg):
-    fixed = AlgoConfig(**{**BASE, "loss": "casp", "top_n": 3, "weights": weights, "loss_agg": loss_agg})
-    adaptive = dataclasses.replace(fixed, candidates="adaptive", candidate_mass=1.0)
+    fixed = algo_config(
+        {**{**BASE, "loss.kind": "casp", "loss.top_n": 3, "loss.weights": weights, "loss.agg": loss_agg}}
+    )
+    adaptive = replaced(fixed, {"loss.candidates": "adaptive", "loss.candidate_mass": 1.0})
     fn, dtype = STATS[stats]
     for seed in range(3):
         problem = random_problem(800 + seed)
@@ -120,9 +147,9 @@ def test_mass_one_is_the_fixed_top_n_bit_for_bit(stats, weights, loss_agg):
 @pytest.mark.parametrize("stats", STATS)
 @pytest.mark.parametrize("weights", ["uniform", "softmax"])
 def test_a_tiny_mass_shrinks_to_rank_1_which_is_casp_with_top_n_1(stats, weights):
-    one = AlgoConfig(**{**BASE, "loss": "casp", "top_n": 1, "weights": weights})
-    tiny = dataclasses.replace(one, top_n=4, candidates="adaptive", candidate_mass=1e-9)
-    wide = dataclasses.replace(one, top_n=4)
+    one = algo_config({**{**BASE, "loss.kind": "casp", "loss.top_n": 1, "loss.weights": weights}})
+    tiny = replaced(one, {"loss.top_n": 4, "loss.candidates": "adaptive", "loss.candidate_mass": 1e-9})
+    wide = replaced(one, {"loss.top_n": 4})
     fn, dtype = STATS[stats]
     for seed in range(3):
         problem = random_problem(900 + seed)
@@ -139,14 +166,14 @@ def test_a_tiny_mass_shrinks_to_rank_1_which_is_casp_with_top_n_1(stats, weights
     "variant",
     [
         dict(),
-        dict(weights="softmax"),
-        dict(candidate_mass=0.8, top_n=3),
-        dict(loss_agg="seq_mean_token_mean", apply_to="positive"),
+        {"loss.weights": "softmax"},
+        {"loss.candidate_mass": 0.8, "loss.top_n": 3},
+        {"loss.agg": "seq_mean_token_mean", "loss.apply_to": "positive"},
     ],
     ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "default",
 )
 def test_adaptive_matches_the_dense_oracle(variant):
-    cfg = AlgoConfig(**{**BASE, **ADAPTIVE, **variant})
+    cfg = algo_config({**{**BASE, **ADAPTIVE, **variant}})
     sizes = []
     for seed in range(4):
         problem = random_problem(1000 + seed)
@@ -156,7 +183,7 @@ def test_adaptive_matches_the_dense_oracle(variant):
         (ref_grad,) = torch.autograd.grad(ref, logits)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
-        stats = dense_token_stats(problem.logits, problem.targets, cfg.top_n)
+        stats = dense_token_stats(problem.logits, problem.targets, cfg.loss.top_n)
         sizes += [
             candidate_set_size(stats.topn_logp[b, t], cfg)
             for b in range(problem.mask.shape[0])
@@ -169,7 +196,7 @@ def test_adaptive_matches_the_dense_oracle(variant):
 @pytest.mark.parametrize("loss_name", LOSS_NAMES)
 def test_adaptive_candidates_compose_with_every_loss(loss_name):
     """Only CaSP reads the set; every other loss runs, stays finite and is unchanged by the knob."""
-    cfg = AlgoConfig(**{**BASE, **ADAPTIVE, "loss": loss_name})
+    cfg = algo_config({**{**BASE, **ADAPTIVE, "loss.kind": loss_name}})
     problem = random_problem(1100)
     loss, grad, metrics = _loss_and_grad(problem, cfg, dense_token_stats, torch.float64)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -178,9 +205,9 @@ def test_adaptive_candidates_compose_with_every_loss(loss_name):
     torch.testing.assert_close(grad, torch.autograd.grad(ref, logits)[0], rtol=1e-10, atol=1e-12)
     if loss_name != "casp":
         fixed_loss, fixed_grad, _ = _loss_and_grad(
-            problem, dataclasses.replace(cfg, candidates="fixed"), dense_token_stats, torch.float64
+            problem, replaced(cfg, {"loss.candidates": "fixed"}), dense_token_stats, torch.float64
         )
         assert torch.equal(loss, fixed_loss) and torch.equal(grad, fixed_grad)
         assert "casp_candidates" not in metrics and "casp_smoothed_tokens" not in metrics
     else:
-        assert 1 <= metrics["casp_candidates"] <= cfg.top_n
+        assert 1 <= metrics["casp_candidates"] <= cfg.loss.top_n

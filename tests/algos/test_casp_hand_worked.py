@@ -12,11 +12,12 @@ import math
 import pytest
 import torch
 
-from megatron_rlvr.algos import AlgoConfig, policy_loss
+from megatron_rlvr.algos import policy_loss
+from megatron_rlvr.testing.configs import algo_config
 from tests.algos.stats_providers import PROVIDERS
 
 P = [0.4, 0.3, 0.15, 0.1, 0.05]  # ranks 1..5 are tokens 0..4
-CASP = dict(loss="casp", top_n=3, alpha=0.3, lambda_top1=0.5, tau_q=0.0)
+CASP = {"loss.kind": "casp", "loss.top_n": 3, "loss.alpha": 0.3, "loss.lambda_top1": 0.5, "loss.tau_q": 0.0}
 
 
 def _gradient(provider, probs, sampled, advantage, cfg):
@@ -46,7 +47,7 @@ def _tol(provider):
     ],
 )
 def test_positive_sample_trains_towards_the_smoothed_target(provider, sampled, target):
-    grad, _ = _gradient(provider, [P], [sampled], 1.0, AlgoConfig(**CASP))
+    grad, _ = _gradient(provider, [P], [sampled], 1.0, algo_config({**CASP}))
     torch.testing.assert_close(
         grad[0], torch.tensor(P, dtype=torch.float64) - torch.tensor(target, dtype=torch.float64), **_tol(provider)
     )
@@ -54,7 +55,7 @@ def test_positive_sample_trains_towards_the_smoothed_target(provider, sampled, t
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_softmax_weights_follow_the_candidates_probabilities(provider):
-    grad, _ = _gradient(provider, [P], [3], 1.0, AlgoConfig(**CASP, weights="softmax"))
+    grad, _ = _gradient(provider, [P], [3], 1.0, algo_config({**CASP, "loss.weights": "softmax"}))
     top = 0.4 + 0.3 + 0.15
     target = [0.3 * 0.4 / top, 0.3 * 0.3 / top, 0.3 * 0.15 / top, 0.7, 0.0]
     torch.testing.assert_close(
@@ -65,7 +66,7 @@ def test_softmax_weights_follow_the_candidates_probabilities(provider):
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("sampled, scale", [(0, 1.5), (1, 1.0), (4, 1.0)])
 def test_negative_sample_penalty_is_harder_only_on_rank1(provider, sampled, scale):
-    grad, metrics = _gradient(provider, [P], [sampled], -1.0, AlgoConfig(**CASP))
+    grad, metrics = _gradient(provider, [P], [sampled], -1.0, algo_config({**CASP}))
     onehot = torch.zeros(5, dtype=torch.float64)
     onehot[sampled] = 1.0
     # loss = -(A * scale) * logp_y = scale * logp_y, so dL/dz = scale * (e_y - p)
@@ -76,7 +77,9 @@ def test_negative_sample_penalty_is_harder_only_on_rank1(provider, sampled, scal
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_only_the_high_entropy_token_of_a_response_is_smoothed(provider):
     peaked = [0.9, 0.05, 0.03, 0.01, 0.01]
-    cfg = AlgoConfig(**{**CASP, "tau_q": 0.8})  # of two tokens, only the higher-entropy one is above the quantile
+    cfg = algo_config(
+        {**{**CASP, "loss.tau_q": 0.8}}
+    )  # of two tokens, only the higher-entropy one is above the quantile
     grad, metrics = _gradient(provider, [P, peaked], [3, 3], 1.0, cfg)
     assert metrics["high_entropy_frac"] == 0.5
     smoothed = torch.tensor(P, dtype=torch.float64) - torch.tensor([0.1, 0.1, 0.1, 0.7, 0.0], dtype=torch.float64)

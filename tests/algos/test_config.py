@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rlvr.algos import AlgoConfig
 from megatron_rlvr.config import load_config
+from megatron_rlvr.testing.configs import algo_config
 
 
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("algo.alpha=1.5", "algo.alpha"),
-        ("algo.tau_q=1.0", "algo.tau_q"),
-        ("algo.top_n=0", "algo.top_n"),
-        ("algo.eps_low=1.0", "algo.eps_low"),
-        ("algo.kappa=0", "algo.kappa"),
-        ("algo.loss=ppo", "algo.loss"),
-        ("algo.cov_fraction=2", "algo.cov_fraction"),
-        ("algo.weights=argmax", "algo.weights"),
-        ("algo.rollout_correction=is", "algo.rollout_correction"),
-        ("algo.rollout_correction_level=batch", "algo.rollout_correction_level"),
-        ("algo.rollout_is_cap=0.9", "algo.rollout_is_cap"),
-        ("algo.rollout_is_low=1.1", "algo.rollout_is_low"),
-        ("algo.rollout_is_high=0.9", "algo.rollout_is_high"),
+        ("algo.loss.alpha=1.5", "algo.loss.alpha"),
+        ("algo.loss.tau_q=1.0", "algo.loss.tau_q"),
+        ("algo.loss.top_n=0", "algo.loss.top_n"),
+        ("algo.loss.eps_low=1.0", "algo.loss.eps_low"),
+        ("algo.loss.kappa=0", "algo.loss.kappa"),
+        ("algo.loss.kind=ppo", "algo.loss.kind"),
+        ("algo.loss.cov_fraction=2", "algo.loss.cov_fraction"),
+        ("algo.loss.weights=argmax", "algo.loss.weights"),
+        ("algo.rollout_correction.kind=is", "algo.rollout_correction.kind"),
+        ("algo.rollout_correction.level=batch", "algo.rollout_correction.level"),
+        ("algo.rollout_correction.cap=0.9", "algo.rollout_correction.cap"),
+        ("algo.rollout_correction.low=1.1", "algo.rollout_correction.low"),
+        ("algo.rollout_correction.high=0.9", "algo.rollout_correction.high"),
         ("rollout.refill_max_rounds=-1", "rollout.refill_max_rounds"),
     ],
 )
@@ -33,26 +33,37 @@ def test_bad_values_name_the_key(override, key):
 
 
 def test_good_recipe_loads():
-    cfg = load_config(overrides=["algo.loss=casp", "algo.alpha=0.1", "algo.weights=softmax", "algo.apply_to=negative"])
-    assert cfg.algo == AlgoConfig(loss="casp", alpha=0.1, weights="softmax", apply_to="negative")
+    cfg = load_config(
+        overrides=[
+            "algo.loss.kind=casp",
+            "algo.loss.alpha=0.1",
+            "algo.loss.weights=softmax",
+            "algo.loss.apply_to=negative",
+        ]
+    )
+    assert cfg.algo == algo_config(
+        {"loss.kind": "casp", "loss.alpha": 0.1, "loss.weights": "softmax", "loss.apply_to": "negative"}
+    )
 
 
 def test_off_policy_knobs_load():
     cfg = load_config(
         overrides=[
-            "algo.rollout_correction=icepop",
-            "algo.rollout_correction_level=sequence",
-            "algo.rollout_is_low=0.8",
+            "algo.rollout_correction.kind=icepop",
+            "algo.rollout_correction.level=sequence",
+            "algo.rollout_correction.low=0.8",
             "algo.drop_uniform_groups=true",
             "algo.mask_truncated=true",
             "rollout.refill_max_rounds=0",
         ]
     )
-    assert cfg.algo == AlgoConfig(
-        rollout_correction="icepop",
-        rollout_correction_level="sequence",
-        rollout_is_low=0.8,
-        drop_uniform_groups=True,
-        mask_truncated=True,
+    assert cfg.algo == algo_config(
+        {
+            "rollout_correction.kind": "icepop",
+            "rollout_correction.level": "sequence",
+            "rollout_correction.low": 0.8,
+            "drop_uniform_groups": True,
+            "mask_truncated": True,
+        }
     )
-    assert cfg.rollout.refill_max_rounds == 0 and AlgoConfig().rollout_correction == "none"
+    assert cfg.rollout.refill_max_rounds == 0 and algo_config().rollout_correction.kind == "none"

@@ -14,15 +14,23 @@ from megatron_rlvr.algos.crpo import group_weights, positive_count, support_term
 from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.ops.given_ids import logits_at_ids
+from megatron_rlvr.testing.configs import algo_config, run_config
 from tests.algos.dense_reference import reference_loss
 
 TEMPERATURE = 0.8
 GROUPS, GROUP_SIZE = 3, 3
 
 
-def _cfg(**overrides) -> AlgoConfig:
-    base = dict(loss="grpo", distill="crpo", crpo_top_k=5, crpo_positive_share=0.3, crpo_tau=0.7, crpo_coef=5.0)
-    return AlgoConfig(**{**base, **overrides})
+def _cfg(overrides: dict | None = None) -> AlgoConfig:
+    base = {
+        "loss.kind": "grpo",
+        "distill.kind": "crpo",
+        "distill.crpo.top_k": 5,
+        "distill.crpo.positive_share": 0.3,
+        "distill.crpo.tau": 0.7,
+        "distill.crpo.coef": 5.0,
+    }
+    return algo_config({**base, **(overrides or {})})
 
 
 def _problem(seed: int):
@@ -68,7 +76,13 @@ def op_crpo_loss(p: dict, cfg: AlgoConfig, splits: tuple[int, ...], dtype=torch.
     kw = dict(vocab_start=start, temperature=TEMPERATURE, group=group)
     t_shard = _shard(p["teacher"], rank, tp).to(dtype)
     t_stats = vocab_parallel_token_stats(
-        t_shard, p["targets"], cfg.crpo_top_k, group=group, vocab_start=start, vocab_size=vocab, temperature=TEMPERATURE
+        t_shard,
+        p["targets"],
+        cfg.distill.crpo.top_k,
+        group=group,
+        vocab_start=start,
+        vocab_size=vocab,
+        temperature=TEMPERATURE,
     )
     _, t_at = logits_at_ids(t_shard, t_stats.topn_ids, **kw)
     teacher = TeacherScores(t_stats.logp, t_stats.topn_ids, t_at)
@@ -114,7 +128,7 @@ def op_crpo_loss(p: dict, cfg: AlgoConfig, splits: tuple[int, ...], dtype=torch.
 def dense_crpo(p: dict, cfg: AlgoConfig, logits: torch.Tensor) -> torch.Tensor:
     """The oracle: L_CRPO of docs/distillation.md on full-vocabulary float64 logits, by autograd."""
     z_t = p["teacher"] / TEMPERATURE
-    order = torch.sort(z_t, dim=-1, descending=True, stable=True).indices[..., : cfg.crpo_top_k]
+    order = torch.sort(z_t, dim=-1, descending=True, stable=True).indices[..., : cfg.distill.crpo.top_k]
     log_q = torch.log_softmax(z_t.gather(-1, order), -1)
     log_p = torch.log_softmax((logits / TEMPERATURE).gather(-1, order), -1)
     sim = -(log_p.exp() * (log_p - log_q)).sum(-1)
@@ -126,16 +140,20 @@ def dense_crpo(p: dict, cfg: AlgoConfig, logits: torch.Tensor) -> torch.Tensor:
         if not bool(p["context"][rows].all()):
             continue
         s, de = sim[rows][p["mask"][rows]], d_entropy[rows][p["mask"][rows]].detach()
-        k = positive_count(cfg.crpo_positive_share, len(s))
+        k = positive_count(cfg.distill.crpo.positive_share, len(s))
         positive = torch.sort(de, stable=True).indices[:k]
-        total = total - torch.logsumexp(s[positive] / cfg.crpo_tau, 0) + torch.logsumexp(s / cfg.crpo_tau, 0)
+        total = (
+            total
+            - torch.logsumexp(s[positive] / cfg.distill.crpo.tau, 0)
+            + torch.logsumexp(s / cfg.distill.crpo.tau, 0)
+        )
     return total / len(groups)
 
 
 def dense_total(p: dict, cfg: AlgoConfig) -> tuple[float, torch.Tensor]:
     logits = p["logits"].clone().requires_grad_(True)
     grpo = reference_loss(logits, p["targets"], p["old_logp"], p["advantages"], p["mask"], cfg, temperature=TEMPERATURE)
-    loss = grpo + cfg.crpo_coef * dense_crpo(p, cfg, logits)
+    loss = grpo + cfg.distill.crpo.coef * dense_crpo(p, cfg, logits)
     (grad,) = torch.autograd.grad(loss, logits)
     return float(loss.detach()), grad
 
@@ -170,8 +188,10 @@ def test_tp2_equals_tp1(workers2):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_zero_coefficient_is_grpo_bit_for_bit(dtype):
     p = _problem(3)
-    loss, _, grad = op_crpo_loss(p, _cfg(crpo_coef=0.0), (4,), dtype)
-    grpo_loss, grpo_grad = _grpo_alone(p, AlgoConfig(loss="grpo"), (4,), dtype)  # no teacher, same micro-batches
+    loss, _, grad = op_crpo_loss(p, _cfg({"distill.crpo.coef": 0.0}), (4,), dtype)
+    grpo_loss, grpo_grad = _grpo_alone(
+        p, algo_config({"loss.kind": "grpo"}), (4,), dtype
+    )  # no teacher, same micro-batches
     assert torch.equal(torch.tensor(loss), torch.tensor(grpo_loss))
     assert torch.equal(grad, grpo_grad)
 
@@ -206,9 +226,9 @@ def test_whole_positive_set_gives_exactly_zero():
     """p = 100 %: P_g is the whole group, so numerator = denominator and L_CRPO = 0 with a zero gradient exactly:
     the formula does not reduce to self-distillation at p = 100 % (docs/distillation.md, "CRPO")."""
     p = _problem(4)
-    cfg = _cfg(crpo_positive_share=1.0)
+    cfg = _cfg({"distill.crpo.positive_share": 1.0})
     loss, first, grad = op_crpo_loss(p, cfg, (3,))
-    grpo_loss, grpo_grad = _grpo_alone(p, AlgoConfig(loss="grpo"), (3,), torch.float64)
+    grpo_loss, grpo_grad = _grpo_alone(p, algo_config({"loss.kind": "grpo"}), (3,), torch.float64)
     assert first["crpo/loss"] == 0.0
     assert loss == pytest.approx(grpo_loss, abs=1e-15)
     torch.testing.assert_close(grad, grpo_grad, rtol=0, atol=1e-15)
@@ -219,9 +239,9 @@ def test_gradient_is_a_weighted_self_distillation_reverse_kl_gradient():
     support (the analytic gradient of sum_t KL(p_t || q_t) over the teacher's top-K, q detached), each position
     weighted by -c_t = (w^P_t - w_t) / (tau N_groups); checked against autograd of that weighted KL in float64."""
     p = _problem(5)
-    cfg = _cfg(crpo_coef=1.0)
+    cfg = _cfg({"distill.crpo.coef": 1.0})
     z_t = p["teacher"] / TEMPERATURE
-    order = torch.sort(z_t, dim=-1, descending=True, stable=True).indices[..., : cfg.crpo_top_k]
+    order = torch.sort(z_t, dim=-1, descending=True, stable=True).indices[..., : cfg.distill.crpo.top_k]
     logits = p["logits"].clone().requires_grad_(True)
     log_q = torch.log_softmax(z_t.gather(-1, order), -1)
     log_p = torch.log_softmax((logits / TEMPERATURE).gather(-1, order), -1)
@@ -237,27 +257,32 @@ def test_gradient_is_a_weighted_self_distillation_reverse_kl_gradient():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(crpo_top_k=0), "algo.crpo_top_k: expected >= 1, got 0"),
-        (dict(crpo_positive_share=0.0), "algo.crpo_positive_share: expected a share in (0, 1]"),
-        (dict(crpo_positive_share=1.5), "algo.crpo_positive_share: expected a share in (0, 1]"),
-        (dict(crpo_tau=0.0), "algo.crpo_tau: expected a finite temperature > 0"),
-        (dict(crpo_coef=-1.0), "algo.crpo_coef: expected a finite number >= 0"),
-        (dict(crpo_correct_reward=float("nan")), "algo.crpo_correct_reward: expected a finite reward"),
-        (dict(distill_only=True), "algo.distill_only: expected false under algo.distill=crpo"),
-        (dict(crpo_teacher="current"), "algo.crpo_teacher: expected 'frozen' or 'ema', got 'current'"),
-        (dict(crpo_ema_decay=1.5), "algo.crpo_ema_decay: expected a decay in [0, 1], got 1.5"),
-        (dict(self_distill_template="no field"), "algo.self_distill_template: expected a template holding {answer}"),
+        ({"distill.crpo.top_k": 0}, "algo.distill.crpo.top_k: expected >= 1, got 0"),
+        ({"distill.crpo.positive_share": 0.0}, "algo.distill.crpo.positive_share: expected in (0, 1], got 0.0"),
+        ({"distill.crpo.positive_share": 1.5}, "algo.distill.crpo.positive_share: expected in (0, 1], got 1.5"),
+        ({"distill.crpo.tau": 0.0}, "algo.distill.crpo.tau: expected > 0, finite, got 0.0"),
+        ({"distill.crpo.coef": -1.0}, "algo.distill.crpo.coef: expected >= 0, finite, got -1.0"),
+        ({"distill.crpo.correct_reward": float("nan")}, "algo.distill.crpo.correct_reward: expected finite, got nan"),
+        ({"distill.only": True}, "algo.distill.only: expected false under algo.distill.kind=crpo"),
+        (
+            {"distill.crpo.teacher": "current"},
+            "algo.distill.crpo.teacher: got 'current'; allowed values: 'frozen', 'ema'",
+        ),
+        ({"distill.crpo.ema_decay": 1.5}, "algo.distill.crpo.ema_decay: expected in [0, 1], got 1.5"),
+        ({"distill.template": "no field"}, "algo.distill.template: expected a template holding {answer}"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(overrides, message):
+    """Limits are the loader's (declared on the fields), rules between fields the config's table: both one line."""
+    settings = {"loss.kind": "grpo", "distill.kind": "crpo", **overrides}
     with pytest.raises(ValueError) as e:
-        _cfg(**overrides)
+        run_config({f"algo.{key}": value for key, value in settings.items()})
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_missing_weights_are_named():
     p = _problem(0)
-    with pytest.raises(ValueError, match=r"^crpo_weights: algo.distill=crpo needs"):
+    with pytest.raises(ValueError, match=r"^crpo_weights: algo.distill.kind=crpo needs"):
         _grpo_alone_with_teacher_but_no_weights(p)
 
 
@@ -280,8 +305,8 @@ def test_ema_teacher_with_lora_is_one_line():
     from megatron_rlvr.config import load_config
     from megatron_rlvr.errors import ConfigError
 
-    crpo = ["algo.distill=crpo", "algo.crpo_teacher=ema", "actor.lora.rank=4", "actor.lora.alpha=8"]
+    crpo = ["algo.distill.kind=crpo", "algo.distill.crpo.teacher=ema", "actor.lora.rank=4", "actor.lora.alpha=8"]
     with pytest.raises(ConfigError) as e:
         load_config(None, crpo).validate()
-    assert str(e.value).startswith("algo.crpo_teacher=ema: not with actor.lora") and "\n" not in str(e.value)
+    assert str(e.value).startswith("algo.distill.crpo.teacher=ema: not with actor.lora") and "\n" not in str(e.value)
     load_config(None, [*crpo[:1], *crpo[2:]]).validate()  # the frozen teacher is fine under LoRA

@@ -15,26 +15,27 @@ from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
 from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.ops.given_ids import logits_at_ids
+from megatron_rlvr.testing.configs import algo_config, run_config
 from tests.algos.dense_reference import random_problem, reference_loss
 
-BASE = dict(
-    alpha=0.3,
-    lambda_top1=0.5,
-    tau_q=0.5,
-    beta=0.1,
-    kappa=2.0,
-    cov_fraction=0.2,
-    lambda_pos=0.1,
-    max_len_norm=16,
-    distill="teacher",
-    teacher_hf_dir="teacher",
-    distill_coef=0.7,
-    distill_top_n=3,
-)
+BASE = {
+    "loss.alpha": 0.3,
+    "loss.lambda_top1": 0.5,
+    "loss.tau_q": 0.5,
+    "loss.beta": 0.1,
+    "loss.kappa": 2.0,
+    "loss.cov_fraction": 0.2,
+    "loss.lambda_pos": 0.1,
+    "loss.max_len_norm": 16,
+    "distill.kind": "teacher",
+    "distill.teacher_hf_dir": "teacher",
+    "distill.coef": 0.7,
+    "distill.top_n": 3,
+}
 
 
-def _cfg(**overrides) -> AlgoConfig:
-    return AlgoConfig(**{**BASE, **overrides})
+def _cfg(overrides: dict | None = None) -> AlgoConfig:
+    return algo_config({**BASE, **(overrides or {})})
 
 
 def _shard(logits: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -71,7 +72,7 @@ def op_loss(
         t_stats = vocab_parallel_token_stats(
             t_shard,
             targets,
-            cfg.distill_top_n,
+            cfg.distill.top_n,
             group=group,
             vocab_start=start,
             vocab_size=vocab,
@@ -85,7 +86,7 @@ def op_loss(
     stats = vocab_parallel_token_stats(
         logits,
         targets,
-        max(cfg.top_n, 3),
+        max(cfg.loss.top_n, 3),
         group=group,
         vocab_start=start,
         vocab_size=vocab,
@@ -163,7 +164,9 @@ def _hand_forward(n: int) -> tuple[float, list[list[float]]]:
 
 @pytest.mark.parametrize("signal", ["reverse_kl_sampled", "topn_forward_kl", "both"])
 def test_hand_worked_five_tokens(signal):
-    cfg = _cfg(loss="grpo", distill_only=True, distill_coef=1.0, distill_signal=signal, distill_top_n=2)
+    cfg = _cfg(
+        {"loss.kind": "grpo", "distill.only": True, "distill.coef": 1.0, "distill.signal": signal, "distill.top_n": 2}
+    )
     student, teacher = torch.tensor([STUDENT], dtype=torch.float64), torch.tensor([TEACHER], dtype=torch.float64)
     loss, metrics, grad = op_loss(
         student, teacher, torch.tensor([SAMPLED]), torch.ones(1, 5, dtype=torch.bool), torch.tensor([1.0]), cfg
@@ -204,7 +207,9 @@ def test_hand_worked_five_tokens(signal):
 def test_teacher_equal_to_student_gives_exactly_zero(dtype, temperature):
     problem = random_problem(5)
     mask = problem.mask
-    cfg = _cfg(loss="grpo", distill_only=True, distill_coef=1.0, distill_signal="both", distill_top_n=4)
+    cfg = _cfg(
+        {"loss.kind": "grpo", "distill.only": True, "distill.coef": 1.0, "distill.signal": "both", "distill.top_n": 4}
+    )
     loss, metrics, grad = op_loss(
         problem.logits,
         problem.logits,
@@ -226,7 +231,7 @@ def test_teacher_equal_to_student_gives_exactly_zero(dtype, temperature):
             problem.targets,
             mask,
             problem.advantages,
-            _cfg(loss=name, distill_coef=1.0),
+            _cfg({"loss.kind": name, "distill.coef": 1.0}),
             temperature=temperature,
             dtype=dtype,
         )
@@ -236,7 +241,7 @@ def test_teacher_equal_to_student_gives_exactly_zero(dtype, temperature):
             problem.targets,
             mask,
             problem.advantages,
-            _cfg(loss=name, distill="none"),
+            _cfg({"loss.kind": name, "distill.kind": "none"}),
             temperature=temperature,
             dtype=dtype,
             with_teacher=False,
@@ -248,18 +253,18 @@ def test_teacher_equal_to_student_gives_exactly_zero(dtype, temperature):
 # Every loss against the dense oracle, TP = 1 and TP = 2
 
 
-CASES = [dict(loss=name) for name in LOSS_NAMES] + [
-    dict(loss="casp", distill_signal="reverse_kl_sampled", loss_agg="seq_mean_token_mean"),
-    dict(loss="grpo", distill_signal="topn_forward_kl", loss_agg="seq_mean_token_sum_norm", kl_coef=0.2),
-    dict(loss="casp", distill_only=True, distill_coef=1.3),
-    dict(loss="casp", rollout_correction="tis", rollout_is_cap=1.5),
-    dict(
-        loss="grpo",
-        rollout_correction="icepop",
-        rollout_correction_level="sequence",
-        rollout_is_low=0.3,
-        rollout_is_high=3.0,
-    ),
+CASES = [{"loss.kind": name} for name in LOSS_NAMES] + [
+    {"loss.kind": "casp", "distill.signal": "reverse_kl_sampled", "loss.agg": "seq_mean_token_mean"},
+    {"loss.kind": "grpo", "distill.signal": "topn_forward_kl", "loss.agg": "seq_mean_token_sum_norm", "kl.coef": 0.2},
+    {"loss.kind": "casp", "distill.only": True, "distill.coef": 1.3},
+    {"loss.kind": "casp", "rollout_correction.kind": "tis", "rollout_correction.cap": 1.5},
+    {
+        "loss.kind": "grpo",
+        "rollout_correction.kind": "icepop",
+        "rollout_correction.level": "sequence",
+        "rollout_correction.low": 0.3,
+        "rollout_correction.high": 3.0,
+    },
 ]
 SEEDS = (21, 22)
 TEMPERATURE = 0.8
@@ -276,7 +281,7 @@ def _inputs(seed: int):
 def sharded_distill_gradients(cases: list[dict], seeds: tuple[int, ...], dtype: torch.dtype) -> list:
     out = []
     for case in cases:
-        cfg = _cfg(**case)
+        cfg = _cfg({**case})
         for seed in seeds:
             problem, teacher, rollout_logp = _inputs(seed)
             loss, _, grad = op_loss(
@@ -287,8 +292,8 @@ def sharded_distill_gradients(cases: list[dict], seeds: tuple[int, ...], dtype: 
                 problem.advantages,
                 cfg,
                 old_logp=problem.old_logp,
-                ref_logp=problem.ref_logp if cfg.kl_coef > 0 else None,
-                rollout_logp=rollout_logp if cfg.rollout_correction != "none" else None,
+                ref_logp=problem.ref_logp if cfg.kl.coef > 0 else None,
+                rollout_logp=rollout_logp if cfg.rollout_correction.kind != "none" else None,
                 temperature=TEMPERATURE,
                 dtype=dtype,
             )
@@ -305,12 +310,12 @@ def dense_distill_loss(problem, teacher_logits, rollout_logp, cfg: AlgoConfig) -
     log_t = torch.log_softmax(teacher_logits / TEMPERATURE, -1)
     y = problem.targets[..., None]
     reverse = (log_t.gather(-1, y) - log_s.gather(-1, y))[..., 0].detach()
-    ids = torch.sort(log_t, dim=-1, descending=True, stable=True).indices[..., : cfg.distill_top_n]
+    ids = torch.sort(log_t, dim=-1, descending=True, stable=True).indices[..., : cfg.distill.top_n]
     log_q = torch.log_softmax((teacher_logits / TEMPERATURE).gather(-1, ids), -1)
     log_p = torch.log_softmax((logits / TEMPERATURE).gather(-1, ids), -1)
     kl = (log_q.exp() * (log_q - log_p)).sum(-1)
-    signal = cfg.distill_signal
-    advantages = torch.zeros_like(problem.advantages) if cfg.distill_only else problem.advantages
+    signal = cfg.distill.signal
+    advantages = torch.zeros_like(problem.advantages) if cfg.distill.only else problem.advantages
     rl = reference_loss(
         logits,
         problem.targets,
@@ -318,27 +323,27 @@ def dense_distill_loss(problem, teacher_logits, rollout_logp, cfg: AlgoConfig) -
         advantages,
         mask,
         cfg,
-        ref_logp=problem.ref_logp if cfg.kl_coef > 0 else None,
+        ref_logp=problem.ref_logp if cfg.kl.coef > 0 else None,
         temperature=TEMPERATURE,
-        rollout_logp=rollout_logp if cfg.rollout_correction != "none" else None,
-        token_advantages=cfg.distill_coef * reverse if signal != "topn_forward_kl" else None,
+        rollout_logp=rollout_logp if cfg.rollout_correction.kind != "none" else None,
+        token_advantages=cfg.distill.coef * reverse if signal != "topn_forward_kl" else None,
     )
     if signal == "reverse_kl_sampled":
         return logits, rl
     kl = torch.where(mask, kl, torch.zeros_like(kl))
-    if cfg.loss_agg == "token_mean":
+    if cfg.loss.agg == "token_mean":
         term = kl.sum() / mask.sum()
-    elif cfg.loss_agg == "seq_mean_token_mean":
+    elif cfg.loss.agg == "seq_mean_token_mean":
         term = sum(kl[b].sum() / mask[b].sum() for b in range(mask.shape[0]) if mask[b].any()) / mask.any(-1).sum()
     else:
-        term = kl.sum() / cfg.max_len_norm / mask.any(-1).sum()
-    return logits, rl + cfg.distill_coef * term
+        term = kl.sum() / cfg.loss.max_len_norm / mask.any(-1).sum()
+    return logits, rl + cfg.distill.coef * term
 
 
 def _check(per_rank: list[list], tol: dict) -> None:
     index = 0
     for case in CASES:
-        cfg = _cfg(**case)
+        cfg = _cfg({**case})
         for seed in SEEDS:
             problem, teacher, rollout_logp = _inputs(seed)
             logits, ref_loss = dense_distill_loss(problem, teacher, rollout_logp, cfg)
@@ -381,13 +386,13 @@ def test_every_loss_with_distillation_tp2_equals_tp1(workers2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_zero_coefficient_is_the_rl_loss_bit_for_bit(dtype):
     for case in CASES:
-        case = {k: v for k, v in case.items() if k not in ("distill_only", "distill_coef")}
+        case = {k: v for k, v in case.items() if k not in ("distill.only", "distill.coef")}
         for seed in SEEDS:
             problem, teacher, rollout_logp = _inputs(seed)
             kwargs = dict(
                 old_logp=problem.old_logp,
                 ref_logp=problem.ref_logp,
-                rollout_logp=rollout_logp if case.get("rollout_correction") else None,
+                rollout_logp=rollout_logp if case.get("rollout_correction.kind") else None,
                 temperature=TEMPERATURE,
                 dtype=dtype,
             )
@@ -397,7 +402,7 @@ def test_zero_coefficient_is_the_rl_loss_bit_for_bit(dtype):
                 problem.targets,
                 problem.mask,
                 problem.advantages,
-                _cfg(**case, distill_coef=0.0),
+                _cfg({**case, "distill.coef": 0.0}),
                 **kwargs,
             )
             alone = op_loss(
@@ -406,7 +411,7 @@ def test_zero_coefficient_is_the_rl_loss_bit_for_bit(dtype):
                 problem.targets,
                 problem.mask,
                 problem.advantages,
-                _cfg(**case, distill="none"),
+                _cfg({**case, "distill.kind": "none"}),
                 with_teacher=False,
                 **kwargs,
             )
@@ -421,36 +426,40 @@ def test_zero_coefficient_is_the_rl_loss_bit_for_bit(dtype):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(distill="teacher"), "algo.teacher_hf_dir: expected the teacher's HF model directory"),
+        ({"distill.kind": "teacher"}, "algo.distill.teacher_hf_dir: expected the teacher's HF model directory"),
         (
-            dict(distill="self", self_distill_template="no field"),
-            "algo.self_distill_template: expected a template holding",
+            {"distill.kind": "self", "distill.template": "no field"},
+            "algo.distill.template: expected a template holding",
         ),
         (
-            dict(distill="self", self_distill_template="{answer} {prompt}"),
-            "algo.self_distill_template: expected a templ",
+            {"distill.kind": "self", "distill.template": "{answer} {prompt}"},
+            "algo.distill.template: expected a templ",
         ),
-        (dict(distill_only=True), "algo.distill_only: expected false under algo.distill=none"),
-        (dict(distill="teacher", teacher_hf_dir="t", distill_coef=-1.0), "algo.distill_coef: expected a finite number"),
-        (dict(distill="rkl"), "algo.distill: got 'rkl'; allowed values: none, teacher, self"),
-        (dict(distill_signal="kl"), "algo.distill_signal: got 'kl'"),
-        (dict(distill_top_n=0), "algo.distill_top_n: expected >= 1"),
+        ({"distill.only": True}, "algo.distill.only: expected false under algo.distill.kind=none"),
+        (
+            {"distill.kind": "teacher", "distill.teacher_hf_dir": "t", "distill.coef": -1.0},
+            "algo.distill.coef: expected >= 0, finite, got -1.0",
+        ),
+        ({"distill.kind": "rkl"}, "algo.distill.kind: got 'rkl'; allowed values: 'none', 'teacher', 'self'"),
+        ({"distill.signal": "kl"}, "algo.distill.signal: got 'kl'"),
+        ({"distill.top_n": 0}, "algo.distill.top_n: expected >= 1"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(overrides, message):
+    """Limits are the loader's (declared on the fields), rules between fields the config's table: both one line."""
     with pytest.raises(ValueError) as e:
-        AlgoConfig(**overrides)
+        run_config({f"algo.{key}": value for key, value in overrides.items()})
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_missing_teacher_inputs_are_named():
     problem = random_problem(3)
     stats = vocab_parallel_token_stats(problem.logits, problem.targets, 3)
-    with pytest.raises(ValueError, match="teacher: algo.distill=teacher needs the teacher's scores"):
+    with pytest.raises(ValueError, match="teacher: algo.distill.kind=teacher needs the teacher's scores"):
         policy_loss(stats, None, problem.advantages, problem.mask, _cfg())
     t = vocab_parallel_token_stats(problem.logits, problem.targets, 3)
     teacher = TeacherScores(t.logp, t.topn_ids, t.topn_logp)
-    with pytest.raises(ValueError, match="student_at_teacher_ids: algo.distill_signal=both needs"):
+    with pytest.raises(ValueError, match="student_at_teacher_ids: algo.distill.signal=both needs"):
         policy_loss(stats, None, problem.advantages, problem.mask, _cfg(), teacher=teacher)
     with pytest.raises(ValueError, match=r"teacher.logp: expected shape"):
         policy_loss(
@@ -458,6 +467,6 @@ def test_missing_teacher_inputs_are_named():
             None,
             problem.advantages,
             problem.mask,
-            _cfg(distill_signal="reverse_kl_sampled"),
+            _cfg({"distill.signal": "reverse_kl_sampled"}),
             teacher=TeacherScores(t.logp[:, :1], t.topn_ids, t.topn_logp),
         )

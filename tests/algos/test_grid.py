@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlvr.algos import AlgoConfig, compute_advantages, policy_loss
+from megatron_rlvr.algos import compute_advantages, policy_loss
+from megatron_rlvr.testing.configs import algo_config
 from tests.algos.dense_reference import dense_token_stats, random_problem
 
 
@@ -33,7 +34,7 @@ def _weighted_nll(problem, weights):
 def test_rejection_sampling_fine_tuning_is_the_nll_of_correct_samples(seed):
     problem = random_problem(seed)
     rewards = (torch.arange(problem.mask.shape[0]) % 2 == 0).float()
-    loss, grad = _grid_cell(problem, rewards, AlgoConfig(loss="psr", advantage="reward"))
+    loss, grad = _grid_cell(problem, rewards, algo_config({"loss.kind": "psr", "advantage.kind": "reward"}))
     torch.testing.assert_close(grad, _weighted_nll(problem, rewards.double()), rtol=1e-12, atol=1e-14)
     # on-policy the clipped surrogate's value is -agg(A) over the trained tokens: minus the rewarded token share
     share = float((rewards.double()[:, None] * problem.mask).sum() / problem.mask.sum())
@@ -44,5 +45,5 @@ def test_rejection_sampling_fine_tuning_is_the_nll_of_correct_samples(seed):
 def test_reinforce_with_negatives_is_the_signed_nll(seed):
     problem = random_problem(seed)
     rewards = (torch.arange(problem.mask.shape[0]) % 3 == 0).float()
-    _, grad = _grid_cell(problem, rewards, AlgoConfig(loss="grpo", advantage="signed_reward"))
+    _, grad = _grid_cell(problem, rewards, algo_config({"loss.kind": "grpo", "advantage.kind": "signed_reward"}))
     torch.testing.assert_close(grad, _weighted_nll(problem, 2 * rewards.double() - 1), rtol=1e-12, atol=1e-14)

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
+from megatron_rlvr.algos import LOSS_NAMES, policy_loss
+from megatron_rlvr.testing.configs import algo_config, replaced
 from tests.algos.dense_reference import dense_token_stats, random_problem, reference_loss
 
 # Coefficients large enough that every loss's special path changes the gradient visibly.
-BASE = dict(alpha=0.3, lambda_top1=0.5, tau_q=0.5, beta=0.1, kappa=2.0, cov_fraction=0.2, lambda_pos=0.1)
+BASE = {
+    "loss.alpha": 0.3,
+    "loss.lambda_top1": 0.5,
+    "loss.tau_q": 0.5,
+    "loss.beta": 0.1,
+    "loss.kappa": 2.0,
+    "loss.cov_fraction": 0.2,
+    "loss.lambda_pos": 0.1,
+}
 
 
 def _grads(problem, cfg, *, with_ref=False, use_ids=True):
     logits = problem.logits.clone().requires_grad_(True)
-    stats = dense_token_stats(logits, problem.targets, max(cfg.top_n, 3))
+    stats = dense_token_stats(logits, problem.targets, max(cfg.loss.top_n, 3))
     loss, metrics = policy_loss(
         stats,
         problem.old_logp,
@@ -50,7 +57,7 @@ def _reference_grads(problem, cfg, *, with_ref=False):
 def test_gradient_matches_dense_reference(loss_name, loss_agg):
     for seed in range(3):
         problem = random_problem(seed)
-        cfg = AlgoConfig(loss=loss_name, loss_agg=loss_agg, max_len_norm=16, **BASE)
+        cfg = algo_config({"loss.kind": loss_name, "loss.agg": loss_agg, "loss.max_len_norm": 16, **BASE})
         loss, grad, _ = _grads(problem, cfg)
         ref_loss, ref_grad = _reference_grads(problem, cfg)
         assert grad.abs().max() > 1e-4, "the problem must exercise the loss"
@@ -61,21 +68,21 @@ def test_gradient_matches_dense_reference(loss_name, loss_agg):
 @pytest.mark.parametrize(
     "variant",
     [
-        dict(weights="softmax"),
-        dict(apply_to="positive"),
-        dict(apply_to="negative"),
-        dict(tau_q=0.0),
-        dict(top_n=5),
-        dict(top_n=1),
-        dict(kl_coef=0.2),
+        {"loss.weights": "softmax"},
+        {"loss.apply_to": "positive"},
+        {"loss.apply_to": "negative"},
+        {"loss.tau_q": 0.0},
+        {"loss.top_n": 5},
+        {"loss.top_n": 1},
+        {"kl.coef": 0.2},
     ],
     ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()),
 )
 def test_casp_variants_match_dense_reference(variant):
-    cfg = AlgoConfig(loss="casp", **{**BASE, **variant})
+    cfg = algo_config({"loss.kind": "casp", **{**BASE, **variant}})
     for seed in range(3):
         problem = random_problem(100 + seed)
-        with_ref = cfg.kl_coef > 0
+        with_ref = cfg.kl.coef > 0
         loss, grad, _ = _grads(problem, cfg, with_ref=with_ref)
         ref_loss, ref_grad = _reference_grads(problem, cfg, with_ref=with_ref)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
@@ -84,7 +91,7 @@ def test_casp_variants_match_dense_reference(variant):
 
 def test_rank1_read_from_statistics_matches_ids():
     """Without target_ids, "y_t is rank 1" is read from logp == rank-1 log-prob; same result on generic data."""
-    cfg = AlgoConfig(loss="casp", **BASE)
+    cfg = algo_config({"loss.kind": "casp", **BASE})
     problem = random_problem(7)
     _, with_ids, m1 = _grads(problem, cfg, use_ids=True)
     _, without_ids, m2 = _grads(problem, cfg, use_ids=False)
@@ -96,21 +103,23 @@ def test_rank1_read_from_statistics_matches_ids():
 def test_casp_without_its_terms_is_grpo_exactly(loss_agg):
     for seed in range(3):
         problem = random_problem(200 + seed)
-        casp = AlgoConfig(loss="casp", loss_agg=loss_agg, **{**BASE, "alpha": 0.0, "lambda_top1": 0.0})
-        grpo = dataclasses.replace(casp, loss="grpo")
+        casp = algo_config(
+            {"loss.kind": "casp", "loss.agg": loss_agg, **{**BASE, "loss.alpha": 0.0, "loss.lambda_top1": 0.0}}
+        )
+        grpo = replaced(casp, {"loss.kind": "grpo"})
         loss_c, grad_c, metrics_c = _grads(problem, casp)
         loss_g, grad_g, metrics_g = _grads(problem, grpo)
         assert torch.equal(grad_c, grad_g)
         assert torch.equal(loss_c, loss_g)
         assert metrics_c == metrics_g
         # ...and the CaSP terms do change the gradient on the same problem.
-        _, grad_full, _ = _grads(problem, dataclasses.replace(casp, alpha=0.3, lambda_top1=0.5))
+        _, grad_full, _ = _grads(problem, replaced(casp, {"loss.alpha": 0.3, "loss.lambda_top1": 0.5}))
         assert not torch.allclose(grad_full, grad_g)
 
 
 def test_detached_weight_form_is_ppo_clip():
     """-w * logp with w = A * rho * keep (detached) has the gradient of -min(rho * A, clip(rho) * A)."""
-    cfg = AlgoConfig(loss="grpo", eps_low=0.2, eps_high=0.28)
+    cfg = algo_config({"loss.kind": "grpo", "loss.eps_low": 0.2, "loss.eps_high": 0.28})
     for seed in range(5):
         problem = random_problem(300 + seed)
         loss, grad, metrics = _grads(problem, cfg)
@@ -120,7 +129,7 @@ def test_detached_weight_form_is_ppo_clip():
         logp = torch.log_softmax(logits, -1).gather(-1, problem.targets[..., None])[..., 0]
         rho = torch.exp(logp - problem.old_logp)
         adv = problem.advantages[:, None]
-        surrogate = torch.minimum(rho * adv, rho.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+        surrogate = torch.minimum(rho * adv, rho.clamp(1 - cfg.loss.eps_low, 1 + cfg.loss.eps_high) * adv)
         ppo = -(surrogate * problem.mask).sum() / problem.mask.sum()
         (ppo_grad,) = torch.autograd.grad(ppo, logits)
         torch.testing.assert_close(grad, ppo_grad, rtol=1e-10, atol=1e-13)
@@ -131,7 +140,7 @@ def test_detached_weight_form_is_ppo_clip():
 @pytest.mark.parametrize("loss_name", ["grpo", "casp", "entropy_bonus", "forking_tokens"])
 def test_micro_batches_sum_to_the_mini_batch(loss_name, loss_agg):
     problem = random_problem(400)
-    cfg = AlgoConfig(loss=loss_name, loss_agg=loss_agg, kl_coef=0.1, **BASE)
+    cfg = algo_config({"loss.kind": loss_name, "loss.agg": loss_agg, "kl.coef": 0.1, **BASE})
     logits = problem.logits.clone().requires_grad_(True)
     stats = dense_token_stats(logits, problem.targets, 3)
     whole, _ = policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, cfg, ref_logp=problem.ref_logp)
@@ -160,7 +169,7 @@ def test_micro_batches_sum_to_the_mini_batch(loss_name, loss_agg):
 
 def test_metrics_are_floats_over_response_tokens():
     problem = random_problem(500)
-    _, _, metrics = _grads(problem, AlgoConfig(loss="casp", **BASE), with_ref=True)
+    _, _, metrics = _grads(problem, algo_config({"loss.kind": "casp", **BASE}), with_ref=True)
     expected = {
         "loss",
         "pg_loss",
@@ -194,19 +203,25 @@ def test_metrics_are_floats_over_response_tokens():
 def test_bad_inputs_are_named():
     problem = random_problem(600)
     stats = dense_token_stats(problem.logits, problem.targets, 3)
-    cfg = AlgoConfig(loss="grpo")
+    cfg = algo_config({"loss.kind": "grpo"})
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(stats, problem.old_logp, problem.advantages[:-1], problem.mask, cfg)
     with pytest.raises(ValueError, match="old_logp"):
         policy_loss(stats, problem.old_logp[:, :-1], problem.advantages, problem.mask, cfg)
     with pytest.raises(ValueError, match="top_n"):
-        policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, AlgoConfig(loss="casp", top_n=4))
+        policy_loss(
+            stats,
+            problem.old_logp,
+            problem.advantages,
+            problem.mask,
+            algo_config({"loss.kind": "casp", "loss.top_n": 4}),
+        )
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, AlgoConfig(kl_coef=0.1))
-    with pytest.raises(ValueError, match="algo.loss"):
-        AlgoConfig(loss="ppo")
-    with pytest.raises(ValueError, match="algo.alpha"):
-        AlgoConfig(alpha=1.5)
+        policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, algo_config({"kl.coef": 0.1}))
+    with pytest.raises(ValueError, match="algo.loss.kind"):
+        algo_config({"loss.kind": "ppo"})
+    with pytest.raises(ValueError, match="algo.loss.alpha"):
+        algo_config({"loss.alpha": 1.5})
 
 
 def test_an_overflowing_ratio_gives_finite_gradients():
@@ -215,6 +230,6 @@ def test_an_overflowing_ratio_gives_finite_gradients():
     problem.old_logp[0, 0] = -1e4  # A > 0 on row 0: clipped
     problem.old_logp[2, 0] = -1e4  # A = 0 on row 2
     for name in ("grpo", "casp", "psr"):
-        loss, grad, metrics = _grads(problem, AlgoConfig(loss=name, **BASE))
+        loss, grad, metrics = _grads(problem, algo_config({"loss.kind": name, **BASE}))
         assert torch.isfinite(grad).all() and torch.isfinite(loss), name
         assert metrics["kl_old"] == float("inf"), "the ratio overflowed: the KL estimate says so instead of NaN"

@@ -10,31 +10,52 @@ import torch.distributed as dist
 
 from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
 from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.testing.configs import algo_config
 from tests.algos.dense_reference import random_problem, reference_loss, sequence_coefs
 
-BASE = dict(alpha=0.3, lambda_top1=0.5, tau_q=0.5, beta=0.1, kappa=2.0, cov_fraction=0.2, lambda_pos=0.1)
-CASES = [dict(loss=name) for name in LOSS_NAMES] + [
-    dict(loss="casp", loss_agg="seq_mean_token_mean", weights="softmax"),
-    dict(loss="casp", loss_agg="seq_mean_token_sum_norm", kl_coef=0.2, top_n=5),
-    dict(loss="grpo", kl_coef=0.2),
-    dict(loss="casp", candidates="adaptive", candidate_mass=0.5, top_n=4),
-    dict(loss="casp", candidates="adaptive", candidate_mass=0.7, weights="softmax", loss_agg="seq_mean_token_mean"),
-    # "seq_kl": the KL coefficient per sequence (PBA), replacing algo.kl_coef
-    dict(loss="grpo", kl_coef=0.2, seq_kl=True),
-    dict(loss="casp", candidates="adaptive", candidate_mass=0.5, seq_kl=True, loss_agg="seq_mean_token_sum_norm"),
+BASE = {
+    "loss.alpha": 0.3,
+    "loss.lambda_top1": 0.5,
+    "loss.tau_q": 0.5,
+    "loss.beta": 0.1,
+    "loss.kappa": 2.0,
+    "loss.cov_fraction": 0.2,
+    "loss.lambda_pos": 0.1,
+}
+CASES = [{"loss.kind": name} for name in LOSS_NAMES] + [
+    {"loss.kind": "casp", "loss.agg": "seq_mean_token_mean", "loss.weights": "softmax"},
+    {"loss.kind": "casp", "loss.agg": "seq_mean_token_sum_norm", "kl.coef": 0.2, "loss.top_n": 5},
+    {"loss.kind": "grpo", "kl.coef": 0.2},
+    {"loss.kind": "casp", "loss.candidates": "adaptive", "loss.candidate_mass": 0.5, "loss.top_n": 4},
+    {
+        "loss.kind": "casp",
+        "loss.candidates": "adaptive",
+        "loss.candidate_mass": 0.7,
+        "loss.weights": "softmax",
+        "loss.agg": "seq_mean_token_mean",
+    },
+    # "seq_kl": the KL coefficient per sequence (PBA), replacing algo.kl.coef
+    {"loss.kind": "grpo", "kl.coef": 0.2, "seq_kl": True},
+    {
+        "loss.kind": "casp",
+        "loss.candidates": "adaptive",
+        "loss.candidate_mass": 0.5,
+        "seq_kl": True,
+        "loss.agg": "seq_mean_token_sum_norm",
+    },
 ]
 SEEDS = (11, 12)
 
 
 def _cfg(case: dict) -> AlgoConfig:
-    return AlgoConfig(**{**BASE, "max_len_norm": 16, **{k: v for k, v in case.items() if k != "seq_kl"}})
+    return algo_config({**{**BASE, "loss.max_len_norm": 16, **{k: v for k, v in case.items() if k != "seq_kl"}}})
 
 
 def _kl_inputs(case: dict, cfg: AlgoConfig, problem, dtype: torch.dtype) -> dict:
     """policy_loss's ref_logp / kl_coef for the case (the oracle takes the same, in float64)."""
     if case.get("seq_kl"):
         return dict(ref_logp=problem.ref_logp.to(dtype), kl_coef=sequence_coefs(problem.mask.shape[0]).to(dtype))
-    return dict(ref_logp=problem.ref_logp.to(dtype) if cfg.kl_coef > 0 else None)
+    return dict(ref_logp=problem.ref_logp.to(dtype) if cfg.kl.coef > 0 else None)
 
 
 def sharded_op_gradients(
@@ -53,7 +74,7 @@ def sharded_op_gradients(
             width = vocab // tp
             shard = problem.logits[..., rank * width : (rank + 1) * width].to(dtype).clone().requires_grad_(True)
             stats = vocab_parallel_token_stats(
-                shard, problem.targets, max(cfg.top_n, 3), group=group, vocab_start=rank * width, vocab_size=vocab
+                shard, problem.targets, max(cfg.loss.top_n, 3), group=group, vocab_start=rank * width, vocab_size=vocab
             )
             loss, _ = policy_loss(
                 stats,
@@ -127,7 +148,7 @@ def _assert_casp_without_terms_is_grpo(per_rank: list[list[tuple[float, torch.Te
             assert torch.equal(grad_g, grad_c)
 
 
-ZERO_CASP = [dict(loss="grpo"), dict(loss="casp", alpha=0.0, lambda_top1=0.0)]
+ZERO_CASP = [{"loss.kind": "grpo"}, {"loss.kind": "casp", "loss.alpha": 0.0, "loss.lambda_top1": 0.0}]
 
 
 def test_casp_without_its_terms_is_grpo_through_the_op_tp1():

@@ -12,15 +12,24 @@ import torch.distributed as dist
 from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
 from megatron_rlvr.algos.mixed_ratio import mixed_log_probs, on_policy_share
 from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.testing.configs import algo_config
 from tests.algos.dense_reference import dense_token_stats, random_problem
 
-BASE = dict(alpha=0.3, lambda_top1=0.5, tau_q=0.5, beta=0.1, kappa=2.0, cov_fraction=0.2, lambda_pos=0.1)
+BASE = {
+    "loss.alpha": 0.3,
+    "loss.lambda_top1": 0.5,
+    "loss.tau_q": 0.5,
+    "loss.beta": 0.1,
+    "loss.kappa": 2.0,
+    "loss.cov_fraction": 0.2,
+    "loss.lambda_pos": 0.1,
+}
 SEEDS = (21, 22)
 
 
 def _loss_and_grad(problem, cfg: AlgoConfig):
     logits = problem.logits.clone().requires_grad_(True)
-    stats = dense_token_stats(logits, problem.targets, max(cfg.top_n, 3))
+    stats = dense_token_stats(logits, problem.targets, max(cfg.loss.top_n, 3))
     loss, _ = policy_loss(
         stats,
         problem.old_logp,
@@ -29,6 +38,7 @@ def _loss_and_grad(problem, cfg: AlgoConfig):
         cfg,
         ref_logp=problem.ref_logp,
         target_ids=problem.targets,
+        mixed_ratio_share=cfg.armor.mixed_ratio_share,  # given explicitly: AlgoConfig.mixed_ratio_share's own
     )
     (grad,) = torch.autograd.grad(loss, logits)
     return loss.detach(), grad
@@ -39,8 +49,8 @@ def _loss_and_grad(problem, cfg: AlgoConfig):
 def test_share_one_is_the_plain_loss_bit_for_bit(loss_name, loss_agg):
     for seed in SEEDS:
         problem = random_problem(seed)
-        plain = AlgoConfig(**BASE, loss=loss_name, loss_agg=loss_agg)
-        mixed = AlgoConfig(**BASE, loss=loss_name, loss_agg=loss_agg, mixed_ratio_share=1.0)
+        plain = algo_config({**BASE, "loss.kind": loss_name, "loss.agg": loss_agg})
+        mixed = algo_config({**BASE, "loss.kind": loss_name, "loss.agg": loss_agg, "armor.mixed_ratio_share": 1.0})
         (loss_p, grad_p), (loss_m, grad_m) = _loss_and_grad(problem, plain), _loss_and_grad(problem, mixed)
         assert torch.equal(loss_p, loss_m), (loss_name, seed)
         assert torch.equal(grad_p, grad_m), (loss_name, seed)
@@ -70,7 +80,7 @@ def dense_mixed_loss(logits, problem, cfg: AlgoConfig, share: float) -> torch.Te
             ref = math.exp(float(problem.ref_logp[i, j]))
             r = (share * pi + (1 - share) * ref) / (share * old + (1 - share) * ref)
             a = float(problem.advantages[i])
-            clipped = r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+            clipped = r.clamp(1 - cfg.loss.eps_low, 1 + cfg.loss.eps_high)
             total = total - torch.minimum(r * a, clipped * a)
     return total / float(problem.mask.sum())
 
@@ -79,30 +89,38 @@ def dense_mixed_loss(logits, problem, cfg: AlgoConfig, share: float) -> torch.Te
 def test_mixed_ratio_matches_the_dense_formula(share):
     for seed in SEEDS:
         problem = random_problem(seed)
-        cfg = AlgoConfig(loss="grpo", mixed_ratio_share=share)
+        cfg = algo_config({"loss.kind": "grpo", "armor.mixed_ratio_share": share})
         loss, grad = _loss_and_grad(problem, cfg)
         logits = problem.logits.clone().requires_grad_(True)
         ref_loss = dense_mixed_loss(logits, problem, cfg, share)
         (ref_grad,) = torch.autograd.grad(ref_loss, logits)
         assert float(loss) == pytest.approx(float(ref_loss.detach()), rel=1e-12, abs=1e-14)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
-        assert not torch.equal(grad, _loss_and_grad(problem, AlgoConfig(loss="grpo"))[1])  # the mixing is visible
+        assert not torch.equal(
+            grad, _loss_and_grad(problem, algo_config({"loss.kind": "grpo"}))[1]
+        )  # the mixing is visible
 
 
 def test_mixed_ratio_needs_the_reference_and_a_share():
     problem = random_problem(5)
     stats = dense_token_stats(problem.logits, problem.targets, 3)
-    cfg = AlgoConfig(loss="grpo", mixed_ratio_share=0.5)
-    with pytest.raises(ValueError, match=r"^ref_logp: algo.mixed_ratio_share = 0.5 \(ARMOR's mixed ratio\) needs"):
-        policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, cfg)
-    with pytest.raises(ValueError, match=r"algo.mixed_ratio_share: expected a share in \(0, 1\]"):
-        AlgoConfig(mixed_ratio_share=0.0)
+    cfg = algo_config({"loss.kind": "grpo", "armor.mixed_ratio_share": 0.5})
+    with pytest.raises(ValueError, match=r"^ref_logp: ARMOR's mixed ratio \(a = 0.5\) needs the reference"):
+        policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, cfg, mixed_ratio_share=0.5)
+    with pytest.raises(ValueError, match=r"^mixed_ratio_share: expected a share \(AlgoConfig.mixed_ratio_share\)"):
+        policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, cfg, ref_logp=problem.ref_logp)
+    with pytest.raises(ValueError, match=r"^algo.armor.mixed_ratio_share: expected in \(0, 1\], got 0.0"):
+        algo_config({"armor.mixed_ratio_share": 0.0})
+    # ARMOR's anchors without an explicit share: the on-policy share of the run's groups
+    assert algo_config({"armor.anchors": True}).mixed_ratio_share(16) == on_policy_share(16)
+    assert algo_config({"armor.mixed_ratio_share": 0.5}).mixed_ratio_share(16) == 0.5
+    assert algo_config().mixed_ratio_share(16) is None
     assert on_policy_share(16) == 0.9375
     with pytest.raises(ValueError, match="group_size: expected more than 1"):
         on_policy_share(1)
 
 
-CASES = [dict(loss=name) for name in LOSS_NAMES]
+CASES = [{"loss.kind": name} for name in LOSS_NAMES]
 
 
 def sharded_mixed_gradients(cases: list[dict], share: float) -> list[tuple[float, torch.Tensor]]:
@@ -111,14 +129,14 @@ def sharded_mixed_gradients(cases: list[dict], share: float) -> list[tuple[float
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = []
     for case in cases:
-        cfg = AlgoConfig(**{**BASE, **case, "mixed_ratio_share": share})
+        cfg = algo_config({**{**BASE, **case, "armor.mixed_ratio_share": share}})
         problem = random_problem(SEEDS[0], vocab_multiple=2)
         width = problem.logits.shape[-1] // tp
         shard = problem.logits[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
         stats = vocab_parallel_token_stats(
             shard,
             problem.targets,
-            max(cfg.top_n, 3),
+            max(cfg.loss.top_n, 3),
             group=dist.group.WORLD if tp > 1 else None,
             vocab_start=rank * width,
             vocab_size=problem.logits.shape[-1],
@@ -131,6 +149,7 @@ def sharded_mixed_gradients(cases: list[dict], share: float) -> list[tuple[float
             cfg,
             ref_logp=problem.ref_logp,
             target_ids=problem.targets,
+            mixed_ratio_share=cfg.armor.mixed_ratio_share,
         )
         loss.backward()
         out.append((float(loss.detach()), shard.grad.detach()))

@@ -4,39 +4,47 @@ The op at TP = 1 / 2 is in test_losses_op.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
-from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, pba_metrics, policy_loss, sequence_kl_coef
+from megatron_rlvr.algos import LOSS_NAMES, pba_metrics, policy_loss, sequence_kl_coef
 from megatron_rlvr.algos.pba import risky_prompts
+from megatron_rlvr.testing.configs import algo_config, replaced
 from tests.algos.dense_reference import dense_token_stats, random_problem, reference_loss, sequence_coefs
 
-BASE = dict(alpha=0.3, lambda_top1=0.5, tau_q=0.5, beta=0.1, kappa=2.0, cov_fraction=0.2, lambda_pos=0.1)
-PBA = dict(pba=True, pba_base_samples=8, pba_min_correct=2, pba_kl_coef=0.25)
+BASE = {
+    "loss.alpha": 0.3,
+    "loss.lambda_top1": 0.5,
+    "loss.tau_q": 0.5,
+    "loss.beta": 0.1,
+    "loss.kappa": 2.0,
+    "loss.cov_fraction": 0.2,
+    "loss.lambda_pos": 0.1,
+}
+PBA = {"kl.pba.enabled": True, "kl.pba.base_samples": 8, "kl.pba.min_correct": 2, "kl.pba.coef": 0.25}
 
 
 def test_split_and_coefficients_by_hand():
-    cfg = AlgoConfig(**PBA, kl_coef=0.0)
+    cfg = algo_config({**PBA, "kl.coef": 0.0})
     base_correct = torch.tensor([0, 1, 2, 8, 5])
     assert risky_prompts(base_correct, cfg).tolist() == [True, True, False, False, False]  # c_b < m_min
     coef = sequence_kl_coef(base_correct, 3, cfg)
     assert coef.dtype == torch.float32
     assert coef.tolist() == [0.25] * 6 + [0.0] * 9  # each prompt's group contiguous, as compute_advantages
-    with_global = sequence_kl_coef(base_correct, 2, dataclasses.replace(cfg, kl_coef=0.01))
+    with_global = sequence_kl_coef(base_correct, 2, replaced(cfg, {"kl.coef": 0.01}))
     assert with_global.tolist() == pytest.approx([0.25] * 4 + [0.01] * 6, rel=1e-7)  # sharpened prompts keep kl_coef
     assert pba_metrics(base_correct, cfg) == pytest.approx(
         {"pba/anchored_frac": 2 / 5, "pba/base_pass_rate": (0 + 1 + 2 + 8 + 5) / (5 * 8)}
     )
     # m_min = 0: no prompt is risky; m_min = M: all but the always-solved ones are
-    assert not risky_prompts(base_correct, dataclasses.replace(cfg, pba_min_correct=0)).any()
-    assert risky_prompts(base_correct, dataclasses.replace(cfg, pba_min_correct=8)).tolist() == [1, 1, 1, 0, 1]
+    assert not risky_prompts(base_correct, replaced(cfg, {"kl.pba.min_correct": 0})).any()
+    assert risky_prompts(base_correct, replaced(cfg, {"kl.pba.min_correct": 8})).tolist() == [1, 1, 1, 0, 1]
 
 
 def test_bad_evidence_is_named():
-    cfg = AlgoConfig(**PBA)
+    cfg = algo_config({**PBA})
     for bad in (torch.tensor([0, 9]), torch.tensor([-1]), torch.tensor([0.5]), torch.tensor([[1]])):
         with pytest.raises(ValueError, match="base_correct"):
             sequence_kl_coef(bad, 2, cfg)
@@ -44,7 +52,7 @@ def test_bad_evidence_is_named():
         sequence_kl_coef(torch.tensor([1]), 0, cfg)
     problem = random_problem(1)
     stats = dense_token_stats(problem.logits, problem.targets, 3)
-    args = (stats, problem.old_logp, problem.advantages, problem.mask, AlgoConfig(loss="grpo"))
+    args = (stats, problem.old_logp, problem.advantages, problem.mask, algo_config({"loss.kind": "grpo"}))
     b = problem.mask.shape[0]
     with pytest.raises(ValueError, match="kl_coef: expected shape"):
         policy_loss(*args, ref_logp=problem.ref_logp, kl_coef=torch.zeros(b + 1))
@@ -58,7 +66,7 @@ def test_bad_evidence_is_named():
 def test_per_prompt_kl_term_by_hand():
     """Zero advantages leave only the KL term: (1 / tokens) sum_t c_b(t) * (exp(d) - d - 1), d = ref - logp, and its
     gradient sum_t c_b(t) * (1 - exp(d)) * (e_y - p) / tokens, written out in float64."""
-    cfg = AlgoConfig(**PBA, loss="grpo")
+    cfg = algo_config({**PBA, "loss.kind": "grpo"})
     base_correct = torch.tensor([0, 6])  # prompt 0 risky, prompt 1 sharpened; G = 2
     coef = sequence_kl_coef(base_correct, 2, cfg)
     g = torch.Generator().manual_seed(3)
@@ -96,7 +104,9 @@ def test_per_prompt_kl_term_by_hand():
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 @pytest.mark.parametrize("loss_name", LOSS_NAMES)
 def test_per_sequence_kl_composes_with_every_loss(loss_name, loss_agg):
-    cfg = AlgoConfig(**{**BASE, "loss": loss_name, "loss_agg": loss_agg, "max_len_norm": 16, "kl_coef": 0.7})
+    cfg = algo_config(
+        {**{**BASE, "loss.kind": loss_name, "loss.agg": loss_agg, "loss.max_len_norm": 16, "kl.coef": 0.7}}
+    )
     for seed in range(2):
         problem = random_problem(1200 + seed)
         coefs = sequence_coefs(problem.mask.shape[0])
@@ -125,10 +135,10 @@ def test_per_sequence_kl_composes_with_every_loss(loss_name, loss_agg):
         torch.testing.assert_close(grad, torch.autograd.grad(ref, logits)[0], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
         assert metrics["kl_loss"] > 0
-        # coefficient 0 for every sequence is no KL at all (algo.kl_coef = 0.7 is replaced, not added), bit for bit
+        # coefficient 0 for every sequence is no KL at all (algo.kl.coef = 0.7 is replaced, not added), bit for bit
         zero_loss, zero_grad, zero_metrics = run(ref_logp=problem.ref_logp, kl_coef=torch.zeros(len(coefs)))
         _, global_grad, _ = run(ref_logp=problem.ref_logp)
-        no_kl = dataclasses.replace(cfg, kl_coef=0.0)
+        no_kl = replaced(cfg, {"kl.coef": 0.0})
         base_logits = problem.logits.clone().requires_grad_(True)
         stats = dense_token_stats(base_logits, problem.targets, 3)
         base, _ = policy_loss(
@@ -138,4 +148,4 @@ def test_per_sequence_kl_composes_with_every_loss(loss_name, loss_agg):
         assert torch.equal(zero_loss, base.detach()) and torch.equal(zero_grad, base_grad)
         assert zero_metrics["kl_loss"] == 0.0
         assert zero_metrics["kl_ref"] == metrics["kl_ref"] > 0  # the estimate is still reported
-        assert not torch.equal(global_grad, base_grad)  # without per-sequence coefficients algo.kl_coef applies
+        assert not torch.equal(global_grad, base_grad)  # without per-sequence coefficients algo.kl.coef applies

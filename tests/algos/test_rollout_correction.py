@@ -3,7 +3,6 @@ dense oracle for every loss, the identity when the engine agrees with the actor,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -11,11 +10,20 @@ import torch
 
 from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
 from megatron_rlvr.algos.rollout_correction import correction_weights
+from megatron_rlvr.testing.configs import algo_config, replaced
 from tests.algos.dense_reference import DenseStats, dense_token_stats, random_problem, reference_loss
 
 CORRECTIONS = ("tis", "mis", "icepop")
 LEVELS = ("token", "sequence")
-BASE = dict(alpha=0.3, lambda_top1=0.5, tau_q=0.5, beta=0.1, kappa=2.0, cov_fraction=0.2, lambda_pos=0.1)
+BASE = {
+    "loss.alpha": 0.3,
+    "loss.lambda_top1": 0.5,
+    "loss.tau_q": 0.5,
+    "loss.beta": 0.1,
+    "loss.kappa": 2.0,
+    "loss.cov_fraction": 0.2,
+    "loss.lambda_pos": 0.1,
+}
 
 # Two responses, 5 tokens: rho = exp(old_logp - engine_logp) is 0.4, 0.9, 3.0 on the first, 1.5, 3.0 on the second
 # (its third position is padding). Thresholds are the defaults: C = 2, band [0.5, 2].
@@ -36,8 +44,8 @@ HAND = {  # (c per token, padding 1; weight mean over the 5 tokens; truncated or
 }
 
 
-def _cfg(kind: str, level: str, **kw) -> AlgoConfig:
-    return AlgoConfig(rollout_correction=kind, rollout_correction_level=level, **kw)
+def _cfg(kind: str, level: str, settings: dict | None = None) -> AlgoConfig:
+    return algo_config({"rollout_correction.kind": kind, "rollout_correction.level": level, **(settings or {})})
 
 
 @pytest.mark.parametrize("kind,level", list(HAND))
@@ -64,7 +72,7 @@ def test_loss_and_gradient_by_hand(kind, level):
     advantages = torch.tensor([1.5, -0.7], dtype=torch.float64)
     logp = (OLD + delta).requires_grad_(True)
     loss, metrics = policy_loss(
-        _leaf_stats(logp), OLD, advantages, MASK, _cfg(kind, level, loss="grpo"), rollout_logp=ENGINE
+        _leaf_stats(logp), OLD, advantages, MASK, _cfg(kind, level, {"loss.kind": "grpo"}), rollout_logp=ENGINE
     )
     (grad,) = torch.autograd.grad(loss, logp)
     c = HAND[kind, level][0]
@@ -81,7 +89,7 @@ def test_loss_and_gradient_by_hand(kind, level):
 
 def _grads(problem, cfg, rollout_logp, old_logp="problem"):
     logits = problem.logits.clone().requires_grad_(True)
-    stats = dense_token_stats(logits, problem.targets, max(cfg.top_n, 3))
+    stats = dense_token_stats(logits, problem.targets, max(cfg.loss.top_n, 3))
     old = problem.old_logp if old_logp == "problem" else old_logp
     loss, metrics = policy_loss(
         stats,
@@ -111,7 +119,7 @@ def test_every_loss_matches_the_dense_reference(loss_name, kind, level):
     for seed in range(3):
         problem = random_problem(800 + seed)
         engine = _engine_logp(problem, seed)
-        cfg = _cfg(kind, level, loss=loss_name, kl_coef=0.1, **BASE)
+        cfg = _cfg(kind, level, {"loss.kind": loss_name, "kl.coef": 0.1, **BASE})
         loss, grad, metrics = _grads(problem, cfg, engine)
         logits = problem.logits.clone().requires_grad_(True)
         ref = reference_loss(
@@ -127,7 +135,7 @@ def test_every_loss_matches_the_dense_reference(loss_name, kind, level):
         (ref_grad,) = torch.autograd.grad(ref, logits)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
-        _, plain_grad, _ = _grads(problem, dataclasses.replace(cfg, rollout_correction="none"), None)
+        _, plain_grad, _ = _grads(problem, replaced(cfg, {"rollout_correction.kind": "none"}), None)
         changed.append(not torch.allclose(grad, plain_grad))
         assert metrics["rollout_correction/weight_mean"] > 0
     assert any(changed), "the correction must change these problems' gradients"
@@ -138,8 +146,8 @@ def test_every_loss_matches_the_dense_reference(loss_name, kind, level):
 @pytest.mark.parametrize("loss_name", LOSS_NAMES)
 def test_engine_equal_to_actor_is_the_identity_bit_for_bit(loss_name, kind, level):
     problem = random_problem(900)
-    cfg = _cfg(kind, level, loss=loss_name, kl_coef=0.1, **BASE)
-    plain_loss, plain_grad, plain_metrics = _grads(problem, dataclasses.replace(cfg, rollout_correction="none"), None)
+    cfg = _cfg(kind, level, {"loss.kind": loss_name, "kl.coef": 0.1, **BASE})
+    plain_loss, plain_grad, plain_metrics = _grads(problem, replaced(cfg, {"rollout_correction.kind": "none"}), None)
     loss, grad, metrics = _grads(problem, cfg, problem.old_logp.clone())
     assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
     assert metrics["rollout_correction/weight_mean"] == 1.0
@@ -157,7 +165,7 @@ def test_old_logp_none_is_on_policy_with_every_correction(kind, level):
     with torch.no_grad():
         logp = dense_token_stats(problem.logits, problem.targets, 3).logp
     engine = _engine_logp(problem, 3)
-    cfg = _cfg(kind, level, loss="casp", **BASE)
+    cfg = _cfg(kind, level, {"loss.kind": "casp", **BASE})
     assert all(
         torch.equal(a, b)
         for a, b in zip(
@@ -165,7 +173,7 @@ def test_old_logp_none_is_on_policy_with_every_correction(kind, level):
         )
     )
     # and with the engine equal to the actor it is the identity there too
-    none = dataclasses.replace(cfg, rollout_correction="none")
+    none = replaced(cfg, {"rollout_correction.kind": "none"})
     assert all(
         torch.equal(a, b)
         for a, b in zip(
@@ -180,7 +188,7 @@ def test_an_overflowing_ratio_is_truncated_or_masked_never_nan(kind, level):
     problem = random_problem(960)
     engine = problem.old_logp.clone()
     engine[0, 0] = -1e4  # rho = exp(1e4) = inf on a response token of row 0 (A > 0)
-    loss, grad, metrics = _grads(problem, _cfg(kind, level, loss="grpo"), engine)
+    loss, grad, metrics = _grads(problem, _cfg(kind, level, {"loss.kind": "grpo"}), engine)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     weights, _ = correction_weights(problem.old_logp, engine, problem.mask, _cfg(kind, level))
     expected = 2.0 if kind == "tis" else 0.0  # truncated to C, or outside the band
@@ -192,19 +200,19 @@ def test_an_overflowing_ratio_is_truncated_or_masked_never_nan(kind, level):
 def test_bad_inputs_are_named():
     problem = random_problem(970)
     stats = dense_token_stats(problem.logits, problem.targets, 3)
-    cfg = _cfg("tis", "token", loss="grpo")
-    with pytest.raises(ValueError, match="rollout_logp.*algo.rollout_correction = 'tis'"):
+    cfg = _cfg("tis", "token", {"loss.kind": "grpo"})
+    with pytest.raises(ValueError, match="rollout_logp.*algo.rollout_correction.kind = 'tis'"):
         policy_loss(stats, problem.old_logp, problem.advantages, problem.mask, cfg)
     with pytest.raises(ValueError, match="rollout_logp: expected shape"):
         policy_loss(
             stats, problem.old_logp, problem.advantages, problem.mask, cfg, rollout_logp=problem.old_logp[:, :-1]
         )
     for key, value in (
-        ("rollout_correction", "is"),
-        ("rollout_correction_level", "batch"),
-        ("rollout_is_cap", 0.5),
-        ("rollout_is_low", 1.5),
-        ("rollout_is_high", 0.9),
+        ("rollout_correction.kind", "is"),
+        ("rollout_correction.level", "batch"),
+        ("rollout_correction.cap", 0.5),
+        ("rollout_correction.low", 1.5),
+        ("rollout_correction.high", 0.9),
     ):
         with pytest.raises(ValueError, match=f"algo.{key}"):
-            AlgoConfig(**{key: value})
+            algo_config({key: value})

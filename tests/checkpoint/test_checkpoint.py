@@ -21,19 +21,19 @@ pytestmark = [pytest.mark.dist]
 def _batch(seed: int, vocab: int):
     import torch
 
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.protocols import Targets
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (8, 12), generator=g)
     mask = torch.zeros(8, 11, dtype=torch.bool)
     mask[:, 5:] = True
-    return SequenceBatch(tokens, mask, torch.randn(8, generator=g))
+    return rollouts(tokens, mask), Targets(advantages=torch.randn(8, generator=g))
 
 
 def _update(actor, seed: int) -> dict[str, float]:
-    batch = _batch(seed, actor.vocab_size)
-    batch.old_logp = actor.compute_old_logp(batch)
-    return actor.update(batch, mini_batches=2)
+    batch, targets = _batch(seed, actor.vocab_size)
+    return actor.update(batch, targets, actor.statistics_pass(batch), mini_batches=2)
 
 
 def train_state(actor) -> dict[str, object]:
@@ -89,7 +89,7 @@ def _actors(hf_dir: str, tp: int, *overrides: str):
             "actor.pp=1",
             "actor.micro_batch_size=2",
             "actor.lr=1e-3",
-            "algo.loss=casp",
+            "algo.loss.kind=casp",
             *overrides,
         ],
     )

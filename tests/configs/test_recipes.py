@@ -84,10 +84,10 @@ def test_recipe_loads_and_validates_at_its_documented_world_size(name):
 )
 def test_casp_recipes_use_the_papers_candidate_count(name):
     _, cfg = load_and_validate(name, [], world_size=None)
-    assert cfg.algo.loss == "casp" and cfg.algo.top_n == 3 and cfg.algo.apply_to == "both"
+    assert cfg.algo.loss.kind == "casp" and cfg.algo.loss.top_n == 3 and cfg.algo.loss.apply_to == "both"
     if name != "demo_cpu":  # the demo's alpha (0.2) is ours, chosen on held-out prompts (docs/demo.md)
-        assert 0 < cfg.algo.alpha <= 0.1, "inside the paper's alpha sweep"
-    assert cfg.algo.alpha > 0
+        assert 0 < cfg.algo.loss.alpha <= 0.1, "inside the paper's alpha sweep"
+    assert cfg.algo.loss.alpha > 0
 
 
 def test_eval_recipes_use_the_papers_sample_counts():
@@ -100,8 +100,8 @@ def test_eval_recipes_use_the_papers_sample_counts():
 
 
 def test_a_bad_override_or_layout_is_an_error_naming_the_key():
-    with pytest.raises(ConfigError, match="algo.alpha"):
-        load_and_validate("qwen2.5-32b_math-l3to5_casp", ["algo.alpha=lots"], world_size=32)
+    with pytest.raises(ConfigError, match="algo.loss.alpha"):
+        load_and_validate("qwen2.5-32b_math-l3to5_casp", ["algo.loss.alpha=lots"], world_size=32)
     with pytest.raises(ConfigError, match="actor.tp=8 must divide the model.s num_attention_heads=28"):
         load_and_validate("qwen2.5-math-7b_math-l3to5_casp", ["actor.tp=8"], world_size=8)
     with pytest.raises(ConfigError, match="world size 12"):

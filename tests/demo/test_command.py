@@ -26,7 +26,7 @@ def fake_run(monkeypatch):
     calls = {}
     monkeypatch.setattr("megatron_rlvr.runtime.console.attach_log_file", lambda *a, **k: None)
 
-    def train(out, overrides, nproc):
+    def train(out, overrides, nproc, stopped):
         calls["overrides"] = list(overrides)
         shutil.copytree(MODEL_DIR, out / "train" / "hf")
         (out / "train" / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.2}) + "\n")
@@ -66,7 +66,7 @@ def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, f
     report = out / "report"
     md = (report / "report.md").read_text()
     assert "## Candidate matrix" in md and "![candidates](candidates.png)" in md
-    assert "- trained 2 steps of 16 prompts x 8 samples (algo.loss=casp, seed 7;" in md
+    assert "- trained 2 steps of 16 prompts x 8 samples (algo.loss.kind=casp, seed 7;" in md
     assert "evaluated on 4 held-out prompts x 4 samples (eval seed 1234)" in md
     assert "the tables in README.md and docs/demo.md are other runs of the same command" in md
     assert (report / "candidates.png").read_bytes()[:4] == b"\x89PNG"
@@ -83,7 +83,7 @@ def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, f
 def test_a_user_error_in_training_ends_the_demo_with_exit_2_and_a_failure_names_its_status(tmp_path, monkeypatch):
     status = {}
     monkeypatch.setattr("megatron_rlvr.runtime.console.attach_log_file", lambda *a, **k: None)
-    monkeypatch.setattr(command, "_train", lambda out, overrides, nproc: status["rc"])
+    monkeypatch.setattr(command, "_train", lambda out, overrides, nproc, stopped: status["rc"])
     monkeypatch.setattr(command, "_evaluate", lambda *a: pytest.fail("no evaluation after a failed training"))
     status["rc"] = 2  # the training command has printed its one line
     assert command.main(["--out", str(tmp_path / "a")]) == 2

@@ -38,10 +38,13 @@ def _run(root, name, trained: dict[str, int], overrides: list[str] | None):
 def runs(tmp_path):
     return [
         # casp without KL, seeds 1 and 2 (correct samples of 4 per prompt; the base solves a and c)
-        _run(tmp_path, "casp1", {"a": 2, "b": 1, "c": 0, "d": 0}, ["algo.kl_coef=0", "trainer.seed=1"]),
-        _run(tmp_path, "casp2", {"a": 4, "b": 0, "c": 1, "d": 0}, ["algo.kl_coef=0", "trainer.seed=2"]),
+        _run(tmp_path, "casp1", {"a": 2, "b": 1, "c": 0, "d": 0}, ["algo.kl.coef=0", "trainer.seed=1"]),
+        _run(tmp_path, "casp2", {"a": 4, "b": 0, "c": 1, "d": 0}, ["algo.kl.coef=0", "trainer.seed=2"]),
         _run(
-            tmp_path, "grpo1", {"a": 4, "b": 4, "c": 4, "d": 1}, ["algo.loss=grpo", "algo.kl_coef=0", "trainer.seed=1"]
+            tmp_path,
+            "grpo1",
+            {"a": 4, "b": 4, "c": 4, "d": 1},
+            ["algo.loss.kind=grpo", "algo.kl.coef=0", "trainer.seed=1"],
         ),
     ]
 
@@ -62,13 +65,13 @@ def test_groups_by_algo_and_overrides_with_mean_and_range_over_seeds(runs, tmp_p
         "gained vs base",
         "lost vs base",
     ]
-    casp = dict(zip(header, _row(text, "casp, algo.kl_coef=0")))
+    casp = dict(zip(header, _row(text, "casp, algo.kl.coef=0")))
     # pass@1: run 1 = (2+1)/16, run 2 = (4+1)/16 -> mean 25.0, range 18.8-31.2
     assert casp["runs"] == "2" and casp["seeds"] == "1,2" and casp["pass@1"] == "25.0 (18.8-31.2)"
     assert casp["pass@4"] == "50.0"  # both runs solve 2 of 4 prompts: no range
     # base solves {a, c}; run 1 solves {a, b}: +1 -1; run 2 solves {a, c}: +0 -0
     assert (casp["solved"], casp["gained vs base"], casp["lost vs base"]) == ("2", "0.5 (0-1)", "0.5 (0-1)")
-    grpo = dict(zip(header, _row(text, "grpo, algo.kl_coef=0")))
+    grpo = dict(zip(header, _row(text, "grpo, algo.kl.coef=0")))
     assert (
         grpo["pass@1"] == "81.2"
         and grpo["solved"] == "4"

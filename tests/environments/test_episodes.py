@@ -15,7 +15,7 @@ from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.runner import EvalRunner
 from megatron_rlvr.eval.store import load_records
-from megatron_rlvr.experience.collect import assemble, generate, group_of, score, to_batch
+from megatron_rlvr.experience.collect import assemble, generate, group_of, to_rollouts, verify
 from megatron_rlvr.problems.benchmarks import Problem as BenchmarkProblem
 from megatron_rlvr.rollout import Completion, RolloutConfig, Sampling
 from megatron_rlvr.testing.engines import ScriptedEngineBase
@@ -87,7 +87,8 @@ def test_a_three_turn_trajectory_trains_its_sampled_tokens_on_the_ids_the_engine
     prompts = runner.engine.prompts
     assert prompts[-1] == list(item.prompt_ids) + c.token_ids[: -len(answer)]
 
-    batch, engine_logp = to_batch([item], [group], torch.zeros(2), pad_id=eos)
+    batch = to_rollouts([item], [group], torch.zeros(2), pad_id=eos)
+    engine_logp = batch.engine_logp
     p = len(item.prompt_ids)
     assert batch.tokens[0, : p + len(c.token_ids)].tolist() == list(item.prompt_ids) + c.token_ids
     mask = torch.tensor(c.episode.loss_mask, dtype=torch.bool)
@@ -104,11 +105,11 @@ def test_collection_plays_episodes_and_logs_the_tool_call_rate(echo):
     cfg.rollout = RolloutConfig(group_size=2, max_new_tokens=200)
     (group,) = generate(runner, [item], cfg.rollout, run_seed=0, step=0)  # an EpisodeEngine: play, not generate
     assert [c.episode.turns for c in group] == [3, 3]
-    rewards, _ = score(None, [item], [group])
+    rewards, _ = verify(None, [item], [group])
     groups = [group_of(0, 0, item, group, rewards, cfg)]
     exp = assemble(groups, groups, cfg, pad_id=0, counters={}, rounds=0, refill=False)
     assert exp.metrics["rollout/tool_call_rate"] == 1.0 and exp.metrics["rollout/turns"] == 3.0
-    assert exp.batch.response_mask.sum().item() == 2 * sum(group[0].episode.loss_mask)
+    assert exp.rollouts.response_mask.sum().item() == 2 * sum(group[0].episode.loss_mask)
 
 
 def test_evaluation_plays_episodes_and_records_their_returns_and_turns(echo, tmp_path):
@@ -157,7 +158,7 @@ def test_a_hanging_or_crashing_environment_is_killed_and_counted(user_env):
         def score_batch(self, *args):
             raise AssertionError("the environment's return is the reward; the pool is not asked")
 
-    rewards, counters = score(NoPool(), items, groups)
+    rewards, counters = verify(NoPool(), items, groups)
     assert rewards.tolist() == [0.0, 1.5, 0.0, 0.0]
     assert counters == {"env_timeout": 1, "env_crash": 1, "env_lost": 1}
 

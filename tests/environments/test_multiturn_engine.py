@@ -8,7 +8,7 @@ from megatron_rlvr.data import PromptItem
 from megatron_rlvr.environments import EnvironmentConfig, Problem
 from megatron_rlvr.environments.episodes import EpisodeRunner
 from megatron_rlvr.environments.glue import TurnGlue
-from megatron_rlvr.experience.collect import to_batch
+from megatron_rlvr.experience.collect import to_rollouts
 from megatron_rlvr.rollout import RolloutConfig, Sampling
 from megatron_rlvr.rollout.vllm_engine import VLLMEngine
 from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
@@ -67,7 +67,8 @@ def test_three_turns_train_exactly_the_engines_ids_with_the_engines_logprobs(tmp
             mask += [0] * len(glue)
     assert list(prompt) + c.token_ids == expected and c.episode.loss_mask == mask
 
-    batch, engine_logp = to_batch([item], [group], torch.zeros(1), pad_id=tok.eos_token_id)
+    batch = to_rollouts([item], [group], torch.zeros(1), pad_id=tok.eos_token_id)
+    engine_logp = batch.engine_logp
     seq = batch.tokens[0].tolist()
     assert seq == expected  # what the actor trains on
     p = len(prompt)

@@ -47,7 +47,7 @@ def _torchrun(out: Path, steps: int, extra: list[str] = (), log_name: str = "run
         "actor.tp=1",
         f"rollout.max_staleness={K}",
         "rollout.max_new_tokens=96",
-        "algo.rollout_correction=tis",
+        "algo.rollout_correction.kind=tis",
         *extra,
     ]
     env = {

@@ -1,4 +1,5 @@
-"""base_evidence: PBA's per-prompt correct counts among M base samples, stored once and reused (base_evidence.py)."""
+"""base_evidence: PBA's per-prompt correct counts among M base samples, stored once and reused
+(experience/methods/pba.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem
-from megatron_rlvr.experience.base_evidence import BaseEvidenceError, base_evidence
+from megatron_rlvr.experience.methods.pba import BaseEvidenceError, base_evidence
 from megatron_rlvr.rollout.base import Completion
 from megatron_rlvr.rollout.prefixes import PrefixedEngine
 from megatron_rlvr.testing.engines import ScriptedEngineBase
@@ -58,7 +59,7 @@ def _items(correct: list[int]) -> list[PromptItem]:
 
 def _cfg(m: int = M, hf_dir: str = "models/base") -> Config:
     cfg = Config()
-    cfg.algo.pba_base_samples = m
+    cfg.algo.kl.pba.base_samples = m
     cfg.model.hf_dir = hf_dir
     return cfg
 

@@ -16,7 +16,7 @@ def test_the_run_engine_stops_at_the_end_of_turn_and_the_batch_trains_on_it(smol
     from megatron_rlvr.config import load_config
     from megatron_rlvr.data import DataConfig, items_from_rows
     from megatron_rlvr.data.sources import Row
-    from megatron_rlvr.experience.collect import generate, to_batch
+    from megatron_rlvr.experience.collect import generate, to_rollouts
     from megatron_rlvr.experience.construction import chat_stop_ids, make_rollout_engine
     from megatron_rlvr.problems.prompt_encoding import end_of_turn_id
 
@@ -46,7 +46,7 @@ def test_the_run_engine_stops_at_the_end_of_turn_and_the_batch_trains_on_it(smol
     for c in flat:
         assert im_end not in c.token_ids[:-1] and "<|im_end|>" not in c.text
         assert (c.token_ids[-1] == im_end) == (c.finish_reason == "stop")
-    batch, _ = to_batch(items, completions, torch.zeros(len(flat)), pad_id=tokenizer.pad_token_id)
+    batch = to_rollouts(items, completions, torch.zeros(len(flat)), pad_id=tokenizer.pad_token_id)
     for row, c in enumerate(flat):
         last = len(items[row // 8].prompt_ids) + len(c.token_ids) - 1  # the response's last token
         assert batch.tokens[row, last] == c.token_ids[-1]

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from megatron_rlvr.actor.config import ActorConfig
-from megatron_rlvr.algos import AlgoConfig
 from megatron_rlvr.config import load_config
 from megatron_rlvr.data import PromptItem, PromptLoader
 from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.experience.collect import RoutingMissingError, collect, overlong_penalty
 from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rollout import Completion, RolloutConfig
+from megatron_rlvr.testing.configs import algo_config
 from megatron_rlvr.testing.engines import ScriptedEngineBase
 
 G = 4
@@ -76,7 +76,7 @@ def _cfg(
     return SimpleNamespace(
         actor=ActorConfig(router_replay=router_replay),
         rollout=RolloutConfig(group_size=G, max_new_tokens=max_new_tokens, refill_max_rounds=rounds),
-        algo=AlgoConfig(drop_uniform_groups=drop, mask_truncated=mask_truncated),
+        algo=algo_config({"drop_uniform_groups": drop, "mask_truncated": mask_truncated}),
         reward=RewardConfig(overlong_buffer=buffer, overlong_penalty=penalty),
     )
 
@@ -94,7 +94,7 @@ def test_refill_fills_the_batch_where_most_groups_are_uniform():
     exp = _collect(loader, _cfg(rounds=10), engine=engine)
     kinds = [item.prompt_ids[0] for item in exp.items]
     assert kinds == [MIXED] * 4  # the step trains prompts_per_step informative groups, nothing else
-    assert exp.batch.tokens.shape[0] == 4 * G and exp.batch.response_mask.any(dim=1).all()
+    assert exp.rollouts.tokens.shape[0] == 4 * G and exp.rollouts.response_mask.any(dim=1).all()
     drawn = sum(n for n, _ in engine.calls)
     assert loader.state_dict()["position"] == drawn  # every drawn prompt was consumed from the stream
     assert len({seed for _, seed in engine.calls}) == len(engine.calls) > 1  # each round samples with its own seeds
@@ -116,9 +116,9 @@ def test_refill_stops_after_refill_max_rounds_and_trains_what_it_has():
     assert m["batch/refill_rounds"] == 2 and m["batch/groups_trained"] == 1
     assert m["batch/uniform_groups_dropped"] == 11
     # the batch keeps its shape: the informative group, then dropped groups whose tokens are masked out
-    assert exp.batch.tokens.shape[0] == 4 * G
+    assert exp.rollouts.tokens.shape[0] == 4 * G
     assert [item.id for item in exp.items] == ["p0", "p1", "p2", "p3"]
-    rows_trained = exp.batch.response_mask.any(dim=1).view(4, G).all(dim=1)
+    rows_trained = exp.rollouts.response_mask.any(dim=1).view(4, G).all(dim=1)
     assert rows_trained.tolist() == [True, False, False, False]
 
 
@@ -127,18 +127,18 @@ def test_no_refill_rounds_drops_like_before():
     loader, engine = PromptLoader(_items([SOLVED, MIXED, FAILED, MIXED]), 4, seed=0, shuffle=False), ScriptedEngine()
     exp = _collect(loader, _cfg(rounds=0), engine=engine)
     assert len(engine.calls) == 1 and [item.id for item in exp.items] == ["p0", "p1", "p2", "p3"]
-    assert exp.batch.response_mask.any(dim=1).view(4, G).all(dim=1).tolist() == [False, True, False, True]
+    assert exp.rollouts.response_mask.any(dim=1).view(4, G).all(dim=1).tolist() == [False, True, False, True]
     assert exp.metrics["batch/groups_trained"] == 2 and exp.metrics["batch/uniform_groups_dropped"] == 2
 
 
 def test_without_dropping_every_group_trains_and_nothing_refills():
     loader, engine = PromptLoader(_items(MOSTLY_UNIFORM), 4, seed=3), ScriptedEngine()
     exp = _collect(loader, _cfg(drop=False), engine=engine)
-    assert len(engine.calls) == 1 and exp.batch.response_mask.any(dim=1).all()
+    assert len(engine.calls) == 1 and exp.rollouts.response_mask.any(dim=1).all()
     assert exp.metrics["batch/groups_trained"] == 4 and exp.metrics["batch/uniform_groups_dropped"] == 0
     assert exp.metrics["batch/refill_rounds"] == 0
     # a uniform group trains with zero advantages; an informative one with both signs
-    adv = exp.batch.advantages.view(4, G)
+    adv = exp.targets.advantages.view(4, G)
     kinds = [item.prompt_ids[0] for item in exp.items]
     for kind, row in zip(kinds, adv):
         assert (row == 0).all() == (kind != MIXED)
@@ -159,7 +159,7 @@ def test_the_prompt_stream_resumes_exactly_with_refill():
     for step in (2, 3):
         got, want = _collect(resumed_loader, cfg, step=step), full[step]
         assert [i.id for i in got.items] == [i.id for i in want.items]
-        assert torch.equal(got.batch.tokens, want.batch.tokens) and got.metrics == want.metrics
+        assert torch.equal(got.rollouts.tokens, want.rollouts.tokens) and got.metrics == want.metrics
     assert resumed_loader.state_dict() == loader.state_dict()
 
 
@@ -185,7 +185,7 @@ def test_overlong_penalty_enters_the_rewards_and_its_knobs_are_checked():
     # MIXED samples have 2, 3, 4, 5 tokens; budget 5, buffer 2: penalties 0, 0, -1/2, -1 (times 1)
     loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False, buffer=2))
-    torch.testing.assert_close(exp.rewards.view(4, G)[0], torch.tensor([1.0, 0.0, 0.5, -1.0]))
+    torch.testing.assert_close(exp.rollouts.rewards.view(4, G)[0], torch.tensor([1.0, 0.0, 0.5, -1.0]))
     assert exp.metrics["reward/overlong_penalty"] == pytest.approx(-0.375)
     # the knobs are checked with the rest of the config when it loads, against rollout.max_new_tokens
     for overrides, key in (
@@ -203,19 +203,19 @@ def test_truncated_responses_are_counted_and_masked_when_asked(mask_truncated):
     exp = _collect(loader, _cfg(drop=False, mask_truncated=mask_truncated))
     # the last sample of each MIXED prompt (5 tokens) reaches the budget: 2 of 16 responses
     assert exp.metrics["response/truncated_frac"] == 2 / 16
-    rows = exp.batch.response_mask.sum(dim=1).view(4, G)
+    rows = exp.rollouts.response_mask.sum(dim=1).view(4, G)
     assert rows[0].tolist() == ([2, 3, 4, 0] if mask_truncated else [2, 3, 4, 5])
     assert rows[1].tolist() == [1, 1, 1, 1]
 
 
-def test_engine_log_probs_are_the_batch_rollout_logp():
+def test_engine_log_probs_are_the_rollouts_engine_logp():
     loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False))
-    batch = exp.batch
-    assert batch.rollout_logp is exp.engine_logp
+    rollouts = exp.rollouts
+    assert not hasattr(exp, "engine_logp")  # held once: by the rollouts, which the loss and the mismatch metric read
     # prompt of 2 tokens: response token t (t = 0..) is predicted at position 1 + t
-    assert batch.rollout_logp[1, 1:4].tolist() == pytest.approx([-0.5, -0.6, -0.7])
-    assert (batch.rollout_logp[~batch.response_mask] == 0).all()
+    assert rollouts.engine_logp[1, 1:4].tolist() == pytest.approx([-0.5, -0.6, -0.7])
+    assert (rollouts.engine_logp[~rollouts.response_mask] == 0).all()
 
 
 def test_prefix_tokens_are_context_not_trained_and_counted():
@@ -232,10 +232,10 @@ def test_prefix_tokens_are_context_not_trained_and_counted():
 
     loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False), engine=PrefixEngine())
-    rows = exp.batch.response_mask.sum(dim=1).view(4, G)
+    rows = exp.rollouts.response_mask.sum(dim=1).view(4, G)
     assert rows[0].tolist() == [0, 3, 4, 5]  # 2 tokens, both prefix; then 3, 4, 5 trained as before
     # the first trained token of sample 1 (no prefix) is predicted at position 1; of sample 0 none is left
-    assert exp.batch.response_mask[1, 1] and not exp.batch.response_mask[0].any()
+    assert exp.rollouts.response_mask[1, 1] and not exp.rollouts.response_mask[0].any()
     assert exp.metrics["rollout/prefix_frac"] == pytest.approx(1 / G)
     assert exp.metrics["reward/mean_prefixed"] == pytest.approx(1.0)  # sample 0 of a MIXED prompt says "yes"
     plain = _collect(PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False), _cfg(drop=False))
@@ -281,8 +281,8 @@ class RoutingEngine(ScriptedEngine):
 def test_rollout_replay_carries_the_engines_routed_experts_like_the_tokens(short):
     loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False, router_replay="rollout"), engine=RoutingEngine("short" if short else ""))
-    routed = exp.batch.routed_experts
-    assert routed.shape == (*exp.batch.tokens.shape, 3, 2) and routed.dtype == torch.int16
+    routed = exp.rollouts.routed_experts
+    assert routed.shape == (*exp.rollouts.tokens.shape, 3, 2) and routed.dtype == torch.int16
     lengths = [2 + len(c.token_ids) for group in exp.completions for c in group]
     for i, n in enumerate(lengths):
         kept = n - short
@@ -291,13 +291,14 @@ def test_rollout_replay_carries_the_engines_routed_experts_like_the_tokens(short
         assert bool((routed[i, kept:] == -1).all())  # padding (and a token the engine left out): not routed
     assert all(c.routed_experts is None for group in exp.completions for c in group)  # moved into the batch
     # micro-batches select rows: the routing travels with them
-    assert torch.equal(exp.batch.select(torch.tensor([2, 0])).routed_experts, routed[[2, 0]])
+    assert torch.equal(exp.rollouts.select(torch.tensor([2, 0])).routed_experts, routed[[2, 0]])
 
 
 def test_without_rollout_replay_the_batch_carries_no_routing():
     loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
     assert (
-        _collect(loader, _cfg(drop=False, router_replay="train"), engine=RoutingEngine()).batch.routed_experts is None
+        _collect(loader, _cfg(drop=False, router_replay="train"), engine=RoutingEngine()).rollouts.routed_experts
+        is None
     )
 
 

@@ -20,7 +20,7 @@ LORA = ["actor.lora.rank=4", "actor.lora.alpha=32", "actor.lora.sync=adapters", 
 @pytest.mark.slow
 def test_lora_adapters_train_one_step_off_on_an_engine_rank(tmp_path):
     out = tmp_path / "run"
-    proc = _torchrun(out, 3, [*LORA, "algo.rollout_correction=tis"])
+    proc = _torchrun(out, 3, [*LORA, "algo.rollout_correction.kind=tis"])
     try:
         assert proc.wait(timeout=900) == 0, out.with_suffix(".log").read_text()[-3000:]
     finally:

@@ -43,9 +43,9 @@ def test_placement_checks_name_the_key(overrides, world, message):
 def test_separate_layouts_that_fit_pass_and_one_step_off_warns_without_correction():
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "rollout.max_staleness=1"])
     cfg.validate(2)
-    assert any("algo.rollout_correction" in w for w in cfg.warnings())
+    assert any("algo.rollout_correction.kind" in w for w in cfg.warnings())
     corrected = load_config(
-        ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "rollout.max_staleness=1", "algo.rollout_correction=tis"]
+        ROOT / "configs" / "demo_cpu.yaml", [*SEPARATE, "rollout.max_staleness=1", "algo.rollout_correction.kind=tis"]
     )
     assert corrected.validate(2).warnings() == []
     # 4 actor ranks at TP=2 beside 4 engine ranks at engine TP=2
@@ -96,7 +96,7 @@ def _logged(out: Path) -> list[dict]:
 @pytest.mark.slow
 def test_demo_trains_one_step_off_on_an_engine_rank(tmp_path):
     out = tmp_path / "run"
-    proc = _torchrun(out, 4, ["algo.rollout_correction=tis"])
+    proc = _torchrun(out, 4, ["algo.rollout_correction.kind=tis"])
     try:
         assert proc.wait(timeout=900) == 0, out.with_suffix(".log").read_text()[-3000:]
     finally:
@@ -120,13 +120,13 @@ def test_pba_outer_prefixes_and_validation_compose_with_engine_ranks(tmp_path):
         out,
         2,
         [
-            "algo.pba=true",
-            "algo.pba_base_samples=2",
-            "algo.kl_coef=0",
+            "algo.kl.pba.enabled=true",
+            "algo.kl.pba.base_samples=2",
+            "algo.kl.coef=0",
             "rollout.prefix_model=megatron_rlvr/demo/weak_model",
             "rollout.prefix_fraction=0.25",
             "trainer.eval_every=2",
-            "algo.rollout_correction=tis",
+            "algo.rollout_correction.kind=tis",
         ],
     )
     try:

@@ -163,7 +163,7 @@ def test_dynamic_sampling_refills_within_admission_and_counts_what_it_drops():
     rollouts, _ = _train(core, range(6), update_ticks=1)
     _check_bound(rollouts, 2)
     for r in rollouts:
-        m, rewards = r.experience.metrics, r.experience.rewards.view(N, G)
+        m, rewards = r.experience.metrics, r.experience.rollouts.rewards.view(N, G)
         uniform_trained = int((rewards == rewards[:, :1]).all(dim=1).sum())  # past the budget: trained, masked
         assert m["batch/uniform_groups_dropped"] - uniform_trained <= N  # at most refill_max_rounds * N filtered
         assert m["batch/groups_trained"] == N - uniform_trained

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlvr.algos import AlgoConfig, policy_loss
+from megatron_rlvr.algos import policy_loss
 from megatron_rlvr.config import load_config
 from megatron_rlvr.experience.collect import collect
 from megatron_rlvr.experience.construction import make_rollout_engine, prompt_stream
 from megatron_rlvr.experience.stream import StreamCore
 from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.testing.configs import algo_config
 
 pytestmark = pytest.mark.engine
 
@@ -28,27 +29,28 @@ class Pool:  # the countdown verifier's answer does not matter here: a reward th
         return [float(len(r) % 3 == 0) for r in responses], {"items": len(responses)}
 
 
-def _loss(batch, vocab: int, proximal: str = "own"):
+def _loss(exp, vocab: int, proximal: str = "own"):
     """Decoupled PPO (tis) on token statistics: the current policy a fixed random table of logits per token id, the
     proximal one that table moved by a fixed random step (``proximal="own"``) or the engine's log-probs themselves
     (``"engine"``: pi_prox = mu, the off-policy weight 1). Returns the loss, its gradient and its metrics."""
     table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0), requires_grad=True)
     step = 0.3 * torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(1))
+    batch = exp.rollouts
     targets = batch.tokens[:, 1:]
     stats = vocab_parallel_token_stats(table[batch.tokens[:, :-1]], targets, 3)
     if proximal == "own":
         with torch.no_grad():
             old_logp = vocab_parallel_token_stats((table + step)[batch.tokens[:, :-1]], targets, 1).logp
     else:
-        old_logp = batch.rollout_logp
-    cfg = AlgoConfig(loss="casp", rollout_correction="tis")
+        old_logp = batch.engine_logp
+    cfg = algo_config({"loss.kind": "casp", "rollout_correction.kind": "tis"})
     loss, metrics = policy_loss(
         stats,
         old_logp,
-        batch.advantages,
+        exp.targets.advantages,
         batch.response_mask,
         cfg,
-        rollout_logp=batch.rollout_logp,
+        rollout_logp=batch.engine_logp,
         target_ids=targets,
     )
     loss.backward()
@@ -82,16 +84,17 @@ def test_streamed_at_staleness_0_is_the_step_paths_batch_and_loss_bit_for_bit():
         engine.close()
     streamed = rollout.experience
     assert [i.id for i in streamed.items] == [i.id for i in stepped.items]
-    for name in ("tokens", "response_mask", "advantages", "rollout_logp"):
-        assert torch.equal(getattr(streamed.batch, name), getattr(stepped.batch, name)), name
+    for name in ("tokens", "response_mask", "engine_logp", "rewards"):
+        assert torch.equal(getattr(streamed.rollouts, name), getattr(stepped.rollouts, name)), name
+    assert torch.equal(streamed.targets.advantages, stepped.targets.advantages)
     assert all(c.versions == [0] * len(c.token_ids) for g in streamed.completions for c in g)
     assert float(streamed.staleness.max()) == 0 and streamed.metrics["rollout/mixed_version_frac"] == 0
-    vocab = int(max(streamed.batch.tokens.max(), stepped.batch.tokens.max())) + 1
-    (loss_s, grad_s, metrics), (loss_t, grad_t, _) = _loss(streamed.batch, vocab), _loss(stepped.batch, vocab)
+    vocab = int(max(streamed.rollouts.tokens.max(), stepped.rollouts.tokens.max())) + 1
+    (loss_s, grad_s, metrics), (loss_t, grad_t, _) = _loss(streamed, vocab), _loss(stepped, vocab)
     assert torch.equal(loss_s, loss_t) and torch.equal(grad_s, grad_t)
-    assert streamed.batch.response_mask.any() and grad_s.abs().sum() > 0
+    assert streamed.rollouts.response_mask.any() and grad_s.abs().sum() > 0
     # the proximal policy is neither the current one nor the engine's: the off-policy weight pi_prox / mu moves
     # tokens (some truncated at the cap), and the loss is not the one with pi_prox = mu
     assert metrics["rollout_correction/weight_mean"] != 1 and metrics["rollout_correction/clipped_frac"] > 0
-    loss_mu, grad_mu, _ = _loss(streamed.batch, vocab, proximal="engine")
+    loss_mu, grad_mu, _ = _loss(streamed, vocab, proximal="engine")
     assert not torch.equal(loss_s, loss_mu) and not torch.equal(grad_s, grad_mu)

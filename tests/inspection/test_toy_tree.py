@@ -94,8 +94,8 @@ def test_adaptive_method_is_casp_with_adaptive_sets_and_a_bad_mass_is_named(caps
     from megatron_rlvr.inspection.toy_tree import method_config
 
     cfg = method_config("casp_adaptive", CHOSEN["casp_adaptive"])
-    assert (cfg.loss, cfg.candidates, cfg.candidate_mass, cfg.top_n) == ("casp", "adaptive", 0.9, 3)
-    assert method_config("casp", CHOSEN["casp"]).candidates == "fixed"
+    assert (cfg.loss.kind, cfg.loss.candidates, cfg.loss.candidate_mass, cfg.loss.top_n) == ("casp", "adaptive", 0.9, 3)
+    assert method_config("casp", CHOSEN["casp"]).loss.candidates == "fixed"
     with pytest.raises(SystemExit):
         main(["--candidate-mass", "1.5"])
     assert "--candidate-mass: expected a probability share in (0, 1]" in capsys.readouterr().err

@@ -68,7 +68,7 @@ def test_slurm_dryrun_writes_the_sbatch_script(tmp_path):
             "--nodes",
             "4",
             "--dryrun",
-            "algo.alpha=0.01",
+            "algo.loss.alpha=0.01",
             "trainer.steps=7",
         ],
         tmp_path,
@@ -99,7 +99,7 @@ def test_slurm_dryrun_writes_the_sbatch_script(tmp_path):
     # the resolved config travels in the job directory (mounted at /nemo_run), overrides applied
     shipped = path.parent / "train_qwen2_5-32b_math-l3to5_casp" / "configs" / "run_config.yaml"
     cfg = yaml.safe_load(shipped.read_text())
-    assert cfg["algo"]["alpha"] == 0.01 and cfg["trainer"]["steps"] == 7 and cfg["actor"]["tp"] == 8
+    assert cfg["algo"]["loss"]["alpha"] == 0.01 and cfg["trainer"]["steps"] == 7 and cfg["actor"]["tp"] == 8
     assert (shipped.parent.parent / "code" / "launch" / "executors.py").is_file(), "the committed repo is shipped"
 
 
@@ -131,7 +131,10 @@ def test_slurm_options_come_from_the_environment_too(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "algo.alpha=lots"], "algo.alpha"),
+        (
+            ["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "algo.loss.alpha=lots"],
+            "algo.loss.alpha",
+        ),
         (["--recipe", "qwen2.5-32b_math-l3to5_casp", *SLURM, "--nodes", "4", "algo.no_such_knob=1"], "no_such_knob"),
         (
             [

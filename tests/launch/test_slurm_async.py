@@ -70,7 +70,7 @@ def _args(home: Path) -> list[str]:
         "actor.tp=1",
         f"rollout.max_staleness={K}",
         "rollout.max_new_tokens=96",
-        "algo.rollout_correction=tis",
+        "algo.rollout_correction.kind=tis",
         *TRAIN_OVERRIDES,
         f"trainer.output_dir={home}/out",
     ]

@@ -1,4 +1,4 @@
-"""The plan counts ARMOR's reference: algo.anchor_rollout (or the mixed ratio alone) holds a frozen copy of the
+"""The plan counts ARMOR's reference: algo.armor.anchors (or the mixed ratio alone) holds a frozen copy of the
 policy's weights in every phase, and nothing more (the anchors come from the rollout engine itself)."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ def _plan(capsys, *overrides: str) -> dict:
 def test_armor_adds_one_reference_copy_to_every_phase(capsys):
     alone = _plan(capsys)
     assert alone["components"]["reference_gb"] == 0.0
-    armor = _plan(capsys, "algo.anchor_rollout=true")
+    armor = _plan(capsys, "algo.armor.anchors=true")
     reference = armor["components"]["reference_gb"]
     assert reference == armor["components"]["actor_weights_gb"] > 0
     for phase in ("rollout", "update", "sync"):
         assert armor["phases"][phase] == pytest.approx(alone["phases"][phase] + reference, abs=0.02), phase
-    mixed_only = _plan(capsys, "algo.mixed_ratio_share=0.5")
+    mixed_only = _plan(capsys, "algo.armor.mixed_ratio_share=0.5")
     assert mixed_only["components"]["reference_gb"] == reference

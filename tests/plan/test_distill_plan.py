@@ -1,6 +1,6 @@
 """The plan counts the distillation teacher: a teacher twice the student's size (a Qwen2.5-14B shape for the 7B
 recipe) adds its own weights at the actor's TP/PP to every phase, ``self`` adds a copy of the student unless the
-reference is one, and a teacher that does not fit is a one-line problem naming algo.teacher_hf_dir."""
+reference is one, and a teacher that does not fit is a one-line problem naming algo.distill.teacher_hf_dir."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _plan(capsys, *overrides: str) -> tuple[int, dict]:
 
 def test_a_teacher_twice_the_students_size_is_counted_in_every_phase(capsys, teacher_14b):
     _, alone = _plan(capsys)
-    code, plan = _plan(capsys, "algo.distill=teacher", f"algo.teacher_hf_dir={teacher_14b}")
+    code, plan = _plan(capsys, "algo.distill.kind=teacher", f"algo.distill.teacher_hf_dir={teacher_14b}")
     student = ModelDims.from_hf(find_hf_config(str(MODEL_CONFIGS_DIR / "Qwen2.5-7B")))
     teacher = ModelDims.from_hf(json.loads(open(f"{teacher_14b}/config.json").read()))
     assert 1.9 < teacher.hf_params() / student.hf_params() < 2.0
@@ -50,9 +50,9 @@ def test_a_teacher_twice_the_students_size_is_counted_in_every_phase(capsys, tea
 
 
 def test_self_distillation_holds_one_copy_of_the_student_shared_with_the_reference(capsys):
-    _, plain = _plan(capsys, "algo.distill=self")
+    _, plain = _plan(capsys, "algo.distill.kind=self")
     assert plain["components"]["teacher_gb"] == plain["components"]["actor_weights_gb"]
-    _, with_kl = _plan(capsys, "algo.distill=self", "algo.kl_coef=0.1")
+    _, with_kl = _plan(capsys, "algo.distill.kind=self", "algo.kl.coef=0.1")
     assert with_kl["components"]["teacher_gb"] == 0.0
     assert with_kl["components"]["reference_gb"] == with_kl["components"]["actor_weights_gb"]
 
@@ -64,27 +64,27 @@ def test_a_teacher_that_does_not_fit_is_a_problem_naming_the_key(capsys, teacher
         capsys,
         "actor.tp=1",
         "actor.sequence_parallel=false",
-        "algo.distill=teacher",
-        f"algo.teacher_hf_dir={teacher_14b}",
+        "algo.distill.kind=teacher",
+        f"algo.distill.teacher_hf_dir={teacher_14b}",
     )
     assert code == 3 and not plan["fits"]
     (problem,) = plan["problems"]
-    assert problem.startswith(f"algo.teacher_hf_dir={teacher_14b!r}: the teacher's weights, 29.5 GB per GPU")
+    assert problem.startswith(f"algo.distill.teacher_hf_dir={teacher_14b!r}: the teacher's weights, 29.5 GB per GPU")
     assert "\n" not in problem
 
 
 def test_a_teacher_directory_without_config_is_one_line_and_exit_2(capsys, tmp_path):
-    assert command.main([RECIPE, "algo.distill=teacher", f"algo.teacher_hf_dir={tmp_path}"]) == 2
+    assert command.main([RECIPE, "algo.distill.kind=teacher", f"algo.distill.teacher_hf_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert "algo.teacher_hf_dir=" in err and "no config.json" in err and err.count("\n") == 1
+    assert "algo.distill.teacher_hf_dir=" in err and "no config.json" in err and err.count("\n") == 1
 
 
 def test_crpo_holds_the_student_copy_and_its_top_k_scores_in_the_statistics_phase(capsys):
     _, alone = _plan(capsys)
-    _, plan = _plan(capsys, "algo.distill=crpo", "algo.crpo_top_k=100")
+    _, plan = _plan(capsys, "algo.distill.kind=crpo", "algo.distill.crpo.top_k=100")
     assert plan["components"]["teacher_gb"] == plan["components"]["actor_weights_gb"]
     scores = plan["components"]["teacher_scores_gb"]
-    _, fewer = _plan(capsys, "algo.distill=crpo", "algo.crpo_top_k=10")
+    _, fewer = _plan(capsys, "algo.distill.kind=crpo", "algo.distill.crpo.top_k=10")
     # (1 + 2K) float32 values per position: K = 100 is 201 / 21 of K = 10's
     assert scores == pytest.approx(fewer["components"]["teacher_scores_gb"] * 201 / 21, rel=0.01)
     assert scores > 0 and alone["components"].get("teacher_scores_gb", 0.0) == 0.0
@@ -92,7 +92,7 @@ def test_crpo_holds_the_student_copy_and_its_top_k_scores_in_the_statistics_phas
 
 
 def test_crpo_ema_teacher_is_a_copy_of_its_own_beside_the_reference(capsys):
-    _, frozen = _plan(capsys, "algo.distill=crpo", "algo.kl_coef=0.1")
-    _, ema = _plan(capsys, "algo.distill=crpo", "algo.kl_coef=0.1", "algo.crpo_teacher=ema")
+    _, frozen = _plan(capsys, "algo.distill.kind=crpo", "algo.kl.coef=0.1")
+    _, ema = _plan(capsys, "algo.distill.kind=crpo", "algo.kl.coef=0.1", "algo.distill.crpo.teacher=ema")
     assert frozen["components"]["teacher_gb"] == 0.0  # the frozen teacher is the reference
     assert ema["components"]["teacher_gb"] == ema["components"]["reference_gb"] > 0

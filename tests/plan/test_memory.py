@@ -130,7 +130,7 @@ def test_json_has_the_documented_keys(capsys):
     [
         (["no_such_recipe"], "known recipes"),
         ([BIG, "actor.tp=3"], "actor.tp"),
-        ([BIG, "algo.alpha=lots"], "algo.alpha"),
+        ([BIG, "algo.loss.alpha=lots"], "algo.loss.alpha"),
         ([BIG, "--nodes", "0"], "--nodes"),
     ],
 )

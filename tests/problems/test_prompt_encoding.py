@@ -170,6 +170,7 @@ def test_the_trainers_prompts_and_the_evals_prompts_are_the_same_ids(tmp_path, c
 def test_a_system_prompt_reaches_the_trainers_and_the_evals_prompts_alike(tmp_path):
     from transformers import AutoTokenizer
 
+    from megatron_rlvr.config import load_config
     from megatron_rlvr.data import DataConfig, items_from_rows
     from megatron_rlvr.data.sources import Row
     from megatron_rlvr.eval.api import hf_encoder_factory
@@ -183,4 +184,4 @@ def test_a_system_prompt_reaches_the_trainers_and_the_evals_prompts_alike(tmp_pa
     encode = hf_encoder_factory(str(tmp_path / "model"), EvalConfig(chat_template=True, system_prompt="Be brief."))
     assert encode(PROBLEM) == list(item.prompt_ids)
     with pytest.raises(ValueError, match="data.system_prompt: a system turn needs the chat template"):
-        DataConfig(system_prompt="Be brief.")
+        load_config(None, ["data.system_prompt=Be brief.", "data.chat_template=false"])

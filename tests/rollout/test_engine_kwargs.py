@@ -16,17 +16,17 @@ def test_engine_kwargs_are_vllm_engine_args(on_gpu):
     from vllm.config.model import LogprobsMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from megatron_rlvr.rollout.vllm_engine import _engine_kwargs
+    from megatron_rlvr.rollout.vllm_options import engine_kwargs
 
     cfg = RolloutConfig(
         tp=4, gpu_memory_utilization=0.35, kv_cache_memory_bytes=123 << 20, max_model_len=1024, kv_block_size=64
     )
-    kwargs = _engine_kwargs(cfg, on_gpu, seed=7, dtype="bfloat16")
+    kwargs = engine_kwargs(cfg, on_gpu, seed=7, dtype="bfloat16")
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(EngineArgs)}
     assert not unknown, f"not vLLM EngineArgs fields: {unknown}"
     assert kwargs["logprobs_mode"] in typing.get_args(LogprobsMode)
     assert kwargs["seed"] == 7 and kwargs["dtype"] == "bfloat16" and kwargs["max_model_len"] == 1024
-    assert kwargs["block_size"] == 64 and "block_size" not in _engine_kwargs(RolloutConfig(), on_gpu, 7, "bfloat16")
+    assert kwargs["block_size"] == 64 and "block_size" not in engine_kwargs(RolloutConfig(), on_gpu, 7, "bfloat16")
     if on_gpu:
         assert kwargs["distributed_executor_backend"] == "external_launcher"
         assert kwargs["tensor_parallel_size"] == 4 and kwargs["enable_sleep_mode"] is True

@@ -23,7 +23,7 @@ def tiny_qwen(tmp_path_factory):
 
 
 def _sequences(vocab: int):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.testing.handoffs import rollouts
 
     width = max(map(len, SEQS))
     tokens = torch.zeros(len(SEQS), width, dtype=torch.long)
@@ -31,7 +31,7 @@ def _sequences(vocab: int):
     for i, seq in enumerate(SEQS):
         tokens[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq) - 1] = True
-    return SequenceBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5]))
+    return rollouts(tokens, mask)
 
 
 def _actor_rows(actor, batch) -> list[torch.Tensor]:
@@ -43,6 +43,7 @@ def _sync_rounds(hf_dir: str, sync: str):
     import torch.distributed as dist
 
     from megatron_rlvr.experience.colocated import sync_weights
+    from megatron_rlvr.protocols import Statistics, Targets
     from megatron_rlvr.rollout import RolloutConfig, WeightSyncError, make_engine
     from megatron_rlvr.runtime.distributed import model_parallel
     from tests.actor.lora_workers import build, fill_from_hf_layout
@@ -62,8 +63,8 @@ def _sync_rounds(hf_dir: str, sync: str):
                     fill_from_hf_layout(actor, seed=4)
                 else:  # one update moves the adapters
                     b = _sequences(actor.vocab_size)
-                    b.old_logp = actor.compute_old_logp(b)
-                    actor.update(b, mini_batches=1)
+                    targets = Targets(advantages=torch.tensor([1.0, -1.0, 0.5]))
+                    actor.update(b, targets, Statistics(old_logp=actor.compute_old_logp(b)), mini_batches=1)
                 if engine is not None:
                     sync_weights(actor, engine, 64 << 10)
                 else:

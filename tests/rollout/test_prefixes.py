@@ -113,13 +113,13 @@ def test_prefixed_samples_carry_the_weak_prefix_and_the_targets_continuation():
 
 def test_prefix_tokens_are_masked_out_of_the_loss():
     from megatron_rlvr.data import PromptItem
-    from megatron_rlvr.experience.collect import to_batch
+    from megatron_rlvr.experience.collect import to_rollouts
 
     out = _engine(fraction=0.5)[0].generate(PROMPTS, 4, _sampling())
     items = [
         PromptItem(id=str(i), prompt="", prompt_ids=tuple(p), answer="", task="math") for i, p in enumerate(PROMPTS)
     ]
-    batch, engine_logp = to_batch(items, out, torch.zeros(12), pad_id=0)
+    batch = to_rollouts(items, out, torch.zeros(12), pad_id=0)
     row = 0
     for prompt, group in zip(PROMPTS, out):
         for c in group:

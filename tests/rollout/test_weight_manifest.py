@@ -83,8 +83,11 @@ def test_non_float_and_non_pairs_are_refused(llama_dir, llama_sd):
     ],
 )
 def test_rollout_config_rejects_bad_values_naming_the_key(key, value):
+    """Checked when a recipe loads: the fields' declared limits and the rules between them (megatron_rlvr/config)."""
+    from megatron_rlvr.testing.configs import run_config
+
     with pytest.raises(ValueError, match=f"rollout.{key}"):
-        RolloutConfig(**{key: value})
+        run_config({"rollout.max_new_tokens": 64, f"rollout.{key}": value})
 
 
 def test_cpu_engine_refuses_head_size_16_before_starting(tmp_path):

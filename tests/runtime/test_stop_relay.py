@@ -48,13 +48,17 @@ class Launched:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, text: str, count: int = 1, timeout_s: float = 300) -> None:
+    def seen(self, text: str) -> int:
+        # counted within lines, not by line: two ranks printing at once can share one line ("ready 1ready 0")
+        return sum(line.count(text) for line in self.lines)
+
+    def wait_for(self, text: str, count: int = 1, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
-        while sum(text in line for line in self.lines) < count and time.monotonic() < deadline:
+        while self.seen(text) < count and time.monotonic() < deadline:
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.05)
-        assert sum(text in line for line in self.lines) >= count, f"no {count} x {text!r} in:\n" + self.output[-4000:]
+        assert self.seen(text) >= count, f"no {count} x {text!r} in:\n" + self.output[-4000:]
 
     def finish(self, timeout_s: float = 300) -> int:
         try:

@@ -1,4 +1,4 @@
-"""tools/reports/plan_tables.py: the README's plan tables, one row per recipe, from `megatron-rlvr plan --json`."""
+"""tools/reports/plan_tables.py: docs/plan.md's plan tables, one row per recipe, from `megatron-rlvr plan --json`."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ One run of this tool trains the demo recipe once per mode on 2 processes (torchr
 vLLM engine on rank 1 (``rollout.placement=separate rollout.engine_ranks=1``; each rank pinned to its own core), with
 ``rollout.max_staleness`` 0 (on-policy: the engine waits for each update, the actor for each generation), 1
 (one-step-off: the engine samples step t+1 while the actor runs update t) and each ``--async-k`` (fully
-asynchronous: the engine streams within the bound, docs/async.md). Decoupled PPO (``algo.rollout_correction=tis``)
+asynchronous: the engine streams within the bound, docs/async.md). Decoupled PPO (``algo.rollout_correction.kind=tis``)
 in every mode; one mini-batch without the KL term (no statistics or reference pass).
 
 The workload has long-tailed answer lengths, as reasoning responses have: the demo model would end most answers
@@ -76,8 +76,8 @@ def _train(out: Path, k: int, args: argparse.Namespace, recompute: bool = False)
         f"rollout.max_new_tokens={args.max_new_tokens}",
         f"eval.max_new_tokens={args.max_new_tokens}",
         f"trainer.prompts_per_step={args.prompts}",
-        "algo.rollout_correction=tis",
-        "algo.kl_coef=0",
+        "algo.rollout_correction.kind=tis",
+        "algo.kl.coef=0",
         "trainer.mini_batches_per_step=1",
         *args.overrides,
     ]

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
@@ -48,7 +50,9 @@ QUICK = dict(lengths=(4096, 4099), repeats=1)
 
 
 def make_batch(lengths: tuple[int, ...], vocab: int, prompt_len: int, seed: int):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    """(rollouts of ``lengths`` tokens with responses after ``prompt_len``, their targets: random advantages)."""
+    from megatron_rlvr.protocols import Targets
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -57,7 +61,7 @@ def make_batch(lengths: tuple[int, ...], vocab: int, prompt_len: int, seed: int)
     for i, n in enumerate(lengths):
         tokens[i, n:] = 0
         mask[i, prompt_len - 1 : n - 1] = True
-    return SequenceBatch(tokens, mask, torch.randn(len(lengths), generator=g))
+    return rollouts(tokens, mask), Targets(advantages=torch.randn(len(lengths), generator=g))
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
@@ -85,7 +89,6 @@ def _worker(hf_dir: str, cfg: BenchConfig) -> dict[str, Any]:
 
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -96,17 +99,17 @@ def _worker(hf_dir: str, cfg: BenchConfig) -> dict[str, Any]:
             actor = MegatronActor(
                 ModelConfig(hf_dir=hf_dir),
                 ActorConfig(cp=cp, lr=0.0, max_tokens_per_micro_batch=1, use_distributed_optimizer=False),
-                AlgoConfig(loss="casp", loss_agg="token_mean"),
+                algo_config({"loss.kind": "casp", "loss.agg": "token_mean"}),
                 temperature=1.0,
                 total_steps=1,
             )
-            batch = make_batch(cfg.lengths, actor.vocab_size, cfg.prompt_len, cfg.seed)
+            batch, targets = make_batch(cfg.lengths, actor.vocab_size, cfg.prompt_len, cfg.seed)
             _, micro = actor.passes.plan(batch)
-            batch.old_logp = actor.compute_old_logp(batch)
+            statistics = actor.statistics_pass(batch)
             stats_s = _median_seconds(lambda: actor.compute_old_logp(batch), cfg.repeats)
-            update_s = _median_seconds(lambda: actor.update(batch, 1), cfg.repeats)
+            update_s = _median_seconds(lambda: actor.update(batch, targets, statistics, mini_batches=1), cfg.repeats)
             stats_bytes = _peak_bytes(lambda: actor.compute_old_logp(batch))
-            update_bytes = _peak_bytes(lambda: actor.update(batch, 1))
+            update_bytes = _peak_bytes(lambda: actor.update(batch, targets, statistics, mini_batches=1))
             peaks = torch.tensor([stats_bytes, update_bytes], dtype=torch.float64)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank
             results[name] = dict(

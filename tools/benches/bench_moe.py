@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # the tiny Qwen3-MoE of testing/tiny_models.py (8 experts, top-2, layer 1 dense, 4 layers) at a larger width
@@ -80,7 +82,8 @@ class DispatcherClock:
 def _batch(vocab: int, sequences: int, seq_len: int):
     import torch
 
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.protocols import Targets
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (sequences, seq_len), generator=g)
@@ -89,7 +92,7 @@ def _batch(vocab: int, sequences: int, seq_len: int):
     for i, n in enumerate(lengths.tolist()):
         mask[i, 8 : n - 1] = True
         tokens[i, n:] = 0
-    return SequenceBatch(tokens, mask, torch.linspace(-1, 1, sequences))
+    return rollouts(tokens, mask), Targets(advantages=torch.linspace(-1, 1, sequences))
 
 
 def run_layout(hf_dir: str, ep: int, sequences: int, seq_len: int, steps: int) -> dict:
@@ -98,7 +101,6 @@ def run_layout(hf_dir: str, ep: int, sequences: int, seq_len: int, steps: int) -
 
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
     from tools.benches.measure_memory import PeakSampler, _rss_anon, _trim
@@ -109,19 +111,18 @@ def run_layout(hf_dir: str, ep: int, sequences: int, seq_len: int, steps: int) -
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(ep=ep, etp=1, micro_batch_size=sequences // 2, lr=1e-4, pack_sequences=True),
-            AlgoConfig(loss="casp"),
+            algo_config({"loss.kind": "casp"}),
             temperature=1.0,
             total_steps=steps + 1,
         )
-        batch = _batch(actor.vocab_size, sequences, seq_len)
+        batch, targets = _batch(actor.vocab_size, sequences, seq_len)
         times, dispatch, peak = [], [], 0
         for step in range(steps + 1):
             _trim()
             dist.barrier()
             with PeakSampler() as sampler, DispatcherClock() as clock:
                 start = time.perf_counter()
-                batch.old_logp = actor.compute_old_logp(batch)
-                metrics = actor.update(batch, mini_batches=1)
+                metrics = actor.update(batch, targets, actor.statistics_pass(batch), mini_batches=1)
                 dist.barrier()
                 elapsed = time.perf_counter() - start
             if step:  # the first step builds Adam's state and warms the kernels

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_rlvr.testing.workers import LiveBytes  # noqa: E402 (after the path insert)
@@ -74,7 +76,9 @@ def workload_lengths(cfg: BenchConfig) -> list[int]:
 
 
 def make_batch(lengths: list[int], vocab: int, prompt_len: int, seed: int):
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    """(rollouts of ``lengths`` tokens with responses after ``prompt_len``, their targets: random advantages)."""
+    from megatron_rlvr.protocols import Targets
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -83,8 +87,7 @@ def make_batch(lengths: list[int], vocab: int, prompt_len: int, seed: int):
     for i, n in enumerate(lengths):
         tokens[i, n:] = 0
         mask[i, prompt_len - 1 : n - 1] = True
-    advantages = torch.randn(len(lengths), generator=g)
-    return SequenceBatch(tokens, mask, advantages)
+    return rollouts(tokens, mask), Targets(advantages=torch.randn(len(lengths), generator=g))
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
@@ -110,7 +113,6 @@ def _peak_bytes(fn: Callable[[], Any]) -> int:
 def _worker(hf_dir: str, cfg: BenchConfig, lengths: list[int]) -> dict[str, Any]:
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.runtime.distributed import model_parallel
 
@@ -119,22 +121,22 @@ def _worker(hf_dir: str, cfg: BenchConfig, lengths: list[int]) -> dict[str, Any]
         actor = MegatronActor(
             ModelConfig(hf_dir=hf_dir),
             ActorConfig(tp=2, lr=0.0, micro_batch_size=cfg.micro_batch_size),
-            AlgoConfig(loss="casp", loss_agg="token_mean"),
+            algo_config({"loss.kind": "casp", "loss.agg": "token_mean"}),
             temperature=1.0,
             total_steps=1,
         )
-        batch = make_batch(lengths, actor.vocab_size, cfg.prompt_len, cfg.seed)
+        batch, targets = make_batch(lengths, actor.vocab_size, cfg.prompt_len, cfg.seed)
         results: dict[str, Any] = {}
         for name, packed in (("padded", False), ("packed", True)):
             actor.cfg.pack_sequences = packed
             actor.cfg.max_tokens_per_micro_batch = budget if packed else 0
             _, micro = actor.passes.plan(batch)
             computed = sum(m.packed.num_tokens if m.packed else m.seqs.tokens.numel() for m in micro)
-            batch.old_logp = actor.compute_old_logp(batch)
+            statistics = actor.statistics_pass(batch)
             stats_s = _median_seconds(lambda: actor.compute_old_logp(batch), cfg.repeats)
-            update_s = _median_seconds(lambda: actor.update(batch, 1), cfg.repeats)
+            update_s = _median_seconds(lambda: actor.update(batch, targets, statistics, mini_batches=1), cfg.repeats)
             stats_bytes = _peak_bytes(lambda: actor.compute_old_logp(batch))
-            update_bytes = _peak_bytes(lambda: actor.update(batch, 1))
+            update_bytes = _peak_bytes(lambda: actor.update(batch, targets, statistics, mini_batches=1))
             grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])
             results[name] = dict(
                 micro_batches=len(micro),

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # A random Qwen2 big enough that allocator noise (tens of MB) is small against what is measured (~1 GB a rank).
@@ -98,7 +100,6 @@ class Case:
 def config_of(case: Case, hf_dir: str, world: int):
     """The run Config of a case (CPU: fp32), as the plan reads it."""
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.config import Config, TrainerConfig
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.rollout.config import RolloutConfig
@@ -114,7 +115,7 @@ def config_of(case: Case, hf_dir: str, world: int):
             use_distributed_optimizer=case.distributed_optimizer,
             lora=LoraConfig(rank=case.lora, alpha=32.0) if case.lora else None,
         ),
-        algo=AlgoConfig(loss="casp", kl_coef=0.05 if case.reference else 0.0),
+        algo=algo_config({"loss.kind": "casp", "kl.coef": 0.05 if case.reference else 0.0}),
         rollout=RolloutConfig(max_model_len=case.seq_len, max_new_tokens=case.seq_len // 2, group_size=case.sequences),
         trainer=TrainerConfig(prompts_per_step=1, mini_batches_per_step=1),
     )
@@ -215,8 +216,9 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
         measure_rank(dataclasses.replace(case, seq_len=16), hf_dir, update=True, warm_up=False)
 
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.protocols import Targets
     from megatron_rlvr.runtime.distributed import model_parallel, world_size
+    from megatron_rlvr.testing.handoffs import rollouts
 
     cfg = config_of(case, hf_dir, world_size())
     _trim()
@@ -233,16 +235,17 @@ def measure_rank(case: Case, hf_dir: str, update: bool = True, warm_up: bool = T
             tokens = torch.randint(0, actor.vocab_size, (case.sequences, case.seq_len), generator=g)
             mask = torch.zeros(case.sequences, case.seq_len - 1, dtype=torch.bool)
             mask[:, case.seq_len // 4 :] = True
-            batch = SequenceBatch(tokens, mask, torch.linspace(-1, 1, case.sequences))
-            batch.old_logp = actor.compute_old_logp(batch)
-            if actor.has_reference:  # a frozen copy, or (LoRA) the base with the adapters off
-                batch.ref_logp = actor.compute_ref_logp(batch)
+            batch, targets = rollouts(tokens, mask), Targets(advantages=torch.linspace(-1, 1, case.sequences))
+            # the statistics pass always (as with 2 mini-batches), and a frozen copy's or (LoRA) the base's
+            statistics = actor.statistics_pass(batch)
+            if actor.has_reference:
+                statistics = dataclasses.replace(statistics, ref_logp=actor.compute_ref_logp(batch))
             # The first step creates Adam's state lazily, on top of a heap that glibc has not handed back after the
             # backward (on GPU the caching allocator reuses those blocks): measure the steady state, the second update.
-            actor.update(batch, mini_batches=1)
+            actor.update(batch, targets, statistics, mini_batches=1)
             _trim()
             with PeakSampler() as sampler:
-                actor.update(batch, mini_batches=1)
+                actor.update(batch, targets, statistics, mini_batches=1)
             out["update_peak"] = sampler.peak - base
         out["optimizer"] = _optimizer_bytes(actor)
         del actor

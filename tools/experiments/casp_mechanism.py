@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from megatron_rlvr.inspection.mechanism_design import BASE, SINGLE_ARMS, Design, probe_label  # noqa: E402
 
 MODEL = "outputs/models/smollm2-135m-instruct"  # the float32 conversion of the installed GGUF file
-RECIPE = "configs/smollm2-135m-instruct_arithmetic_{loss}_cpu.yaml"  # psr and nsr: the GRPO recipe with algo.loss
+RECIPE = "configs/smollm2-135m-instruct_arithmetic_{loss}_cpu.yaml"  # psr and nsr: the GRPO recipe with algo.loss.kind
 GYM = [
     "--tasks", "basic_arithmetic", "--no-instruction",
     "--config", "basic_arithmetic.min_terms=2", "--config", "basic_arithmetic.max_terms=2",
@@ -166,7 +166,7 @@ class Experiment:
             f"checkpoint.save_every={d.probe_every}",
             "checkpoint.keep_last=0",  # every probed step stays until its probe is scored
             *d.extra.get("train", []),
-            *([f"algo.loss={arm}"] if arm in ("psr", "nsr") else []),
+            *([f"algo.loss.kind={arm}"] if arm in ("psr", "nsr") else []),
         ]
         self.cli("train", "--nproc-per-node", str(NPROC), recipe, *overrides)
         (self.results / "runs" / run).mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_rlvr.testing.configs import algo_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (after the path: the scripts run from a plain checkout)
@@ -110,14 +112,14 @@ def preflight(args: argparse.Namespace) -> list[str]:
 
     from megatron_rlvr.actor.config import ActorConfig, LoraConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor  # noqa: F401
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.builder import attention_choice  # noqa: F401
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.ops import backends  # noqa: F401
-    from megatron_rlvr.protocols.batch import SequenceBatch  # noqa: F401
+    from megatron_rlvr.protocols import Statistics, Targets  # noqa: F401
+    from megatron_rlvr.testing.handoffs import rollouts  # noqa: F401
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_config, write_random_hf_checkpoint  # noqa: F401
 
-    AlgoConfig(loss="casp", kl_coef=args.kl_coef)
+    algo_config({"loss.kind": "casp", "kl.coef": args.kl_coef})
     if args.lora_rank:
         LoraConfig(rank=args.lora_rank)
     missing = [f for f in PACKING_FIELDS if f not in {f.name for f in dataclasses.fields(ActorConfig)}]
@@ -133,10 +135,12 @@ def preflight(args: argparse.Namespace) -> list[str]:
 
 
 def make_batch(vocab: int, args: argparse.Namespace):
-    """Right-padded rollouts: a prompt, then a response of random length; advantages of both signs."""
+    """(right-padded rollouts: a prompt, then a response of random length; their targets: advantages of both
+    signs)."""
     import torch
 
-    from megatron_rlvr.protocols.batch import SequenceBatch
+    from megatron_rlvr.protocols import Targets
+    from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(args.seed)
     b, s = args.sequences, args.prompt_len + args.max_response
@@ -146,8 +150,7 @@ def make_batch(vocab: int, args: argparse.Namespace):
     for i, n in enumerate(lengths.tolist()):
         mask[i, args.prompt_len - 1 : args.prompt_len - 1 + n] = True  # position t marks token t + 1
         tokens[i, args.prompt_len + n :] = 0
-    advantages = torch.randn(b, generator=g)
-    return SequenceBatch(tokens, mask, advantages)
+    return rollouts(tokens, mask), Targets(advantages=torch.randn(b, generator=g))
 
 
 def real_tokens(batch) -> int:
@@ -194,13 +197,12 @@ def reset_peak(cuda: bool) -> None:
 
 def build_actor(hf_dir: Path, args: argparse.Namespace, layout: str, bf16: bool, total_steps: int):
     from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.algos.config import AlgoConfig
     from megatron_rlvr.models.config import ModelConfig
 
     return MegatronActor(
         ModelConfig(hf_dir=str(hf_dir), core_attention=args.core_attention),
         actor_config(args, layout, bf16),
-        AlgoConfig(loss="casp", kl_coef=args.kl_coef),
+        algo_config({"loss.kind": "casp", "kl.coef": args.kl_coef}),
         temperature=1.0,
         total_steps=total_steps,
     )
@@ -217,6 +219,7 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
     import torch
 
     from megatron_rlvr.ops import backends
+    from megatron_rlvr.protocols import Statistics
     from megatron_rlvr.runtime.distributed import model_parallel
 
     runs: dict[str, Any] = {}
@@ -227,20 +230,20 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
             key = f"{dtype}/{layout}"
             with model_parallel(tp=1, pp=1, seed=args.seed):
                 actor = build_actor(hf_dir, args, layout, bf16=dtype == "bfloat16", total_steps=args.steps)
-                batch = make_batch(actor.vocab_size, args)
+                batch, targets = make_batch(actor.vocab_size, args)
                 tokens = real_tokens(batch)
                 timer = common.Timer(cuda)
                 with timer:
                     old = actor.compute_old_logp(batch)
                 run: dict[str, Any] = {"status": "ok", "stats_pass_s": round(timer.seconds, 4), "updates": []}
-                batch.old_logp = old
+                statistics = Statistics(old_logp=old)
                 mask = batch.response_mask
                 if actor.has_reference:
-                    batch.ref_logp = actor.compute_ref_logp(batch)
+                    statistics = Statistics(old_logp=old, ref_logp=actor.compute_ref_logp(batch))
                     run["reference"] = "the base, adapters off" if args.lora_rank else "a frozen copy"
                 for _ in range(args.steps):
                     with timer:
-                        metrics = actor.update(batch, mini_batches=1)
+                        metrics = actor.update(batch, targets, statistics, mini_batches=1)
                     run["updates"].append(_update_figures(metrics) | {"seconds": round(timer.seconds, 4)})
                 after = actor.compute_old_logp(batch)
                 run["logp_mean_before"] = float(old[mask].mean())
@@ -249,8 +252,8 @@ def compare_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool) -> tuple[di
                 tensors[key] = {"before": old[mask].float().cpu(), "after": after[mask].float().cpu()}
                 if actor.has_reference:  # scored again after the updates: a frozen model gives the same numbers
                     ref_after = actor.compute_ref_logp(batch)
-                    run["ref_moved_max_abs"] = float((ref_after - batch.ref_logp)[mask].abs().max())
-                    tensors[key]["ref"] = batch.ref_logp[mask].float().cpu()
+                    run["ref_moved_max_abs"] = float((ref_after - statistics.ref_logp)[mask].abs().max())
+                    tensors[key]["ref"] = statistics.ref_logp[mask].float().cpu()
                 runs[key] = run
                 del actor
                 gc.collect()
@@ -277,7 +280,7 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
             "build_peak_gib": round(peak_bytes(cuda) / 2**30, 2),
             "impl": backends.resolve(torch.device("cuda" if cuda else "cpu"), None, 3),
         }
-        batch = make_batch(actor.vocab_size, args)
+        batch, targets = make_batch(actor.vocab_size, args)
         tokens = real_tokens(batch)
         out |= {
             "real_tokens": tokens,
@@ -285,9 +288,9 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
             "sequences": len(batch),
             "max_len": int(batch.tokens.shape[1]),
         }
-        batch.old_logp = actor.compute_old_logp(batch)  # warms up the kernels and the allocator
+        statistics = actor.statistics_pass(batch)  # warms up the kernels and the allocator
         with timer:
-            actor.update(batch, mini_batches=1)  # allocates the optimizer's state
+            actor.update(batch, targets, statistics, mini_batches=1)  # allocates the optimizer's state
         out["warmup_update_s"] = round(timer.seconds, 3)
         save(out)
         stats: dict[str, Any] = {}
@@ -309,13 +312,13 @@ def throughput_mode(args: argparse.Namespace, hf_dir: Path, cuda: bool, save) ->
             out["layouts"][layout]["logp_max_abs_diff_vs_" + first] = float((logp - stats[first])[mask].abs().max())
         for layout in stats:
             set_layout(actor, args, layout)
-            batch.old_logp = actor.compute_old_logp(batch)  # the weights moved: each layout starts on-policy
+            statistics = actor.statistics_pass(batch)  # the weights moved: each layout starts on-policy
             fig = out["layouts"][layout]
             fig["updates"] = []
             reset_peak(cuda)
             for _ in range(args.steps):
                 with timer:
-                    metrics = actor.update(batch, mini_batches=1)
+                    metrics = actor.update(batch, targets, statistics, mini_batches=1)
                 flops = 6 * common.param_count(common.MODELS[args.model]) * tokens / timer.seconds
                 fig["updates"].append(
                     _update_figures(metrics)

@@ -2,7 +2,7 @@
 
 ``megatron_rlvr.runtime.distributed.init_process_group`` starts NCCL when CUDA is there, and NCCL runs only CUDA tensors;
 the actor and the bridge also all-reduce small CPU flags (``MegatronActor._all_finite``, the export's
-``_raise_everywhere``). This probe all-reduces a CPU and a CUDA tensor on the library's group, then on
+``raise_everywhere``). This probe all-reduces a CPU and a CUDA tensor on the library's group, then on
 ``cuda:nccl,cpu:gloo``, and writes which works. gpu_check.sh runs the later stages with the library's backend when
 it can, else with the fallback, and says so in the summary.
 

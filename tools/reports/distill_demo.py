@@ -7,10 +7,10 @@ Student = megatron_rlvr/demo/weak_model (it is copied in as each run's base_mode
 evaluation compares against it); teacher = megatron_rlvr/demo/model (trained on the task). Rows, all on the demo
 recipe (configs/demo_cpu.yaml: CaSP, its KL anchor to the student's initial weights):
 - rl: RL alone;
-- distill: distillation alone (algo.distill=teacher, algo.distill_only: no advantage term);
-- rl+distill: RL + distillation (algo.distill=teacher, algo.distill_coef=1);
+- distill: distillation alone (algo.distill.kind=teacher, algo.distill.only: no advantage term);
+- rl+distill: RL + distillation (algo.distill.kind=teacher, algo.distill.coef=1);
 - self: self-distillation alone, the teacher being the frozen student reading a solution before the prompt
-  (algo.distill=self, algo.self_distill_template="{answer}\\n", algo.distill_only).
+  (algo.distill.kind=self, algo.distill.template="{answer}\\n", algo.distill.only).
 Each row's log: <out>/<row>.log. The table (pass@k of the base and each trained row, prompts solved at least once
 gained / lost against the base, the last-10-steps mean of the distill metrics) goes to <out>/table.md, the distill
 metrics' curves to <out>/distill_metrics.png; the script ends with one JSON line.
@@ -31,9 +31,9 @@ STUDENT = REPO / "megatron_rlvr" / "demo" / "weak_model"
 TEACHER = REPO / "megatron_rlvr" / "demo" / "model"
 ROWS: dict[str, list[str]] = {
     "rl": [],
-    "distill": ["algo.distill=teacher", f"algo.teacher_hf_dir={TEACHER}", "algo.distill_only=true"],
-    "rl+distill": ["algo.distill=teacher", f"algo.teacher_hf_dir={TEACHER}", "algo.distill_coef=1.0"],
-    "self": ["algo.distill=self", 'algo.self_distill_template="{answer}\\n"', "algo.distill_only=true"],
+    "distill": ["algo.distill.kind=teacher", f"algo.distill.teacher_hf_dir={TEACHER}", "algo.distill.only=true"],
+    "rl+distill": ["algo.distill.kind=teacher", f"algo.distill.teacher_hf_dir={TEACHER}", "algo.distill.coef=1.0"],
+    "self": ["algo.distill.kind=self", 'algo.distill.template="{answer}\\n"', "algo.distill.only=true"],
 }
 DISTILL_KEYS = ("distill/reverse_kl", "distill/forward_kl_topn", "distill/teacher_logp", "distill/top1_agreement")
 

@@ -1,5 +1,5 @@
 """Print the memory plan of every training recipe as two markdown tables: GPU memory per phase and host memory per
-node. What the README's "Recipes and their plans" section shows, regenerated from `megatron-rlvr plan --json`.
+node. What docs/plan.md's "The recipes' plans" section shows, regenerated from `megatron-rlvr plan --json`.
 
     .venv/bin/python tools/reports/plan_tables.py            # every training recipe in configs/
     .venv/bin/python tools/reports/plan_tables.py RECIPE...  # just these

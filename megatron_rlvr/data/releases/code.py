@@ -13,7 +13,12 @@ import json
 from typing import Any
 
 from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, first
-from megatron_rlvr.problems.benchmarks import CODE_SUFFIX, STARTER_INSTRUCTION, STDIN_INSTRUCTION
+from megatron_rlvr.problems.benchmark_formats import (
+    CODE_SUFFIX,
+    STARTER_INSTRUCTION,
+    STDIN_INSTRUCTION,
+    functional_tests_as_asserts,
+)
 
 
 def _tests(value: Any) -> Any:
@@ -33,8 +38,6 @@ def _io(inputs: list, outputs: list) -> dict:
 
 
 def convert_deepcoder(record: dict, options: Options) -> Prepared:
-    from megatron_rlvr.problems.benchmarks import functional_tests_as_asserts
-
     problem = first(record, "problem", "question")
     if not isinstance(problem, str):
         raise Skip("no 'problem' text")

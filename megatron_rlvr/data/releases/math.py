@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from megatron_rlvr.data.releases.base import Options, Prepared, Release, Skip, chat_text, first
-from megatron_rlvr.problems.benchmarks import MATH_SUFFIX
+from megatron_rlvr.problems.benchmark_formats import MATH_SUFFIX
 
 
 def _with_instruction(problem: str, options: Options) -> str:

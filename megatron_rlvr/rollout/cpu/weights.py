@@ -29,8 +29,9 @@ keeps the weight itself: copied there. What waits for the commit -- plain parame
 live parameter, kept from sync to sync (no fresh memory, whose first touch costs more than the copy), and the commit
 swaps twin and live parameter's data: one copy instead of a copy out plus the commit's copy. Rows never sent (the
 vocabulary padding) are equal in both, since the twin starts as a clone. Costs one more copy of the plain parameters.
-The route of each HF name is resolved once, from the model, at engine start; a model this does not cover (TP > 1,
-quantized layers, a name with no route) gets no `DirectLoader` and the engine uses vLLM's reload.
+The route of each HF name is resolved once, from the model, at engine start (rollout/cpu/weight_routes.py); a model
+this does not cover (TP > 1, quantized layers, a name with no route) gets no `DirectLoader` and the engine uses
+vLLM's reload.
 """
 
 from __future__ import annotations
@@ -42,33 +43,23 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rlvr.bridge.lent_slots import LentSlot, hold_lent_slot, lent_slot_of, release_lent_slot
+from megatron_rlvr.rollout.cpu.weight_routes import Route, UnsupportedModel, resolve_routes
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Route:
-    module: torch.nn.Module
-    leaf: str  # "weight" or "bias"
-    gemm: bool  # the weight of a layer that computes through a prepared GEMM handle
-    part: int = 0  # index among the HF tensors packed into this parameter
-    parts: int = 1
-    row0: int = 0  # first row of this part in the packed parameter
-    packed_rows: int = 0  # rows of the packed parameter (all parts)
 
 
 @dataclass
 class _Pending:
     """The parts of one packed GEMM weight received so far."""
 
-    route: _Route
+    route: Route
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class DirectLoader:
     """Built inside the worker from the model and the HF names/shapes the engine expects (`WeightManifest.shapes`)."""
 
-    def __init__(self, model: torch.nn.Module, routes: dict[str, _Route]) -> None:
+    def __init__(self, model: torch.nn.Module, routes: dict[str, Route]) -> None:
         self.model = model
         self.routes = routes
         # id(live parameter) -> (it, its twin): lent loads, see the module docstring
@@ -81,8 +72,8 @@ class DirectLoader:
     def for_model(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> DirectLoader | None:
         """None (with the reason logged) when the model is not one this loader covers exactly."""
         try:
-            return cls(model, _routes(model, shapes))
-        except _Unsupported as e:
+            return cls(model, resolve_routes(model, shapes))
+        except UnsupportedModel as e:
             logger.info("weight sync through vLLM's reload_weights: %s", e)
             return None
 
@@ -166,7 +157,7 @@ class DirectLoader:
                             adopted_gemms.append((route.module, slot))
                         else:
                             buffer = self._buffers.spare(route, tensor.shape[1:])
-                            row0 = 0  # the parts' rows follow one another in the packed order (`_routes`)
+                            row0 = 0  # the parts' rows follow one another in the packed order (`resolve_routes`)
                             for part in parts:
                                 buffer.narrow(0, row0, part.shape[0]).copy_(part)
                                 row0 += part.shape[0]
@@ -222,10 +213,6 @@ class DirectLoader:
         self._hold(set())
 
 
-class _Unsupported(Exception):
-    pass
-
-
 class _GemmBuffers:
     """Two weight buffers per fp32 GEMM layer that computes with torch's linear: the live one and a spare that the
     next sync fills; the commit swaps them. Kept from sync to sync (fresh memory's first touch costs more than the
@@ -235,7 +222,7 @@ class _GemmBuffers:
         self._live: dict[int, torch.Tensor] = {}
         self._spare: dict[int, torch.Tensor] = {}
 
-    def spare(self, route: _Route, tail: torch.Size) -> torch.Tensor:
+    def spare(self, route: Route, tail: torch.Size) -> torch.Tensor:
         module = route.module
         shape = (route.packed_rows, *tail)
         dtype = module.weight.dtype
@@ -275,76 +262,6 @@ def _linear_on(weight: torch.Tensor) -> Callable:
         return torch.nn.functional.linear(x, weight, bias)  # the layer's own ``weight`` is empty (vLLM removed it)
 
     return cpu_linear
-
-
-def _routes(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, _Route]:
-    from vllm.distributed import get_tensor_model_parallel_world_size
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or get_tensor_model_parallel_world_size() != 1:
-        raise _Unsupported("not a TP=1 CPU model")
-    packed_into = {
-        part: (packed, i)
-        for packed, parts in getattr(model, "packed_modules_mapping", {}).items()
-        for i, part in enumerate(parts)
-    }
-    modules = dict(model.named_modules())
-    routes: dict[str, _Route] = {}
-    for name in shapes:
-        module_name, _, leaf = name.rpartition(".")
-        prefix, _, short = module_name.rpartition(".")
-        part, parts = 0, 1
-        if module_name not in modules and short in packed_into:
-            packed, part = packed_into[short]
-            parts = len(model.packed_modules_mapping[packed])
-            module_name = f"{prefix}.{packed}" if prefix else packed
-        module = modules.get(module_name)
-        if module is None or leaf not in ("weight", "bias") or not torch.is_tensor(getattr(module, leaf, None)):
-            raise _Unsupported(f"no vLLM parameter for {name}")
-        method = getattr(module, "quant_method", None)
-        if isinstance(module, LinearBase):
-            if type(method) is not UnquantizedLinearMethod or getattr(module, "_cpu_skip_gemm_dispatch", False):
-                raise _Unsupported(f"{module_name}: {type(method).__name__} layers are not covered")
-            gemm = leaf == "weight"
-        elif isinstance(module, VocabParallelEmbedding):
-            if type(method) is not UnquantizedEmbeddingMethod:
-                raise _Unsupported(f"{module_name}: {type(method).__name__} layers are not covered")
-            gemm = leaf == "weight" and module is getattr(model, "lm_head", None)  # the output layer's GEMM
-            if gemm and not callable(getattr(module, "cpu_linear", None)):
-                raise _Unsupported(f"{module_name}: no prepared GEMM to replace")
-        else:
-            gemm = False
-        routes[name] = _Route(module, leaf, gemm, part, parts)
-    # Rows of each part inside its packed parameter: parts in the packed order, sizes from the HF shapes.
-    by_param: dict[tuple[int, str], list[tuple[str, _Route]]] = {}
-    for name, r in routes.items():
-        by_param.setdefault((id(r.module), r.leaf), []).append((name, r))
-    for (_, leaf), members in by_param.items():
-        members.sort(key=lambda item: item[1].part)
-        row0 = 0
-        for name, r in members:
-            r.row0 = row0 if r.parts > 1 else 0
-            row0 += shapes[name][0]
-        for _, r in members:
-            r.packed_rows = row0
-        module, parts = members[0][1].module, members[0][1].parts
-        if [r.part for _, r in members] != list(range(parts)):
-            raise _Unsupported(f"{members[0][0]}: the names packed into one parameter do not match its parts")
-        live_rows = _output_rows(module, leaf)
-        if parts > 1 and row0 != live_rows:
-            raise _Unsupported(f"{members[0][0]}: packed rows {row0} != the layer's {live_rows}")
-        if parts == 1 and row0 > live_rows:
-            raise _Unsupported(f"{members[0][0]}: {row0} rows > the layer's {live_rows}")
-    return routes
-
-
-def _output_rows(module: torch.nn.Module, leaf: str) -> int:
-    t = getattr(module, leaf)
-    if t.numel() == 0:  # a GEMM layer whose weight vLLM moved into the handle
-        return int(module.output_size_per_partition)
-    return t.shape[0]
 
 
 def _gemm_reads_weight(module: torch.nn.Module) -> bool:

@@ -1,13 +1,13 @@
 """SFT on demonstrations, the off-policy corner of the SFT-to-RL grid (docs/algorithms.md, "The SFT-to-RL grid").
 
-`Demonstrations(cfg, tokenizer, pool, pad_id)` turns a step's experience into one whose every response is the
-prompt's reference solution (`reference_solution`: the task's own solution; the embedded countdown task's is the
-first solution of its solver), ended as the engine's answers end (the first of ``rollout.stop``, else the
-tokenizer's EOS). The reward pool scores the demonstrations (a demonstration the verifier rejects keeps its reward),
-and the advantages are recomputed with ``algo.advantage`` (``reward``: A = r). The engine's log-probs of a
-demonstration are unknown (0). The step still samples its policy responses first: ``reward/*`` and ``response/*``
-stay the policy's own behaviour on the step's prompts, ``demo/verified_frac`` is the demonstrations' share with
-reward >= 1.
+`Demonstrations(cfg, tokenizer, pool, pad_id)` (the transform registered as ``demonstrations``) turns a step's
+experience into one whose every response is the prompt's reference solution (`reference_solution`: the task's own
+solution; the embedded countdown task's is the first solution of its solver), ended as the engine's answers end (the
+first of ``rollout.stop``, else the tokenizer's EOS). The reward pool scores the demonstrations (a demonstration the
+verifier rejects keeps its reward), and the advantages are recomputed with ``algo.advantage.kind`` (``reward``: A =
+r). The engine's log-probs of a demonstration are unknown (0). The step still samples its policy responses first:
+``reward/*`` and ``response/*`` stay the policy's own behaviour on the step's prompts, ``demo/verified_frac`` is the
+demonstrations' share with reward >= 1.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.data import PromptItem
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.experience.collect import Experience, score, to_batch
+from megatron_rlvr.experience.collect import Experience, to_rollouts, verify
+from megatron_rlvr.experience.transforms import ExperienceTransform, TransformSetup, experience_transform
+from megatron_rlvr.protocols.handoffs import Targets
 from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout import Completion
 
@@ -46,7 +48,12 @@ def reference_solution(item: PromptItem) -> str:
     )
 
 
-class Demonstrations:
+@experience_transform("demonstrations", enabled=lambda cfg: cfg.algo.demonstrations)
+def build(setup: TransformSetup) -> Demonstrations:
+    return Demonstrations(setup.cfg, setup.tokenizer, setup.pool, setup.pad_id)
+
+
+class Demonstrations(ExperienceTransform):
     """Replaces the responses of each step's experience by its prompts' demonstrations (see the module doc)."""
 
     def __init__(self, cfg: Config, tokenizer: Any, pool: RewardPool, pad_id: int) -> None:
@@ -63,18 +70,16 @@ class Demonstrations:
             self._cache[item.id] = Completion(token_ids=ids, logprobs=[], text=text, finish_reason="stop")
         return self._cache[item.id]
 
-    def __call__(self, exp: Experience) -> Experience:
+    def __call__(self, step: int, exp: Experience) -> Experience:
         g = self.cfg.rollout.group_size
         completions = [[self.completion(item)] * g for item in exp.items]
-        rewards, counters = score(self.pool, exp.items, completions)
+        rewards, counters = verify(self.pool, exp.items, completions)
         advantages, _ = compute_advantages(rewards, g, self.cfg.algo)
-        batch, engine_logp = to_batch(exp.items, completions, advantages, self.pad_id)
         verified = float((rewards >= 1.0).float().mean()) if len(rewards) else 0.0
         return dataclasses.replace(
             exp,
             completions=completions,
-            rewards=rewards,
-            batch=batch,
-            engine_logp=engine_logp,
+            rollouts=to_rollouts(exp.items, completions, rewards, self.pad_id),
+            targets=Targets(advantages=advantages.float()),
             metrics=exp.metrics | {"demo/verified_frac": verified},
         )

@@ -1,19 +1,20 @@
 """PBA's base evidence: how many of M base-model samples per training prompt are correct (docs/algorithms.md, "PBA").
 
-`base_evidence(engine, pool, items, cfg, path, run_seed=...)` draws ``M = algo.pba_base_samples`` samples per
+`base_evidence(engine, pool, items, cfg, path, run_seed=...)` draws ``M = algo.kl.pba.base_samples`` samples per
 prompt from the engine's current weights (the caller runs it before the first update, so they are the base's),
 scores them with the reward pool (correct: reward >= 1, as pass@k counts) and stores ``prompt id -> count`` in
 ``path`` (JSON). The draw goes in chunks of prompts (``chunk_samples`` samples per chunk); each chunk is sampled like
-one rollout step (experience/collect.py `generate`: rollout ranks share its prompts, seeds from the run seed, the chunk's index
-and the rollout rank, at the rollout's temperature, top-p, budget and stop strings), so the counts are a function
-of the run seed and the prompt list. Rank 0 rewrites the file atomically after every chunk: an interrupted draw
+one rollout step (experience/collect.py `generate`: rollout ranks share its prompts, seeds from the run seed, the
+chunk's index and the rollout rank, at the rollout's temperature, top-p, budget and stop strings), so the counts are a
+function of the run seed and the prompt list. Rank 0 rewrites the file atomically after every chunk: an interrupted draw
 resumes at its first incomplete chunk, and a rerun whose file holds every prompt draws nothing.
 
 The file records M, the base model (``model.hf_dir`` and ``model.load``), the run seed and the sampling settings; a
 file written under other ones is rejected (its counts would be another experiment's evidence). A `PrefixedEngine`
 is unwrapped: the evidence is the base model's own samples, without weak prefixes.
 
-`pba_anchor` turns the evidence into what the loop applies each step: per-response KL coefficients and pba/* metrics.
+`BaseAnchoring` (the transform registered as ``pba``) turns the evidence into what each step's experience carries:
+per-response KL coefficients (its `Targets.kl_coef`) and the pba/* metrics.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from megatron_rlvr.algos.pba import pba_metrics, sequence_kl_coef
 from megatron_rlvr.errors import ConfigError, UserError
-from megatron_rlvr.experience.collect import generate, score
+from megatron_rlvr.experience.collect import Experience, generate, verify
+from megatron_rlvr.experience.transforms import ExperienceTransform, TransformSetup, experience_transform
 from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout.prefixes import without_prefixes
 
@@ -59,12 +60,12 @@ def base_evidence(
     run_seed: int,
     chunk_samples: int = 4096,
 ) -> dict[str, int]:
-    """prompt id -> correct answers among cfg.algo.pba_base_samples samples of the engine's current (base) weights.
+    """prompt id -> correct answers among cfg.algo.kl.pba.base_samples samples of the engine's current (base) weights.
     Reads ``path`` when it holds every item's count (a rerun draws nothing); otherwise generates the missing chunks
     (ranks share the work like collect.generate), rank 0 writes ``path`` atomically. A collective over all
     ranks (all of them read the same file and take the same branch)."""
     path = Path(path)
-    m = cfg.algo.pba_base_samples
+    m = cfg.algo.kl.pba.base_samples
     header = _header(cfg, run_seed)
     counts = _read(path, header)
     ids = list(dict.fromkeys(item.id for item in items))  # first occurrence: the chunks' fixed layout
@@ -83,7 +84,7 @@ def base_evidence(
         if all(item.id in counts for item in part):
             continue  # drawn before an interruption: the same seeds would draw the same samples
         completions = generate(engine, part, rollout, run_seed=run_seed, step=BASE_EVIDENCE_STEP, refill_round=chunk)
-        rewards, _ = score(pool, part, completions)
+        rewards, _ = verify(pool, part, completions)
         correct = (rewards.view(len(part), m) >= 1.0).sum(-1).tolist()
         counts.update({item.id: int(c) for item, c in zip(part, correct)})
         if rank0:
@@ -97,7 +98,7 @@ def _header(cfg: Config, run_seed: int) -> dict[str, Any]:
     r = cfg.rollout
     return {
         "format": FORMAT,
-        "samples": cfg.algo.pba_base_samples,
+        "samples": cfg.algo.kl.pba.base_samples,
         "model": str(cfg.model.hf_dir),
         "load": cfg.model.load,
         "seed": run_seed,
@@ -148,21 +149,45 @@ def _write(path: Path, header: dict[str, Any], counts: dict[str, int]) -> None:
     os.replace(tmp, path)  # readers see the old file or the new one, never a half-written one
 
 
-def pba_anchor(
-    cfg: Config, engine: RolloutEngine, pool: RewardPool, items: list[PromptItem], path: Path, start_step: int
-) -> Callable[[list[PromptItem]], tuple[torch.Tensor, dict[str, float]]]:
-    """PBA: the frozen base's correct counts per training prompt (drawn now, before the first update, or read back
-    from ``path``) and a function from a step's prompts to per-response KL coefficients and the pba/* metrics."""
-    if start_step > 0 and not path.is_file():  # the engine now holds trained weights: they are not the base
-        raise ConfigError(
-            f"algo.pba: resuming at step {start_step} but {path} (the base's evidence) is missing; "
-            "start the run afresh or restore the file"
+@experience_transform("pba", enabled=lambda cfg: cfg.algo.kl.pba.enabled, stage="targets")
+def build(setup: TransformSetup) -> BaseAnchoring:
+    return BaseAnchoring(
+        setup.cfg,
+        setup.engine,
+        setup.pool,
+        list(setup.prompts),
+        setup.output_dir / "base_evidence.json",
+        setup.start_step,
+    )
+
+
+class BaseAnchoring(ExperienceTransform):
+    """PBA: the frozen base's correct counts per training prompt (drawn when built, before the first update, or
+    read back from ``path``); each step's experience gets its per-response KL coefficients and the pba/* metrics."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        engine: RolloutEngine,
+        pool: RewardPool,
+        items: list[PromptItem],
+        path: Path,
+        start_step: int,
+    ) -> None:
+        if start_step > 0 and not path.is_file():  # the engine now holds trained weights: they are not the base
+            raise ConfigError(
+                f"algo.kl.pba.enabled: resuming at step {start_step} but {path} (the base's evidence) is missing; "
+                "start the run afresh or restore the file"
+            )
+        self.cfg = cfg
+        # colocated: this rank's engine; separate: the engine ranks, which hold the initial weights (version 0) here
+        self.evidence = base_evidence(engine, pool, items, cfg, path, run_seed=cfg.trainer.seed)
+
+    def __call__(self, step: int, experience: Experience) -> Experience:
+        correct = torch.tensor([self.evidence[item.id] for item in experience.items])
+        coef = sequence_kl_coef(correct, self.cfg.rollout.group_size, self.cfg.algo)
+        return dataclasses.replace(
+            experience,
+            targets=dataclasses.replace(experience.targets, kl_coef=coef),
+            metrics=experience.metrics | pba_metrics(correct, self.cfg.algo),
         )
-    # colocated: this rank's engine; separate: the engine ranks, which hold the initial weights (version 0) here
-    evidence = base_evidence(engine, pool, items, cfg, path, run_seed=cfg.trainer.seed)
-
-    def anchor(step_items) -> tuple[torch.Tensor, dict[str, float]]:
-        correct = torch.tensor([evidence[item.id] for item in step_items])
-        return sequence_kl_coef(correct, cfg.rollout.group_size, cfg.algo), pba_metrics(correct, cfg.algo)
-
-    return anchor

@@ -1,11 +1,11 @@
 """ARMOR's anchor rollout (docs/algorithms.md, "ARMOR"): each group is G - 1 policy samples plus one anchor, a
 correct sample of the reference pi_ref.
 
-The reference is reset to the policy every ``algo.anchor_reset_every`` (beta) steps. Right after a reset the
+The reference is reset to the policy every ``algo.armor.reset_every`` (beta) steps. Right after a reset the
 colocated engine holds exactly the reference's weights (the policy's, synced after the last update), so
 `AnchorRollout.prepare` draws the anchors of the whole interval there and then: for each prompt of the next beta steps
 (read ahead from the loader, whose order is a pure function of the seed: the prompts each step will draw)
-``algo.anchor_candidates`` samples, scored by the reward pool; the first correct one (reward >= 1) is the prompt's
+``algo.armor.candidates`` samples, scored by the reward pool; the first correct one (reward >= 1) is the prompt's
 anchor. No second engine and no second weight sync: the cost is ``anchor_candidates`` samples per trained prompt,
 drawn in one go per interval (one chunk per step, seeded like a rollout round with step ``ANCHOR_STEP - r``).
 
@@ -13,11 +13,12 @@ Rank 0 stores each interval's anchors in ``<output_dir>/anchors/reset_<r>.pt``; 
 engine no longer holds that reference), and the reset reference itself is in the checkpoint (the actor's
 ``reference{i}``), so resume is exact.
 
-`AnchorRollout.attach` turns a step's experience (G - 1 policy samples per prompt: the source samples with
-``rollout.group_size - 1``) into G per group: the anchor goes last, the rewards (overlong penalty included) and
-advantages are recomputed over the G responses, and the paper's prompt filter masks out every response of a group
-whose policy rewards are all equal or that has no correct anchor. An anchor is a positive sample only: where its
-advantage is not > 0 (a group with partial credit or an overlong penalty), its tokens are masked out.
+The transform (registered as ``armor``: `AnchorRollout.before` runs ``prepare``, calling it runs ``attach``) reserves
+one sample of each group: the source samples ``rollout.group_size - 1`` per prompt. `AnchorRollout.attach` turns a
+step's experience (G - 1 policy samples per prompt) into G per group: the anchor goes last, the rewards (overlong
+penalty included) and advantages are recomputed over the G responses, and the paper's prompt filter masks out every
+response of a group whose policy rewards are all equal or that has no correct anchor. An anchor is a positive sample
+only: where its advantage is not > 0 (a group with partial credit or an overlong penalty), its tokens are masked out.
 Metrics: ``anchor/groups_trained``, ``anchor/dropped_no_anchor``, ``anchor/dropped_uniform``, ``anchor/found_frac``,
 ``anchor/reference_pass_rate`` (correct share of the reference's candidates), ``anchor/reset`` (1 on reset steps).
 """
@@ -35,7 +36,9 @@ import torch.distributed as dist
 
 from megatron_rlvr.algos import compute_advantages
 from megatron_rlvr.errors import ConfigError
-from megatron_rlvr.experience.collect import Experience, generate, group_of, score, to_batch
+from megatron_rlvr.experience.collect import Experience, generate, group_of, to_rollouts, untruncated, verify
+from megatron_rlvr.experience.transforms import ExperienceTransform, TransformSetup, experience_transform
+from megatron_rlvr.protocols.handoffs import Targets
 from megatron_rlvr.rewards import RewardPool
 from megatron_rlvr.rollout.prefixes import without_prefixes
 
@@ -50,11 +53,6 @@ FORMAT = 1
 ANCHOR_STEP = -3
 
 
-def policy_rollout(cfg: Config) -> Config:
-    """The run's config as the experience source sees it under ARMOR: G - 1 policy samples per prompt."""
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, group_size=cfg.rollout.group_size - 1))
-
-
 @dataclasses.dataclass
 class Interval:
     """The anchors of steps ``start`` .. ``start + len(steps) - 1``: per step, per prompt, (id, anchor or None, the
@@ -66,8 +64,22 @@ class Interval:
     candidates_drawn: int
 
 
-class AnchorRollout:
-    """The reference's anchors for each step (see the module doc); ``reset`` sets the actor's reference to its policy."""
+@experience_transform("armor", enabled=lambda cfg: cfg.algo.armor.anchors, reserved_samples=1)
+def build(setup: TransformSetup) -> AnchorRollout:
+    return AnchorRollout(
+        setup.cfg,
+        setup.engine,
+        setup.pool,
+        setup.loader,
+        setup.actor.reset_reference,
+        setup.output_dir / "anchors",
+        pad_id=setup.pad_id,
+    )
+
+
+class AnchorRollout(ExperienceTransform):
+    """The reference's anchors for each step (see the module doc); ``reset`` sets the actor's reference to its
+    policy."""
 
     def __init__(
         self,
@@ -87,10 +99,16 @@ class AnchorRollout:
     def path(self, start: int) -> Path:
         return self.directory / f"reset_{start}.pt"
 
+    def before(self, step: int) -> dict[str, float]:
+        return self.prepare(step)
+
+    def __call__(self, step: int, experience: Experience) -> Experience:
+        return self.attach(step, experience)
+
     def prepare(self, step: int) -> dict[str, float]:
         """Before step ``step``'s rollout: on a reset step, reset the reference and draw the interval's anchors (or
         read them back); on a resumed run's first step, read its interval's anchors."""
-        beta = self.cfg.algo.anchor_reset_every
+        beta = self.cfg.algo.armor.reset_every
         start = step - step % beta
         if self.interval is not None and self.interval.start == start:
             return {"anchor/reset": 0.0}
@@ -101,7 +119,7 @@ class AnchorRollout:
         interval = self._read(start)
         if interval is None:
             raise ConfigError(
-                f"algo.anchor_rollout: resuming at step {step}, but {self.path(start)} (the anchors the reference of "
+                f"algo.armor.anchors: resuming at step {step}, but {self.path(start)} (the anchors the reference of "
                 f"step {start} drew) is missing and the engine no longer holds that reference; restore the file or "
                 "start the run afresh"
             )
@@ -111,13 +129,13 @@ class AnchorRollout:
     def _draw(self, start: int) -> Interval:
         cfg = self.cfg
         # the whole interval, even past trainer.steps: a resumed run with more steps finds its anchors
-        count = cfg.algo.anchor_reset_every
+        count = cfg.algo.armor.reset_every
         position = self.loader.state_dict()
         try:
             per_step = [self.loader.next_batch() for _ in range(count)]
         finally:
             self.loader.load_state_dict(position)  # read ahead only: each step draws its own prompts
-        k = cfg.algo.anchor_candidates
+        k = cfg.algo.armor.candidates
         rollout = dataclasses.replace(cfg.rollout, group_size=k)
         engine = without_prefixes(self.engine)
         steps, correct_total, drawn = [], 0, 0
@@ -125,7 +143,7 @@ class AnchorRollout:
             completions = generate(
                 engine, items, rollout, run_seed=cfg.trainer.seed, step=ANCHOR_STEP - start, refill_round=offset
             )
-            rewards, _ = score(self.pool, items, completions)
+            rewards, _ = verify(self.pool, items, completions)
             correct = rewards.view(len(items), k) >= 1.0
             correct_total, drawn = correct_total + int(correct.sum()), drawn + correct.numel()
             row = []
@@ -147,8 +165,8 @@ class AnchorRollout:
         return {
             "format": FORMAT,
             "start": start,
-            "candidates": c.algo.anchor_candidates,
-            "reset_every": c.algo.anchor_reset_every,
+            "candidates": c.algo.armor.candidates,
+            "reset_every": c.algo.armor.reset_every,
             "seed": c.trainer.seed,
             "model": str(c.model.hf_dir),
             "sampling": [r.temperature, r.top_p, r.max_new_tokens, list(r.stop)],
@@ -170,7 +188,7 @@ class AnchorRollout:
         data = torch.load(path, weights_only=False)
         if data.get("header") != self._header(start):
             raise ConfigError(
-                f"algo.anchor_rollout: {path} was drawn for another setting ({data.get('header')}); use another "
+                f"algo.armor.anchors: {path} was drawn for another setting ({data.get('header')}); use another "
                 "trainer.output_dir, or delete the file"
             )
         return Interval(**data["interval"])
@@ -199,12 +217,13 @@ def with_anchors(
     interval: Interval | None = None,
 ) -> Experience:
     """G - 1 policy samples per group + its anchor and the anchor's reward (a placeholder copy of the first sample
-    where there is none, masked out with its whole group) -> the G-sample `Experience`, the anchor/* metrics among its metrics."""
+    where there is none, masked out with its whole group) -> the G-sample `Experience`, the anchor/* metrics among its
+    metrics."""
     g = cfg.rollout.group_size
     policy_g = g - 1
     groups, rewards, keep, found = [], [], [], []
     for i, (item, (anchor, anchor_reward)) in enumerate(zip(exp.items, anchors)):
-        own = exp.rewards[i * policy_g : (i + 1) * policy_g]
+        own = exp.rollouts.rewards[i * policy_g : (i + 1) * policy_g]
         varied = bool((own != own[0]).any())
         completions = list(exp.completions[i]) + [anchor if anchor is not None else exp.completions[i][0]]
         group = group_of(0, i, item, completions, torch.cat([own, torch.tensor([anchor_reward])]), cfg)
@@ -217,14 +236,11 @@ def with_anchors(
     flat = torch.cat(rewards)
     advantages, _ = compute_advantages(flat, g, cfg.algo)
     items, completions = exp.items, [grp.completions for grp in groups]
-    batch, engine_logp = to_batch(items, completions, advantages, pad_id)
     kept = torch.tensor(keep).repeat_interleave(g)
     anchor_rows = (torch.arange(len(flat)) % g) == g - 1
     kept &= ~anchor_rows | (advantages > 0)  # anchors are positive samples only
-    batch.response_mask &= kept[:, None]
-    if cfg.algo.mask_truncated:
-        truncated = torch.tensor([c.finish_reason == "length" for group in completions for c in group])
-        batch.response_mask &= ~truncated[:, None]
+    trains = kept & untruncated(completions, cfg.algo.mask_truncated)
+    rollouts = to_rollouts(items, completions, flat, pad_id, trains=trains)
     n = max(len(exp.items), 1)
     metrics = {
         "anchor/groups_trained": float(sum(keep)),
@@ -235,5 +251,9 @@ def with_anchors(
     if interval is not None:
         metrics["anchor/reference_pass_rate"] = interval.candidates_correct / max(interval.candidates_drawn, 1)
     return dataclasses.replace(
-        exp, completions=completions, rewards=flat, batch=batch, engine_logp=engine_logp, metrics=exp.metrics | metrics
+        exp,
+        completions=completions,
+        rollouts=rollouts,
+        targets=Targets(advantages=advantages.float()),
+        metrics=exp.metrics | metrics,
     )
