@@ -166,9 +166,12 @@ def unit_scheduling(config, log, path: str):
             return {scope for scope, tests in self.assigned_work.get(node, {}).items() if not all(tests.values())}
 
         def _pick(self, node) -> str | None:
-            """The next unit for ``node``: the first in the queue that may run beside what runs elsewhere."""
+            """The next unit for ``node``: the first in the queue that may run beside what runs on the other workers.
+            What runs on ``node`` itself does not hold it back: a unit sent to it starts after those, and a worker
+            waits for its next test before it runs the last one it holds (xdist's teardown needs the next item), so
+            a worker held back by its own unit would never finish that unit."""
             elsewhere = set().union(*(self._running(n) for n in self.nodes if n is not node))
-            alone_running = bool((elsewhere | self._running(node)) & ALONE)
+            alone_running = bool(elsewhere & ALONE)
             heavy_elsewhere = bool(elsewhere - self._light)
             for scope in self.workqueue:
                 if scope in ALONE:
@@ -189,8 +192,8 @@ def unit_scheduling(config, log, path: str):
 
         def mark_test_complete(self, node, item_index, duration=0) -> None:
             super().mark_test_complete(node, item_index, duration)
-            for other in self.nodes:  # an idle worker held back by an `ALONE` unit may go on now
-                if other is not node and not self._running(other):
-                    self._reschedule(other)
+            for other in self.nodes:  # a worker held back by what ran here may go on now (or shut down)
+                if other is not node:
+                    self._reschedule(other)  # which sends work only to a worker with at most two tests left
 
     return UnitScheduling(config, log)

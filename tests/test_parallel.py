@@ -1,5 +1,6 @@
 """The suite's scheduler over xdist workers (tests/parallel.py), driven with two stand-in workers: a unit's tests go
-to one worker, in the queue's order, and an `ALONE` unit runs beside unit-tier tests only."""
+to one worker, in the queue's order, an `ALONE` unit runs beside unit-tier tests only, and every run ends: the
+stand-ins hold their last test until more work or the shutdown comes, as xdist's workers do."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Worker:
     def __init__(self, name: str) -> None:
         self.gateway = SimpleNamespace(id=name)
         self.sent: list[int] = []
+        self.done: list[int] = []
         self.shutting_down = False
 
     def send_runtest_some(self, indices: list[int]) -> None:
@@ -47,6 +49,40 @@ def _finish(sched, worker: Worker, units: dict[str, str]) -> None:
             sched.mark_test_complete(worker, index)
 
 
+def _drive(sched, workers: list[Worker]) -> None:
+    """The workers run what xdist's would, one test at a time in turn, until none can: a worker runs a test only
+    while another follows it in its queue, or once it is shutting down (the worker needs the next item for its
+    teardown)."""
+    moved = True
+    while moved:
+        moved = False
+        for worker in workers:
+            waiting = [i for i in worker.sent if i not in worker.done]
+            if len(waiting) > 1 or (waiting and worker.shutting_down):
+                worker.done.append(waiting[0])
+                sched.mark_test_complete(worker, waiting[0])
+                moved = True
+
+
+def test_every_run_ends_and_the_alone_unit_never_runs_beside_a_heavy_one(tmp_path):
+    units = {
+        "test_real_model.py::a": REAL_MODEL,  # the workers put it first
+        "test_real_model.py::b": REAL_MODEL,
+        "test_real_model.py::c": REAL_MODEL,
+        **{f"test_heavy{n}.py::{t}": f"test_heavy{n}.py" for n in range(3) for t in "ab"},
+        "test_light.py::a": "test_light.py",
+    }
+    ids = list(units)
+    sched, workers = _scheduler(tmp_path, units, light=["test_light.py"])
+    gw0, gw1 = workers
+    assert [ids[i] for i in gw1.sent] == ["test_light.py::a"]  # not a heavy unit beside the real model
+    _drive(sched, workers)
+    assert sorted(ids[i] for i in gw0.done + gw1.done) == sorted(ids)  # all ran: nothing waits on the other
+    assert gw0.shutting_down and gw1.shutting_down and not sched.workqueue
+    assert [ids[i] for i in gw0.done[:3]] == ids[:3]
+    assert ids[gw1.sent[0]] == "test_light.py::a"  # while the real model ran, the other worker took the light unit
+
+
 def test_units_stay_whole_and_an_alone_unit_runs_beside_light_ones_only(tmp_path):
     units = {
         "test_real_model.py::a": REAL_MODEL,  # the workers put it first
@@ -59,8 +95,8 @@ def test_units_stay_whole_and_an_alone_unit_runs_beside_light_ones_only(tmp_path
     }
     ids = list(units)
     sched, (gw0, gw1) = _scheduler(tmp_path, units, light=["test_light.py"])
-    assert [ids[i] for i in gw0.sent] == ids[:2]  # the real model's unit, whole, on one worker
-    assert [ids[i] for i in gw1.sent] == ids[4:]  # beside it, the light unit; the heavy one waits
+    assert [ids[i] for i in gw0.sent] == ids[:4]  # the real model's unit, whole, then the heavy one after it
+    assert [ids[i] for i in gw1.sent] == ids[4:]  # beside it, the light unit only
     _finish(sched, gw1, units)
     assert [ids[i] for i in gw1.sent] == ids[4:]  # still waiting: the real model runs
     _finish(sched, gw0, units)  # done: the idle worker goes on
