@@ -10,48 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.training_runs import COMPARED, make_tiny_model, train, train_recording_calls
+
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
-
-_COMPARED = ("reward/mean", "actor/loss", "actor/grad_norm", "loss/entropy", "loss/rank1_prob")
-
-
-def _config(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
-    from megatron_rlvr.config import load_config
-
-    return load_config(
-        None,
-        [
-            f"model.hf_dir={hf_dir}",
-            f"actor.tp={tp}",
-            f"actor.pp={pp}",
-            "actor.micro_batch_size=4",
-            "actor.lr=1e-3",
-            "algo.loss.kind=entropy_bonus",
-            "algo.loss.beta=0.05",
-            "rollout.group_size=4",
-            "rollout.max_new_tokens=6",
-            "rollout.max_model_len=64",
-            "rollout.kv_cache_memory_bytes=16777216",
-            "data.max_prompt_tokens=48",
-            "reward.workers=1",
-            "data.demo_train_problems=64",
-            f"trainer.steps={steps}",
-            "trainer.prompts_per_step=2",
-            "trainer.tensorboard=false",
-            f"trainer.output_dir={out_dir}",
-            *extra,
-        ],
-    )
-
-
-def _train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
-    from megatron_rlvr.runtime import distributed
-    from megatron_rlvr.trainer import train
-
-    try:
-        return train(_config(hf_dir, out_dir, tp, pp, steps, extra))
-    finally:
-        distributed.destroy_model_parallel()
 
 
 def _first_token_rewards(pool, items, completions):
@@ -64,18 +25,18 @@ def _first_token_rewards(pool, items, completions):
 
 
 def _train_first_token_rewards(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
-    """_train with _first_token_rewards in place of the verifier pool."""
+    """train with _first_token_rewards in place of the verifier pool."""
     from megatron_rlvr.experience import collect as experience
 
     real_verify, experience.verify = experience.verify, _first_token_rewards
     try:
-        return _train(hf_dir, out_dir, tp, pp, steps, extra)
+        return train(hf_dir, out_dir, tp, pp, steps, extra)
     finally:
         experience.verify = real_verify
 
 
 def _engine_logp_shifted(hf_dir: str, out_dir: str, shift: float, extra: list[str]):
-    """_train (1 step) with every log-prob the engine reports lowered by ``shift``: rho = exp(shift) on every token."""
+    """train (1 step) with every log-prob the engine reports lowered by ``shift``: rho = exp(shift) on every token."""
     from megatron_rlvr.experience import collect as experience
 
     real_generate = experience.generate
@@ -89,35 +50,9 @@ def _engine_logp_shifted(hf_dir: str, out_dir: str, shift: float, extra: list[st
 
     experience.generate = generate
     try:
-        return _train(hf_dir, out_dir, 2, 1, 1, extra)
+        return train(hf_dir, out_dir, 2, 1, 1, extra)
     finally:
         experience.generate = real_generate
-
-
-def _train_recording_calls(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str]):
-    """_train, with the order of the engine's and the actor's calls recorded."""
-    from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.rollout.vllm_engine import VLLMEngine
-
-    calls, real = [], {}
-    for cls, name in (
-        (VLLMEngine, "generate"),
-        (VLLMEngine, "sleep"),
-        (VLLMEngine, "update_weights"),
-        (MegatronActor, "update"),
-    ):
-        real[cls, name] = getattr(cls, name)
-
-        def recorded(self, *args, _name=name, _fn=real[cls, name], **kwargs):
-            calls.append(_name)
-            return _fn(self, *args, **kwargs)
-
-        setattr(cls, name, recorded)
-    try:
-        return _train(hf_dir, out_dir, tp, pp, steps, extra), calls
-    finally:
-        for (cls, name), fn in real.items():
-            setattr(cls, name, fn)
 
 
 def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
@@ -136,7 +71,7 @@ def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
 
     experience_source.collect = collect
     try:
-        return _train(hf_dir, out_dir, 2, 1, 2), calls
+        return train(hf_dir, out_dir, 2, 1, 2), calls
     finally:
         experience_source.collect = real_collect
 
@@ -168,7 +103,7 @@ def _nonfinite_losses(hf_dir: str, out_dir: str):
 
     actor_module.policy_loss, actor_module.MegatronActor.update = nan_loss, update
     try:
-        _train(hf_dir, out_dir, 2, 1, 5, ["actor.max_nonfinite_in_a_row=2"])
+        train(hf_dir, out_dir, 2, 1, 5, ["actor.max_nonfinite_in_a_row=2"])
     except trainer.NonFiniteError as e:
         return str(e), seen
     finally:
@@ -196,7 +131,7 @@ def _failing_checkpoint(hf_dir: str, out_dir: str):
 
     dist_checkpointing.save = save
     try:
-        _train(hf_dir, out_dir, 2, 1, 2, ["checkpoint.save_every=1"])
+        train(hf_dir, out_dir, 2, 1, 2, ["checkpoint.save_every=1"])
     except CheckpointError as e:
         return str(e)
     finally:
@@ -228,9 +163,7 @@ def _assert_step_exports_like_final_hf(step_dir, final_hf):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
-
-    return str(make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen"), seed=5))
+    return make_tiny_model(tmp_path_factory.mktemp("qwen"))
 
 
 _VALIDATION = ["trainer.eval_every=2", "eval.n_samples=2", "eval.limit=3", "eval.max_new_tokens=6"]
@@ -240,7 +173,7 @@ _VALIDATION = ["trainer.eval_every=2", "eval.n_samples=2", "eval.limit=3", "eval
 @pytest.mark.parametrize("tp,pp,kl_coef", [(2, 1, 0.0), (1, 2, 0.1)])
 def test_two_steps_end_to_end(workers2, tiny_model, tmp_path, tp, pp, kl_coef):
     runs = workers2.run(
-        _train_recording_calls,
+        train_recording_calls,
         tiny_model,
         str(tmp_path / "run"),
         tp,
@@ -317,7 +250,7 @@ def test_a_teacher_that_is_the_student_gives_zero_through_the_loop(workers2, tin
         "algo.distill.only=true",
         "algo.kl.coef=0.1",
     ]
-    (step,) = workers2.run(_train, tiny_model, str(tmp_path / "run"), 2, 1, 1, extra, timeout_s=900)[0]
+    (step,) = workers2.run(train, tiny_model, str(tmp_path / "run"), 2, 1, 1, extra, timeout_s=900)[0]
     keys = ("actor/loss", "actor/grad_norm", "loss/kl_ref", "distill/reverse_kl", "distill/forward_kl_topn")
     print("step 1 through the loop: " + ", ".join(f"{k} {step[k]:.3g}" for k in keys))
     assert {k: step[k] for k in keys} == dict.fromkeys(keys, 0.0)
@@ -332,7 +265,7 @@ def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path, re
     """The steps after a resume equal the uninterrupted run's (weights, optimizer, data position, RNG, rollouts);
     with refill, also the extra prompts drawn and sampled (the loader's stream position is in the checkpoint), and
     the rollout correction (tis) read from the engine's log-probs of the resumed rollouts."""
-    run, extra = (_train_first_token_rewards, _REFILL) if refill else (_train, [])
+    run, extra = (_train_first_token_rewards, _REFILL) if refill else (train, [])
     full = workers2.run(run, tiny_model, str(tmp_path / "full"), 2, 1, 4, extra, timeout_s=900)[0]
     # an interrupted run: stops after step 2 with a checkpoint at step 2, then the same command resumes
     workers2.run(run, tiny_model, str(tmp_path / "cut"), 2, 1, 2, [*extra, "checkpoint.save_every=2"], timeout_s=900)
@@ -342,7 +275,7 @@ def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path, re
         run, tiny_model, str(tmp_path / "cut"), 2, 1, 4, [*extra, "checkpoint.save_every=2"], timeout_s=900
     )[0]
     assert [m["step"] for m in resumed] == [3, 4]
-    compared = _COMPARED + (
+    compared = COMPARED + (
         (
             "batch/refill_rounds",
             "batch/groups_trained",
@@ -419,14 +352,14 @@ def _even_first_token_rewards(pool, items, completions):
 
 
 def _train_armor(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
-    """_train with _even_first_token_rewards scoring both the policy's samples and the anchors' candidates."""
+    """train with _even_first_token_rewards scoring both the policy's samples and the anchors' candidates."""
     from megatron_rlvr.experience import collect
     from megatron_rlvr.experience.methods import armor
 
     real = collect.verify, armor.verify
     collect.verify = armor.verify = _even_first_token_rewards
     try:
-        return _train(hf_dir, out_dir, tp, pp, steps, extra)
+        return train(hf_dir, out_dir, tp, pp, steps, extra)
     finally:
         collect.verify, armor.verify = real
 
@@ -447,5 +380,5 @@ def test_armor_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_pa
     assert [m["step"] for m in resumed] == [4]
     assert [m["anchor/reset"] for m in full] == [1.0, 0.0, 1.0, 0.0]
     assert full[3]["anchor/groups_trained"] > 0 and full[3]["loss/kl_ref"] > 0  # the policy moved off the reference
-    for key in (*_COMPARED, "loss/kl_ref", "anchor/groups_trained", "anchor/found_frac", "response/tokens_trained"):
+    for key in (*COMPARED, "loss/kl_ref", "anchor/groups_trained", "anchor/found_frac", "response/tokens_trained"):
         assert resumed[0][key] == pytest.approx(full[3][key], rel=1e-6, abs=1e-9), key

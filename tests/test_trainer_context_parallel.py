@@ -8,16 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer import _train, tiny_model  # noqa: F401 - the fixture is used by name
+from tests.training_runs import make_tiny_model, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 
 
-def test_two_steps_at_cp2_end_to_end(workers2, tiny_model, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("qwen"))
+
+
+def test_two_steps_at_cp2_end_to_end(workers2, tiny_model, tmp_path):
     extra = ["actor.cp=2", "algo.kl.coef=0.1", "actor.max_tokens_per_micro_batch=32", "checkpoint.save_every=2"]
-    histories = workers2.run(_train, tiny_model, str(tmp_path / "run"), 1, 1, 2, extra, timeout_s=900)
+    histories = workers2.run(train, tiny_model, str(tmp_path / "run"), 1, 1, 2, extra, timeout_s=900)
     assert [len(h) for h in histories] == [2, 2]
     for metrics in histories[0]:
         assert metrics["actor/grad_norm"] > 0 and metrics["actor/nonfinite"] == 0

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.test_trainer import _COMPARED, _train
+from tests.training_runs import COMPARED, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
@@ -31,17 +31,17 @@ def _checkpoint_keys(step_dir: str) -> list[str]:
 
 
 def test_lora_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):
-    full = workers2.run(_train, tiny_model, str(tmp_path / "full"), 2, 1, 4, _LORA, timeout_s=900)[0]
+    full = workers2.run(train, tiny_model, str(tmp_path / "full"), 2, 1, 4, _LORA, timeout_s=900)[0]
     cut = [*_LORA, "checkpoint.save_every=2"]
-    workers2.run(_train, tiny_model, str(tmp_path / "cut"), 2, 1, 2, cut, timeout_s=900)
+    workers2.run(train, tiny_model, str(tmp_path / "cut"), 2, 1, 2, cut, timeout_s=900)
     step = tmp_path / "cut" / "checkpoints" / "step-000002"
     keys = _checkpoint_keys(str(step))
     assert keys and all(k.startswith(("lora.", "optimizer.")) for k in keys), keys[:5]
     assert any(k.startswith("lora.decoder.layers.0.self_attention.linear_qkv.") for k in keys)
-    resumed = workers2.run(_train, tiny_model, str(tmp_path / "cut"), 2, 1, 4, cut, timeout_s=900)[0]
+    resumed = workers2.run(train, tiny_model, str(tmp_path / "cut"), 2, 1, 4, cut, timeout_s=900)[0]
     assert [m["step"] for m in resumed] == [3, 4]
     for got, want in zip(resumed, full[2:]):
-        for key in (*_COMPARED, "loss/kl_ref"):
+        for key in (*COMPARED, "loss/kl_ref"):
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["step"], key)
     assert full[0]["loss/kl_ref"] == 0.0 and full[-1]["loss/kl_ref"] > 0  # step 1: the base is the policy, exactly
     # the run's exports: the merged model, and the adapter in PEFT's format
@@ -55,5 +55,5 @@ def test_lora_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_pat
     make_tiny_hf_model("qwen2", other, seed=6, vocab_size=1002)
     shutil.copytree(tmp_path / "cut", tmp_path / "cut2")
     with pytest.raises(Exception) as e:
-        workers2.run(_train, str(other), str(tmp_path / "cut2"), 2, 1, 4, cut, timeout_s=900)
+        workers2.run(train, str(other), str(tmp_path / "cut2"), 2, 1, 4, cut, timeout_s=900)
     assert "its LoRA adapters were trained on the base" in str(e.value)

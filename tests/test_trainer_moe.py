@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from tests.test_trainer import _train_recording_calls
+from tests.training_runs import train_recording_calls
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
@@ -26,7 +26,7 @@ def tiny_moe(tmp_path_factory):
 
 def test_two_training_steps_of_a_moe_model_end_to_end(workers2, tiny_moe, tmp_path):
     runs = workers2.run(
-        _train_recording_calls,
+        train_recording_calls,
         tiny_moe,
         str(tmp_path / "run"),
         1,

@@ -1,0 +1,82 @@
+"""The tiny training runs the loop's tests share: the run's config (a random tiny Qwen2, 4 samples a group, 6 new
+tokens), one run in a worker group's ranks, one with the order of the engine's and the actor's calls recorded, and
+the metrics a resumed run must repeat exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def make_tiny_model(directory: Path) -> str:
+    """The loop tests' model: a random tiny Qwen2 written as a HF checkpoint under ``directory``."""
+    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
+
+    return str(make_tiny_hf_model("qwen2", directory, seed=5))
+
+
+COMPARED = ("reward/mean", "actor/loss", "actor/grad_norm", "loss/entropy", "loss/rank1_prob")
+
+
+def run_config(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
+    from megatron_rlvr.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.hf_dir={hf_dir}",
+            f"actor.tp={tp}",
+            f"actor.pp={pp}",
+            "actor.micro_batch_size=4",
+            "actor.lr=1e-3",
+            "algo.loss.kind=entropy_bonus",
+            "algo.loss.beta=0.05",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=6",
+            "rollout.max_model_len=64",
+            "rollout.kv_cache_memory_bytes=16777216",
+            "data.max_prompt_tokens=48",
+            "reward.workers=1",
+            "data.demo_train_problems=64",
+            f"trainer.steps={steps}",
+            "trainer.prompts_per_step=2",
+            "trainer.tensorboard=false",
+            f"trainer.output_dir={out_dir}",
+            *extra,
+        ],
+    )
+
+
+def train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
+    from megatron_rlvr import trainer
+    from megatron_rlvr.runtime import distributed
+
+    try:
+        return trainer.train(run_config(hf_dir, out_dir, tp, pp, steps, extra))
+    finally:
+        distributed.destroy_model_parallel()
+
+
+def train_recording_calls(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str]):
+    """train, with the order of the engine's and the actor's calls recorded."""
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
+    from megatron_rlvr.rollout.vllm_engine import VLLMEngine
+
+    calls, real = [], {}
+    for cls, name in (
+        (VLLMEngine, "generate"),
+        (VLLMEngine, "sleep"),
+        (VLLMEngine, "update_weights"),
+        (MegatronActor, "update"),
+    ):
+        real[cls, name] = getattr(cls, name)
+
+        def recorded(self, *args, _name=name, _fn=real[cls, name], **kwargs):
+            calls.append(_name)
+            return _fn(self, *args, **kwargs)
+
+        setattr(cls, name, recorded)
+    try:
+        return train(hf_dir, out_dir, tp, pp, steps, extra), calls
+    finally:
+        for (cls, name), fn in real.items():
+            setattr(cls, name, fn)
