@@ -26,6 +26,18 @@ class DenseStats:
     topn_ids: Tensor
 
 
+# Coefficients large enough that every loss's special path changes the gradient visibly: the loss tests' base config.
+LOSS_COEFFICIENTS = {
+    "loss.alpha": 0.3,
+    "loss.lambda_top1": 0.5,
+    "loss.tau_q": 0.5,
+    "loss.beta": 0.1,
+    "loss.kappa": 2.0,
+    "loss.cov_fraction": 0.2,
+    "loss.lambda_pos": 0.1,
+}
+
+
 def dense_token_stats(logits: Tensor, targets: Tensor, top_n: int, temperature: float = 1.0) -> DenseStats:
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     logp = logprobs.gather(-1, targets[..., None])[..., 0]

@@ -13,18 +13,16 @@ from megatron_rlvr.algos import LOSS_NAMES, policy_loss
 from megatron_rlvr.algos.token_masks import adaptive_candidates
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.testing.configs import algo_config, replaced
-from tests.algos.dense_reference import candidate_set_size, dense_token_stats, random_problem, reference_loss
+from tests.algos.dense_reference import (
+    LOSS_COEFFICIENTS,
+    candidate_set_size,
+    dense_token_stats,
+    random_problem,
+    reference_loss,
+)
 from tests.algos.stats_providers import PROVIDERS
 
-BASE = {
-    "loss.alpha": 0.3,
-    "loss.lambda_top1": 0.5,
-    "loss.tau_q": 0.5,
-    "loss.beta": 0.1,
-    "loss.kappa": 2.0,
-    "loss.cov_fraction": 0.2,
-    "loss.lambda_pos": 0.1,
-}
+BASE = LOSS_COEFFICIENTS
 ADAPTIVE = {"loss.kind": "casp", "loss.candidates": "adaptive", "loss.candidate_mass": 0.5, "loss.top_n": 4}
 
 

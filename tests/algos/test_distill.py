@@ -16,16 +16,10 @@ from megatron_rlvr.algos.distill import TeacherScores
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.ops.given_ids import logits_at_ids
 from megatron_rlvr.testing.configs import algo_config, run_config
-from tests.algos.dense_reference import random_problem, reference_loss
+from tests.algos.dense_reference import LOSS_COEFFICIENTS, random_problem, reference_loss
 
 BASE = {
-    "loss.alpha": 0.3,
-    "loss.lambda_top1": 0.5,
-    "loss.tau_q": 0.5,
-    "loss.beta": 0.1,
-    "loss.kappa": 2.0,
-    "loss.cov_fraction": 0.2,
-    "loss.lambda_pos": 0.1,
+    **LOSS_COEFFICIENTS,
     "loss.max_len_norm": 16,
     "distill.kind": "teacher",
     "distill.teacher_hf_dir": "teacher",

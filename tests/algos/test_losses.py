@@ -7,18 +7,9 @@ import torch
 
 from megatron_rlvr.algos import LOSS_NAMES, policy_loss
 from megatron_rlvr.testing.configs import algo_config, replaced
-from tests.algos.dense_reference import dense_token_stats, random_problem, reference_loss
+from tests.algos.dense_reference import LOSS_COEFFICIENTS, dense_token_stats, random_problem, reference_loss
 
-# Coefficients large enough that every loss's special path changes the gradient visibly.
-BASE = {
-    "loss.alpha": 0.3,
-    "loss.lambda_top1": 0.5,
-    "loss.tau_q": 0.5,
-    "loss.beta": 0.1,
-    "loss.kappa": 2.0,
-    "loss.cov_fraction": 0.2,
-    "loss.lambda_pos": 0.1,
-}
+BASE = LOSS_COEFFICIENTS
 
 
 def _grads(problem, cfg, *, with_ref=False, use_ids=True):

@@ -11,17 +11,9 @@ import torch.distributed as dist
 from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.testing.configs import algo_config
-from tests.algos.dense_reference import random_problem, reference_loss, sequence_coefs
+from tests.algos.dense_reference import LOSS_COEFFICIENTS, random_problem, reference_loss, sequence_coefs
 
-BASE = {
-    "loss.alpha": 0.3,
-    "loss.lambda_top1": 0.5,
-    "loss.tau_q": 0.5,
-    "loss.beta": 0.1,
-    "loss.kappa": 2.0,
-    "loss.cov_fraction": 0.2,
-    "loss.lambda_pos": 0.1,
-}
+BASE = LOSS_COEFFICIENTS
 CASES = [{"loss.kind": name} for name in LOSS_NAMES] + [
     {"loss.kind": "casp", "loss.agg": "seq_mean_token_mean", "loss.weights": "softmax"},
     {"loss.kind": "casp", "loss.agg": "seq_mean_token_sum_norm", "kl.coef": 0.2, "loss.top_n": 5},

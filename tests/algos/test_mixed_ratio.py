@@ -13,17 +13,9 @@ from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
 from megatron_rlvr.algos.mixed_ratio import mixed_log_probs, on_policy_share
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.testing.configs import algo_config
-from tests.algos.dense_reference import dense_token_stats, random_problem
+from tests.algos.dense_reference import LOSS_COEFFICIENTS, dense_token_stats, random_problem
 
-BASE = {
-    "loss.alpha": 0.3,
-    "loss.lambda_top1": 0.5,
-    "loss.tau_q": 0.5,
-    "loss.beta": 0.1,
-    "loss.kappa": 2.0,
-    "loss.cov_fraction": 0.2,
-    "loss.lambda_pos": 0.1,
-}
+BASE = LOSS_COEFFICIENTS
 SEEDS = (21, 22)
 
 

@@ -12,17 +12,15 @@ import torch
 from megatron_rlvr.algos import LOSS_NAMES, pba_metrics, policy_loss, sequence_kl_coef
 from megatron_rlvr.algos.pba import risky_prompts
 from megatron_rlvr.testing.configs import algo_config, replaced
-from tests.algos.dense_reference import dense_token_stats, random_problem, reference_loss, sequence_coefs
+from tests.algos.dense_reference import (
+    LOSS_COEFFICIENTS,
+    dense_token_stats,
+    random_problem,
+    reference_loss,
+    sequence_coefs,
+)
 
-BASE = {
-    "loss.alpha": 0.3,
-    "loss.lambda_top1": 0.5,
-    "loss.tau_q": 0.5,
-    "loss.beta": 0.1,
-    "loss.kappa": 2.0,
-    "loss.cov_fraction": 0.2,
-    "loss.lambda_pos": 0.1,
-}
+BASE = LOSS_COEFFICIENTS
 PBA = {"kl.pba.enabled": True, "kl.pba.base_samples": 8, "kl.pba.min_correct": 2, "kl.pba.coef": 0.25}
 
 

@@ -11,19 +11,11 @@ import torch
 from megatron_rlvr.algos import LOSS_NAMES, AlgoConfig, policy_loss
 from megatron_rlvr.algos.rollout_correction import correction_weights
 from megatron_rlvr.testing.configs import algo_config, replaced
-from tests.algos.dense_reference import DenseStats, dense_token_stats, random_problem, reference_loss
+from tests.algos.dense_reference import LOSS_COEFFICIENTS, DenseStats, dense_token_stats, random_problem, reference_loss
 
 CORRECTIONS = ("tis", "mis", "icepop")
 LEVELS = ("token", "sequence")
-BASE = {
-    "loss.alpha": 0.3,
-    "loss.lambda_top1": 0.5,
-    "loss.tau_q": 0.5,
-    "loss.beta": 0.1,
-    "loss.kappa": 2.0,
-    "loss.cov_fraction": 0.2,
-    "loss.lambda_pos": 0.1,
-}
+BASE = LOSS_COEFFICIENTS
 
 # Two responses, 5 tokens: rho = exp(old_logp - engine_logp) is 0.4, 0.9, 3.0 on the first, 1.5, 3.0 on the second
 # (its third position is padding). Thresholds are the defaults: C = 2, band [0.5, 2].
