@@ -170,6 +170,19 @@ def test_differences_name_every_changed_key():
     assert differences(old, old) == []
 
 
+def test_a_stored_config_without_a_key_added_since_reads_it_at_its_default():
+    """A checkpoint written before a knob existed ran without it: resuming it under the knob's default is no change,
+    and setting the knob is one."""
+    from megatron_rlvr.config import differences, to_dict, upgraded
+
+    stored = json.loads(json.dumps(to_dict(load_config(None))))
+    del stored["algo"]["armor"], stored["algo"]["mask_truncated"]  # as a run written before them keeps it
+    assert differences(stored, to_dict(load_config(None)))  # read as it is, the missing keys differ
+    assert differences(upgraded(stored), to_dict(load_config(None))) == []
+    changed = to_dict(load_config(None, ["algo.mask_truncated=true"]))
+    assert differences(upgraded(stored), changed) == ["algo.mask_truncated: False -> True"]
+
+
 def test_defaults_validate():
     assert Config().validate(world_size=1)
 

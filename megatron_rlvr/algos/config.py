@@ -2,9 +2,10 @@
 
 ``algo`` is sections: the loss (``algo.loss``, its kind and knobs), the advantage (``algo.advantage``), the KL term
 and its reference with PBA (``algo.kl``), the rollout correction (``algo.rollout_correction``), distillation with
-CRPO (``algo.distill``) and ARMOR (``algo.armor``); a section that is a choice among alternatives says which with
-its ``kind``. Each field declares its doc and limits (megatron_rlvr/settings.py), which the loader checks;
-constraints between fields are the run config's rules table (megatron_rlvr/config/rules.py). Derived facts
+CRPO (``algo.distill``), ARMOR (``algo.armor``) and ground-truth injection (``algo.ground_truth``); a section that
+is a choice among alternatives says which with its ``kind``. Each field declares its doc and limits
+(megatron_rlvr/settings.py), which the loader checks; constraints between fields are the run config's rules table
+(megatron_rlvr/config/rules.py), and a registered method's own rules its ``check``. Derived facts
 (`AlgoConfig.needs_reference`, `AlgoConfig.mixed_ratio_share`) are read here, not stored.
 """
 
@@ -221,6 +222,27 @@ class ArmorConfig:
     )
 
 
+GroundTruthGroups = Literal["all", "unsolved"]
+
+
+@dataclass
+class GroundTruthConfig:
+    """Ground-truth injection (docs/algorithms.md, "Ground-truth injection"; Anchor in Liu et al., arXiv 2511.09222):
+    one group member of rollout.group_size = G is the prompt's reference solution, beside G - 1 policy samples,
+    scored by the verifier and counted in the group's advantages and the loss like any sample."""
+
+    enabled: bool = setting(
+        False,
+        "The prompt's reference solution is the last member of its group, beside G - 1 policy samples (a task whose "
+        "rows carry answer.solution, or countdown; experience/methods/ground_truth.py).",
+    )
+    groups: GroundTruthGroups = setting(
+        "all",
+        "Where the reference joins: all groups (Anchor), or unsolved ones (no policy sample with reward >= 1); "
+        "elsewhere its row trains nothing and the G - 1 policy samples' advantages are their own group's.",
+    )
+
+
 @dataclass
 class AlgoConfig:
     """Advantages, the loss and the methods around it, by section."""
@@ -233,6 +255,9 @@ class AlgoConfig:
     )
     distill: DistillConfig = setting(factory=DistillConfig, doc="On-policy distillation, and CRPO.")
     armor: ArmorConfig = setting(factory=ArmorConfig, doc="ARMOR's anchors and mixed ratio.")
+    ground_truth: GroundTruthConfig = setting(
+        factory=GroundTruthConfig, doc="Ground-truth injection: the reference solution in each group (Anchor)."
+    )
     drop_uniform_groups: bool = setting(
         False, "DAPO dynamic sampling: groups whose rewards are all equal are dropped and refilled."
     )

@@ -6,8 +6,11 @@ run resumed across the change compares like with like.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+from megatron_rlvr.config.run import Config
 
 # old dotted key -> the key that holds its value now (``algo`` split into sections)
 RENAMED: dict[str, str] = {
@@ -87,7 +90,9 @@ def instead(key: str, value: Any = None) -> str | None:
 
 
 def upgraded(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored config tree (``to_dict``) with every old key moved to its new place (a copy; new keys stay)."""
+    """A stored config tree (``to_dict``) with every old key moved to its new place, and every key added since it was
+    written at today's default: the run that wrote it ran without that knob, which a new knob's default leaves as it
+    was (a copy; keys it holds stay)."""
     out = copy.deepcopy(dict(tree))
     for old, new in [*BECAME_SECTIONS.items(), *RENAMED.items()]:
         section, name = old.rsplit(".", 1)
@@ -103,4 +108,14 @@ def upgraded(tree: Mapping[str, Any]) -> dict[str, Any]:
                 break
         else:
             node[last] = value
-    return out
+    return _with_defaults(out, dataclasses.asdict(Config()))
+
+
+def _with_defaults(tree: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` with every key of ``defaults`` that it lacks, at any depth, set to its default."""
+    for key, default in defaults.items():
+        if key not in tree:
+            tree[key] = copy.deepcopy(default)
+        elif isinstance(default, Mapping) and isinstance(tree[key], dict):
+            _with_defaults(tree[key], default)
+    return tree
