@@ -3,6 +3,7 @@
 
 - `armor`: ARMOR's anchors, a correct sample of the reference in each group;
 - `demonstrations`: SFT on the prompts' reference solutions;
+- `ground_truth`: ground-truth injection, the prompt's reference solution as one member of each group;
 - `pba`: PBA's per-response KL coefficients from the base model's evidence.
 
 The registry imports every module of this package when it is first read: a new method is a new module here, and
