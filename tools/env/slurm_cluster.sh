@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # A real Slurm cluster on this one machine, to try the launcher (launch/ --executor slurm_local) and to test it.
-#   bash tools/env/slurm_cluster.sh start|stop|status|env
+#   bash tools/env/slurm_cluster.sh start|stop|status|env|install
 # start: installs the Debian packages if missing (as root: slurmctld slurmd slurm-client munge slurmdbd
 #   mariadb-server), writes the config under $MEGATRON_RLVR_SLURM_DIR (default /tmp/megatron-rlvr-slurm), and runs
 #   munged, MariaDB, slurmdbd (accounting, so `sacct` and nemo-run's status work), slurmctld and NODES slurmd
 #   "nodes" n1..nN on 127.0.0.1. Idempotent: with everything up and the config unchanged it does nothing.
 # stop: cancels the cluster's jobs, then ends the processes it started, by their pid files; nothing is left.
 # status: each daemon and its pid, and `sinfo`. env: the line to eval to use the cluster (`export SLURM_CONF=...`).
+# install: the packages alone, where missing (the test command runs it beside the Python stack's install).
 # Everything (config, spool, logs, munge socket, database) lives in the state directory; ports are chosen free once
 # and kept there, so several clusters (or other work on the machine) do not collide.
 set -euo pipefail
@@ -268,5 +269,6 @@ case ${1:-} in
   stop) stop ;;
   status) status ;;
   env) echo "export SLURM_CONF=$CONF" ;;
-  *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+  install) mkdir -p "$DIR/log"; install_packages ;;
+  *) echo "usage: $0 start|stop|status|env|install" >&2; exit 2 ;;
 esac
