@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine tensor-parallel size (GPU); under torchrun, WORLD_SIZE / tp engines split the problems",
     )
     parser.add_argument("--workers", type=int, default=RewardConfig().workers, help="verifier processes")
+    parser.add_argument(
+        "--sandbox-accept-rlimits-only",
+        action="store_true",
+        help="code benchmarks where no namespace can be had (no root, user namespaces off): run the programs with "
+        "rlimits only, with this host's files and network (reward.sandbox_accept_rlimits_only; docs/sandbox.md)",
+    )
     spec = IntervalSpec()
     parser.add_argument("--resamples", type=int, default=spec.resamples, help="bootstrap resamples of the intervals")
     parser.add_argument("--level", type=float, default=spec.level, help="confidence level of the intervals")
@@ -157,7 +163,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[EvalConfig, RewardConfig
     )
     if args.system_prompt is not None and not args.chat_template:
         raise EvalConfigError("--system-prompt: a system turn needs --chat-template")
-    return cfg, RewardConfig(workers=args.workers, answer=args.answer)
+    reward = RewardConfig(
+        workers=args.workers, answer=args.answer, sandbox_accept_rlimits_only=args.sandbox_accept_rlimits_only
+    )
+    return cfg, reward
 
 
 def main(argv: list[str] | None = None) -> int:

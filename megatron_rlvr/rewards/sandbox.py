@@ -199,7 +199,8 @@ class SandboxInfo:
         return (
             f"code sandbox: no isolation can be had here: {self.isolation_reason}. Programs the "
             f"policy writes (code rewards, the Python tool) would run as {who} with this host's files and network; "
-            f"enable user namespaces, or set {ACCEPT_KEY}=true to accept rlimits-only containment (docs/sandbox.md)"
+            f"enable user namespaces, or set {ACCEPT_KEY}=true (megatron-rlvr eval: --sandbox-accept-rlimits-only) to "
+            "accept rlimits-only containment (docs/sandbox.md)"
         )
 
 

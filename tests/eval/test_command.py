@@ -38,6 +38,9 @@ def test_config_from_args():
     assert cfg.benchmarks == ["math500", "aime24", "gsm8k"] and cfg.n_samples == 1024 and cfg.chunk == 1024
     assert reward_cfg.workers >= 1
     assert cfg.system_prompt is None and not cfg.chat_template and reward_cfg.answer == "tagged"
+    assert not reward_cfg.sandbox_accept_rlimits_only  # an eval with no namespaces stops, as a training run does
+    accepting = ["--model", "a", "--benchmarks", "livecodebench", "--sandbox-accept-rlimits-only"]
+    assert config_from_args(build_parser().parse_args(accepting))[1].sandbox_accept_rlimits_only
     chat = ["--model", "a", "--benchmarks", "reasoning_gym", "--chat-template", "--system-prompt", "Be brief."]
     cfg, reward_cfg = config_from_args(build_parser().parse_args([*chat, "--answer", "last_number"]))
     assert cfg.chat_template and cfg.system_prompt == "Be brief." and reward_cfg.answer == "last_number"
