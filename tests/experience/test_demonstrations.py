@@ -16,20 +16,9 @@ from megatron_rlvr.protocols import Targets
 from megatron_rlvr.rewards.countdown import score_countdown
 from megatron_rlvr.rollout import Completion, RolloutConfig
 from megatron_rlvr.testing.configs import algo_config, run_config
+from tests.experience.reference_fakes import CharTokenizer, CountdownPool
 
 COUNTDOWN = PromptItem("cd0", "", (5, 6), {"numbers": [3, 4, 5, 6], "target": 24}, "countdown")
-
-
-class CharTokenizer:
-    eos_token_id = 99
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-
-class CountdownPool:
-    def score_batch(self, tasks, responses, references):
-        return [score_countdown(r, ref) for r, ref in zip(responses, references)], {}
 
 
 def test_countdown_demonstrations_replace_the_samples():

@@ -26,6 +26,7 @@ from megatron_rlvr.protocols import Targets
 from megatron_rlvr.rewards.countdown import score_countdown
 from megatron_rlvr.rollout import Completion, RolloutConfig
 from megatron_rlvr.testing.configs import algo_config, run_config
+from tests.experience.reference_fakes import CharTokenizer, CountdownPool
 
 G = 4
 EPS = 1e-6  # algo.advantage.eps
@@ -33,18 +34,6 @@ SOLVED = PromptItem("cd0", "", (5, 6), {"numbers": [3, 4, 5, 6], "target": 24}, 
 UNSOLVED = PromptItem("cd1", "", (7, 8, 9), {"numbers": [1, 2, 3, 4], "target": 10}, "countdown")
 # a row whose stored solution the verifier rejects (3 + 4 is not 24)
 WRONG = PromptItem("cd2", "", (5, 6), {"numbers": [3, 4, 5, 6], "target": 24, "solution": "3 + 4"}, "countdown")
-
-
-class CharTokenizer:
-    eos_token_id = 99
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-
-class CountdownPool:
-    def score_batch(self, tasks, responses, references):
-        return [score_countdown(r, ref) for r, ref in zip(responses, references)], {}
 
 
 def _config(groups: str = "all") -> Config:
