@@ -228,6 +228,11 @@ def _set_core_attention(spec, attention: str) -> None:
 _logged_attention: set[str] = set()
 
 
+def reset_attention_log() -> None:
+    """Forget which attentions were logged: the next layer spec of each logs its line again."""
+    _logged_attention.clear()
+
+
 def _log_attention_once(attention: str) -> None:
     """The attention in the run's log, once per process and kind (every chunk, the reference and a teacher build
     a spec)."""
