@@ -131,6 +131,7 @@ class MegatronActor:
             vpp=actor_cfg.vpp,
             use_te=use_te,
             core_attention=model_cfg.core_attention,
+            attention_block_tokens=model_cfg.packed_attention_block_tokens,
             divisible_by=model_cfg.make_vocab_size_divisible_by,
             hf_dir=model_cfg.hf_dir,
             dist_checkpoint=model_cfg.load,
