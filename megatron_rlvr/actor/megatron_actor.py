@@ -66,7 +66,7 @@ from megatron_rlvr.data import PromptItem
 from megatron_rlvr.models.config import ModelConfig
 from megatron_rlvr.protocols.actor import WeightBucket
 from megatron_rlvr.protocols.handoffs import Rollouts, Sequences, Statistics, Targets
-from megatron_rlvr.runtime import distributed
+from megatron_rlvr.runtime import callbacks, distributed
 
 
 class MegatronActor:
@@ -270,6 +270,7 @@ class MegatronActor:
         detached (the mismatch then reads those)."""
         from megatron.core import parallel_state as ps
 
+        callbacks.fire("actor.before_update", actor=self)
         batch = TrainingRows.join(rollouts, targets, statistics)
         own_old = batch.old_logp is None
         if own_old and mini_batches != 1:
