@@ -65,7 +65,8 @@ def _resolve(name: str) -> Callable[[list[str]], int]:
 _GLOBAL_FLAGS = ("--debug", "--verbose")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, resolve: Callable[[str], Callable[[list[str]], int]] = _resolve) -> int:
+    """Run one subcommand; ``resolve`` maps its name to its implementation (default: the lazy import above)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     from megatron_rlvr.runtime import console
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     console.configure_environment(debug=args.debug, verbose=args.verbose)
     console.setup_console(name=args.command)
     try:
-        return int(_resolve(args.command)(argv[1:]) or 0)
+        return int(resolve(args.command)(argv[1:]) or 0)
     except UserError as e:
         return console.report_user_error(e)
 

@@ -136,15 +136,14 @@ def test_debug_flag_and_variable_show_the_traceback(tmp_path):
         assert result.stderr.strip().splitlines()[-1].startswith("error: --src ")
 
 
-def test_a_bug_keeps_its_traceback(monkeypatch):
+def test_a_bug_keeps_its_traceback():
     from megatron_rlvr import cli
 
     def broken(argv):
         raise KeyError("a bug, not a user error")
 
-    monkeypatch.setattr(cli, "_resolve", lambda name: broken)
     with pytest.raises(KeyError):
-        cli.main(["data", "prepare"])
+        cli.main(["data", "prepare"], resolve=lambda name: broken)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -253,7 +254,7 @@ def test_preflight_names_the_missing_input_and_its_fix(tmp_path, monkeypatch):
     for override, message in cases.items():
         with pytest.raises(UserError, match=message):
             load_config(REPO / "configs" / "demo_cpu.yaml", [override]).check_inputs()
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "vllm" else object())
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where it is not installed: find_spec and imports fail
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm: the vllm package is not installed; pip install"):
         cfg.check_inputs()
 

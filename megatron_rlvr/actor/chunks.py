@@ -27,6 +27,7 @@ def build_chunks(
     hf_dir: str,
     dist_checkpoint: str | None = None,
     core_attention: str = "auto",
+    attention_block_tokens: int | None = None,
 ) -> list[torch.nn.Module]:
     """The chunks of the model ``hf`` describes at ``tcfg``'s layout, with the weights of ``dist_checkpoint`` when
     given (any TP/PP), else those of the HF checkpoint ``hf_dir``. Needs megatron's parallel state."""
@@ -49,6 +50,7 @@ def build_chunks(
                     use_te=use_te,
                     make_vocab_size_divisible_by=divisible_by,
                     core_attention=core_attention,
+                    attention_block_tokens=attention_block_tokens,
                 )
             )
         )

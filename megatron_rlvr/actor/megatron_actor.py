@@ -66,7 +66,7 @@ from megatron_rlvr.data import PromptItem
 from megatron_rlvr.models.config import ModelConfig
 from megatron_rlvr.protocols.actor import WeightBucket
 from megatron_rlvr.protocols.handoffs import Rollouts, Sequences, Statistics, Targets
-from megatron_rlvr.runtime import distributed
+from megatron_rlvr.runtime import callbacks, distributed
 
 
 class MegatronActor:
@@ -131,6 +131,7 @@ class MegatronActor:
             vpp=actor_cfg.vpp,
             use_te=use_te,
             core_attention=model_cfg.core_attention,
+            attention_block_tokens=model_cfg.packed_attention_block_tokens,
             divisible_by=model_cfg.make_vocab_size_divisible_by,
             hf_dir=model_cfg.hf_dir,
             dist_checkpoint=model_cfg.load,
@@ -269,6 +270,7 @@ class MegatronActor:
         detached (the mismatch then reads those)."""
         from megatron.core import parallel_state as ps
 
+        callbacks.fire("actor.before_update", actor=self)
         batch = TrainingRows.join(rollouts, targets, statistics)
         own_old = batch.old_logp is None
         if own_old and mini_batches != 1:

@@ -298,7 +298,12 @@ def student_logits_at(
 
 
 def teacher_chunks(
-    passes: ActorPasses, teacher_dir: str, divisible_by: int, use_te: bool | None, core_attention: str = "auto"
+    passes: ActorPasses,
+    teacher_dir: str,
+    divisible_by: int,
+    use_te: bool | None,
+    core_attention: str = "auto",
+    attention_block_tokens: int | None = None,
 ) -> tuple[list[torch.nn.Module], int]:
     """The teacher's chunks at the actor's layout (its own HF config) with its HF weights, and its local vocab."""
     from megatron_rlvr.models import load_hf_config, padded_vocab_size, transformer_config_from_hf
@@ -328,7 +333,14 @@ def teacher_chunks(
         cp=a.cp,
     )
     chunks = build_chunks(
-        hf, tcfg, vpp=a.vpp, use_te=use_te, divisible_by=divisible_by, hf_dir=teacher_dir, core_attention=core_attention
+        hf,
+        tcfg,
+        vpp=a.vpp,
+        use_te=use_te,
+        divisible_by=divisible_by,
+        hf_dir=teacher_dir,
+        core_attention=core_attention,
+        attention_block_tokens=attention_block_tokens,
     )
     return chunks, padded_vocab_size(int(hf["vocab_size"]), a.tp, divisible_by) // a.tp
 
@@ -351,7 +363,12 @@ def build_teacher(
     if cfg.distill.kind == "teacher":
         check_same_tokenizer("algo.distill.teacher_hf_dir", cfg.distill.teacher_hf_dir, model_cfg.hf_dir)
         chunks, local_vocab = teacher_chunks(
-            passes, cfg.distill.teacher_hf_dir, model_cfg.make_vocab_size_divisible_by, use_te, model_cfg.core_attention
+            passes,
+            cfg.distill.teacher_hf_dir,
+            model_cfg.make_vocab_size_divisible_by,
+            use_te,
+            model_cfg.core_attention,
+            model_cfg.packed_attention_block_tokens,
         )
     else:
         from transformers import AutoTokenizer

@@ -48,8 +48,6 @@ from megatron_rlvr.bridge.shm_exchange import ShmExchange
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 PLAN_BUILDS = 0  # how many export plans were built in this process (the tests check the cache with it)
-SHM_EXCHANGE = True  # gather TP shards through shared memory when the TP group shares a host (tests turn it off)
-LEND_WHOLE_CALLS = True  # lend host parameters in whole-call slots (tests turn it off: the device layout, on CPU)
 
 
 @dataclass(frozen=True)
@@ -128,6 +126,8 @@ def export_hf_weights(
     receive: bool = True,
     lend: bool = False,
     lora_scale: float | None = None,
+    shm_exchange: bool = True,
+    lend_whole_calls: bool = True,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` in HF layout, vocab padding stripped, yielded on every rank of the
     model-parallel group that passes ``receive=True``. A bucket exceeds ``bucket_bytes`` only when it is one tensor
@@ -145,16 +145,20 @@ def export_hf_weights(
 
     ``lora_scale``: the model carries LoRA adapters (models/lora.py), scaled by ``lora_scale`` = alpha / r; each
     adapted weight is exported merged, ``W + lora_scale * B A``, merged shard by shard as it is read (lora_merge.py).
+
+    ``shm_exchange``: gather TP shards through shared memory when the TP group shares a host (False: through the
+    TP group's collectives; the first export of these chunks decides). ``lend_whole_calls``: lend host parameters in
+    slots that hold the whole call (False: the round-by-round slots device parameters use, also on CPU).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan, by_name = _plan(model_chunks, hf)
-    plan.lend_whole = LEND_WHOLE_CALLS and all(p.device.type == "cpu" for p in by_name.values())  # agreed below
+    plan.lend_whole = lend_whole_calls and all(p.device.type == "cpu" for p in by_name.values())  # agreed below
     by_name = with_adapters(model_chunks, by_name, lora_scale)
     groups = parallel_groups()
     tp_group, pp_group = groups.tp_group, groups.pp_group
     if plan.tp > 1 and not plan.exchange_tried:
-        plan.exchange = ShmExchange.open(tp_group, plan.tp_rank, round_slot_bytes(plan)) if SHM_EXCHANGE else None
+        plan.exchange = ShmExchange.open(tp_group, plan.tp_rank, round_slot_bytes(plan)) if shm_exchange else None
         plan.exchange_tried = True
     pp = len(plan.pp_ranks)
     # others_read: every owner-stage rank builds what it broadcasts (PP > 1), else whether another TP rank receives

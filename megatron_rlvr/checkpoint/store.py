@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_rlvr.checkpoint.manifest import MANIFEST, Report, verify, write_manifest
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.protocols.actor import AdapterSource, TrainState, WeightSource
+from megatron_rlvr.runtime import callbacks
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -110,6 +111,7 @@ def save(
     from megatron_rlvr.bridge.dist_ckpt import write_hf_side_files
 
     root = Path(root)
+    callbacks.fire("checkpoint.before_save", directory=root, step=step)
     tmp, final = root / f".tmp-step-{step:06d}", _step_dir(root, step)
     error: BaseException | None = None
     try:

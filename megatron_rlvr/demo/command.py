@@ -24,13 +24,34 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from megatron_rlvr.demo import MODEL_DIR, RECIPE, REPO
 from megatron_rlvr.environments.config import EnvironmentConfig
 
 EVAL_SEED = 1234  # the eval's sampling seed: the same for every demo run, whatever --seed trains with
 CANDIDATES_TOP_N = 5  # columns per model in the report's candidate matrix (the recipe's N = 3, and two beyond)
+
+
+class Training(Protocol):
+    """The demo's training: its exit status (`run_training`)."""
+
+    def __call__(self, out: Path, overrides: list[str], nproc: int, stopped: Path) -> int: ...
+
+
+class Evaluation(Protocol):
+    """The demo's evaluation of labelled models: label -> per-sample results (`evaluate_models`)."""
+
+    def __call__(
+        self,
+        out: Path,
+        models: dict[str, str],
+        n: int,
+        prompts: int,
+        environment: EnvironmentConfig | None = None,
+    ) -> dict[str, list[dict]]: ...
 
 
 def _check(overrides: list[str], nproc: int) -> None:
@@ -43,7 +64,7 @@ def _check(overrides: list[str], nproc: int) -> None:
         cfg.preflight(nproc)
 
 
-def _train(out: Path, overrides: list[str], nproc: int, stopped: Path) -> int:
+def run_training(out: Path, overrides: list[str], nproc: int, stopped: Path) -> int:
     """Training's exit status: 0, 2 when it stopped on a user error (it has printed the line), else a failure.
     Its rank 0 writes the stopping signal's name to ``stopped`` when the ranks stop on one."""
     from megatron_rlvr.runtime.preemption import STOP_MARKER_ENV
@@ -83,28 +104,35 @@ def _run_note(config_yaml: Path, prompts: int, n: int) -> str:
     )
 
 
-def _write_eval_split(data_dir: Path, count: int, seed: int) -> None:
+def write_eval_split(data_dir: Path, count: int, seed: int) -> None:
     """The countdown eval problems the demo evaluates on: what `data prepare countdown` writes."""
     from megatron_rlvr.data.countdown_split import countdown_rows, write_rows
 
     write_rows(countdown_rows("eval", count, seed), data_dir / "countdown.jsonl")
 
 
-def _evaluate(
-    out: Path, models: dict[str, str], n: int, prompts: int, environment: EnvironmentConfig | None = None
+def evaluate_models(
+    out: Path,
+    models: dict[str, str],
+    n: int,
+    prompts: int,
+    environment: EnvironmentConfig | None = None,
+    evaluate: Callable[..., object] | None = None,
 ) -> dict[str, list[dict]]:
     """Sample ``n`` answers per eval prompt from each model (resumable) and return label -> per-sample results. The
     sampling is the recipe's whatever the overrides; with an ``environment`` (the run's ``environment.*``), every
-    sample is a multi-turn trajectory against it (docs/multi-turn.md), for base and trained model alike."""
+    sample is a multi-turn trajectory against it (docs/multi-turn.md), for base and trained model alike.
+    ``evaluate``: what samples and stores (default `eval.api.evaluate`, with vLLM engines)."""
     from megatron_rlvr.config import load_config
-    from megatron_rlvr.eval.api import evaluate, hf_encoder_factory, model_tags, vllm_engine_factory
+    from megatron_rlvr.eval import api
+    from megatron_rlvr.eval.api import hf_encoder_factory, model_tags, vllm_engine_factory
     from megatron_rlvr.eval.config import EvalConfig
     from megatron_rlvr.eval.store import load_records
     from megatron_rlvr.rewards.config import RewardConfig
 
     recipe = load_config(RECIPE)
     data_dir = out / "eval_data"
-    _write_eval_split(data_dir, prompts, seed=recipe.data.seed)
+    write_eval_split(data_dir, prompts, seed=recipe.data.seed)
     cfg = EvalConfig(
         n_samples=n,
         chunk=min(n, 64),
@@ -122,7 +150,7 @@ def _evaluate(
         recipe.rollout.max_model_len, recipe.rollout.kv_cache_memory_bytes, environment=environment, reward=reward
     )
     paths = list(models.values())
-    evaluate(paths, cfg, reward, factory, hf_encoder_factory, environment=environment.name)
+    (evaluate or api.evaluate)(paths, cfg, reward, factory, hf_encoder_factory, environment=environment.name)
     results = {}
     for label, tag in zip(models, model_tags(paths)):
         records = load_records(out / "eval" / tag).values()
@@ -186,7 +214,15 @@ def _candidate_figure(out: Path, samples: dict[str, list[dict]], models: dict[st
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    *,
+    train: Training = run_training,
+    evaluate: Evaluation = evaluate_models,
+    log_file: bool = True,
+) -> int:
+    """The demo; ``train`` and ``evaluate`` are its two stages (defaults: the training command under torchrun, then
+    vLLM sampling), ``log_file=False`` leaves this process's logging as it is (no <out>/logs file)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:  # "report" is no key=value override, so the subcommand cannot shadow one
         from megatron_rlvr.demo.multi_run import main as report_main
@@ -221,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     _check(overrides, args.nproc)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out).resolve()
-    from megatron_rlvr.runtime.console import attach_log_file
+    if log_file:
+        from megatron_rlvr.runtime.console import attach_log_file
 
-    attach_log_file(out, "demo")  # vLLM / megatron-core lines of every process go to <out>/logs, not the console
+        attach_log_file(out, "demo")  # vLLM / megatron-core lines of every process go to <out>/logs, not the console
     # the base model is copied first: the evaluation compares against exactly the weights training started from
     base_model = out / "base_model"
     if not (base_model / "config.json").is_file():
@@ -231,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     stopped = out / "train" / "stopped"
     stopped.unlink(missing_ok=True)
-    status = _train(out, [f"model.hf_dir={base_model}", *overrides], args.nproc, stopped)
+    status = train(out, [f"model.hf_dir={base_model}", *overrides], args.nproc, stopped)
     if status == 2:
         return 2  # a user error: the training command has printed its one line
     if status == 0 and stopped.is_file():
@@ -249,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rlvr.config import load_config
 
     environment = load_config(RECIPE, [o for o in overrides if o.strip().startswith("environment.")]).environment
-    samples = _evaluate(out, models, args.eval_n, args.eval_prompts, environment=environment)
+    samples = evaluate(out, models, args.eval_n, args.eval_prompts, environment=environment)
     from megatron_rlvr.demo.report import write_report
 
     figure = _candidate_figure(out, samples, models, out / "report")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.runtime import callbacks
 
 Key = tuple[str, str, int]
 SHARD_MAX_BYTES = 256 * 1024 * 1024
@@ -114,6 +115,8 @@ class SampleStore:
 
     def append(self, records: Iterable[dict]) -> None:
         """Write records (one request) durably; keys already stored are skipped."""
+        records = list(records)
+        callbacks.fire("eval.before_store", records=records)
         fresh = []
         for record in records:
             key = (record["benchmark"], record["problem_id"], record["sample"])
@@ -148,7 +151,9 @@ class ShardWriter:
         self._shards = _Shards(samples_dir, suffix=f"-r{rank}")
 
     def append(self, records: Iterable[dict]) -> None:
-        self._shards.write(list(records))
+        records = list(records)
+        callbacks.fire("eval.before_store", records=records)
+        self._shards.write(records)
 
     def close(self) -> None:
         self._shards.close()

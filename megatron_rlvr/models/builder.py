@@ -184,9 +184,16 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(use_te: bool | None = None, tcfg=None, vp_stage: int | None = None, core_attention: str = "auto"):
+def layer_spec(
+    use_te: bool | None = None,
+    tcfg=None,
+    vp_stage: int | None = None,
+    core_attention: str = "auto",
+    block_tokens: int | None = None,
+):
     """Transformer Engine spec when TE is usable, else megatron-core's local (pure torch) spec with a core attention
-    that also takes packed sequences: SDPA or the unfused one (`attention_choice`).
+    that also takes packed sequences: SDPA or the unfused one (`attention_choice`), whose blocks of short sequences
+    hold at most ``block_tokens`` tokens (``model.packed_attention_block_tokens``; None: its default).
 
     ``tcfg`` adds what the model's config asks for: q/k norms (``qk_layernorm``) and, with experts, megatron's
     per-layer block spec (``moe_layer_freq`` picks a dense or an MoE layer for each index; this stage's slice).
@@ -208,24 +215,33 @@ def layer_spec(use_te: bool | None = None, tcfg=None, vp_stage: int | None = Non
             tcfg, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
         )
         for spec in block.layer_specs if not use_te else ():
-            _set_core_attention(spec, attention)
+            _set_core_attention(spec, attention, block_tokens)
         return block
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    _set_core_attention(spec, attention)
+    _set_core_attention(spec, attention, block_tokens)
     return spec
 
 
-def _set_core_attention(spec, attention: str) -> None:
+def _set_core_attention(spec, attention: str, block_tokens: int | None) -> None:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from megatron_rlvr.models.sdpa_attention import SdpaAttention
     from megatron_rlvr.runtime.cpu.attention import PackedDotProductAttention
 
     core = SdpaAttention if attention == "sdpa" else PackedDotProductAttention
+    if core is PackedDotProductAttention and block_tokens is not None:
+        core = ModuleSpec(module=core, params={"block_tokens": block_tokens})
     spec.submodules.self_attention.submodules.core_attention = core
 
 
 _logged_attention: set[str] = set()
+
+
+def reset_attention_log() -> None:
+    """Forget which attentions were logged: the next layer spec of each logs its line again."""
+    _logged_attention.clear()
 
 
 def _log_attention_once(attention: str) -> None:
@@ -245,6 +261,7 @@ def build_gpt_model(
     use_te: bool | None = None,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
     core_attention: str = "auto",
+    attention_block_tokens: int | None = None,
 ):
     """One megatron-core ``GPTModel`` chunk for this rank (pipeline stage / virtual stage ``vp_stage``).
 
@@ -257,7 +274,7 @@ def build_gpt_model(
     llama3 = rope["rope_type"] == "llama3"
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(use_te, tcfg, vp_stage, core_attention),
+        transformer_layer_spec=layer_spec(use_te, tcfg, vp_stage, core_attention, attention_block_tokens),
         vocab_size=padded_vocab_size(hf["vocab_size"], tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
         pre_process=pre_process,

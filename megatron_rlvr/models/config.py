@@ -26,3 +26,9 @@ class ModelConfig:
         "megatron's unfused math on the CPU and under context parallelism; sdpa or unfused picks one "
         "(models/builder.py).",
     )
+    packed_attention_block_tokens: int = setting(
+        256,
+        "The unfused packed attention (runtime/cpu/attention.py) runs short sequences together, one dense call per "
+        "block of at most this many tokens; a longer sequence is a block alone.",
+        ge=1,
+    )

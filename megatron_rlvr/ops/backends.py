@@ -47,6 +47,11 @@ def extension() -> ModuleType | None:
     return _C
 
 
+def reset_warnings() -> None:
+    """Forget which one-line warnings were given: the next occurrence of each warns again."""
+    _warned.clear()
+
+
 def warn_once(message: str, stacklevel: int = 4, key: str | None = None) -> None:
     """One line, once per process per `key` (default: the message); these would fire on every step otherwise."""
     key = message if key is None else key
@@ -55,8 +60,10 @@ def warn_once(message: str, stacklevel: int = 4, key: str | None = None) -> None
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
-def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
-    """The implementation that will run: "reference", "cpp", "cuda-scalar" or "cuda-vector"."""
+def resolve(device: torch.device, requested: str | None, top_n: int, extension: ModuleType | None = _C) -> str:
+    """The implementation that will run: "reference", "cpp", "cuda-scalar" or "cuda-vector". ``extension``: the
+    compiled kernels to choose from (default: `megatron_rlvr._C` as this process imported it; None, as where it is
+    not built)."""
     choice = requested or os.environ.get(ENV_VAR, "auto") or "auto"
     if choice not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} (argument or ${ENV_VAR}), got {choice!r}")
@@ -71,17 +78,16 @@ def resolve(device: torch.device, requested: str | None, top_n: int) -> str:
     if wanted is None:
         warn_once(f"vocab_parallel_token_stats: no kernel for device {device.type}; using the torch reference")
         return "reference"
-    if _C is None:
+    if extension is None:
         if choice != "auto":
-            raise RuntimeError(
-                f"implementation {choice!r} requested but megatron_rlvr._C is missing: {_C_IMPORT_ERROR}"
-            )
+            why = f": {_C_IMPORT_ERROR}" if _C_IMPORT_ERROR else ""
+            raise RuntimeError(f"implementation {choice!r} requested but megatron_rlvr._C is missing{why}")
         warn_once(
             "vocab_parallel_token_stats: megatron_rlvr._C is not built (pip install -e . builds it); using the "
             "slower torch reference"
         )
         return "reference"
-    if wanted == kernel and not _C.has_cuda():
+    if wanted == kernel and not extension.has_cuda():
         if choice != "auto":
             raise RuntimeError(f"implementation {choice!r} requested but megatron_rlvr._C was built without CUDA")
         warn_once("vocab_parallel_token_stats: megatron_rlvr._C was built without CUDA; using the torch reference")

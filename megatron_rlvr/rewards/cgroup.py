@@ -6,8 +6,9 @@ processes), never the trainer. This module makes them on the cgroup v1 memory co
 the ``memory`` option, usually /sys/fs/cgroup/memory), under ``<mount>/megatron_rlvr/<pid>.<start time>-<n>``:
 
 - `memory_cgroup_parent()` says whether we may (the controller mounted, a child can be made and limited: as root,
-  or as a user the ``megatron_rlvr`` directory was delegated to, i.e. made and chowned to it by root); probed once
-  per process, which also removes the groups left by processes that died (a SIGKILLed pool worker);
+  or as a user the ``megatron_rlvr`` directory was delegated to, i.e. made and chowned to it by root; another
+  name in $MEGATRON_RLVR_CGROUP_PARENT); probed once per process, which also removes the groups left by processes
+  that died (a SIGKILLed pool worker);
 - `MemoryCgroup.create(limit)` makes one with ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes``, so
   swap cannot extend it); the sandbox's program child joins it by writing ``0`` into ``cgroup.procs`` before exec;
 - `MemoryCgroup.remove()` kills whatever is still in it and removes it (also after timeouts and crashes).
@@ -29,7 +30,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-PARENT_NAME = "megatron_rlvr"
+PARENT_NAME = "megatron_rlvr"  # the directory under the controller's mount our groups go under, by default
+PARENT_ENV = "MEGATRON_RLVR_CGROUP_PARENT"  # another name for it: a directory root delegated under that name
 _counter = itertools.count()
 _name_lock = threading.Lock()
 _probe_lock = threading.Lock()
@@ -92,7 +94,7 @@ def memory_cgroup_parent() -> Path | None:
         if mount is None:
             _reason = "no cgroup v1 memory controller mounted (cgroup v2 is not supported)"
         else:
-            parent = mount / PARENT_NAME
+            parent = mount / (os.environ.get(PARENT_ENV) or PARENT_NAME)
             try:
                 parent.mkdir(exist_ok=True)
                 probe = MemoryCgroup.create(64 << 20, parent=parent)

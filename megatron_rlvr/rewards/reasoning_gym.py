@@ -34,16 +34,12 @@ def dataset_name(task: str) -> str | None:
     return task[len(TASK_PREFIX) :] if task.startswith(TASK_PREFIX) else None
 
 
-_found = False  # set once the package was found: routing checks every row
-
-
 def require_reasoning_gym(why: str = "") -> None:
-    """ReasoningGymMissingError (one line, how to install) unless the package can be imported; cheap: no import."""
-    global _found
-    if not _found and importlib.util.find_spec("reasoning_gym") is None:
+    """ReasoningGymMissingError (one line, how to install) unless the package can be imported; cheap: no import
+    (routing checks every row; once the first score imported the package, find_spec reads sys.modules)."""
+    if importlib.util.find_spec("reasoning_gym") is None:
         where = f" ({why})" if why else ""
         raise ReasoningGymMissingError(f"reasoning-gym is not installed{where}; {INSTALL_HINT}")
-    _found = True
 
 
 def check_reference(task: str, reference: Any) -> None:

@@ -65,6 +65,7 @@ __all__ = [
     "SandboxUnavailableError",
     "run_python",
     "run_python_many",
+    "reset_warnings",
     "sandbox_info",
     "use_containment",
 ]
@@ -247,6 +248,12 @@ def check_isolation(accept_rlimits_only: bool) -> SandboxInfo:
     if not info.isolated and not accept_rlimits_only:
         raise SandboxUnavailableError(info.refusal())
     return info
+
+
+def reset_warnings() -> None:
+    """Forget that the warning about a sandbox without namespaces was given: the next such run warns again."""
+    global _warned
+    _warned = False
 
 
 def _log_once(info: SandboxInfo, limits: SandboxLimits) -> None:

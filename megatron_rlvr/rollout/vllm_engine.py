@@ -35,7 +35,7 @@ import logging  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any
+from typing import Any, Literal
 
 import torch  # noqa: E402
 
@@ -176,6 +176,18 @@ class VLLMEngine:
     def alive(self) -> bool:
         return self._death is None
 
+    @property
+    def llm(self) -> Any:
+        """The vLLM ``LLM`` this engine drives, to read from (its model through ``apply_model``, its tokenizer);
+        what changes its weights or requests goes through this engine, which keeps their bookkeeping."""
+        return self._require_alive()
+
+    @property
+    def weight_loader(self) -> Literal["direct", "reload"]:
+        """How `update_weights` loads by default: "direct" (the CPU loader, new GEMM handles per sync) or "reload"
+        (vLLM's ``reload_weights``: on a GPU, and for models the direct loader does not cover)."""
+        return "direct" if self._direct is not None else "reload"
+
     def _require_alive(self) -> Any:
         if self._death is not None:
             raise EngineDiedError(
@@ -260,8 +272,16 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------------------------------------- weights
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], lent: bool = False) -> None:
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        lent: bool = False,
+        loader: Literal["auto", "reload"] = "auto",
+    ) -> None:
         """Load a full set of HF weights (a flat stream of pairs; chain the bridge's buckets).
+
+        ``loader``: "auto" loads the engine's `weight_loader` way; "reload" goes through vLLM's ``reload_weights``
+        even where the direct CPU loader covers the model (the fallback's path, to compare the two).
 
         ``lent``: the stream's tensors are only valid until the next bucket is asked for (the bridge's
         ``export_hf_weights(..., lend=True)``, whose buckets hold whole parameters); whatever the engine keeps past
@@ -271,6 +291,8 @@ class VLLMEngine:
         old weights. ``"streaming"``: a bad tensor after others were loaded leaves the engine dead. Either way the
         stream is drained to its end, because the bridge's export is a collective every rank must finish. A
         failure inside vLLM leaves the engine dead (EngineDiedError)."""
+        if loader not in ("auto", "reload"):
+            raise ValueError(f"update_weights: loader={loader!r}; expected 'auto' or 'reload'")
         source = iter(weights)
         if self._death is not None:
             _drain(source)
@@ -288,7 +310,7 @@ class VLLMEngine:
                     kept[name] = tensor.clone() if lent else tensor
                 yield name, tensor
 
-        if self._direct is not None:
+        if self._direct is not None and loader == "auto":
             self._update_direct(source, feed, full, lent)
         else:
             # vLLM's loaders may keep what they are given (packed later): give them fresh tensors ("full" staging

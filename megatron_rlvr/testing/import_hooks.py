@@ -1,6 +1,7 @@
-"""Patch a module right after its first import, from a `sitecustomize` hook on PYTHONPATH: how the test and benchmark
-hooks (testing/long_tail, tests/launch/slow_checkpoint, tests/launch/stalled_eval) change one function of the
-training path inside the processes torchrun and Slurm start, with no line of that path knowing."""
+"""Patch a module right after its first import, from a `sitecustomize` hook on PYTHONPATH: how the long-tail workload
+(testing/long_tail) changes a prompt's sampling parameters and slows each of vLLM's engine steps inside the processes
+torchrun and Slurm start. Its engine steps run inside vLLM's ``LLM.generate`` loop, where the run has no event of its
+own (runtime/callbacks.py has the events a test or benchmark acts on otherwise)."""
 
 from __future__ import annotations
 

@@ -136,49 +136,44 @@ def _layout_numbers(hf_dir: str, tp: int, cp: int, configs: list[dict], pp: int 
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.models.config import ModelConfig
     from megatron_rlvr.protocols import Statistics, Targets
-    from megatron_rlvr.runtime.cpu import attention as cpu_attention
     from megatron_rlvr.runtime.distributed import model_parallel
 
-    block_tokens, cpu_attention.BLOCK_TOKENS = cpu_attention.BLOCK_TOKENS, 8  # long and grouped paths both
-    try:
-        with model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=11):
-            actor = MegatronActor(
-                ModelConfig(hf_dir=hf_dir),
-                ActorConfig(
-                    tp=tp,
-                    pp=pp,
-                    vpp=vpp,
-                    cp=cp,
-                    lr=0.0,
-                    max_tokens_per_micro_batch=BUDGET,
-                    use_distributed_optimizer=False,
-                ),
-                algo_config({"kl.coef": 0.1}),
-                temperature=0.9,
-                total_steps=2,
-            )
-            batch = _batch(actor.vocab_size)
-            stats = (actor.compute_old_logp(batch), actor.compute_entropy(batch), actor.compute_ref_logp(batch))
-            g = torch.Generator().manual_seed(1)
-            old = stats[0] + 0.3 * torch.randn(stats[0].shape, generator=g)
-            statistics = Statistics(old_logp=old, ref_logp=stats[2])
-            batch = dataclasses.replace(batch, engine_logp=stats[0] + 0.2 * torch.randn(old.shape, generator=g))
-            runs = []
-            # the same micro-batches at both layouts (3 sequences each), so that per-micro-batch monitoring subsets
-            # (the high-entropy tokens) compare too; then token budgets, which plan per CP rank (other bins)
-            for budget, kwargs in [(0, c) for c in configs] + [(BUDGET, c) for c in configs[:2]]:
-                # (4 under the interleaved schedule: 2 micro-batches, a multiple of pp)
-                actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = budget, 4 if vpp else 3
-                kwargs = dict(kwargs)
-                seq_kl = kwargs.pop("seq_kl", False)
-                actor.algo_cfg = algo_config({**kwargs})
-                targets = Targets(advantages=torch.tensor(ADVANTAGES), kl_coef=torch.tensor(SEQ_KL) if seq_kl else None)
-                metrics = actor.update(batch, targets, statistics, mini_batches=1)
-                grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])
-                runs.append((metrics, grads))
-            return stats, runs
-    finally:
-        cpu_attention.BLOCK_TOKENS = block_tokens
+    with model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=11):
+        actor = MegatronActor(
+            ModelConfig(hf_dir=hf_dir, packed_attention_block_tokens=8),  # long and grouped paths both
+            ActorConfig(
+                tp=tp,
+                pp=pp,
+                vpp=vpp,
+                cp=cp,
+                lr=0.0,
+                max_tokens_per_micro_batch=BUDGET,
+                use_distributed_optimizer=False,
+            ),
+            algo_config({"kl.coef": 0.1}),
+            temperature=0.9,
+            total_steps=2,
+        )
+        batch = _batch(actor.vocab_size)
+        stats = (actor.compute_old_logp(batch), actor.compute_entropy(batch), actor.compute_ref_logp(batch))
+        g = torch.Generator().manual_seed(1)
+        old = stats[0] + 0.3 * torch.randn(stats[0].shape, generator=g)
+        statistics = Statistics(old_logp=old, ref_logp=stats[2])
+        batch = dataclasses.replace(batch, engine_logp=stats[0] + 0.2 * torch.randn(old.shape, generator=g))
+        runs = []
+        # the same micro-batches at both layouts (3 sequences each), so that per-micro-batch monitoring subsets
+        # (the high-entropy tokens) compare too; then token budgets, which plan per CP rank (other bins)
+        for budget, kwargs in [(0, c) for c in configs] + [(BUDGET, c) for c in configs[:2]]:
+            # (4 under the interleaved schedule: 2 micro-batches, a multiple of pp)
+            actor.cfg.max_tokens_per_micro_batch, actor.cfg.micro_batch_size = budget, 4 if vpp else 3
+            kwargs = dict(kwargs)
+            seq_kl = kwargs.pop("seq_kl", False)
+            actor.algo_cfg = algo_config({**kwargs})
+            targets = Targets(advantages=torch.tensor(ADVANTAGES), kl_coef=torch.tensor(SEQ_KL) if seq_kl else None)
+            metrics = actor.update(batch, targets, statistics, mini_batches=1)
+            grads = torch.cat([p.main_grad.reshape(-1).clone() for c in actor.model for p in c.module.parameters()])
+            runs.append((metrics, grads))
+        return stats, runs
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

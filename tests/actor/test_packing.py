@@ -114,6 +114,19 @@ def test_attention_blocks_group_short_sequences_and_leave_long_ones_alone():
     assert _blocks(bounds) == [(0, 160, [100, 50, 10]), (160, 400, [240]), (400, 700, [300]), (700, 702, [1, 1])]
 
 
+def test_the_block_bound_reaches_the_attention_through_the_layer_spec():
+    """model.packed_attention_block_tokens: the local spec builds the packed attention with that bound."""
+    from megatron_rlvr.models.builder import layer_spec
+
+    core = layer_spec(use_te=False, core_attention="unfused", block_tokens=8).submodules.self_attention.submodules
+    assert core.core_attention.module.__name__ == "PackedDotProductAttention"
+    assert core.core_attention.params == {"block_tokens": 8}
+    assert (
+        layer_spec(use_te=False, core_attention="unfused").submodules.self_attention.submodules.core_attention.__name__
+        == "PackedDotProductAttention"
+    )
+
+
 def test_plan_by_count_keeps_micro_batch_size():
     plan = plan_micro_batches(LENGTHS, 2, micro_batch_size=3)
     assert [[len(m) for m in share] for share in plan] == [[3, 1], [3, 1]]
@@ -194,14 +207,7 @@ def _update(actor, batch, algo_kwargs: dict, *, pack: bool, budget: int, mbs: in
 
 def _layout_numbers(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: list[dict]):
     """Max relative differences packed vs padded, per case, on this rank."""
-    from megatron_rlvr.runtime.cpu import attention as cpu_attention
-
-    # blocks of at most 8 tokens: short sequences share a dense block, longer ones are blocks alone (both paths)
-    block_tokens, cpu_attention.BLOCK_TOKENS = cpu_attention.BLOCK_TOKENS, 8
-    try:
-        return _compare(hf_dir, tp, pp, configs, count_configs)
-    finally:
-        cpu_attention.BLOCK_TOKENS = block_tokens
+    return _compare(hf_dir, tp, pp, configs, count_configs)
 
 
 def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: list[dict]) -> dict[str, float]:
@@ -212,7 +218,8 @@ def _compare(hf_dir: str, tp: int, pp: int, configs: list[dict], count_configs: 
 
     with model_parallel(tp=tp, pp=pp, seed=11):
         actor = MegatronActor(
-            ModelConfig(hf_dir=hf_dir),
+            # blocks of at most 8 tokens: short sequences share a dense block, longer ones are blocks alone (both paths)
+            ModelConfig(hf_dir=hf_dir, packed_attention_block_tokens=8),
             ActorConfig(tp=tp, pp=pp, lr=0.0),
             algo_config({"kl.coef": 0.1}),
             temperature=0.9,

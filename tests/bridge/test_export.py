@@ -57,8 +57,6 @@ def _export_worker(
     from megatron_rlvr.bridge import export, export_hf_weights
     from megatron_rlvr.runtime import distributed
 
-    shm_before, export.SHM_EXCHANGE = export.SHM_EXCHANGE, shm  # worker processes are shared by tests: restored
-    whole_before, export.LEND_WHOLE_CALLS = export.LEND_WHOLE_CALLS, whole
     try:
         hf, chunks = build_chunks(hf_dir, tp, pp, vpp=vpp)
         rank = torch.distributed.get_rank()
@@ -71,7 +69,8 @@ def _export_worker(
             # A lent bucket is valid until the next one is asked for: checked (adjacency) and copied before that.
             nonlocal adjacent, packed
             out = []
-            for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, receive=receive, lend=lend):
+            options = dict(receive=receive, lend=lend, shm_exchange=shm, lend_whole_calls=whole)
+            for b in export_hf_weights(chunks, hf, bucket_bytes=bucket_bytes, **options):
                 lent.append(all(_in_lend_slots(chunks, t) for _, t in b))
                 if lent[-1]:
                     ex = chunks[0]._megatron_rlvr_export_plan.lend_exchange
@@ -100,8 +99,6 @@ def _export_worker(
             "slot_bytes_touched": max(touched, default=0),
         }
     finally:
-        export.SHM_EXCHANGE = shm_before
-        export.LEND_WHOLE_CALLS = whole_before
         distributed.destroy_model_parallel()
 
 

@@ -377,7 +377,7 @@ def test_bad_sources_are_one_clear_error(tmp_path):
 
 
 def test_countdown_split_is_what_the_eval_reads_and_the_demo_evaluates(tmp_path, capsys):
-    from megatron_rlvr.demo.command import _write_eval_split
+    from megatron_rlvr.demo.command import write_eval_split
     from megatron_rlvr.problems.benchmarks import BenchmarkMissing, load_benchmark
     from megatron_rlvr.tasks.countdown import split_of
 
@@ -391,7 +391,7 @@ def test_countdown_split_is_what_the_eval_reads_and_the_demo_evaluates(tmp_path,
     problems = load_benchmark("countdown", data)
     assert len({p.problem_id for p in problems}) == 16
     assert all(split_of(tuple(p.reference["numbers"]), p.reference["target"]) == "eval" for p in problems)
-    _write_eval_split(tmp_path / "demo_eval", 16, seed=1234)  # the demo's own eval file, byte for byte
+    write_eval_split(tmp_path / "demo_eval", 16, seed=1234)  # the demo's own eval file, byte for byte
     assert (tmp_path / "demo_eval" / "countdown.jsonl").read_bytes() == (data / "countdown.jsonl").read_bytes()
     train = tmp_path / "train.jsonl"
     assert main(["prepare", "countdown", "--out", str(train), "--split", "train", "--count", "16"]) == 0

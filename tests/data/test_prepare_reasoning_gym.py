@@ -3,6 +3,7 @@ answer and metadata under the task reasoning_gym:NAME; bad task names, config fi
 and a missing install says how to install it."""
 
 import json
+import sys
 
 import pytest
 
@@ -131,8 +132,7 @@ def test_gym_flags_on_another_release_and_a_missing_install_are_errors(tmp_path,
                 "1",
             ]
         )
-    monkeypatch.setattr(rg_reward, "_found", False)
-    monkeypatch.setattr(rg_reward.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as where it is not installed: imports of it fail
     with pytest.raises(
         rg_reward.ReasoningGymMissingError,
         match=r"^reasoning-gym is not installed \(data prepare "

@@ -19,12 +19,18 @@ def _rows(pid: str, rewards: list[float], right: str = "9-7+6*3", wrong: str = "
     ]
 
 
+class FakeRun(dict):
+    """What the fake stages saw; `main` runs the demo with them (and no log file)."""
+
+    def main(self, argv: list[str]) -> int:
+        return command.main(argv, train=self.train, evaluate=self.evaluate, log_file=False)
+
+
 @pytest.fixture
-def fake_run(monkeypatch):
+def fake_run():
     """The demo with training and vLLM evaluation replaced: training copies the base model, evaluation returns
     fixed samples on the first 4 prompts of the real eval split."""
-    calls = {}
-    monkeypatch.setattr("megatron_rlvr.runtime.console.attach_log_file", lambda *a, **k: None)
+    calls = FakeRun()
 
     def train(out, overrides, nproc, stopped):
         calls["overrides"] = list(overrides)
@@ -35,7 +41,7 @@ def fake_run(monkeypatch):
 
     def evaluate(out, models, n, prompts, environment=None):
         calls["models"] = dict(models)
-        command._write_eval_split(out / "eval_data", 4, seed=1234)
+        command.write_eval_split(out / "eval_data", 4, seed=1234)
         ids = [json.loads(line)["id"] for line in (out / "eval_data" / "countdown.jsonl").read_text().splitlines()]
         calls["ids"] = ids
         base = (
@@ -52,15 +58,15 @@ def fake_run(monkeypatch):
         )
         return dict(zip(models, (base, trained)))
 
-    monkeypatch.setattr(command, "_train", train)
-    monkeypatch.setattr(command, "_evaluate", evaluate)
+    calls.train, calls.evaluate = train, evaluate
     return calls
 
 
 def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, fake_run):
     out = tmp_path / "demo"
     assert (
-        command.main(["--out", str(out), "--seed", "7", "--eval-n", "4", "--eval-prompts", "4", "trainer.steps=2"]) == 0
+        fake_run.main(["--out", str(out), "--seed", "7", "--eval-n", "4", "--eval-prompts", "4", "trainer.steps=2"])
+        == 0
     )
     assert fake_run["overrides"][-2:] == ["trainer.steps=2", "trainer.seed=7"]
     report = out / "report"
@@ -80,16 +86,18 @@ def test_seed_goes_to_training_and_the_report_has_a_candidate_matrix(tmp_path, f
     assert numbers["response"] == "6*3" and numbers["top_n"] == command.CANDIDATES_TOP_N
 
 
-def test_a_user_error_in_training_ends_the_demo_with_exit_2_and_a_failure_names_its_status(tmp_path, monkeypatch):
+def test_a_user_error_in_training_ends_the_demo_with_exit_2_and_a_failure_names_its_status(tmp_path):
     status = {}
-    monkeypatch.setattr("megatron_rlvr.runtime.console.attach_log_file", lambda *a, **k: None)
-    monkeypatch.setattr(command, "_train", lambda out, overrides, nproc, stopped: status["rc"])
-    monkeypatch.setattr(command, "_evaluate", lambda *a: pytest.fail("no evaluation after a failed training"))
+    stages = dict(
+        train=lambda out, overrides, nproc, stopped: status["rc"],
+        evaluate=lambda *a, **k: pytest.fail("no evaluation after a failed training"),
+        log_file=False,
+    )
     status["rc"] = 2  # the training command has printed its one line
-    assert command.main(["--out", str(tmp_path / "a")]) == 2
+    assert command.main(["--out", str(tmp_path / "a")], **stages) == 2
     status["rc"] = 1
     with pytest.raises(SystemExit, match="training failed with exit status 1"):
-        command.main(["--out", str(tmp_path / "b")])
+        command.main(["--out", str(tmp_path / "b")], **stages)
 
 
 def test_bad_overrides_and_nproc_fail_before_anything_is_written(tmp_path):
@@ -102,10 +110,10 @@ def test_bad_overrides_and_nproc_fail_before_anything_is_written(tmp_path):
 
 def test_seed_and_a_trainer_seed_override_conflict(tmp_path, fake_run):
     with pytest.raises(UserError, match="--seed and trainer.seed"):
-        command.main(["--out", str(tmp_path), "--seed", "1", "trainer.seed=2"])
+        fake_run.main(["--out", str(tmp_path), "--seed", "1", "trainer.seed=2"])
 
 
-def test_the_evaluation_does_not_depend_on_the_training_seed(tmp_path, monkeypatch):
+def test_the_evaluation_does_not_depend_on_the_training_seed(tmp_path):
     seen = []
 
     class Stop(Exception):
@@ -115,9 +123,8 @@ def test_the_evaluation_does_not_depend_on_the_training_seed(tmp_path, monkeypat
         seen.append((cfg.seed, (tmp_path / "eval_data" / "countdown.jsonl").read_text()))
         raise Stop
 
-    monkeypatch.setattr("megatron_rlvr.eval.api.evaluate", evaluate)
     with pytest.raises(Stop):
-        command._evaluate(tmp_path, {"base": MODEL_DIR}, 4, 8)
+        command.evaluate_models(tmp_path, {"base": MODEL_DIR}, 4, 8, evaluate=evaluate)
     assert seen[0][0] == command.EVAL_SEED
     from megatron_rlvr.config import load_config
     from megatron_rlvr.tasks.countdown import generate

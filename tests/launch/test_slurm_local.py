@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rlvr.runtime.callbacks import ENV_VAR as CALLBACKS_ENV
 from tests.launch.slurm_jobs import (
     REPO,
     TRAIN_OVERRIDES,
@@ -44,7 +45,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 TWO_NODES = ["--recipe", "demo_cpu", "--nodes", "2", "--time", "00:30:00"]
 JOB_TIMEOUT_S = 900  # the machine is shared: a loaded one is slow, a hung job still ends
 RESUMED = "[checkpoint] resuming from"
-# tests/launch/slow_checkpoint: the first run's checkpoints take this long more, over torchrun's default 30 s grace
+# tests/launch/slow_checkpoint.py: the first run's checkpoints take this long more, over torchrun's default 30 s grace
 CHECKPOINT_DELAY_ENV = "MEGATRON_RLVR_TEST_CHECKPOINT_DELAY_S"
 CHECKPOINT_DELAY_S = 35
 
@@ -104,13 +105,13 @@ def _reference_metrics(reference: BackgroundLaunch) -> list[dict]:
 def preempted(request, tmp_path_factory, slurm_cluster, reference):
     """ONE preempted job, which the two preemption tests read: submitted with `--signal USR1@600`, signalled mid-run
     as `scancel --signal=USR1 --full` does it (batch shell, torchrun and ranks), its stop's checkpoint made 35 s
-    slower (tests/launch/slow_checkpoint, the first run's checkpoints only) than torchrun's default 30 s grace before
+    slower (tests/launch/slow_checkpoint.py, the first run's checkpoints only) than torchrun's default 30 s grace before
     SIGKILL, and waited for to nemo-run's verdict. Its jobs are cancelled at teardown. Once it runs, the separate-
     placement run and then the killed-rank scenario are submitted to follow the reference run into the cluster's
     second slot: they run while this job sleeps in its slow checkpoint and waits to be requeued."""
     home = tmp_path_factory.mktemp("preempted")
-    hook = REPO / "tests" / "launch" / "slow_checkpoint"
-    slow = ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", f"{CHECKPOINT_DELAY_ENV}={CHECKPOINT_DELAY_S}"]
+    slow = ["--env", f"PYTHONPATH={REPO}", "--env", f"{CALLBACKS_ENV}=tests.launch.slow_checkpoint"]
+    slow += ["--env", f"{CHECKPOINT_DELAY_ENV}={CHECKPOINT_DELAY_S}"]
     # the lead time is torchrun's grace before SIGKILL (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): on this loaded shared machine
     # one step took over 120 s once (and the ranks were killed, as they would be on a cluster)
     launch = start_launch("train.py", train_args(home, "--signal", "USR1@600", *slow), home)
@@ -290,8 +291,8 @@ def test_eval_cancelled_and_resubmitted_equals_an_uninterrupted_one(home):
 
     try:
         cut_home = home / "cut_home"
-        hook = REPO / "tests" / "launch" / "stalled_eval"
-        stall = ["--env", f"PYTHONPATH={REPO}:{hook}", "--env", "MEGATRON_RLVR_TEST_EVAL_STALL_S=600"]
+        stall = ["--env", f"PYTHONPATH={REPO}", "--env", f"{CALLBACKS_ENV}=tests.launch.stalled_eval"]
+        stall += ["--env", "MEGATRON_RLVR_TEST_EVAL_STALL_S=600"]
         launch = start_launch("eval.py", [*_eval_args(home, data, home / "cut"), *stall], cut_home)
         try:
             job = wait_for_job(cut_home, launch)

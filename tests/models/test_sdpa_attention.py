@@ -186,10 +186,10 @@ def test_sdpa_attention_runs_flash_on_cuda_in_bf16(packed):
         torch.testing.assert_close(a, b, atol=5e-2 * b.abs().max().item(), rtol=0)
 
 
-def test_the_choice_is_logged_once(monkeypatch, caplog):
+def test_the_choice_is_logged_once(caplog):
     from megatron_rlvr.models import builder
 
-    monkeypatch.setattr(builder, "_logged_attention", set())
+    builder.reset_attention_log()
     with caplog.at_level("INFO", logger="megatron_rlvr.models.builder"):
         for _ in range(2):  # the policy's chunk, then the reference's: one line
             spec = builder.layer_spec(use_te=False, core_attention="sdpa")

@@ -163,16 +163,16 @@ def test_inplace_backward_twice_raises():
 
 
 def test_fallback_to_reference_warns_once(monkeypatch):
-    monkeypatch.setattr(backends, "_C", None)
-    monkeypatch.setattr(backends, "_warned", set())
-    case = make_case(3, 20, 20, torch.float32, seed=9)
+    """Where the extension is not built (``extension=None``), "auto" runs the reference and says so once."""
+    backends.reset_warnings()
+    cpu = torch.device("cpu")
     with pytest.warns(RuntimeWarning, match="not built.*torch reference") as record:
-        vocab_parallel_token_stats(case.logits, case.targets, 2)
-        vocab_parallel_token_stats(case.logits, case.targets, 2)
+        chosen = [backends.resolve(cpu, None, 2, extension=None) for _ in range(2)]
+    assert chosen == ["reference", "reference"]
     assert len([w for w in record if "not built" in str(w.message)]) == 1
     monkeypatch.setenv(backends.ENV_VAR, "cpp")
     with pytest.raises(RuntimeError, match="_C is missing"):
-        vocab_parallel_token_stats(case.logits, case.targets, 2)
+        backends.resolve(cpu, None, 2, extension=None)
 
 
 def test_env_var_forces_reference(monkeypatch):
@@ -385,8 +385,8 @@ def test_masked_minus_inf_logits(impl, dtype):
     check(result, dtype)
 
 
-def test_non_contiguous_logits_warn_about_the_copy(monkeypatch):
-    monkeypatch.setattr(backends, "_warned", set())
+def test_non_contiguous_logits_warn_about_the_copy():
+    backends.reset_warnings()
     logits = make_case(8, 40, 40, torch.float32, seed=15).logits.view(2, 4, 40)
     targets = torch.zeros(2, 3, dtype=torch.long)
     with pytest.warns(RuntimeWarning, match="not contiguous, so they are copied"):

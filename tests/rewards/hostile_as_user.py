@@ -134,7 +134,7 @@ def delegated(payload: dict) -> dict:
     """Many processes holding more memory than the budget, where root delegated a memory cgroup directory to us."""
     from megatron_rlvr.rewards import cgroup
 
-    cgroup.PARENT_NAME = payload["cgroup_parent"]  # the directory root made for this test, beside the real one
+    os.environ[cgroup.PARENT_ENV] = payload["cgroup_parent"]  # the directory root made for this test
     run = run_python(memory_by_many_processes(6, 64), "", LIMITS)
     return {"isolation": run.isolation, "memory": run.memory, "stdout": run.stdout, "oom_kills": run.oom_kills}
 

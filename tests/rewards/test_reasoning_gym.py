@@ -3,6 +3,7 @@ ones 0 (three tasks, rows as `data prepare reasoning-gym` writes them); malforme
 are one-line errors before any scoring."""
 
 import json
+import sys
 
 import pytest
 
@@ -73,8 +74,7 @@ def test_bad_rows_and_a_missing_install_are_one_line_errors(pool, rows, monkeypa
     rewards, counters = pool.score_batch(["reasoning_gym:no_such_task"], ["4"], [rows[0]["answer"]])
     assert rewards == [0.0] and counters["errors"] == 1
     assert "reasoning-gym has no dataset 'no_such_task'" in pool.last_errors[0]
-    monkeypatch.setattr(rg_reward, "_found", False)
-    monkeypatch.setattr(rg_reward.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as where it is not installed: imports of it fail
     with pytest.raises(
         rg_reward.ReasoningGymMissingError,
         match=r"^reasoning-gym is not installed \(task "

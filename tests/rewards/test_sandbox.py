@@ -168,11 +168,11 @@ def test_malformed_code_reference_is_a_clear_error():
             verify_code("print(1)", bad, LIMITS)
 
 
-def test_without_namespaces_programs_are_refused_unless_rlimits_only_is_accepted(monkeypatch, tmp_path, caplog):
+def test_without_namespaces_programs_are_refused_unless_rlimits_only_is_accepted(tmp_path, caplog):
     import megatron_rlvr.rewards.sandbox as sandbox
 
     accepted = SandboxLimits(**{**LIMITS.__dict__, "accept_rlimits_only": True})
-    monkeypatch.setattr(sandbox, "_warned", False)
+    sandbox.reset_warnings()
     with use_containment("none"):  # as on a kernel that refuses every namespace
         with pytest.raises(SandboxUnavailableError, match=r"no isolation.*reward\.sandbox_accept_rlimits_only=true"):
             run_python("print(1)", "", LIMITS)

@@ -110,12 +110,12 @@ def test_vllm_keeps_a_stale_output_layer_without_lm_head(llama_tied):
 
         dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
 
-    engine._llm.apply_model(vllms_own_handle)
+    engine.llm.apply_model(vllms_own_handle)
     new = perturbed(original, seed=3, tied=True)
     load_into_hf(hf, new)
     without_lm_head = [(k, v) for k, v in new.items() if k != "lm_head.weight"]
-    engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(without_lm_head)})
-    engine._llm.reset_prefix_cache()
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(without_lm_head)})
+    engine.llm.reset_prefix_cache()
     stale = _max_diff(engine, hf)
     readback = engine.compare_weights(new)
     engine.update_weights(original.items())
@@ -156,7 +156,7 @@ def test_sampling_n16_is_well_formed_and_logprobs_are_of_logits_over_temperature
 
 def test_max_tokens_and_stop_string_end_generation(qwen):
     engine, _, _ = qwen
-    tokenizer = engine._llm.get_tokenizer()
+    tokenizer = engine.llm.get_tokenizer()
     greedy = Sampling(temperature=0.0, max_tokens=24, seed=0)
     capped = engine.generate([[9, 8, 7]], 1, Sampling(temperature=0.0, max_tokens=5, seed=0))[0][0]
     assert len(capped.token_ids) == 5 and capped.finish_reason == "length"
@@ -233,8 +233,8 @@ def test_bad_sync_fails_before_the_engine_is_touched(qwen, fault, match, monkeyp
     else:
         items.append(("model.norm.weight", bad["model.norm.weight"]))
     calls = []
-    real_rpc = engine._llm.collective_rpc
-    monkeypatch.setattr(engine._llm, "collective_rpc", lambda *a, **k: calls.append(a) or real_rpc(*a, **k))
+    real_rpc = engine.llm.collective_rpc
+    monkeypatch.setattr(engine.llm, "collective_rpc", lambda *a, **k: calls.append(a) or real_rpc(*a, **k))
     handles = _gemm_handles(engine)
     with pytest.raises(WeightSyncError, match=match):
         engine.update_weights(items)
@@ -245,18 +245,18 @@ def test_bad_sync_fails_before_the_engine_is_touched(qwen, fault, match, monkeyp
 
 
 def _gemm_handles(engine: VLLMEngine) -> dict[str, int]:
-    return engine._llm.apply_model(
+    return engine.llm.apply_model(
         lambda model: {n: id(m.cpu_linear) for n, m in model.named_modules() if hasattr(m, "cpu_linear")}
     )[0]
 
 
 @pytest.mark.parametrize("which", ["qwen", "llama_tied"])
-def test_cpu_engines_load_directly_and_vllms_reload_gives_the_same_model(which, request, monkeypatch):
+def test_cpu_engines_load_directly_and_vllms_reload_gives_the_same_model(which, request):
     """The direct CPU path is the one in use (new GEMM handles after a sync), and vLLM's generic reload, the
     fallback for models it does not cover (here through the shard stage at TP 1), loads the same weights (both
     compared with HF transformers)."""
     engine, hf, original = request.getfixturevalue(which)[:3]
-    assert engine._direct is not None
+    assert engine.weight_loader == "direct"
     new = perturbed(original, seed=7, tied=which == "llama_tied")
     load_into_hf(hf, new)
     try:
@@ -268,11 +268,9 @@ def test_cpu_engines_load_directly_and_vllms_reload_gives_the_same_model(which, 
         assert all(before[n] != after[n] for n in before if "proj" in n)
         assert _max_diff(engine, hf) <= 1 and engine.compare_weights(new) == []
         engine.update_weights(original.items())
-        monkeypatch.setattr(engine, "_direct", None)
-        engine.update_weights(new.items())  # through vLLM's reload_weights
+        engine.update_weights(new.items(), loader="reload")  # through vLLM's reload_weights
         assert _max_diff(engine, hf) <= 1 and engine.compare_weights(new) == []
     finally:
-        monkeypatch.undo()
         engine.update_weights(original.items())
         load_into_hf(hf, original)
     assert _max_diff(engine, hf) <= 1
@@ -295,7 +293,7 @@ def test_dead_engine_is_reported_and_a_rebuilt_engine_takes_the_actor_weights(ll
         raise RuntimeError("simulated worker crash")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine._llm.llm_engine, "step", crash)
+        patch.setattr(engine.llm.llm_engine, "step", crash)
         with pytest.raises(EngineDiedError, match="generate failed: RuntimeError: simulated worker crash"):
             engine.generate([[1, 2, 3]], 2, Sampling(max_tokens=4))
     assert not engine.alive
@@ -343,16 +341,13 @@ def test_top_p_logprobs_are_of_the_truncated_renormalized_distribution(qwen):
 
 
 @pytest.mark.parametrize("path", ["direct", "reload_shard_stage"])
-def test_a_wrong_shape_in_the_last_bucket_leaves_the_weights_bit_identical_and_the_engine_alive(
-    qwen, path, monkeypatch
-):
+def test_a_wrong_shape_in_the_last_bucket_leaves_the_weights_bit_identical_and_the_engine_alive(qwen, path):
     """Under "full", a stream whose last bucket holds a wrong shape is refused after it was drained: every weight
     the engine computes with reads back bit for bit as before, and the engine still generates. Both CPU paths: the
     direct loader, and vLLM's reload behind the shard stage (the GPU path's staging, at TP 1 here)."""
     engine, hf, original = qwen
     assert engine.cfg.sync_staging == "full"
-    if path == "reload_shard_stage":
-        monkeypatch.setattr(engine, "_direct", None)
+    loader = "reload" if path == "reload_shard_stage" else "auto"
     new = dict(perturbed(original, seed=11))
     buckets = [list(new.items())[:-2], list(new.items())[-2:]]
     name, last = buckets[-1][-1]
@@ -366,13 +361,13 @@ def test_a_wrong_shape_in_the_last_bucket_leaves_the_weights_bit_identical_and_t
                 yield item
 
     with pytest.raises(WeightSyncError, match=f"{name}.*shape"):
-        engine.update_weights(stream())
+        engine.update_weights(stream(), loader=loader)
     assert len(drawn) == len(new) and engine.alive
     assert engine.compare_weights(original, atol=0.0) == []  # bit-identical read-back, through the layers' GEMMs
     out = engine.generate([[1, 2, 3]], 2, Sampling(temperature=1.0, max_tokens=4, seed=0))
     assert len(out[0]) == 2 and all(len(c.token_ids) >= 1 for c in out[0])
     if path == "reload_shard_stage":  # and the staged path does load a good stream
-        engine.update_weights(new.items())
+        engine.update_weights(new.items(), loader=loader)
         assert engine.compare_weights(new) == [] and engine.last_staged_bytes > 0
-        engine.update_weights(original.items())
+        engine.update_weights(original.items(), loader=loader)
         assert engine.compare_weights(original) == []

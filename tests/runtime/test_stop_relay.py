@@ -226,7 +226,8 @@ def test_sigterm_to_train_keeps_the_step_that_outlasts_torchruns_grace_and_the_r
     run = Launched(
         cmd,
         {
-            "PYTHONPATH": f"{REPO / 'tests' / 'runtime' / 'slow_step'}{os.pathsep}{REPO}",
+            "PYTHONPATH": str(REPO),
+            "MEGATRON_RLVR_CALLBACKS": "tests.runtime.slow_step",
             "MEGATRON_RLVR_TEST_STEP_DELAY_S": "4",
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1",
         },

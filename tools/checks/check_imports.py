@@ -3,6 +3,7 @@ too: a cycle that only a local import keeps working is still a cycle a reader ha
 
     python tools/checks/check_imports.py            # exit 0 when there is none, 1 with one line per finding
     python tools/checks/check_imports.py --graph    # also print the package-level graph (who imports whom)
+    python tools/checks/check_imports.py --root DIR # another checkout (DIR/megatron_rlvr, DIR/pyproject.toml)
 
 The layers are read from the `layers` contract in pyproject.toml ([tool.importlinter]), the one list that
 `lint-imports` checks too; this script adds what that contract cannot say: cycles between modules of one package.
@@ -22,13 +23,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "megatron_rlvr"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted((root / PACKAGE).rglob("*.py"))}
 
 
 def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
@@ -99,9 +100,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def layers() -> list[list[str]]:
+def layers(root: Path = ROOT) -> list[list[str]]:
     """The layers contract of pyproject.toml, highest first; each layer a list of sibling modules."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]
     for contract in config["contracts"]:
         if contract["type"] == "layers":
             return [[f"{PACKAGE}.{m.strip()}" for m in layer.replace("|", " ").split()] for layer in contract["layers"]]
@@ -117,11 +118,12 @@ def wing(module: str, names: dict[str, int]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--graph", action="store_true", help="print the package-level import graph")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to check (default: this one)")
     args = parser.parse_args(argv)
-    found = modules()
+    found = modules(args.root)
     graph = {name: imports_of(path, name, set(found)) for name, path in found.items()}
     problems = [f"cycle: {' <-> '.join(c)}" for c in cycles(graph)]
-    rank = {m: i for i, layer in enumerate(layers()) for m in layer}
+    rank = {m: i for i, layer in enumerate(layers(args.root)) for m in layer}
     wings: dict[str, set[str]] = defaultdict(set)
     for source, targets in graph.items():
         a = wing(source, rank)

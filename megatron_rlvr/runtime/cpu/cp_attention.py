@@ -6,7 +6,7 @@ the backward sums every rank's gradient of the gathered K/V and keeps this rank'
 owner rank), put back into whole-stream order, and each of this rank's query chunks attends to the causal part of
 its sequence only: keys from the sequence's start to the chunk's end, masked by true positions. A chunk r of a
 sequence thus costs chunk x (r + 1) chunks of scores, not chunk x sequence. Short sequences share one masked call
-(up to ``attention.BLOCK_TOKENS`` tokens of the whole stream) as in the CP = 1 path.
+(up to the attention's ``block_tokens`` tokens of the whole stream) as in the CP = 1 path.
 
 ``context_parallel_attention`` is called by ``attention.PackedDotProductAttention`` when cp > 1; no model file knows.
 """
