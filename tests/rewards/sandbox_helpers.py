@@ -56,6 +56,11 @@ def leftovers(pid: int | None = None) -> list[str]:
     return found
 
 
+def disk_fill_on_the_host() -> list[str]:
+    """DISK_FILL's files in the host's /tmp and /dev/shm: none when its writes stayed in the sandbox's own tmpfs."""
+    return [str(p) for d in ("/tmp", "/dev/shm") for p in Path(d).glob(f"{DISK_FILL_PREFIX}*")]
+
+
 def io_reference(expected: str, stdin: str = "") -> dict:
     return {"io": [{"input": stdin, "output": expected}]}
 
@@ -81,12 +86,13 @@ FORK_BOMB = (
 
 # 1 MB files into the work dir, /tmp and /dev/shm until refused; prints "refused: ..." then the files written and the
 # size of its filesystem in MB (contained: "No space left", at most the tmpfs cap)
+DISK_FILL_PREFIX = "rlvr-disk-fill-"  # the names of its files, which the host's /tmp and /dev/shm must never hold
 DISK_FILL = (
     "import os\n"
     "written = 0\n"
     "try:\n"
     "    for i in range(300):\n"
-    "        with open(f\"{('.', '/tmp', '/dev/shm')[i % 3]}/f{i}\", 'wb') as f:\n"
+    f"        with open(f\"{{('.', '/tmp', '/dev/shm')[i % 3]}}/{DISK_FILL_PREFIX}{{i}}\", 'wb') as f:\n"
     "            f.write(b'x' * (1 << 20))\n"
     "        written += 1\n"
     "except OSError as exc:\n"
