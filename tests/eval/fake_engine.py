@@ -8,10 +8,12 @@ call order or on the prompts after it — like `VLLMEngine`, which seeds each pr
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import sys
+from pathlib import Path
 
 from megatron_rlvr.rollout.base import Completion, Sampling
 from megatron_rlvr.testing.engines import ScriptedEngineBase
@@ -79,3 +81,15 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def write_data(data_dir: Path) -> None:
+    """The eval tests' benchmark files: three math500 problems and two countdown ones."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"unique_id": f"p{i}", "problem": f"What is {i} times one, written as a single digit number?", "answer": str(i)}
+        for i in (1, 2, 7)
+    ]
+    (data_dir / "math500.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [{"id": "c0", "numbers": [1, 2, 3], "target": 9}, {"id": "c1", "numbers": [2, 3], "target": 6}]
+    (data_dir / "countdown.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -16,8 +16,7 @@ from megatron_rlvr.eval.config import EvalConfig
 from megatron_rlvr.eval.results import BenchmarkCounts, ResultsError, load_run, results_json, write_results
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.rewards import RewardConfig
-from tests.eval.fake_engine import FakeEngine, encode
-from tests.eval.test_runner import write_data
+from tests.eval.fake_engine import FakeEngine, encode, write_data
 
 SETTINGS = {
     "model": "m",

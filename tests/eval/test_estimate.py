@@ -24,8 +24,7 @@ from megatron_rlvr.eval.estimate import (
 from megatron_rlvr.eval.store import load_records
 from megatron_rlvr.recipes.estimate import main as estimate_main
 from megatron_rlvr.rewards import RewardConfig
-from tests.eval.fake_engine import FakeEngine, encode
-from tests.eval.test_runner import write_data
+from tests.eval.fake_engine import FakeEngine, encode, write_data
 
 REPO = Path(__file__).resolve().parents[2]
 K1024 = REPO / "configs" / "eval_k1024_qwen2.5-math-7b.yaml"

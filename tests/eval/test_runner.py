@@ -16,21 +16,11 @@ from megatron_rlvr.eval.runner import EvalRunner, problem_counts
 from megatron_rlvr.eval.store import RunSettingsMismatch, SampleStore, load_records
 from megatron_rlvr.problems.benchmarks import load_benchmark
 from megatron_rlvr.rewards import RewardConfig, RewardPool
-from tests.eval.fake_engine import FakeEngine, encode
+from tests.eval import fake_engine
+from tests.eval.fake_engine import FakeEngine, encode, write_data
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE = Path(__file__).with_name("fake_engine.py")
-
-
-def write_data(data_dir: Path) -> None:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    rows = [
-        {"unique_id": f"p{i}", "problem": f"What is {i} times one, written as a single digit number?", "answer": str(i)}
-        for i in (1, 2, 7)
-    ]
-    (data_dir / "math500.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rows = [{"id": "c0", "numbers": [1, 2, 3], "target": 9}, {"id": "c1", "numbers": [2, 3], "target": 6}]
-    (data_dir / "countdown.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+FAKE = Path(fake_engine.__file__)
 
 
 def run_fake_eval(

@@ -15,7 +15,7 @@ from megatron_rlvr.plan.memory import GB, Layout, plan_layout
 from megatron_rlvr.plan.recipe_files import MODEL_CONFIGS_DIR, find_hf_config
 from megatron_rlvr.plan.stage_params import stage_params
 from megatron_rlvr.plan.suggest import _rank, suggest
-from tests.configs.test_recipes import KNOWN_SIZES, analytic_parameter_count
+from tests.configs.model_sizes import KNOWN_SIZES, analytic_parameter_count
 
 BIG = "qwen2.5-32b_math-l3to5_casp"
 
