@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rlvr.data import PromptItem
-from tests.actor.test_teacher import _actor, _batch, _targets
+from tests.actor.test_teacher import distill_batch, flat_targets, teacher_actor
 
 TEMPLATE = "Answer: {answer}\n"
 ITEMS = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2), "34", "math")]
@@ -29,10 +29,10 @@ def crpo_updates(hf_dir: str, tp: int, runs: list[dict]) -> list[dict]:
     out = []
     for algo in runs:
         with model_parallel(tp=tp, pp=1, seed=11):
-            actor = _actor(hf_dir, tp, algo)
-            batch = _batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])
+            actor = teacher_actor(hf_dir, tp, algo)
+            batch = distill_batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])
             statistics = actor.score(batch, ITEMS, mini_batches=1)
-            out.append(actor.update(batch, _targets(), statistics, mini_batches=1))
+            out.append(actor.update(batch, flat_targets(), statistics, mini_batches=1))
     return out
 
 
@@ -72,18 +72,18 @@ def ema_teacher_round_trip(hf_dir: str, ckpt_root: str, tp: int):
     algo = {**CRPO, "distill.crpo.teacher": "ema", "distill.crpo.ema_decay": 0.25}
 
     def step(actor):
-        batch = _batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])
-        return actor.update(batch, _targets(), actor.score(batch, ITEMS, mini_batches=1), mini_batches=1)
+        batch = distill_batch(actor.vocab_size, rewards=[1.0, 0.0, 0.0, 1.0])
+        return actor.update(batch, flat_targets(), actor.score(batch, ITEMS, mini_batches=1), mini_batches=1)
 
     with model_parallel(tp=tp, pp=1, seed=11):
-        live = _actor(hf_dir, tp, algo)
+        live = teacher_actor(hf_dir, tp, algo)
         before = _teacher_params(live)
         step(live)
         policy = [p.detach() for c in live.model_chunks for p in c.parameters()]
         expected = [b.clone().mul_(0.25).add_(p.to(b.dtype), alpha=0.75) for b, p in zip(before, policy)]
         followed = _teacher_params(live)
         checkpoint.save(ckpt_root, 1, live, {"step": 1})
-        restored = _actor(hf_dir, tp, algo)
+        restored = teacher_actor(hf_dir, tp, algo)
         fresh = _teacher_params(restored)
         checkpoint.load(checkpoint.resolve(ckpt_root, "latest"), restored)
         loaded = _teacher_params(restored)

@@ -18,13 +18,13 @@ TEMPLATE = "Answer: {answer}\n"
 ITEMS = [PromptItem("p0", "", (1, 2), "12", "math"), PromptItem("p1", "", (1, 2), "a much longer answer", "math")]
 
 
-def _targets():
+def flat_targets():
     from megatron_rlvr.protocols import Targets
 
     return Targets(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
 
 
-def _batch(vocab: int, seed: int = 0, rewards: list[float] | None = None):
+def distill_batch(vocab: int, seed: int = 0, rewards: list[float] | None = None):
     from megatron_rlvr.testing.handoffs import rollouts
 
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +38,7 @@ def _batch(vocab: int, seed: int = 0, rewards: list[float] | None = None):
     return rollouts(tokens, mask, rewards=None if rewards is None else torch.tensor(rewards))
 
 
-def _actor(hf_dir: str, tp: int, algo: dict, pack: bool = True, cp: int = 1):
+def teacher_actor(hf_dir: str, tp: int, algo: dict, pack: bool = True, cp: int = 1):
     from megatron_rlvr.actor.config import ActorConfig
     from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.models.config import ModelConfig
@@ -62,10 +62,10 @@ def teacher_scores(hf_dir: str, teacher_dir: str, tp: int, mode: str, pack: bool
         else {"distill.kind": "self", "distill.template": TEMPLATE}
     )
     with model_parallel(tp=tp, pp=1, seed=11, cp=cp):
-        actor = _actor(hf_dir, tp, algo, pack, cp)
-        batch = _batch(actor.vocab_size)
+        actor = teacher_actor(hf_dir, tp, algo, pack, cp)
+        batch = distill_batch(actor.vocab_size)
         statistics = actor.score(batch, ITEMS, mini_batches=1)
-        metrics = actor.update(batch, _targets(), statistics, mini_batches=1)
+        metrics = actor.update(batch, flat_targets(), statistics, mini_batches=1)
         teacher = statistics.teacher
         return teacher.logp, teacher.topn_ids, teacher.topn_logits, metrics
 
@@ -76,7 +76,7 @@ def plain_forward(hf_dir: str, prefixes: list[list[int]]):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    batch = _batch(model.config.vocab_size)
+    batch = distill_batch(model.config.vocab_size)
     rows = []
     with torch.no_grad():
         for i, prefix in enumerate(prefixes):
@@ -144,7 +144,7 @@ def test_self_distillation_scores_the_response_under_the_privileged_prompt(worke
 def test_privileged_rows_shift_the_response_and_realign_exactly():
     from megatron_rlvr.actor.teacher import privileged_batch, realign
 
-    batch = _batch(50)
+    batch = distill_batch(50)
     prefixes = [[7], [7], [8, 9, 10], [8, 9, 10]]
     privileged, shifts = privileged_batch(batch, prefixes)
     assert shifts.tolist() == [1, 1, 3, 3]

@@ -15,7 +15,7 @@ from megatron_rlvr.experience.methods.armor import AnchorRollout
 from megatron_rlvr.experience.transforms import source_config
 from megatron_rlvr.rollout import RolloutConfig
 from megatron_rlvr.testing.configs import algo_config, run_config
-from tests.experience.test_collect import FAILED, MIXED, SOLVED, ScriptedEngine, ScriptedPool, _items
+from tests.experience.test_collect import FAILED, MIXED, SOLVED, ScriptedEngine, ScriptedPool, prompt_items
 
 G = 4
 KINDS = [MIXED, SOLVED, FAILED, MIXED] * 3
@@ -37,7 +37,7 @@ def _run(cfg, loader, anchors, step, engine):
 def test_anchors_join_each_group_and_the_filter_drops_the_rest(tmp_path):
     cfg = _cfg()
     assert cfg.algo.mixed_ratio_share(G) == (G - 1) / G  # ARMOR's a: the on-policy share
-    loader, engine, resets = PromptLoader(_items(KINDS), 4, seed=0, shuffle=False), ScriptedEngine(), []
+    loader, engine, resets = PromptLoader(prompt_items(KINDS), 4, seed=0, shuffle=False), ScriptedEngine(), []
     anchors = AnchorRollout(cfg, engine, ScriptedPool(), loader, lambda: resets.append(1), tmp_path, pad_id=0)
     exp = _run(cfg, loader, anchors, 0, engine)
     assert resets == [1] and (tmp_path / "reset_0.pt").is_file()
@@ -62,7 +62,7 @@ def test_anchors_join_each_group_and_the_filter_drops_the_rest(tmp_path):
     # step 1 uses the same interval: no reset, no draw; a resumed run reads the interval back from the file
     _run(cfg, loader, anchors, 1, engine)
     assert resets == [1] and len(engine.calls) == 4
-    resumed_loader = PromptLoader(_items(KINDS), 4, seed=0, shuffle=False)
+    resumed_loader = PromptLoader(prompt_items(KINDS), 4, seed=0, shuffle=False)
     resumed_loader.next_batch()
     resumed = AnchorRollout(cfg, engine, ScriptedPool(), resumed_loader, lambda: resets.append(1), tmp_path, pad_id=0)
     again = _run(cfg, resumed_loader, resumed, 1, engine)
@@ -71,7 +71,7 @@ def test_anchors_join_each_group_and_the_filter_drops_the_rest(tmp_path):
 
 
 def loader_at(step: int) -> PromptLoader:
-    loader = PromptLoader(_items(KINDS), 4, seed=0, shuffle=False)
+    loader = PromptLoader(prompt_items(KINDS), 4, seed=0, shuffle=False)
     for _ in range(step):
         loader.next_batch()
     return loader

@@ -56,7 +56,7 @@ class ScriptedPool:
         return [1.0 if r == "yes" else 0.0 for r in responses], {"items": len(responses)}
 
 
-def _items(kinds: list[int]) -> list[PromptItem]:
+def prompt_items(kinds: list[int]) -> list[PromptItem]:
     return [
         PromptItem(id=f"p{i}", prompt="", prompt_ids=(kind, 9), answer="yes", task="scripted")
         for i, kind in enumerate(kinds)
@@ -90,7 +90,7 @@ MOSTLY_UNIFORM = [MIXED if i % 5 == 0 else (SOLVED if i % 2 else FAILED) for i i
 
 
 def test_refill_fills_the_batch_where_most_groups_are_uniform():
-    loader, engine = PromptLoader(_items(MOSTLY_UNIFORM), 4, seed=3), ScriptedEngine()
+    loader, engine = PromptLoader(prompt_items(MOSTLY_UNIFORM), 4, seed=3), ScriptedEngine()
     exp = _collect(loader, _cfg(rounds=10), engine=engine)
     kinds = [item.prompt_ids[0] for item in exp.items]
     assert kinds == [MIXED] * 4  # the step trains prompts_per_step informative groups, nothing else
@@ -109,7 +109,7 @@ def test_refill_fills_the_batch_where_most_groups_are_uniform():
 
 def test_refill_stops_after_refill_max_rounds_and_trains_what_it_has():
     kinds = [MIXED] + [FAILED] * 39  # one informative prompt in forty
-    loader, engine = PromptLoader(_items(kinds), 4, seed=0, shuffle=False), ScriptedEngine()
+    loader, engine = PromptLoader(prompt_items(kinds), 4, seed=0, shuffle=False), ScriptedEngine()
     exp = _collect(loader, _cfg(rounds=2), engine=engine)
     assert [n for n, _ in engine.calls] == [4, 4, 4]  # the first round, then two refills of a full batch each
     m = exp.metrics
@@ -124,7 +124,10 @@ def test_refill_stops_after_refill_max_rounds_and_trains_what_it_has():
 
 def test_no_refill_rounds_drops_like_before():
     """refill_max_rounds = 0: the first round's groups in place, the uniform ones masked out (the old behaviour)."""
-    loader, engine = PromptLoader(_items([SOLVED, MIXED, FAILED, MIXED]), 4, seed=0, shuffle=False), ScriptedEngine()
+    loader, engine = (
+        PromptLoader(prompt_items([SOLVED, MIXED, FAILED, MIXED]), 4, seed=0, shuffle=False),
+        ScriptedEngine(),
+    )
     exp = _collect(loader, _cfg(rounds=0), engine=engine)
     assert len(engine.calls) == 1 and [item.id for item in exp.items] == ["p0", "p1", "p2", "p3"]
     assert exp.rollouts.response_mask.any(dim=1).view(4, G).all(dim=1).tolist() == [False, True, False, True]
@@ -132,7 +135,7 @@ def test_no_refill_rounds_drops_like_before():
 
 
 def test_without_dropping_every_group_trains_and_nothing_refills():
-    loader, engine = PromptLoader(_items(MOSTLY_UNIFORM), 4, seed=3), ScriptedEngine()
+    loader, engine = PromptLoader(prompt_items(MOSTLY_UNIFORM), 4, seed=3), ScriptedEngine()
     exp = _collect(loader, _cfg(drop=False), engine=engine)
     assert len(engine.calls) == 1 and exp.rollouts.response_mask.any(dim=1).all()
     assert exp.metrics["batch/groups_trained"] == 4 and exp.metrics["batch/uniform_groups_dropped"] == 0
@@ -147,14 +150,14 @@ def test_without_dropping_every_group_trains_and_nothing_refills():
 def test_the_prompt_stream_resumes_exactly_with_refill():
     """Steps 3-4 of an uninterrupted run equal steps 3-4 after resuming from the loader's state at step 2."""
     cfg = _cfg(rounds=3)
-    loader = PromptLoader(_items(MOSTLY_UNIFORM), 4, seed=5)
+    loader = PromptLoader(prompt_items(MOSTLY_UNIFORM), 4, seed=5)
     full, saved = [], None
     for step in range(4):
         full.append(_collect(loader, cfg, step=step))
         if step == 1:
             saved = loader.state_dict()
     assert any(e.metrics["batch/refill_rounds"] > 0 for e in full[2:]), "the compared steps must refill"
-    resumed_loader = PromptLoader(_items(MOSTLY_UNIFORM), 4, seed=5)
+    resumed_loader = PromptLoader(prompt_items(MOSTLY_UNIFORM), 4, seed=5)
     resumed_loader.load_state_dict(saved)
     for step in (2, 3):
         got, want = _collect(resumed_loader, cfg, step=step), full[step]
@@ -164,7 +167,7 @@ def test_the_prompt_stream_resumes_exactly_with_refill():
 
 
 def test_loader_draw_continues_the_same_stream():
-    items = _items([FAILED] * 10)
+    items = prompt_items([FAILED] * 10)
     whole = [i.id for i in PromptLoader(items, 25, seed=2).next_batch()]  # 2.5 epochs in one go
     loader = PromptLoader(items, 4, seed=2)
     pieces = loader.next_batch() + loader.draw(3) + loader.draw(0) + loader.draw(18)
@@ -183,7 +186,7 @@ def test_overlong_penalty_by_hand():
 
 def test_overlong_penalty_enters_the_rewards_and_its_knobs_are_checked():
     # MIXED samples have 2, 3, 4, 5 tokens; budget 5, buffer 2: penalties 0, 0, -1/2, -1 (times 1)
-    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    loader = PromptLoader(prompt_items([MIXED] * 4), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False, buffer=2))
     torch.testing.assert_close(exp.rollouts.rewards.view(4, G)[0], torch.tensor([1.0, 0.0, 0.5, -1.0]))
     assert exp.metrics["reward/overlong_penalty"] == pytest.approx(-0.375)
@@ -199,7 +202,7 @@ def test_overlong_penalty_enters_the_rewards_and_its_knobs_are_checked():
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_truncated_responses_are_counted_and_masked_when_asked(mask_truncated):
-    loader = PromptLoader(_items([MIXED, SOLVED, MIXED, FAILED]), 4, seed=0, shuffle=False)
+    loader = PromptLoader(prompt_items([MIXED, SOLVED, MIXED, FAILED]), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False, mask_truncated=mask_truncated))
     # the last sample of each MIXED prompt (5 tokens) reaches the budget: 2 of 16 responses
     assert exp.metrics["response/truncated_frac"] == 2 / 16
@@ -209,7 +212,7 @@ def test_truncated_responses_are_counted_and_masked_when_asked(mask_truncated):
 
 
 def test_engine_log_probs_are_the_rollouts_engine_logp():
-    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    loader = PromptLoader(prompt_items([MIXED] * 4), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False))
     rollouts = exp.rollouts
     assert not hasattr(exp, "engine_logp")  # held once: by the rollouts, which the loss and the mismatch metric read
@@ -230,7 +233,7 @@ def test_prefix_tokens_are_context_not_trained_and_counted():
                     c.prefix_len = 2 if j == 0 else 0  # sample 0 continues a 2-token prefix
             return out
 
-    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    loader = PromptLoader(prompt_items([MIXED] * 4), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False), engine=PrefixEngine())
     rows = exp.rollouts.response_mask.sum(dim=1).view(4, G)
     assert rows[0].tolist() == [0, 3, 4, 5]  # 2 tokens, both prefix; then 3, 4, 5 trained as before
@@ -238,7 +241,7 @@ def test_prefix_tokens_are_context_not_trained_and_counted():
     assert exp.rollouts.response_mask[1, 1] and not exp.rollouts.response_mask[0].any()
     assert exp.metrics["rollout/prefix_frac"] == pytest.approx(1 / G)
     assert exp.metrics["reward/mean_prefixed"] == pytest.approx(1.0)  # sample 0 of a MIXED prompt says "yes"
-    plain = _collect(PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False), _cfg(drop=False))
+    plain = _collect(PromptLoader(prompt_items([MIXED] * 4), 4, seed=0, shuffle=False), _cfg(drop=False))
     assert plain.metrics["rollout/prefix_frac"] == 0.0 and "reward/mean_prefixed" not in plain.metrics
 
 
@@ -248,7 +251,7 @@ def test_an_engine_served_elsewhere_takes_each_ranks_request_whatever_rollout_tp
     class Remote(ScriptedEngine):
         ranks_per_engine = 1  # like engine_ranks.RemoteEngine
 
-    items, cfg = _items([SOLVED, MIXED, FAILED]), RolloutConfig(group_size=G, max_new_tokens=5, tp=2)
+    items, cfg = prompt_items([SOLVED, MIXED, FAILED]), RolloutConfig(group_size=G, max_new_tokens=5, tp=2)
     engine = Remote()
     out = generate(engine, items, cfg, run_seed=11, step=0)  # one rank, rollout.tp=2: no colocated TP group
     assert [len(group) for group in out] == [G] * 3 and engine.calls[0][0] == 3
@@ -279,7 +282,7 @@ class RoutingEngine(ScriptedEngine):
 
 @pytest.mark.parametrize("short", [False, True])
 def test_rollout_replay_carries_the_engines_routed_experts_like_the_tokens(short):
-    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    loader = PromptLoader(prompt_items([MIXED] * 4), 4, seed=0, shuffle=False)
     exp = _collect(loader, _cfg(drop=False, router_replay="rollout"), engine=RoutingEngine("short" if short else ""))
     routed = exp.rollouts.routed_experts
     assert routed.shape == (*exp.rollouts.tokens.shape, 3, 2) and routed.dtype == torch.int16
@@ -295,7 +298,7 @@ def test_rollout_replay_carries_the_engines_routed_experts_like_the_tokens(short
 
 
 def test_without_rollout_replay_the_batch_carries_no_routing():
-    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    loader = PromptLoader(prompt_items([MIXED] * 4), 4, seed=0, shuffle=False)
     assert (
         _collect(loader, _cfg(drop=False, router_replay="train"), engine=RoutingEngine()).rollouts.routed_experts
         is None
@@ -322,7 +325,7 @@ def test_rollout_replay_without_good_routing_is_one_line_naming_it(flaw, message
                 )
             return out
 
-    loader = PromptLoader(_items([MIXED] * 4), 4, seed=0, shuffle=False)
+    loader = PromptLoader(prompt_items([MIXED] * 4), 4, seed=0, shuffle=False)
     with pytest.raises(RoutingMissingError) as info:
         _collect(loader, _cfg(drop=False, router_replay="rollout"), engine=FirstGood(flaw))
     assert message in str(info.value) and "\n" not in str(info.value)

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.experience.test_separate_placement import _logged, _torchrun
+from tests.experience.test_separate_placement import logged_metrics, start_torchrun
 
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=32", "actor.lora.sync=adapters", "actor.lr=1e-3"]
 
@@ -20,13 +20,13 @@ LORA = ["actor.lora.rank=4", "actor.lora.alpha=32", "actor.lora.sync=adapters", 
 @pytest.mark.slow
 def test_lora_adapters_train_one_step_off_on_an_engine_rank(tmp_path):
     out = tmp_path / "run"
-    proc = _torchrun(out, 3, [*LORA, "algo.rollout_correction.kind=tis"])
+    proc = start_torchrun(out, 3, [*LORA, "algo.rollout_correction.kind=tis"])
     try:
         assert proc.wait(timeout=900) == 0, out.with_suffix(".log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    rows = _logged(out)
+    rows = logged_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
     sent = [r["transfer/bytes"] for r in rows[:2]]

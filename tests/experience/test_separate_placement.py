@@ -54,7 +54,7 @@ def test_separate_layouts_that_fit_pass_and_one_step_off_warns_without_correctio
     )
 
 
-def _torchrun(out: Path, steps: int, extra: list[str] = ()) -> subprocess.Popen:  # noqa: B006
+def start_torchrun(out: Path, steps: int, extra: list[str] = ()) -> subprocess.Popen:  # noqa: B006
     cmd = [
         sys.executable,
         "-m",
@@ -86,7 +86,7 @@ def _torchrun(out: Path, steps: int, extra: list[str] = ()) -> subprocess.Popen:
     )
 
 
-def _logged(out: Path) -> list[dict]:
+def logged_metrics(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -96,13 +96,13 @@ def _logged(out: Path) -> list[dict]:
 @pytest.mark.slow
 def test_demo_trains_one_step_off_on_an_engine_rank(tmp_path):
     out = tmp_path / "run"
-    proc = _torchrun(out, 4, ["algo.rollout_correction.kind=tis"])
+    proc = start_torchrun(out, 4, ["algo.rollout_correction.kind=tis"])
     try:
         assert proc.wait(timeout=900) == 0, out.with_suffix(".log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    rows = _logged(out)
+    rows = logged_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # step 1 samples with the initial weights; every later step with the weights one update older
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
@@ -116,7 +116,7 @@ def test_demo_trains_one_step_off_on_an_engine_rank(tmp_path):
 @pytest.mark.slow
 def test_pba_outer_prefixes_and_validation_compose_with_engine_ranks(tmp_path):
     out = tmp_path / "run"
-    proc = _torchrun(
+    proc = start_torchrun(
         out,
         2,
         [
@@ -137,7 +137,7 @@ def test_pba_outer_prefixes_and_validation_compose_with_engine_ranks(tmp_path):
     # the base's evidence came from the engine ranks before the first update: every training prompt, M = 2 each
     counts = json.loads((out / "base_evidence.json").read_text())["counts"]
     assert len(counts) > 100 and set(counts.values()) <= {0, 1, 2} and sum(counts.values()) > 0
-    rows = _logged(out)
+    rows = logged_metrics(out)
     assert [r["step"] for r in rows if "loss/pg_loss" in r] == [1, 2]
     trained = [r for r in rows if "loss/pg_loss" in r]
     assert all(0 < r["pba/anchored_frac"] <= 1 for r in trained)
@@ -152,10 +152,10 @@ def test_a_killed_engine_rank_stops_the_run_within_the_timeout(tmp_path):
     import psutil
 
     out = tmp_path / "run"
-    proc = _torchrun(out, 200)
+    proc = start_torchrun(out, 200)
     try:
         deadline = time.monotonic() + 600
-        while not _logged(out):
+        while not logged_metrics(out):
             assert proc.poll() is None, out.with_suffix(".log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no step was logged within 600 s"
             time.sleep(0.5)
