@@ -94,7 +94,7 @@ class Parts:
     ``engine`` and ``collect`` are the colocated placement's: the engine ranks of ``rollout.placement: separate``
     build and drive their engines where they run."""
 
-    rewards: RewardsFactory = RewardPool  # scores every response: training samples, anchors, validation
+    rewards: RewardsFactory = RewardPool  # scores every response: the samples, what transforms sample, validation
     actor: ActorFactory = megatron_actor
     engine: EngineFactory = make_rollout_engine  # this rank's engine, built again after it died
     collect: CollectStep = collect  # one step's experience; retried once by the source after an engine died
