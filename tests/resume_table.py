@@ -54,7 +54,7 @@ class Reference:
     save_every: int = 2
     tp: int = 2
     parts: Callable[[], Parts] | None = None  # the loop's replaced components (an importable function): the rewards
-    # in a worker group of its own: separate placement pins each rank to its share of the cores for good
+    # each run in a worker group of its own: separate placement splits the world and pins each rank's cores for good
     own_workers: bool = False
 
 
@@ -171,20 +171,15 @@ class Runs:
         self.workers, self.hf_dir, self.root = workers, hf_dir, root
         self._references: dict[str, list[list[dict]]] = {}
         self._resumed: dict[str, Resumed] = {}
-        self._own: WorkerGroup | None = None  # for the references that need `own_workers`
 
-    def group(self, ref: Reference) -> WorkerGroup:
+    def _run(self, ref: Reference, fn: Callable, *args) -> list:
+        """``fn(*args)`` on the module's group, or on a group of its own for a reference that needs one."""
         if not ref.own_workers:
-            return self.workers
-        if self._own is None:
-            from megatron_rlvr.testing.workers import WorkerGroup
+            return self.workers.run(fn, *args, timeout_s=900)
+        from megatron_rlvr.testing.workers import WorkerGroup
 
-            self._own = WorkerGroup(self.workers.world_size, timeout_s=self.workers.timeout_s)
-        return self._own
-
-    def close(self) -> None:
-        if self._own is not None:
-            self._own.close()
+        with WorkerGroup(self.workers.world_size, timeout_s=900) as group:
+            return group.run(fn, *args)
 
     def reference_dir(self, name: str) -> Path:
         return self.root / f"reference-{name}"
@@ -194,10 +189,10 @@ class Runs:
         if name not in self._references:
             ref = REFERENCES[name]
             saving = [f"checkpoint.save_every={ref.save_every}"]
-            self._references[name] = self.group(ref).run(
-                train, self.hf_dir, str(self.reference_dir(name)), ref.tp, 1, STEPS, [*ref.overrides, *saving],
-                ref.parts, timeout_s=900,
-            )  # fmt: skip
+            out = str(self.reference_dir(name))
+            self._references[name] = self._run(
+                ref, train, self.hf_dir, out, ref.tp, 1, STEPS, [*ref.overrides, *saving], ref.parts
+            )
         return self._references[name]
 
     def resumed(self, name: str) -> Resumed:
@@ -212,9 +207,7 @@ class Runs:
             from megatron_rlvr.checkpoint.manifest import verify
 
             extra = list(ref.overrides)  # checkpoint.save_every is 0: the stop writes the only checkpoint
-            histories = self.group(ref).run(
-                _signalled, self.hf_dir, str(out), ref.tp, STEPS, extra, scenario.after, timeout_s=900
-            )
+            histories = self._run(ref, _signalled, self.hf_dir, str(out), ref.tp, STEPS, extra, scenario.after)
             root = out / "checkpoints"
             saved = root / f"step-{scenario.after:06d}"
             names = sorted(p.name for p in root.iterdir())
@@ -225,7 +218,7 @@ class Runs:
                 shutil.copytree(self.reference_dir(scenario.reference), out)
                 saved = out / "checkpoints" / saved.name
             extra = [*ref.overrides, f"checkpoint.save_every={ref.save_every}", f"checkpoint.resume={saved}"]
-        history = self.workers.run(train, self.hf_dir, str(out), ref.tp, 1, STEPS, extra, ref.parts, timeout_s=900)[0]
+        history = self._run(ref, train, self.hf_dir, str(out), ref.tp, 1, STEPS, extra, ref.parts)[0]
         return Resumed(out, stop, history)
 
 

@@ -21,9 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def runs(workers2, tmp_path_factory):
-    runs = Runs(workers2, make_tiny_model(tmp_path_factory.mktemp("qwen")), tmp_path_factory.mktemp("runs"))
-    yield runs
-    runs.close()
+    return Runs(workers2, make_tiny_model(tmp_path_factory.mktemp("qwen")), tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.parametrize("scenario", ["plain", "preempted", "refill", "armor"])

@@ -18,9 +18,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def runs(workers2, tmp_path_factory):
-    runs = Runs(workers2, make_tiny_model(tmp_path_factory.mktemp("qwen")), tmp_path_factory.mktemp("runs"))
-    yield runs
-    runs.close()
+    return Runs(workers2, make_tiny_model(tmp_path_factory.mktemp("qwen")), tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.parametrize("scenario", ["lora", "cp", "one_step_off"])
