@@ -27,9 +27,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.config import Config
+from megatron_rlvr.data import PromptLoader
+from megatron_rlvr.experience.collect import Experience
 from megatron_rlvr.experience.collect import collect as real_collect
 from megatron_rlvr.experience.colocated import CollectStep
 from megatron_rlvr.experience.construction import EngineFactory, make_rollout_engine
+from megatron_rlvr.protocols import Rollouts, Statistics, Targets
 from megatron_rlvr.protocols.actor import Actor
 from megatron_rlvr.rewards import RewardConfig, RewardPool
 from megatron_rlvr.rollout import Completion, RolloutEngine, Sampling
@@ -149,9 +152,11 @@ def recording_actor(calls: list[str]) -> Callable[[Config], Actor]:
         from megatron_rlvr.actor.megatron_actor import MegatronActor
 
         class RecordingActor(MegatronActor):
-            def update(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+            def update(
+                self, rollouts: Rollouts, targets: Targets, statistics: Statistics, *, mini_batches: int
+            ) -> dict[str, float]:
                 calls.append("update")
-                return super().update(*args, **kwargs)
+                return super().update(rollouts, targets, statistics, mini_batches=mini_batches)
 
         return megatron_actor(cfg, RecordingActor)
 
@@ -166,7 +171,9 @@ def nonfinite_actor(seen: list[tuple[float, bool]]) -> Callable[[Config], Actor]
         from megatron_rlvr.actor.megatron_actor import MegatronActor
 
         class NonFiniteActor(MegatronActor):
-            def update(self, rollouts: Any, targets: Any, statistics: Any, *, mini_batches: int) -> dict[str, float]:
+            def update(
+                self, rollouts: Rollouts, targets: Targets, statistics: Statistics, *, mini_batches: int
+            ) -> dict[str, float]:
                 before = [p.detach().clone() for p in self.model_chunks[0].parameters()]
                 nan = replace(targets, advantages=torch.full_like(targets.advantages, float("nan")))
                 metrics = super().update(rollouts, nan, statistics, mini_batches=mini_batches)
@@ -193,11 +200,13 @@ def engine_closed_before(
     """`Parts.collect`: ``collect``, with ``rank``'s engine closed (dead) just before step ``step``'s first
     collection; every call's step is appended to ``steps_seen``."""
 
-    def collect_step(engine: RolloutEngine, *args: Any, **kwargs: Any) -> Any:
-        steps_seen.append(kwargs["step"])
-        if kwargs["step"] == step and steps_seen.count(step) == 1 and _rank() == rank:
+    def collect_step(
+        engine: RolloutEngine, pool: RewardPool, loader: PromptLoader, cfg: Config, **at: int
+    ) -> Experience:
+        steps_seen.append(at["step"])
+        if at["step"] == step and steps_seen.count(step) == 1 and _rank() == rank:
             engine.close()
-        return collect(engine, *args, **kwargs)
+        return collect(engine, pool, loader, cfg, **at)
 
     return collect_step
 
@@ -208,10 +217,12 @@ def signalled_during(
     """`Parts.collect`: ``collect``, with ``rank`` sent ``signum`` in the middle of step ``step`` (0-based: the
     step whose rollout runs then), as a scheduler's preemption notice arrives."""
 
-    def collect_step(engine: RolloutEngine, *args: Any, **kwargs: Any) -> Any:
-        if kwargs["step"] == step and _rank() == rank:
+    def collect_step(
+        engine: RolloutEngine, pool: RewardPool, loader: PromptLoader, cfg: Config, **at: int
+    ) -> Experience:
+        if at["step"] == step and _rank() == rank:
             os.kill(os.getpid(), signum)
-        return collect(engine, *args, **kwargs)
+        return collect(engine, pool, loader, cfg, **at)
 
     return collect_step
 
