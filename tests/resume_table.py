@@ -1,7 +1,7 @@
 """The table of "a resumed run equals an uninterrupted one": each scenario names its uninterrupted reference run, the
 step it is interrupted after and how, and the metrics the resumed steps must repeat exactly (relative 1e-6).
 
-Runs are shared. `Runs` (one per test module, over the module's worker group) trains each reference once, with a
+Runs are shared. `Runs` (one per test module, on the session's `workers2`) trains each reference once, with a
 periodic checkpoint at the interruption's step; a scenario resumed from that checkpoint needs one more run (the
 steps after it), a signalled one two (the run the signal stops, then the rerun). Scenarios that resume the same
 configuration share its reference (plain and preempted), and a module's other tests read the same references
