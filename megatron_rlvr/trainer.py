@@ -7,7 +7,8 @@ Every rank runs the same loop; rank 0 alone writes metrics and the progress bar.
 ``rollout.engine_ranks`` ranks serve the engines instead (experience/engine_server.py) and the loop reads their
 experience through the same `ExperienceSource` (docs/design.md, "One training step"). The loop names no algorithm:
 what an algorithm changes in a step's experience is a transform it registers (experience/transforms.py), what it
-changes in the loss is read by the actor from its config section.
+changes in the loss is read by the actor from its config section. The components a caller may replace (the reward
+function, the actor, the engines, a step's collection, the checkpoint writer) are `Parts`, passed to `train`.
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rlvr import checkpoint
+from megatron_rlvr.checkpoint import ShardWriter
 from megatron_rlvr.config import Config, differences, dump_config, load_config, to_dict, upgraded
 from megatron_rlvr.data import PromptItem
+from megatron_rlvr.experience.collect import collect
+from megatron_rlvr.experience.colocated import CollectStep
+from megatron_rlvr.experience.construction import EngineFactory, make_rollout_engine
 from megatron_rlvr.experience.validation import load_validation_items
 from megatron_rlvr.protocols.actor import Actor
+from megatron_rlvr.rewards import RewardConfig, RewardPool
 from megatron_rlvr.runtime import distributed
 from megatron_rlvr.runtime.console import attach_log_file, has_log_file
 from megatron_rlvr.runtime.preemption import Preemption
@@ -36,6 +42,7 @@ from megatron_rlvr.runtime.preemption import Preemption
 if TYPE_CHECKING:  # imported when the loop starts (they import megatron-core, vLLM, TensorBoard)
     from tqdm import tqdm
 
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
     from megatron_rlvr.experience.collect import Experience
     from megatron_rlvr.experience.source import ExperienceSource
     from megatron_rlvr.experience.transforms import Transforms
@@ -58,6 +65,40 @@ class Timer:
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+RewardsFactory = Callable[[RewardConfig], RewardPool]  # a context manager that scores every response of the run
+ActorFactory = Callable[[Config], Actor]
+
+
+def megatron_actor(cfg: Config, subclass: type[MegatronActor] | None = None) -> Actor:
+    """The run's actor on megatron-core (imported here, when the loop starts); ``subclass``: built as that
+    subclass of `MegatronActor` instead (a test's recorder)."""
+    from megatron_rlvr.actor.megatron_actor import MegatronActor
+
+    r = cfg.rollout
+    return (subclass or MegatronActor)(
+        cfg.model,
+        cfg.actor,
+        cfg.algo,
+        temperature=r.temperature,
+        total_steps=cfg.trainer.steps,
+        group_size=r.group_size,
+    )
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The components of a run a caller may replace, each the real one by default: ``train(cfg, Parts(rewards=f))``
+    is how a test passes a fake (megatron_rlvr/testing/loop_fakes.py), or a user a reward function of their own.
+    ``engine`` and ``collect`` are the colocated placement's: the engine ranks of ``rollout.placement: separate``
+    build and drive their engines where they run."""
+
+    rewards: RewardsFactory = RewardPool  # scores every response: the samples, what transforms sample, validation
+    actor: ActorFactory = megatron_actor
+    engine: EngineFactory = make_rollout_engine  # this rank's engine, built again after it died
+    collect: CollectStep = collect  # one step's experience; retried once by the source after an engine died
+    checkpoint_writer: ShardWriter = checkpoint.write_shards  # the actor's shards of every checkpoint
 
 
 @dataclass
@@ -86,9 +127,10 @@ class Run:
         return metrics
 
 
-def train(cfg: Config) -> list[dict[str, float]]:
+def train(cfg: Config, parts: Parts = Parts()) -> list[dict[str, float]]:  # noqa: B008 (frozen: shared safely)
     """Run ``cfg`` to ``cfg.trainer.steps``, resuming from ``cfg.checkpoint.resume``; return the logged metrics.
-    On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the run returns early."""
+    On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the run returns early. ``parts``:
+    the components replaced (see `Parts`)."""
     with Preemption.installed() as preemption:
         distributed.init_process_group()
         cfg.preflight(distributed.world_size())
@@ -103,16 +145,14 @@ def train(cfg: Config) -> list[dict[str, float]]:
             if roles.is_engine:  # sampling as the actor's source does (experience/transforms.py)
                 serve(source_config(cfg), roles)
                 return []
-        return _train(cfg, roles, preemption)
+        return _train(cfg, roles, preemption, parts)
 
 
-def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dict[str, float]]:
-    from megatron_rlvr.actor.megatron_actor import MegatronActor
+def _train(cfg: Config, roles: Roles | None, preemption: Preemption, parts: Parts) -> list[dict[str, float]]:
     from megatron_rlvr.experience.construction import prompt_stream
     from megatron_rlvr.experience.source import make_source
     from megatron_rlvr.experience.transforms import Transforms, TransformSetup, source_config
     from megatron_rlvr.monitor import MetricLogger
-    from megatron_rlvr.rewards import RewardPool
     from megatron_rlvr.rewards.containment import check_run_containment
 
     t = cfg.trainer
@@ -137,14 +177,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
         )
         for warning in cfg.warnings():
             print(f"[config] warning: {warning}", file=sys.stderr, flush=True)
-    actor = MegatronActor(
-        cfg.model,
-        cfg.actor,
-        cfg.algo,
-        temperature=cfg.rollout.temperature,
-        total_steps=t.steps,
-        group_size=cfg.rollout.group_size,
-    )
+    actor = parts.actor(cfg)
 
     ckpt_root = out / "checkpoints"
     start_step, nonfinite_in_a_row, pending = 0, 0, None
@@ -166,7 +199,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
     )
     progress = _progress(rank0, start_step, t.steps)
 
-    with RewardPool(cfg.reward) as pool:
+    with parts.rewards(cfg.reward) as pool:
         # colocated: this rank's engine; separate: the engine ranks, fed with the actor's weights. The source samples
         # each group less the samples the run's transforms add themselves
         source = make_source(
@@ -178,6 +211,8 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
             prompts.pad_id,
             start_step=start_step,
             pending=pending,
+            make_engine=parts.engine,
+            collect_step=parts.collect,
         )
         setup = TransformSetup(
             cfg,
@@ -205,7 +240,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
             start_step,
             nonfinite_in_a_row,
         )
-        history, preempted = _loop(run)
+        history, preempted = _loop(run, parts.checkpoint_writer)
         # not after an error: a rank that raised alone must exit (engine ranks see it go and exit too), not wait here
         source.close()
     if t.save_hf and not preempted:
@@ -217,7 +252,7 @@ def _train(cfg: Config, roles: Roles | None, preemption: Preemption) -> list[dic
     return history
 
 
-def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
+def _loop(run: Run, checkpoint_writer: ShardWriter) -> tuple[list[dict[str, float]], bool]:
     """Steps ``start_step`` .. ``trainer.steps``: experience -> transforms -> statistics -> update -> weights out ->
     validation, logs, checkpoint. Returns the metrics of every step and whether a preemption stopped it."""
     cfg, actor, source = run.cfg, run.actor, run.source
@@ -278,6 +313,7 @@ def _loop(run: Run) -> tuple[list[dict[str, float]], bool]:
                 cfg.checkpoint.keep_last,
                 hf_dir=cfg.model.hf_dir,
                 objects={"pending_rollout": source.pending()},
+                writer=checkpoint_writer,
             )
         if preempted:
             if run.logger is not None:

@@ -1,7 +1,9 @@
-"""The training loop end to end on CPU: 2 steps at (TP, PP) = (2, 1) and (1, 2) with vLLM rollouts; resume after a
-checkpoint repeats an uninterrupted run's metrics exactly (also with dynamic sampling's refill rounds and the
-rollout correction on); a failed checkpoint write leaves the previous intact; algo.kl.coef > 0 trains against the
-frozen reference and logs the KL to it; a teacher that is the student gives 0 exactly through the loop."""
+"""The training loop end to end on CPU: 2 steps at (TP, PP) = (2, 1) and (1, 2) with vLLM rollouts; the engine's
+log-probs reach the rollout correction; a dead engine is rebuilt; non-finite steps are skipped and stop the run; a
+failed checkpoint write leaves the previous intact; algo.kl.coef > 0 trains against the frozen reference and logs the
+KL to it; a teacher that is the student gives 0 exactly through the loop. Each replaced component is a fake passed
+in the loop's `Parts` (megatron_rlvr/testing/loop_fakes.py). A resumed run's equality to an uninterrupted one is
+tests/test_resume.py's table."""
 
 from __future__ import annotations
 
@@ -10,155 +12,57 @@ from pathlib import Path
 
 import pytest
 
-from tests.training_runs import COMPARED, make_tiny_model, train, train_recording_calls
+from tests.training_runs import make_tiny_model, train, train_recording_calls
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
 
-def _first_token_rewards(pool, items, completions):
-    """A scripted verifier (the random tiny model earns no real reward): 1 when the response's first token id is a
-    multiple of 8, so about 60% of the groups of 4 are uniform and dynamic sampling refills most steps."""
-    import torch
-
-    rewards = [float(bool(c.token_ids) and c.token_ids[0] % 8 == 0) for group in completions for c in group]
-    return torch.tensor(rewards), {"items": len(rewards)}
-
-
-def _train_first_token_rewards(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
-    """train with _first_token_rewards in place of the verifier pool."""
-    from megatron_rlvr.experience import collect as experience
-
-    real_verify, experience.verify = experience.verify, _first_token_rewards
-    try:
-        return train(hf_dir, out_dir, tp, pp, steps, extra)
-    finally:
-        experience.verify = real_verify
-
-
 def _engine_logp_shifted(hf_dir: str, out_dir: str, shift: float, extra: list[str]):
     """train (1 step) with every log-prob the engine reports lowered by ``shift``: rho = exp(shift) on every token."""
-    from megatron_rlvr.experience import collect as experience
+    from megatron_rlvr.testing.loop_fakes import ShiftedLogprobsEngine, wrapped_engines
+    from megatron_rlvr.trainer import Parts
 
-    real_generate = experience.generate
-
-    def generate(*args, **kwargs):
-        groups = real_generate(*args, **kwargs)
-        for group in groups:
-            for c in group:
-                c.logprobs = [lp - shift for lp in c.logprobs]
-        return groups
-
-    experience.generate = generate
-    try:
-        return train(hf_dir, out_dir, 2, 1, 1, extra)
-    finally:
-        experience.generate = real_generate
+    parts = Parts(engine=wrapped_engines(lambda engine: ShiftedLogprobsEngine(engine, shift)))
+    return train(hf_dir, out_dir, 2, 1, 1, extra, lambda: parts)
 
 
 def _engine_dies_at_step_two(hf_dir: str, out_dir: str):
     """Rank 1's engine is closed (dead) just before the second step's rollout; the run must still finish."""
-    import torch.distributed as dist
+    from megatron_rlvr.testing.loop_fakes import engine_closed_before
+    from megatron_rlvr.trainer import Parts
 
-    from megatron_rlvr.experience import colocated as experience_source
-
-    real_collect, calls = experience_source.collect, []
-
-    def collect(engine, *args, **kwargs):
-        calls.append(kwargs["step"])
-        if kwargs["step"] == 1 and calls.count(1) == 1 and dist.get_rank() == 1:
-            engine.close()
-        return real_collect(engine, *args, **kwargs)
-
-    experience_source.collect = collect
-    try:
-        return train(hf_dir, out_dir, 2, 1, 2), calls
-    finally:
-        experience_source.collect = real_collect
+    steps_collected: list[int] = []
+    parts = Parts(collect=engine_closed_before(1, 1, steps_collected))
+    return train(hf_dir, out_dir, 2, 1, 2, [], lambda: parts), steps_collected
 
 
 def _nonfinite_losses(hf_dir: str, out_dir: str):
-    """Every loss is NaN: each step must be skipped on every rank (weights untouched) and the run must stop once
-    more than actor.max_nonfinite_in_a_row steps in a row were skipped."""
-    import torch
-
+    """Every loss is NaN (NaN advantages): each step must be skipped on every rank (weights untouched) and the run
+    must stop once more than actor.max_nonfinite_in_a_row steps in a row were skipped."""
     from megatron_rlvr import trainer
-    from megatron_rlvr.actor import megatron_actor as actor_module
+    from megatron_rlvr.testing.loop_fakes import nonfinite_actor
 
-    real_loss, real_update, seen = actor_module.policy_loss, actor_module.MegatronActor.update, []
-
-    def nan_loss(*args, **kwargs):
-        loss, metrics = real_loss(*args, **kwargs)
-        return loss * float("nan"), metrics
-
-    def update(self, *args, **kwargs):
-        before = [p.detach().clone() for p in self.model_chunks[0].parameters()]
-        metrics = real_update(self, *args, **kwargs)
-        seen.append(
-            (
-                metrics["actor/nonfinite"],
-                all(torch.equal(a, b) for a, b in zip(before, self.model_chunks[0].parameters())),
-            )
-        )
-        return metrics
-
-    actor_module.policy_loss, actor_module.MegatronActor.update = nan_loss, update
+    seen: list[tuple[float, bool]] = []
+    parts = trainer.Parts(actor=nonfinite_actor(seen))
     try:
-        train(hf_dir, out_dir, 2, 1, 5, ["actor.max_nonfinite_in_a_row=2"])
+        train(hf_dir, out_dir, 2, 1, 5, ["actor.max_nonfinite_in_a_row=2"], lambda: parts)
     except trainer.NonFiniteError as e:
         return str(e), seen
-    finally:
-        actor_module.policy_loss, actor_module.MegatronActor.update = real_loss, real_update
     return None, seen
 
 
 def _failing_checkpoint(hf_dir: str, out_dir: str):
     """Train 2 steps saving every step, with the disk 'full' on the second save."""
-    import errno
-    from pathlib import Path
-
-    from megatron.core import dist_checkpointing
-
     from megatron_rlvr.checkpoint import CheckpointError
+    from megatron_rlvr.testing.loop_fakes import FailingShardWriter
+    from megatron_rlvr.trainer import Parts
 
-    real_save, calls = dist_checkpointing.save, []
-
-    def save(sharded_state_dict, ckpt_dir, *args, **kwargs):
-        calls.append(ckpt_dir)
-        if len(calls) == 2:
-            (Path(ckpt_dir) / "partial.distcp").write_bytes(b"\0" * 16)
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(sharded_state_dict, ckpt_dir, *args, **kwargs)
-
-    dist_checkpointing.save = save
+    parts = Parts(checkpoint_writer=FailingShardWriter(fail_at=2))
     try:
-        train(hf_dir, out_dir, 2, 1, 2, ["checkpoint.save_every=1"])
+        train(hf_dir, out_dir, 2, 1, 2, ["checkpoint.save_every=1"], lambda: parts)
     except CheckpointError as e:
         return str(e)
-    finally:
-        dist_checkpointing.save = real_save
     return None
-
-
-def _assert_step_exports_like_final_hf(step_dir, final_hf):
-    """A trainer checkpoint converts to HF with tools/convert.py, equal to the run's own HF export."""
-    import subprocess
-    import sys
-
-    import torch
-    from safetensors.torch import load_file
-
-    out = step_dir.parent.parent / "step2_hf"
-    subprocess.run(
-        [sys.executable, "tools/convert.py", "mcore-to-hf", "--mcore-dir", str(step_dir), "--out", str(out)],
-        check=True,
-        cwd=Path(__file__).resolve().parents[1],
-        timeout=600,
-    )
-    ours, theirs = load_file(final_hf / "model.safetensors"), {}
-    for f in out.glob("*.safetensors"):
-        theirs.update(load_file(f))
-    assert sorted(ours) == sorted(theirs)
-    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 @pytest.fixture(scope="module")
@@ -257,43 +161,6 @@ def test_a_teacher_that_is_the_student_gives_zero_through_the_loop(workers2, tin
     assert step["distill/top1_agreement"] == 1.0 and step["response/tokens_trained"] > 0
 
 
-_REFILL = ["algo.drop_uniform_groups=true", "rollout.refill_max_rounds=2", "algo.rollout_correction.kind=tis"]
-
-
-@pytest.mark.parametrize("refill", [False, True], ids=["plain", "refill"])
-def test_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path, refill):
-    """The steps after a resume equal the uninterrupted run's (weights, optimizer, data position, RNG, rollouts);
-    with refill, also the extra prompts drawn and sampled (the loader's stream position is in the checkpoint), and
-    the rollout correction (tis) read from the engine's log-probs of the resumed rollouts."""
-    run, extra = (_train_first_token_rewards, _REFILL) if refill else (train, [])
-    full = workers2.run(run, tiny_model, str(tmp_path / "full"), 2, 1, 4, extra, timeout_s=900)[0]
-    # an interrupted run: stops after step 2 with a checkpoint at step 2, then the same command resumes
-    workers2.run(run, tiny_model, str(tmp_path / "cut"), 2, 1, 2, [*extra, "checkpoint.save_every=2"], timeout_s=900)
-    if not refill:
-        _assert_step_exports_like_final_hf(tmp_path / "cut" / "checkpoints" / "step-000002", tmp_path / "cut" / "hf")
-    resumed = workers2.run(
-        run, tiny_model, str(tmp_path / "cut"), 2, 1, 4, [*extra, "checkpoint.save_every=2"], timeout_s=900
-    )[0]
-    assert [m["step"] for m in resumed] == [3, 4]
-    compared = COMPARED + (
-        (
-            "batch/refill_rounds",
-            "batch/groups_trained",
-            "batch/uniform_groups_dropped",
-            "response/tokens_trained",
-            "rollout_correction/weight_mean",
-        )
-        if refill
-        else ()
-    )
-    for got, want in zip(resumed, full[2:]):
-        for key in compared:
-            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["step"], key)
-    if refill:  # the compared steps did refill, and trained informative groups
-        assert sum(m["batch/refill_rounds"] for m in full[2:]) > 0
-        assert all(m["batch/groups_trained"] > 0 for m in full)
-
-
 @pytest.mark.parametrize(
     "kind,shift,weight,dropped",
     [("tis", 0.0, 1.0, 0.0), ("tis", 1.0, 2.0, 1.0), ("icepop", 0.5, math.exp(0.5), 0.0), ("mis", 1.0, 0.0, 1.0)],
@@ -340,45 +207,3 @@ def test_failed_checkpoint_keeps_previous(workers2, tiny_model, tmp_path):
     assert (root / "latest").read_text().strip() == "step-000001"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
     assert (root / "step-000001" / "trainer_state.json").is_file()
-
-
-def _even_first_token_rewards(pool, items, completions):
-    """A scripted verifier for ARMOR: 1 when the response's first token id is even (about half the samples), so most
-    prompts find a correct anchor among 4 candidates and most groups of 3 policy samples are not uniform."""
-    import torch
-
-    rewards = [float(bool(c.token_ids) and c.token_ids[0] % 2 == 0) for group in completions for c in group]
-    return torch.tensor(rewards), {"items": len(rewards)}
-
-
-def _train_armor(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
-    """train with _even_first_token_rewards scoring both the policy's samples and the anchors' candidates."""
-    from megatron_rlvr.experience import collect
-    from megatron_rlvr.experience.methods import armor
-
-    real = collect.verify, armor.verify
-    collect.verify = armor.verify = _even_first_token_rewards
-    try:
-        return train(hf_dir, out_dir, tp, pp, steps, extra)
-    finally:
-        collect.verify, armor.verify = real
-
-
-_ARMOR = ["algo.loss.kind=grpo", "algo.armor.anchors=true", "algo.armor.reset_every=2"]
-
-
-def test_armor_resume_repeats_uninterrupted_metrics(workers2, tiny_model, tmp_path):
-    """ARMOR: references reset at steps 0 and 2, a checkpoint at step 3 (mid-interval), and the resumed step 4 equals
-    the uninterrupted run's: the reset reference comes back from the checkpoint (kl_ref to it is compared), the
-    interval's anchors from their file."""
-    run, saved = str(tmp_path / "run"), [*_ARMOR, "checkpoint.save_every=3"]
-    full = workers2.run(_train_armor, tiny_model, run, 2, 1, 4, saved, timeout_s=900)[0]
-    # its step-3 checkpoint is the one a run stopped after step 3 leaves; resumed in the same directory, where the
-    # interval's anchors file is
-    from_step3 = [*saved, f"checkpoint.resume={run}/checkpoints/step-000003"]
-    resumed = workers2.run(_train_armor, tiny_model, run, 2, 1, 4, from_step3, timeout_s=900)[0]
-    assert [m["step"] for m in resumed] == [4]
-    assert [m["anchor/reset"] for m in full] == [1.0, 0.0, 1.0, 0.0]
-    assert full[3]["anchor/groups_trained"] > 0 and full[3]["loss/kl_ref"] > 0  # the policy moved off the reference
-    for key in (*COMPARED, "loss/kl_ref", "anchor/groups_trained", "anchor/found_frac", "response/tokens_trained"):
-        assert resumed[0][key] == pytest.approx(full[3][key], rel=1e-6, abs=1e-9), key

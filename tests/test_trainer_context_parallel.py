@@ -1,6 +1,7 @@
-"""Context parallelism through the real training loop (docs/context-parallel.md): 2 steps at actor.cp=2 with vLLM
-rollouts, the KL reference and a checkpoint; and the demo recipe (configs/demo_cpu.yaml) at actor.cp=2 actor.tp=1,
-whose first step equals actor.cp=1 (loss and grad norm, relative 1e-4)."""
+"""Context parallelism through the real training loop (docs/context-parallel.md): the demo recipe
+(configs/demo_cpu.yaml) at actor.cp=2 actor.tp=1, whose first step equals actor.cp=1 (loss and grad norm, relative
+1e-4). The tiny model's run at actor.cp=2 with vLLM rollouts, the KL reference and checkpoints, resumed, is the "cp"
+row of tests/test_resume_layouts.py."""
 
 from __future__ import annotations
 
@@ -8,29 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.training_runs import make_tiny_model, train
-
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("qwen"))
-
-
-def test_two_steps_at_cp2_end_to_end(workers2, tiny_model, tmp_path):
-    extra = ["actor.cp=2", "algo.kl.coef=0.1", "actor.max_tokens_per_micro_batch=32", "checkpoint.save_every=2"]
-    histories = workers2.run(train, tiny_model, str(tmp_path / "run"), 1, 1, 2, extra, timeout_s=900)
-    assert [len(h) for h in histories] == [2, 2]
-    for metrics in histories[0]:
-        assert metrics["actor/grad_norm"] > 0 and metrics["actor/nonfinite"] == 0
-        assert 0 <= metrics["actor/cp_padding"] < 1  # CP's per-sequence padding is reported
-        assert metrics["loss/kl_ref"] >= 0
-    untimed = [[{k: v for k, v in m.items() if not k.startswith("time/")} for m in h] for h in histories]
-    assert untimed[0] == untimed[1]  # both CP ranks report the same step metrics
-    assert (tmp_path / "run" / "checkpoints").is_dir() and (tmp_path / "run" / "hf").is_dir()
 
 
 def _demo_first_step(out_dir: str, cp: int) -> dict[str, float]:

@@ -1,10 +1,15 @@
 """The tiny training runs the loop's tests share: the run's config (a random tiny Qwen2, 4 samples a group, 6 new
-tokens), one run in a worker group's ranks, one with the order of the engine's and the actor's calls recorded, and
-the metrics a resumed run must repeat exactly."""
+tokens), one run in a worker group's ranks (with the loop's `Parts` a test replaces), one with the order of the
+engine's and the actor's calls recorded, and the metrics a resumed run must repeat exactly."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_rlvr.trainer import Parts
 
 
 def make_tiny_model(directory: Path) -> str:
@@ -46,37 +51,31 @@ def run_config(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: l
     )
 
 
-def train(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str] = ()):  # noqa: B006
+def train(
+    hf_dir: str,
+    out_dir: str,
+    tp: int,
+    pp: int,
+    steps: int,
+    extra: list[str] = (),  # noqa: B006
+    parts: Callable[[], Parts] | None = None,
+):
+    """The run, in this rank; ``parts`` (an importable function, called in the rank) gives the loop's replaced
+    components."""
     from megatron_rlvr import trainer
     from megatron_rlvr.runtime import distributed
 
     try:
-        return trainer.train(run_config(hf_dir, out_dir, tp, pp, steps, extra))
+        return trainer.train(run_config(hf_dir, out_dir, tp, pp, steps, extra), parts() if parts else trainer.Parts())
     finally:
         distributed.destroy_model_parallel()
 
 
 def train_recording_calls(hf_dir: str, out_dir: str, tp: int, pp: int, steps: int, extra: list[str]):
     """train, with the order of the engine's and the actor's calls recorded."""
-    from megatron_rlvr.actor.megatron_actor import MegatronActor
-    from megatron_rlvr.rollout.vllm_engine import VLLMEngine
+    from megatron_rlvr.testing.loop_fakes import RecordingEngine, recording_actor, wrapped_engines
+    from megatron_rlvr.trainer import Parts
 
-    calls, real = [], {}
-    for cls, name in (
-        (VLLMEngine, "generate"),
-        (VLLMEngine, "sleep"),
-        (VLLMEngine, "update_weights"),
-        (MegatronActor, "update"),
-    ):
-        real[cls, name] = getattr(cls, name)
-
-        def recorded(self, *args, _name=name, _fn=real[cls, name], **kwargs):
-            calls.append(_name)
-            return _fn(self, *args, **kwargs)
-
-        setattr(cls, name, recorded)
-    try:
-        return train(hf_dir, out_dir, tp, pp, steps, extra), calls
-    finally:
-        for (cls, name), fn in real.items():
-            setattr(cls, name, fn)
+    calls: list[str] = []
+    parts = Parts(engine=wrapped_engines(lambda e: RecordingEngine(e, calls)), actor=recording_actor(calls))
+    return train(hf_dir, out_dir, tp, pp, steps, extra, lambda: parts), calls

@@ -4,6 +4,26 @@ checksums every checkpoint carries (manifest.py), and `megatron-rlvr ckpt verify
 The loop uses this package's API below; everything else is the modules' own.
 """
 
-from megatron_rlvr.checkpoint.store import CheckpointError, load, load_object, resolve, save, save_adapter, save_hf
+from megatron_rlvr.checkpoint.store import (
+    CheckpointError,
+    ShardWriter,
+    load,
+    load_object,
+    resolve,
+    save,
+    save_adapter,
+    save_hf,
+    write_shards,
+)
 
-__all__ = ["CheckpointError", "load", "load_object", "resolve", "save", "save_adapter", "save_hf"]
+__all__ = [
+    "CheckpointError",
+    "ShardWriter",
+    "load",
+    "load_object",
+    "resolve",
+    "save",
+    "save_adapter",
+    "save_hf",
+    "write_shards",
+]

@@ -21,7 +21,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -93,6 +93,19 @@ def _agree_ok(ok: bool) -> bool:
     return int(flag) == 0
 
 
+class ShardWriter(Protocol):
+    """Writes this rank's shards of a sharded state dict into a checkpoint directory (a collective)."""
+
+    def __call__(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str) -> None: ...
+
+
+def write_shards(sharded_state_dict: dict[str, Any], checkpoint_dir: str) -> None:
+    """megatron-core's distributed save: the `ShardWriter` every checkpoint uses unless the loop is given another."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(sharded_state_dict, checkpoint_dir)
+
+
 def save(
     root: str | Path,
     step: int,
@@ -101,13 +114,13 @@ def save(
     keep_last: int = 2,
     hf_dir: str | None = None,
     objects: dict[str, Any] | None = None,
+    writer: ShardWriter = write_shards,
 ) -> Path:
     """Write checkpoint ``step`` (a collective over all ranks). Returns its directory. With ``hf_dir``, the HF
     config and tokenizer files are copied into it too, so `convert mcore-to-hf` can export the step directly.
     ``objects`` (rank 0's; None values skipped) are pickled beside the trainer state, one file each, read back with
-    `load_object` (e.g. the rollout a one-step-off run sampled ahead with weights the checkpoint does not hold)."""
-    from megatron.core import dist_checkpointing
-
+    `load_object` (e.g. the rollout a one-step-off run sampled ahead with weights the checkpoint does not hold).
+    ``writer`` writes the actor's shards; whatever it raises leaves the previous checkpoints intact."""
     from megatron_rlvr.bridge.dist_ckpt import write_hf_side_files
 
     root = Path(root)
@@ -122,7 +135,7 @@ def save(
         error = e
     if _agree_ok(error is None):
         try:
-            dist_checkpointing.save(actor.sharded_state_dict(_OPTIMIZER_FORMAT), str(tmp))
+            writer(actor.sharded_state_dict(_OPTIMIZER_FORMAT), str(tmp))
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), tmp / "rng" / f"rank-{_rank():05d}.pt")
             if _rank() == 0:

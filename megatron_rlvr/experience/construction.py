@@ -3,6 +3,7 @@ engine (its seed and dtype; with ``environment.name``, an episode runner around 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,10 @@ def make_rollout_engine(cfg: Config, rank: int) -> RolloutEngine:
     stops = chat_stop_ids(cfg)
     engine = make_engine(cfg.model.hf_dir, cfg.rollout, seed=seed, dtype=dtype, adapter=adapter, stop_token_ids=stops)
     return episode_runner(engine, cfg, stops) if cfg.environment.enabled else engine
+
+
+# What builds a rank's engine: `make_rollout_engine`, or what a caller of the loop puts in its place
+EngineFactory = Callable[[Config, int], RolloutEngine]
 
 
 def episode_runner(engine: RolloutEngine, cfg: Config, end_of_turn_ids: tuple[int, ...]) -> EpisodeRunner:

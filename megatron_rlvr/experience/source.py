@@ -11,8 +11,9 @@ import numpy as np
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem, PromptLoader
-from megatron_rlvr.experience.collect import Experience
-from megatron_rlvr.experience.colocated import ColocatedSource
+from megatron_rlvr.experience.collect import Experience, collect
+from megatron_rlvr.experience.colocated import CollectStep, ColocatedSource
+from megatron_rlvr.experience.construction import EngineFactory, make_rollout_engine
 from megatron_rlvr.experience.engine_ranks import EngineRanksSource
 from megatron_rlvr.experience.stream import StreamState
 from megatron_rlvr.experience.wire import Rollout
@@ -57,8 +58,11 @@ def make_source(
     *,
     start_step: int,
     pending: Rollout | StreamState | None = None,
+    make_engine: EngineFactory = make_rollout_engine,
+    collect_step: CollectStep = collect,
 ) -> ExperienceSource:
-    """The run's experience source for ``rollout.placement``."""
+    """The run's experience source for ``rollout.placement``. ``make_engine`` and ``collect_step`` are the colocated
+    source's (the engine ranks build their engines and collect where they run)."""
     if cfg.rollout.placement == "separate":
         return EngineRanksSource(cfg, roles, actor, pool, loader, pad_id, start_step=start_step, pending=pending)
-    return ColocatedSource(cfg, actor, pool, loader, pad_id)
+    return ColocatedSource(cfg, actor, pool, loader, pad_id, make_engine=make_engine, collect_step=collect_step)

@@ -1,7 +1,7 @@
 """SIGTERM / SIGUSR1 stop a run cleanly: the request is recorded, the ranks agree on it at the step's end, the same
 request delivered twice (Slurm and torchrun) counts once, and a later second signal exits at once even while the
-main thread is busy. The last test needs the trainer wiring (see megatron_rlvr/runtime/preemption.py): a run signalled
-mid-step writes its checkpoint, returns, and the rerun continues exactly like an uninterrupted run."""
+main thread is busy. Through the trainer (a run signalled mid-step writes its checkpoint, returns, and the rerun
+continues exactly like an uninterrupted run) it is the "preempted" row of tests/test_resume.py."""
 
 from __future__ import annotations
 
@@ -91,47 +91,3 @@ def test_every_rank_agrees_when_one_rank_was_signalled(workers2):
     results = workers2.run(_agree, 1)
     assert [r[:3] for r in results] == [(False, True, 0), (False, True, signal.SIGTERM)]
     assert all(r[3].startswith("SIGTERM (a preemption") for r in results)
-
-
-def _train_signalled(hf_dir: str, out_dir: str, steps: int, signal_at_step: int):
-    """train, with rank 1 sent SIGTERM in the middle of step ``signal_at_step`` (its rollout)."""
-    import torch.distributed as dist
-
-    from megatron_rlvr.experience import colocated as experience_source
-    from tests.training_runs import train
-
-    real_collect = experience_source.collect
-
-    def collect(engine, *args, **kwargs):
-        if kwargs["step"] + 1 == signal_at_step and dist.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_collect(engine, *args, **kwargs)
-
-    experience_source.collect = collect
-    try:
-        return train(hf_dir, out_dir, 2, 1, steps)
-    finally:
-        experience_source.collect = real_collect
-
-
-@pytest.mark.dist
-@pytest.mark.engine
-@pytest.mark.slow
-def test_signalled_run_checkpoints_stops_and_resumes_like_an_uninterrupted_one(workers2, tmp_path):
-    """Needs the trainer wiring of megatron_rlvr/runtime/preemption.py (the patch in the report)."""
-    from megatron_rlvr.checkpoint.manifest import verify
-    from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
-    from tests.training_runs import COMPARED, train
-
-    tiny_model = str(make_tiny_hf_model("qwen2", tmp_path / "qwen", seed=5))
-    full = workers2.run(train, tiny_model, str(tmp_path / "full"), 2, 1, 4, timeout_s=900)[0]
-    cut = workers2.run(_train_signalled, tiny_model, str(tmp_path / "cut"), 4, 2, timeout_s=900)
-    assert [[m["step"] for m in h] for h in cut] == [[1, 2], [1, 2]]  # every rank finished step 2, then stopped
-    root = tmp_path / "cut" / "checkpoints"  # checkpoint.save_every is 0: the stop wrote the only checkpoint
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002"] and verify(root / "step-000002").ok
-    assert not (tmp_path / "cut" / "hf").exists()  # the final HF export waits for the real end
-    resumed = workers2.run(train, tiny_model, str(tmp_path / "cut"), 2, 1, 4, timeout_s=900)[0]
-    assert [m["step"] for m in resumed] == [3, 4]
-    for got, want in zip(resumed, full[2:]):
-        for key in COMPARED:
-            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["step"], key)
