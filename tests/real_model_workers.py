@@ -167,7 +167,7 @@ def _colocated(actor, hf_dir: str, batch: ChatBatch, out_dir: str) -> dict[str, 
 
 def _checkpoint(actor, hf_dir: str, batch: ChatBatch, out_dir: str) -> dict[str, Any]:
     from megatron_rlvr import checkpoint
-    from tests.checkpoint.test_checkpoint import train_state
+    from megatron_rlvr.testing.train_state import train_state
 
     root = Path(out_dir) / "checkpoints"
     train_one_step(actor, batch)  # Adam state to save

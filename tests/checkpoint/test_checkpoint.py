@@ -36,27 +36,6 @@ def _update(actor, seed: int) -> dict[str, float]:
     return actor.update(batch, targets, actor.statistics_pass(batch), mini_batches=2)
 
 
-def train_state(actor) -> dict[str, object]:
-    """Every tensor the next optimizer step reads, by a stable name; plus which step tensors are shared."""
-    out: dict[str, object] = {}
-    step_ids = set()
-    for i, opt in enumerate(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])):
-        inner = opt.optimizer
-        for g, group in enumerate(inner.param_groups):
-            out[f"{i}/{g}/lr"] = group["lr"]
-            for p, param in enumerate(group["params"]):
-                out[f"{i}/{g}/{p}/main_param"] = param.detach().clone()
-                for key, value in inner.state[param].items():
-                    out[f"{i}/{g}/{p}/{key}"] = value.detach().clone()
-                step_ids.add(id(inner.state[param]["step"]))
-    for c, chunk in enumerate(actor.model_chunks):
-        for name, param in chunk.named_parameters():
-            out[f"model{c}/{name}"] = param.detach().clone()
-    out["scheduler"] = actor.scheduler.state_dict()
-    out["distinct_step_tensors"] = len(step_ids)
-    return out
-
-
 @contextlib.contextmanager
 def _warnings_of(logger_name: str):
     """The messages of the warnings ``logger_name`` (and its children) log inside the block."""
@@ -104,6 +83,7 @@ def _round_trip(hf_dir: str, ckpt_root: str, tp: int):
     import torch
 
     from megatron_rlvr import checkpoint
+    from megatron_rlvr.testing.train_state import train_state
 
     with _actors(hf_dir, tp, "actor.lr_warmup_steps=2") as build:
         live = build()
