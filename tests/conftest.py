@@ -1,5 +1,5 @@
 """Shared pytest fixtures: reusable gloo worker groups (spawning a process that imports megatron costs seconds), and
-the real pretrained model converted once per session (tests/real_model.py). The suite's tiers and `--tier` are
+the real pretrained model converted once per session (tests/support/real_model.py). The suite's tiers and `--tier` are
 tests/tiers.py; how it shares the cores over xdist workers, tests/parallel.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from megatron_rlvr.testing.workers import WorkerGroup, fork_from_a_preloaded_ser
 # suite starts dozens of groups, and a spawned worker spent ~6 s of CPU on those imports.
 fork_from_a_preloaded_server()
 
-pytest_plugins = ("tests.real_model", "tests.tiers", "tests.parallel")
+pytest_plugins = ("tests.support.real_model", "tests.tiers", "tests.parallel")
 
 _GROUP_TIMEOUT_S = float(os.environ.get("MEGATRON_RLVR_TEST_TIMEOUT", "300"))
 

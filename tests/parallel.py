@@ -4,7 +4,7 @@
 - **Units of work.** A test file is one unit: its module-scoped fixtures (a converted model, a worker group's
   state, an engine) are made once, in one worker. Tests that share an expensive session fixture form one unit across
   files (`SHARED`: the local Slurm cluster, the converted real model), so it is made once per run. A test marked
-  `xdist_group(name)` joins that unit instead (tests/docs: the quick start's demo and the blocks that read its
+  `xdist_group(name)` joins that unit instead (tests/system/docs: the quick start's demo and the blocks that read its
   outputs form one unit; every other docs block is a unit of its own).
 - **Order.** Units go out longest first (an estimate from markers, `cost`), so that the long ones start early and the
   short ones fill the end of both workers' queues evenly.

@@ -8,17 +8,12 @@
 - **system**: the product as its user runs it. The local Slurm cluster, the docs' commands, the real pretrained
   model, and runs killed or signalled and resumed or requeued through the real launcher.
 
-A test file belongs to one tier, so that moving the files into `tests/unit`, `tests/integration` and `tests/system`
-is a rename. Its tier is, in this order:
-
-1. its folder, once it sits under `tests/<tier>/`;
-2. otherwise the highest of its entry in `LISTED` below (for what markers do not say: a process started, a kill and
-   resume) and the tiers its tests' markers and fixtures imply: `slurm`, `docs` or a real-model fixture: system;
-   `dist`, `engine` or a worker-group fixture: integration; otherwise unit.
-
-A file under `tests/<tier>/` whose tests imply a higher tier, or a `LISTED` entry with no file, fails the
-collection. While a unit test runs, starting a project process or a worker group fails it, naming the command:
-the unit tier stays a one-process loop.
+A test file's tier is its folder: `tests/unit`, `tests/integration` or `tests/system` (each mirrors the package
+below it). Helpers that several tiers import sit in `tests/support`. The markers and fixtures a test uses imply a
+lowest tier (`slurm`, `docs` or a real-model fixture: system; `dist`, `engine` or a worker-group fixture:
+integration); a file in a lower tier's folder than its tests imply, or a test file outside the tier folders, fails
+the collection, naming it. While a unit test runs, starting a project process or a worker group fails it, naming
+the command: the unit tier stays a one-process loop.
 """
 
 from __future__ import annotations
@@ -36,32 +31,6 @@ from megatron_rlvr.testing.workers import WORKER_GROUP_EVENT
 TIERS = ("unit", "integration", "system")
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-
-# Files whose tier their markers do not show, relative to tests/. Once the files sit in tier folders this goes.
-LISTED = {
-    # the command line, a tool or a launcher run as a process (several seconds of imports each)
-    "test_entry_points.py": "integration",
-    "test_cli.py": "integration",
-    "bridge/test_convert.py": "integration",
-    "bridge/test_convert_memory.py": "integration",
-    "eval/test_runner.py": "integration",
-    "eval/test_command.py": "integration",
-    "inspection/test_toy_tree.py": "integration",
-    "launch/test_launch.py": "integration",
-    "launch/test_dryrun_writes_nothing.py": "integration",
-    "demo/test_make_demo_model.py": "integration",
-    "demo/test_model.py": "integration",
-    "tools/test_gpu_check_dry_run.py": "integration",
-    "tools/test_plan_tables.py": "integration",
-    "launch/test_slurm_signal.py": "integration",
-    "launch/test_slurm_local_script.py": "integration",
-    "configs/test_recipes.py": "integration",  # the published sizes: a model built on the meta device, in a worker
-    "ops/test_token_stats.py": "integration",  # each CPU instruction set's kernels, in a process of its own
-    # killed or signalled through the real launcher (torchrun), then resumed
-    "experience/test_async_training.py": "system",
-    "runtime/test_stop_relay.py": "system",
-    "eval/test_engine_eval.py": "system",
-}
 
 # What implies a tier: markers, and fixtures that start the tier's machinery.
 SYSTEM_MARKERS = {"slurm", "docs"}
@@ -100,21 +69,18 @@ def _highest(tiers) -> str:
 
 
 def file_tiers(items: list[pytest.Item]) -> dict[str, str]:
-    """Each collected test file's tier (see the module's docstring)."""
+    """Each collected test file's tier: its folder (see the module's docstring)."""
     implied: dict[str, list[str]] = {}
     for item in items:
         implied.setdefault(_rel(item), []).append(implied_tier(item))
     tiers, problems = {}, []
     for rel, found in implied.items():
         folder = rel.split("/", 1)[0]
-        if folder in TIERS:
-            if TIERS.index(_highest(found)) > TIERS.index(folder):
-                problems.append(f"tests/{rel}: in tests/{folder}, but its tests are {_highest(found)} tests")
-            tiers[rel] = folder
-        else:
-            tiers[rel] = _highest([*found, LISTED.get(rel, "unit")])
-    stale = [rel for rel in LISTED if not (TESTS / rel).is_file()]
-    problems += [f"tests/tiers.py: LISTED names tests/{rel}, which does not exist" for rel in stale]
+        if folder not in TIERS:
+            problems.append(f"tests/{rel}: a test file outside tests/unit, tests/integration and tests/system")
+        elif TIERS.index(_highest(found)) > TIERS.index(folder):
+            problems.append(f"tests/{rel}: in tests/{folder}, but its tests are {_highest(found)} tests")
+        tiers[rel] = folder
     if problems:
         raise pytest.UsageError("\n".join(problems))
     return tiers
@@ -178,7 +144,7 @@ def _audit(event: str, args: tuple) -> None:
     if what:
         raise RuntimeError(
             f"{_running_unit[0]} is in the unit tier but started {what}: a test that starts the project's processes "
-            "is an integration test (tests/tiers.py: LISTED, or a marker such as `dist`)"
+            "is an integration test: its file belongs in tests/integration"
         )
 
 

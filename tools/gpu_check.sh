@@ -172,7 +172,7 @@ fi
 wait_for() { ((DRY)) || [ -z "$1" ] || wait "$1" 2>/dev/null; }  # a second wait on one pid is harmless
 
 if wants ops; then
-    stage gpu_tests 150 "$PY" -m pytest tests/ops/test_token_stats.py tests/models/test_sdpa_attention.py -m gpu -q \
+    stage gpu_tests 150 "$PY" -m pytest tests/integration/ops/test_token_stats.py tests/integration/models/test_sdpa_attention.py -m gpu -q \
         -p no:cacheprovider --junitxml="$WORK/gpu_tests.xml"
     stage bandwidth 60 "$PY" $G/bandwidth.py --out "$WORK/bandwidth.json"
     # the vector kernel is timed beside the default only once its tests passed: a kernel that faults would take the

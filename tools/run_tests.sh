@@ -2,7 +2,7 @@
 # The README's test command: set up .venv/ (made if missing, reused if present), build, check the house rules, and
 # run the whole suite on both cores. `--tier unit|integration|system` (repeatable) runs one tier of the suite
 # (tests/tiers.py); `--tier unit` is the quick loop. Other arguments go to pytest (e.g. `bash tools/run_tests.sh
-# tests/algos -x`). MEGATRON_RLVR_TEST_WORKERS sets the number of xdist workers (default 2, the machine's cores; 0
+# tests/unit/algos -x`). MEGATRON_RLVR_TEST_WORKERS sets the number of xdist workers (default 2, the machine's cores; 0
 # runs everything in pytest's own process).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -15,7 +15,7 @@ The returned loss's value is the clipped surrogate ``-scale * min(rho * A, clip(
 while its gradient is exactly that of the detached-weight form: ``value.detach() + (form - form.detach())``.
 For every loss but CaSP's smoothed positives the two have the same gradient anyway (PPO-clip equivalence).
 
-Choices where docs/algorithms.md leaves room (each checked by tests/algos against a dense oracle):
+Choices where docs/algorithms.md leaves room (each checked by tests/unit/algos against a dense oracle):
 - CaSP's candidate weights u are detached (a target distribution, not a path for gradient).
 - CaSP's adaptive candidate set C_t (``candidates: adaptive``, token_masks.adaptive_candidates) is decided from the
   detached top-N probabilities: the smallest top-ranked prefix reaching ``candidate_mass`` (rank 1 always in, a

@@ -3,7 +3,7 @@ embeddings, biases, q/k norms, routed experts), built from an HF config through 
 
 Everything that needs a shape reads it here: the layout check (layout.py), the bridge's name table and its engine
 shards, the rollout engines, the memory plan. The parameter counts below are megatron-core's build of those shapes
-on one rank (the plan's input; tests/plan checks them against a meta-device build).
+on one rank (the plan's input; tests/integration/plan checks them against a meta-device build).
 """
 
 from __future__ import annotations

@@ -243,7 +243,7 @@ MEASURED_NOTE = (
 
 
 def header_lines(plan: Plan) -> list[str]:
-    """The plan in a recipe header's few lines (tests/configs check every GPU recipe carries its current plan)."""
+    """The plan in a recipe header's few lines (tests/integration/configs check every GPU recipe carries its current plan)."""
     lay, c = plan.layout, plan.worst.components
 
     def gb(key: str) -> str:

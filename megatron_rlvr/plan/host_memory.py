@@ -296,7 +296,7 @@ def host_plan(
 
 
 def host_header_line(plan: HostPlan) -> str:
-    """The host plan in one recipe-header line (tests/plan checks every H200 recipe carries its current one)."""
+    """The host plan in one recipe-header line (tests/unit/plan checks every H200 recipe carries its current one)."""
     parts = ", ".join(f"{LABELS[k].split(' (')[0]} {v / GB:.1f}" for k, v in plan.components.items() if v)
     verdict = "fits" if plan.fits else "does NOT fit"
     return f"host per node (GB): {parts} => {plan.total / GB:.1f} of {plan.host_memory / GB:g}: {verdict}"

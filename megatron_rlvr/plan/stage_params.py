@@ -40,7 +40,7 @@ def stage_params(
     dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int = 128, ep: int = 1, etp: int = 1
 ) -> int:
     """Parameters of one rank of pipeline stage ``stage`` (dense + expert, `stage_split`). Equal to the count of
-    megatron-core's build (tests/plan: the meta-device build at TP/PP 1 and 2, and a MoE at EP 2)."""
+    megatron-core's build (tests/integration/plan: the meta-device build at TP/PP 1 and 2, and a MoE at EP 2)."""
     return sum(stage_split(dims, tp, pp, stage, divisible_by, ep, etp))
 
 

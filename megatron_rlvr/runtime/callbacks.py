@@ -12,8 +12,8 @@ The events, where they fire, and what they pass:
 - ``eval.before_store``: an eval rank's store, before a chunk of samples is written (``records``, the chunk).
 
 They are for what a run's own code has no reason to do, at a known point inside processes a launcher starts: the
-tests make a step, a checkpoint or an eval chunk take longer there (tests/runtime/slow_step.py,
-tests/launch/slow_checkpoint.py, tests/launch/stalled_eval.py). A callback must not change what the run computes.
+tests make a step, a checkpoint or an eval chunk take longer there (tests/system/runtime/slow_step.py,
+tests/system/launch/slow_checkpoint.py, tests/system/launch/stalled_eval.py). A callback must not change what the run computes.
 """
 
 from __future__ import annotations

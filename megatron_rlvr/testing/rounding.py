@@ -27,7 +27,7 @@ rounding errors are independent differ by ``sqrt(2)`` times that:
 It is an estimate of the scale, with every term taken at its largest (``M`` for every rounding error, every
 reduction at gain 1), not a tail bound over tokens. Measured on the tiny test models (4 layers, hidden 128, V 1001,
 ``max|z|`` about 2.5: ``D`` about 5,200 at 31 positions, bound 6.5e-5; 7.7e-5 at 316): the engine and the actor
-differ by at most 9.5e-7 on an AVX-512 Xeon and 1.43e-6 on an AVX2 EPYC (tests/rollout/test_vllm_stream.py), two
+differ by at most 9.5e-7 on an AVX-512 Xeon and 1.43e-6 on an AVX2 EPYC (tests/integration/rollout/test_vllm_stream.py), two
 vLLM-CPU evaluations (decode vs prefill) by 1.9e-6, and transformers in fp32 lies within 1.4e-6 of itself in fp64:
 40x or more below the bound. On SmolLM2-135M (30 layers, V 49,152; bound about 1e-3) the actor and transformers
 differ by 2.7e-5 and the engine and the actor by 3.3e-5 (docs/real-model.md): again 40x below. A wrong weight, a

@@ -1,5 +1,5 @@
 """An actor's whole training state as plain tensors by stable names: what a checkpoint round trip must restore
-(tests/checkpoint, and the real model's layout tour)."""
+(tests/integration/checkpoint, and the real model's layout tour)."""
 
 from __future__ import annotations
 
