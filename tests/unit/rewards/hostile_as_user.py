@@ -86,15 +86,13 @@ def _refusal(call) -> str:
 
 def _train_until_the_first_step(environment: str) -> str:
     """`train` on the tiny model with the Python tool: what stops it (it must stop before building the actor)."""
-    from megatron_rlvr.actor import megatron_actor
     from megatron_rlvr.config import load_config
     from megatron_rlvr.testing.tiny_models import make_tiny_hf_model
-    from megatron_rlvr.trainer import train
+    from megatron_rlvr.trainer import Parts, train
 
-    def built(*args, **kwargs):
+    def built(cfg):
         raise AssertionError("the actor was built: the run did not stop before its first step")
 
-    megatron_actor.MegatronActor = built
     with tempfile.TemporaryDirectory(prefix="rlvr-unprivileged-") as work:
         hf_dir = make_tiny_hf_model("qwen2", os.path.join(work, "model"), seed=1)
         cfg = load_config(
@@ -110,7 +108,7 @@ def _train_until_the_first_step(environment: str) -> str:
                 f"trainer.output_dir={work}/out",
             ],
         )
-        return _refusal(lambda: train(cfg))
+        return _refusal(lambda: train(cfg, Parts(actor=built)))
 
 
 def refused(payload: dict) -> dict:
