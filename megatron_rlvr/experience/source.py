@@ -11,6 +11,7 @@ import numpy as np
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptItem, PromptLoader
+from megatron_rlvr.errors import ConfigError
 from megatron_rlvr.experience.collect import Experience, collect
 from megatron_rlvr.experience.colocated import CollectStep, ColocatedSource
 from megatron_rlvr.experience.construction import EngineFactory, make_rollout_engine
@@ -64,5 +65,11 @@ def make_source(
     """The run's experience source for ``rollout.placement``. ``make_engine`` and ``collect_step`` are the colocated
     source's (the engine ranks build their engines and collect where they run)."""
     if cfg.rollout.placement == "separate":
+        if make_engine is not make_rollout_engine or collect_step is not collect:
+            raise ConfigError(
+                "rollout.placement=separate: the engine ranks build their engines and collect where they run, so a "
+                "replaced engine or collection step (trainer.Parts engine, collect) would be ignored; expected the "
+                "defaults, or rollout.placement=colocated"
+            )
         return EngineRanksSource(cfg, roles, actor, pool, loader, pad_id, start_step=start_step, pending=pending)
     return ColocatedSource(cfg, actor, pool, loader, pad_id, make_engine=make_engine, collect_step=collect_step)
