@@ -10,7 +10,8 @@ import signal
 
 import pytest
 
-from tests.integration.experience.test_separate_placement import logged_metrics, start_torchrun
+from tests.integration.experience.test_separate_placement import start_torchrun
+from tests.support.experience.demo_training import logged_metrics
 
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=32", "actor.lora.sync=adapters", "actor.lr=1e-3"]
 

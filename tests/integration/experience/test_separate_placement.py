@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from megatron_rlvr.config import load_config
 from megatron_rlvr.errors import ConfigError
+from tests.support.experience.demo_training import logged_metrics, start_demo_training
 
 ROOT = Path(__file__).resolve().parents[3]
 SEPARATE = ["rollout.placement=separate", "rollout.engine_ranks=1", "actor.tp=1"]
@@ -55,40 +55,9 @@ def test_separate_layouts_that_fit_pass_and_one_step_off_warns_without_correctio
 
 
 def start_torchrun(out: Path, steps: int, extra: list[str] = ()) -> subprocess.Popen:  # noqa: B006
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "megatron_rlvr.cli",
-        "train",
-        "configs/demo_cpu.yaml",
-        f"trainer.steps={steps}",
-        "trainer.eval_every=0",
-        "trainer.tensorboard=false",
-        "trainer.save_hf=false",
-        "trainer.prompts_per_step=8",
-        f"trainer.output_dir={out}",
-        *SEPARATE,
-        "rollout.max_staleness=1",
-        *extra,
-    ]
-    log = open(out.with_suffix(".log"), "w")
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
-def logged_metrics(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    """The demo one-step-off on an engine rank, 8 prompts a step."""
+    overrides = ["trainer.prompts_per_step=8", *SEPARATE, "rollout.max_staleness=1", *extra]
+    return start_demo_training(out, steps, overrides, out.with_suffix(".log"))
 
 
 @pytest.mark.dist

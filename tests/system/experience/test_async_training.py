@@ -12,11 +12,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.experience.demo_training import logged_metrics, start_demo_training
 
 ROOT = Path(__file__).resolve().parents[3]
 HOOK = ROOT / "megatron_rlvr" / "testing" / "long_tail"
@@ -26,22 +27,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
 
 def _torchrun(out: Path, steps: int, extra: list[str] = (), log_name: str = "run") -> subprocess.Popen:  # noqa: B006
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "megatron_rlvr.cli",
-        "train",
-        "configs/demo_cpu.yaml",
-        f"trainer.steps={steps}",
-        "trainer.eval_every=0",
-        "trainer.tensorboard=false",
-        "trainer.save_hf=false",
+    """The demo fully asynchronous (max_staleness K) on an engine rank, 4 prompts a step, with a forced slow engine."""
+    overrides = [
         "trainer.prompts_per_step=4",
-        f"trainer.output_dir={out}",
         "rollout.placement=separate",
         "rollout.engine_ranks=1",
         "actor.tp=1",
@@ -51,19 +39,11 @@ def _torchrun(out: Path, steps: int, extra: list[str] = (), log_name: str = "run
         *extra,
     ]
     env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": f"{HOOK}:{ROOT}",
         "MEGATRON_RLVR_LONG_TAIL": "40,0.6,0.05",  # a forced slow engine: updates land mid-response
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600",
     }
-    log = open(out.parent / f"{log_name}.log", "w")
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-
-
-def _logged(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return start_demo_training(out, steps, overrides, out.parent / f"{log_name}.log", env)
 
 
 def _finish(proc: subprocess.Popen, out: Path, log_name: str = "run", timeout: float = 1200) -> int:
@@ -77,7 +57,7 @@ def _finish(proc: subprocess.Popen, out: Path, log_name: str = "run", timeout: f
 
 def _wait_for_steps(proc: subprocess.Popen, out: Path, count: int) -> None:
     deadline = time.monotonic() + 900
-    while len(_logged(out)) < count:
+    while len(logged_metrics(out)) < count:
         assert proc.poll() is None, "the run ended before it could be interrupted"
         assert time.monotonic() < deadline, f"fewer than {count} steps logged within 900 s"
         time.sleep(0.2)
@@ -107,7 +87,7 @@ def test_trains_within_the_bound_and_a_sigterm_checkpoint_continues_its_response
     for rank in _ranks(proc):
         rank.send_signal(signal.SIGTERM)
     assert _finish(proc, out) == 0
-    stopped = len(_logged(out))
+    stopped = len(logged_metrics(out))
     ckpt = out / "checkpoints" / f"step-{stopped:06d}"
     state = torch.load(ckpt / "pending_rollout.pt", weights_only=False)
     partial = sum(len(r.token_ids) > 0 and not r.finish_reason for f in state.in_flight for r in f.responses)
@@ -118,7 +98,7 @@ def test_trains_within_the_bound_and_a_sigterm_checkpoint_continues_its_response
 
     assert _finish(_torchrun(out, 6, ["checkpoint.save_every=0"], "rerun"), out, "rerun") == 0
     assert f"resuming from {ckpt}" in (tmp_path / "rerun.log").read_text()
-    rows = _logged(out)
+    rows = logged_metrics(out)
     _check_steps(rows, 6)
     assert sum(r["async/resumed_responses"] for r in rows[stopped:]) == partial  # each continued, trained once
     assert rows[0]["rollout/staleness_max"] == 0 and max(r["rollout/staleness_max"] for r in rows) == K
@@ -140,4 +120,4 @@ def test_kill9_resumes_from_the_last_periodic_checkpoint(tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
     assert _finish(_torchrun(out, 5, ["checkpoint.save_every=2"], "rerun"), out, "rerun") == 0
     assert f"resuming from {out / 'checkpoints' / 'step-000002'}" in (tmp_path / "rerun.log").read_text()
-    _check_steps(_logged(out), 5)
+    _check_steps(logged_metrics(out), 5)
