@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.data import PromptLoader
@@ -36,6 +35,7 @@ from megatron_rlvr.protocols import Rollouts, Statistics, Targets
 from megatron_rlvr.protocols.actor import Actor
 from megatron_rlvr.rewards import RewardConfig, RewardPool
 from megatron_rlvr.rollout import Completion, RolloutEngine, Sampling
+from megatron_rlvr.runtime import distributed
 from megatron_rlvr.trainer import megatron_actor
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,10 +190,6 @@ def nonfinite_actor(seen: list[tuple[float, bool]]) -> Callable[[Config], Actor]
 # A step's collection
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def engine_closed_before(
     step: int, rank: int, steps_seen: list[int], collect: CollectStep = real_collect
 ) -> CollectStep:
@@ -204,7 +200,7 @@ def engine_closed_before(
         engine: RolloutEngine, pool: RewardPool, loader: PromptLoader, cfg: Config, **at: int
     ) -> Experience:
         steps_seen.append(at["step"])
-        if at["step"] == step and steps_seen.count(step) == 1 and _rank() == rank:
+        if at["step"] == step and steps_seen.count(step) == 1 and distributed.rank() == rank:
             engine.close()
         return collect(engine, pool, loader, cfg, **at)
 
@@ -220,7 +216,7 @@ def signalled_during(
     def collect_step(
         engine: RolloutEngine, pool: RewardPool, loader: PromptLoader, cfg: Config, **at: int
     ) -> Experience:
-        if at["step"] == step and _rank() == rank:
+        if at["step"] == step and distributed.rank() == rank:
             os.kill(os.getpid(), signum)
         return collect(engine, pool, loader, cfg, **at)
 
