@@ -7,7 +7,8 @@ Same nemo-run template as `slurm_h200`: sbatch -> srun one task per node -> torc
   built extension and uncommitted changes run as they are);
 - shipped files (the resolved run config) are written under NEMORUN_HOME, which the nodes share, like the local
   executor does;
-- the rendezvous port is one found free at submission (nemo-run's fixed 29500 collides with other torchrun jobs);
+- the rendezvous port is one found free at submission (nemo-run's fixed 29500 collides with other torchrun jobs),
+  outside the ephemeral range: the requeued rerun reuses it (megatron_rlvr/runtime/ports.py);
 - ranks get OMP_NUM_THREADS=1 (nodes on one machine share its cores).
 
 `stop_requeue_lines` is shared with the H200 executor: the batch-shell lines that make a training job stopped by its
@@ -17,10 +18,11 @@ warning signal requeue itself (see there; the real cluster's tests run them).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
+
+from megatron_rlvr.runtime.ports import lasting_free_port
 
 LOCAL_ENV = {
     "PYTHONUNBUFFERED": "1",
@@ -30,13 +32,6 @@ LOCAL_ENV = {
 # Where a stopping training run leaves its marker (rank 0, megatron_rlvr/runtime/preemption.py): in the job directory, which
 # every node and the batch shell see.
 STOP_MARKER_ENV = "MEGATRON_RLVR_STOP_MARKER"
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (the head node's rendezvous: every node is this machine)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_requeue_lines(ranks_job_dir: str | None = None) -> str:
@@ -98,7 +93,7 @@ def slurm_local_executor(
     warn = preemptible and opts.signal is not None
     nemo_launcher: Any = launcher
     if launcher == "torchrun":
-        nemo_launcher = run.Torchrun(rdzv_port=free_port())
+        nemo_launcher = run.Torchrun(rdzv_port=lasting_free_port())
     return run.SlurmExecutor(
         account=opts.account or "",
         partition=opts.partition,

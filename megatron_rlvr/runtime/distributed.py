@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.runtime.cpu.shims import apply_cpu_shims
+from megatron_rlvr.runtime.ports import free_port  # noqa: F401 - the tests' and tools' name for it
 
 # ---------------------------------------------------------------------------------------------------------------
 # Process groups and megatron parallel state
@@ -46,15 +47,6 @@ def init_process_group(timeout_s: float = 600.0) -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group(backend=backend(), timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now (for a rendezvous on this machine)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def initialize_model_parallel(
