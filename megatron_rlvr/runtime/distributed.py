@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.runtime.cpu.shims import apply_cpu_shims
-from megatron_rlvr.runtime.ports import free_port  # noqa: F401 - the tests' and tools' name for it
+from megatron_rlvr.runtime.ports import free_port
 
 # ---------------------------------------------------------------------------------------------------------------
 # Process groups and megatron parallel state

@@ -4,8 +4,8 @@ A port found by binding port 0 comes from the kernel's ephemeral range (`net.ipv
 range every other port-0 bind and every outgoing connection draws from. That is fine for a port used within seconds.
 A Slurm job's rendezvous port is fixed at submission and reused by its requeued rerun minutes later; in between,
 any process on the head node (a vLLM engine's store, a gloo pair, a client socket) may be handed the same ephemeral
-port, and the rerun's agents then cannot host their store and time out. A port below the ephemeral range is never
-handed out that way.
+port, and the rerun's agents then cannot host their store and time out. A port outside the ephemeral range is
+never handed out that way.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_rlvr.runtime.distributed import free_port
+from megatron_rlvr.runtime.ports import free_port
 
 
 class WorkerError(RuntimeError):

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from megatron_rlvr.runtime.distributed import free_port
+from megatron_rlvr.runtime.ports import free_port
 from megatron_rlvr.testing.workers import WorkerGroup
 
 pytestmark = pytest.mark.dist
