@@ -247,6 +247,8 @@ def _near_zero(res: Results, spec: IntervalSpec) -> ClaimRow:
         row.over_seeds = ms.seed_interval([p["grpo"] for p in row.per_seed], spec.level)
         flipped = ms.threshold_verdict(row.pooled, FORK_ENTROPY_NEAR_ZERO)  # "holds" means above the threshold
         row.verdict = {"holds": "fails", "fails": "holds"}.get(flipped, flipped)
+        if row.missing:  # as for the paired claims: judged on every GRPO seed or not at all
+            row.verdict = "cannot tell (runs missing)"
     return row
 
 

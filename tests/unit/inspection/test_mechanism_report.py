@@ -98,6 +98,24 @@ def test_claims_give_the_verdicts_the_fixed_rule_says(folder):
     assert rows["F3-order"].missing == ["nsr-s1"] and rows["F3-order"].verdict == "cannot tell"
 
 
+def test_a_claim_with_seeds_missing_cannot_tell_and_names_them(folder, tmp_path):
+    """One seed pair done of three: the claims that need every seed say so, the threshold one on GRPO included,
+    while the base's own claim is judged."""
+    import shutil
+
+    partial = tmp_path / "partial"
+    shutil.copytree(folder, partial)
+    for run in ("grpo-s2", "casp-s2", "grpo-s3", "casp-s3"):
+        for path in (partial / "probe").glob(f"{run}-*.json"):
+            path.unlink()
+    rows = {r.key: r for r in claims(Results.load(partial), SPEC)}
+    assert rows["F8-near-zero"].missing == ["grpo-s2", "grpo-s3"]
+    assert rows["F8-near-zero"].verdict == "cannot tell (runs missing)"
+    assert rows["F7-rank1"].verdict == "cannot tell (runs missing)"
+    assert [p["seed"] for p in rows["F7-rank1"].per_seed] == [1]
+    assert rows["D2-rank3"].verdict == "fails"
+
+
 def test_passk_pairs_casp_with_grpo_per_seed_and_pooled(folder):
     table = passk(Results.load(folder), SPEC)["reasoning_gym"]
     assert table["ks"] == [1, 2, 4, 8]
