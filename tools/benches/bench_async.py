@@ -81,18 +81,9 @@ def _train(out: Path, k: int, args: argparse.Namespace, recompute: bool = False)
         "trainer.mini_batches_per_step=1",
         *args.overrides,
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "megatron_rlvr.cli",
-        "train",
-        str(ROOT / "configs" / "demo_cpu.yaml"),
-        *overrides,
-    ]
+    from megatron_rlvr.testing.demo_command import demo_train_command
+
+    cmd = demo_train_command(overrides)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from megatron_rlvr.testing.demo_command import demo_train_command
 
 REPO = Path(__file__).resolve().parents[3]
 QUIET = ("trainer.eval_every=0", "trainer.tensorboard=false", "trainer.save_hf=false")  # the steps alone
@@ -19,21 +20,7 @@ def start_demo_training(
 ) -> subprocess.Popen:
     """`megatron-rlvr train configs/demo_cpu.yaml` for ``steps`` steps into ``out``, with ``overrides`` last, its
     output in ``log``; in a session of its own, so that a test can signal or kill the whole group."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "megatron_rlvr.cli",
-        "train",
-        "configs/demo_cpu.yaml",
-        f"trainer.steps={steps}",
-        *QUIET,
-        f"trainer.output_dir={out}",
-        *overrides,
-    ]
+    cmd = demo_train_command([f"trainer.steps={steps}", *QUIET, f"trainer.output_dir={out}", *overrides])
     with open(log, "w") as handle:  # the child holds its own copy of the descriptor
         return subprocess.Popen(
             cmd,
