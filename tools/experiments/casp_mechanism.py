@@ -90,6 +90,10 @@ class Experiment:
     def timed(self, stage: Stage) -> None:
         started = time.monotonic()
         stage.run()
+        if not stage.done():  # a training stopped by a signal exits 0 (so Slurm requeues it) with its run unfinished
+            raise SystemExit(
+                f"[casp-mechanism] {stage.name}: its command ended before the stage was done; rerun resumes it"
+            )
         record = {"stage": stage.name, "seconds": round(time.monotonic() - started, 1), "at": time.strftime("%FT%T")}
         with open(self.results / "timing.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
