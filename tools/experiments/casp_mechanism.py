@@ -154,8 +154,12 @@ class Experiment:
     def run_dir(self, run: str) -> Path:
         return self.work / "runs" / run
 
+    def exported(self, run: str) -> bool:
+        """The run reached its last step: its HF export is written (a run stopped by a signal has none yet)."""
+        return (self.run_dir(run) / "hf" / "config.json").is_file()
+
     def trained(self, run: str) -> bool:
-        return (self.run_dir(run) / "hf" / "config.json").is_file() and (self.results / "runs" / run).is_dir()
+        return self.exported(run) and (self.results / "runs" / run).is_dir()
 
     def train(self, run: str) -> None:
         d = self.design
@@ -173,6 +177,8 @@ class Experiment:
             *([f"algo.loss.kind={arm}"] if arm in ("psr", "nsr") else []),
         ]
         self.cli("train", "--nproc-per-node", str(NPROC), recipe, *overrides)
+        if not self.exported(run):
+            return  # stopped early: the committed results hold finished runs only, and the driver stops on it
         (self.results / "runs" / run).mkdir(parents=True, exist_ok=True)
         shutil.copy2(self.run_dir(run) / "metrics.jsonl", self.results / "runs" / run / "metrics.jsonl")
 
