@@ -17,6 +17,7 @@ The settings travel to child processes (torchrun ranks, vLLM workers) as environ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import logging.handlers
@@ -188,11 +189,17 @@ def _write_error_file(message: str) -> None:
     """Leave ``message`` where torchrun (or another launcher) looks for a process's error: $TORCHELASTIC_ERROR_FILE."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
+        # whole or absent, never empty: nemo-run's local scheduler parses this file on every poll of a running task,
+        # and met it truncated (opened, not yet written) in a traceback printed above the user's line
+        tmp = f"{error_file}.{os.getpid()}.tmp"
         try:
-            with open(error_file, "w") as f:
+            with open(tmp, "w") as f:
                 json.dump({"message": message, "timestamp": int(time.time())}, f)
+            os.replace(tmp, error_file)
         except OSError:
-            pass  # the launcher then reports the exit status alone
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            # the launcher then reports the exit status alone
 
 
 def torchrun(argv: list[str]) -> int:
