@@ -9,8 +9,11 @@
 - **Order.** Units go out longest first (an estimate from markers, `cost`), so that the long ones start early and the
   short ones fill the end of both workers' queues evenly.
 - **Alone.** A unit in `ALONE` (the real model: its layouts hold up to ~18 GB in 6 processes) goes out first, and
-  starts only when no other worker runs anything but unit-tier tests (one process, little memory); while it runs,
-  the others take unit-tier tests only. Beside it, a Slurm job's preflight once found 0.5 GB free and failed.
+  starts only when no other worker runs anything but light units; while it runs, the others take light units only.
+  A light unit is one whose tests are all unit-tier (one process) or marked `small` (a few short processes that
+  hold little memory together: command-line checks that stop before any rank or engine starts). Beside the real
+  model, a Slurm job's preflight once found 0.5 GB free and failed; and the unit tier alone (about 110 s) ends
+  before the real model's unit (about 200 s), so without the `small` ones the other worker waited idle.
 
 The workers know the markers; xdist's scheduler, in the controlling process, sees only test ids. Each worker writes
 each test's unit to a file the controller named (`pytest_configure_node`), and `UnitScheduling` reads it. (xdist's
@@ -75,6 +78,11 @@ def units(items: list[pytest.Item]) -> dict[pytest.Item, str]:
     return found
 
 
+def light_test(item: pytest.Item) -> bool:
+    """Whether ``item`` may run beside an `ALONE` unit: a unit-tier test, or one marked `small`."""
+    return item.get_closest_marker("unit") is not None or item.get_closest_marker("small") is not None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # In the workers: the longest units first, and each test's unit written for the controller
 
@@ -100,8 +108,8 @@ def pytest_collection_finish(session):
     if path is None:
         return
     unit = units(session.items)
-    heavy = {unit[item] for item in session.items if item.get_closest_marker("unit") is None}
-    light = sorted(set(unit.values()) - heavy)  # units of unit-tier tests alone
+    heavy = {unit[item] for item in session.items if not light_test(item)}
+    light = sorted(set(unit.values()) - heavy)  # units of light tests alone
     mine = Path(f"{path}.{os.getpid()}")
     mine.write_text(json.dumps({"units": {item.nodeid: unit[item] for item in session.items}, "light": light}))
     mine.replace(path)  # every worker collects the same tests: whichever writes last, the file is whole
@@ -147,7 +155,7 @@ def unit_scheduling(config, log, path: str):
 
     class UnitScheduling(LoadScopeScheduling):
         """xdist's scope scheduling with this plugin's units as the scopes, in the workers' order (longest first),
-        and the `ALONE` units run beside unit-tier tests only."""
+        and the `ALONE` units run beside light units only."""
 
         def __init__(self, config, log=None):
             config.option.loadscopereorder = False  # keep the workers' order (longest first), not the test counts'

@@ -13,6 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "megatron_rlvr.cli"]
 
+pytestmark = pytest.mark.small  # one process at a time, or two ranks of the demo's tiny model (tests/parallel.py)
+
 
 def run(cmd, env_extra=None, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env_extra or {})}

@@ -26,7 +26,7 @@ GPU_RECIPE = "qwen2.5-32b_math-l3to5_casp"
 # what torchrun prints when it reports a failed job itself, and what nemo-run prints for a job it started
 REPORT_MARKS = ("ChildFailedError", "Root Cause", "torch.distributed.elastic", "error_file:", "[launch] task failed")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.small]  # small: each case stops in its checks (tests/parallel.py)
 
 
 def documented_train_command() -> list[str]:

@@ -1,13 +1,14 @@
 """The suite's scheduler over xdist workers (tests/parallel.py), driven with two stand-in workers: a unit's tests go
-to one worker, in the queue's order, an `ALONE` unit runs beside unit-tier tests only, and every run ends: the
-stand-ins hold their last test until more work or the shutdown comes, as xdist's workers do."""
+to one worker, in the queue's order, an `ALONE` unit runs beside light units only (unit-tier tests and tests marked
+`small`), and every run ends: the stand-ins hold their last test until more work or the shutdown comes, as
+xdist's workers do."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
-from tests.parallel import ALONE, unit_scheduling
+from tests.parallel import ALONE, light_test, unit_scheduling
 
 (REAL_MODEL,) = ALONE
 
@@ -120,3 +121,11 @@ def test_an_alone_unit_waits_for_the_heavy_units_that_run(tmp_path):
     assert [ids[i] for i in gw1.sent] == ["test_other.py::a"]
     _finish(sched, gw0, units)
     assert "test_real_model.py::a" in [ids[i] for i in gw0.sent + gw1.sent]
+
+
+def test_a_light_test_is_unit_tier_or_marked_small():
+    def item(*markers: str):
+        return SimpleNamespace(get_closest_marker=lambda name: object() if name in markers else None)
+
+    assert light_test(item("unit")) and light_test(item("small", "slow")) and light_test(item("unit", "small"))
+    assert not light_test(item("slow")) and not light_test(item("dist", "engine")) and not light_test(item())

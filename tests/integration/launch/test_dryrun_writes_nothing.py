@@ -13,6 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 
+pytestmark = pytest.mark.small  # one launcher process at a time, stopping at its dry run (tests/parallel.py)
+
 
 @pytest.mark.parametrize(
     "args, shown",

@@ -17,6 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 CHECK = REPO / "tools" / "gpu_check"
 
+pytestmark = pytest.mark.small  # a dry run: imports and argument parsing (tests/parallel.py)
+
 
 def _module(name: str):
     spec = importlib.util.spec_from_file_location(f"gpu_check_test_{name}", CHECK / f"{name}.py")

@@ -215,6 +215,7 @@ def _dry_run_argv(argv: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.docs
+@pytest.mark.small  # in this process: bash -n, recipes, plans and launcher dry runs (tests/parallel.py)
 @pytest.mark.parametrize("block", _params(SYNTAX_ONLY))
 def test_cluster_and_gpu_blocks_parse_and_their_recipes_plan(block: Block, scratch: Path):
     syntax = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)

@@ -22,6 +22,7 @@ from tests.support.experience.demo_training import logged_metrics, start_demo_tr
 ROOT = Path(__file__).resolve().parents[3]
 HOOK = ROOT / "megatron_rlvr" / "testing" / "long_tail"
 K = 2
+STEPS = 8
 
 pytestmark = [pytest.mark.dist, pytest.mark.engine, pytest.mark.slow]
 
@@ -76,18 +77,33 @@ def _check_steps(rows: list[dict], steps: int) -> None:
         assert r["response/tokens_trained"] > 0
 
 
-def test_trains_within_the_bound_and_a_sigterm_checkpoint_continues_its_responses(tmp_path):
-    """One run of 6 steps, stopped by SIGTERM after step 2 or 3 and resumed: the bound on every step, responses of
-    two weight versions, the weights sent after every step but the last, and the stream's checkpoint continued."""
+def test_kill9_resumes_from_the_last_periodic_checkpoint_and_a_sigterm_checkpoint_continues_its_responses(tmp_path):
+    """One run of 8 steps with a checkpoint every 2, killed with -9 after step 3 (resumed from step 2's checkpoint),
+    then stopped by SIGTERM after step 4 and resumed again: the bound on every step, every step logged once,
+    responses of two weight versions, the weights sent after every step but the last, and the stream's checkpoint
+    continued. (One scenario for both interruptions: each alone trained and started the run twice.) 8 steps: the
+    stop's in-flight groups are due up to K + 1 steps after it, and each must train for the count to close."""
     import torch
 
     out = tmp_path / "run"
-    proc = _torchrun(out, 6, ["checkpoint.save_every=0"])
-    _wait_for_steps(proc, out, 2)
+    every = ["checkpoint.save_every=2"]
+    proc = _torchrun(out, STEPS, every)
+    _wait_for_steps(proc, out, 3)
+    ranks = _ranks(proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for rank in ranks:
+        rank.kill()
+    proc.wait(timeout=60)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
+
+    proc = _torchrun(out, STEPS, every, "rerun")
+    _wait_for_steps(proc, out, 4)  # the rerun first cuts the log back to step 2: 3 rows never read as 4
     for rank in _ranks(proc):
         rank.send_signal(signal.SIGTERM)
-    assert _finish(proc, out) == 0
+    assert _finish(proc, out, "rerun") == 0
+    assert f"resuming from {out / 'checkpoints' / 'step-000002'}" in (tmp_path / "rerun.log").read_text()
     stopped = len(logged_metrics(out))
+    assert stopped + K + 1 <= STEPS, f"stopped after step {stopped}: its in-flight groups are due after the last step"
     ckpt = out / "checkpoints" / f"step-{stopped:06d}"
     state = torch.load(ckpt / "pending_rollout.pt", weights_only=False)
     partial = sum(len(r.token_ids) > 0 and not r.finish_reason for f in state.in_flight for r in f.responses)
@@ -96,28 +112,13 @@ def test_trains_within_the_bound_and_a_sigterm_checkpoint_continues_its_response
     # it, so the ledger's next step is the one after
     assert state.taken.step == stopped and state.next_step == stopped + 1 and state.version == stopped and partial > 0
 
-    assert _finish(_torchrun(out, 6, ["checkpoint.save_every=0"], "rerun"), out, "rerun") == 0
-    assert f"resuming from {ckpt}" in (tmp_path / "rerun.log").read_text()
+    assert _finish(_torchrun(out, STEPS, every, "rerun2"), out, "rerun2") == 0
+    assert f"resuming from {ckpt}" in (tmp_path / "rerun2.log").read_text()
     rows = logged_metrics(out)
-    _check_steps(rows, 6)
+    _check_steps(rows, STEPS)
     assert sum(r["async/resumed_responses"] for r in rows[stopped:]) == partial  # each continued, trained once
     assert rows[0]["rollout/staleness_max"] == 0 and max(r["rollout/staleness_max"] for r in rows) == K
     assert sum(r["rollout/mixed_version_frac"] for r in rows) > 0  # partial rollouts: tokens of two versions
     assert all(r["transfer/bytes"] > 0 for r in rows[:-1])
     histograms = [json.loads(line) for line in (out / "histograms.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in histograms if h["name"] == "rollout/staleness"] == list(range(1, 7))
-
-
-def test_kill9_resumes_from_the_last_periodic_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    proc = _torchrun(out, 5, ["checkpoint.save_every=2"])
-    _wait_for_steps(proc, out, 3)
-    ranks = _ranks(proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for rank in ranks:
-        rank.kill()
-    proc.wait(timeout=60)
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
-    assert _finish(_torchrun(out, 5, ["checkpoint.save_every=2"], "rerun"), out, "rerun") == 0
-    assert f"resuming from {out / 'checkpoints' / 'step-000002'}" in (tmp_path / "rerun.log").read_text()
-    _check_steps(logged_metrics(out), 5)
+    assert [h["step"] for h in histograms if h["name"] == "rollout/staleness"] == list(range(1, STEPS + 1))
