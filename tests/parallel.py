@@ -1,5 +1,5 @@
 """How the suite shares the machine's cores: `tools/run_tests.sh` runs it on pytest-xdist workers
-(`-n 2 --dist loadgroup`), and this plugin says which tests must share a worker and in what order the work goes out.
+(`-n 3 --dist loadgroup` on the machine's 2 cores), and this plugin says which tests must share a worker and in what order the work goes out.
 
 - **Units of work.** A test file is one unit: its module-scoped fixtures (a converted model, a worker group's
   state, an engine) are made once, in one worker. Tests that share an expensive session fixture form one unit across
@@ -7,18 +7,18 @@
   `xdist_group(name)` joins that unit instead (tests/system/docs: the quick start's demo and the blocks that read its
   outputs form one unit; every other docs block is a unit of its own).
 - **Order.** Units go out longest first (an estimate from markers, `cost`), so that the long ones start early and the
-  short ones fill the end of both workers' queues evenly.
+  short ones fill the end of the workers' queues evenly.
 - **Alone.** A unit in `ALONE` (the real model: its layouts hold up to ~18 GB in 6 processes) goes out first, and
   starts only when no other worker runs anything but light units; while it runs, the others take light units only.
   A light unit is one whose tests are all unit-tier (one process) or marked `small` (a few short processes that
   hold little memory together: command-line checks that stop before any rank or engine starts). Beside the real
   model, a Slurm job's preflight once found 0.5 GB free and failed; and the unit tier alone (about 110 s) ends
-  before the real model's unit (about 200 s), so without the `small` ones the other worker waited idle.
+  before the real model's unit (about 200 s), so without the `small` ones the other workers waited idle.
 
 The workers know the markers; xdist's scheduler, in the controlling process, sees only test ids. Each worker writes
 each test's unit to a file the controller named (`pytest_configure_node`), and `UnitScheduling` reads it. (xdist's
 own loadgroup appends the group to the test id, which pytest 9.2's structured ids no longer carry: it would
-silently spread every unit over both workers.)
+silently spread every unit over the workers.)
 
 Without xdist (plain `pytest`), nothing changes: every test runs in collection order in one process.
 """

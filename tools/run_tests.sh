@@ -2,8 +2,8 @@
 # The README's test command: set up .venv/ (made if missing, reused if present), build, check the house rules, and
 # run the whole suite on both cores. `--tier unit|integration|system` (repeatable) runs one tier of the suite
 # (tests/tiers.py); `--tier unit` is the quick loop. Other arguments go to pytest (e.g. `bash tools/run_tests.sh
-# tests/unit/algos -x`). MEGATRON_RLVR_TEST_WORKERS sets the number of xdist workers (default 2, the machine's cores; 0
-# runs everything in pytest's own process).
+# tests/unit/algos -x`). MEGATRON_RLVR_TEST_WORKERS sets the number of xdist workers (default 3 on the machine's 2
+# cores, see below; 0 runs everything in pytest's own process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The command's own wall time, setup included, printed last whether the tests pass or fail; the exit status stays
@@ -45,12 +45,13 @@ echo "[checks] ruff check, ruff format --check, lint-imports, tools/checks/check
 .venv/bin/ruff format --check --quiet .
 .venv/bin/lint-imports --no-cache
 .venv/bin/python tools/checks/check_imports.py
-# Two xdist workers: much of the suite is one process on one core, or waits on its subprocesses. tests/parallel.py
-# keeps each file (and the tests sharing the Slurm cluster or the converted real model) in one worker and sends the
-# longest first. --timeout is a per-test backstop on top of the worker groups' own hang detection; --durations lists
+# Three xdist workers on two cores: much of the suite waits (on its subprocesses' imports, torchrun's grace, Slurm's
+# queue, a stalled rank), and a third worker's tests fill those waits: the whole suite took 19m25s against 21m20s to
+# 22m02s on two (docs/development.md). tests/parallel.py keeps each file (and the tests sharing the Slurm cluster or
+# the converted real model) in one worker and sends the longest first. --timeout is a per-test backstop on top of the worker groups' own hang detection; --durations lists
 # the slowest tests, and the summary the time per tier (the install + tests budget is 30 minutes on 2 cores).
 # the whole of tests/, unless the arguments name a part of it
 TARGET=(tests)
 for arg in ${ARGS[@]+"${ARGS[@]}"}; do case $arg in tests/*) TARGET=() ;; esac; done
-.venv/bin/python -m pytest ${TARGET[@]+"${TARGET[@]}"} -q -p no:cacheprovider -n "${MEGATRON_RLVR_TEST_WORKERS:-2}" --dist loadgroup \
+.venv/bin/python -m pytest ${TARGET[@]+"${TARGET[@]}"} -q -p no:cacheprovider -n "${MEGATRON_RLVR_TEST_WORKERS:-3}" --dist loadgroup \
   --timeout=1200 --durations=25 ${ARGS[@]+"${ARGS[@]}"}

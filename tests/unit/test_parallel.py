@@ -1,5 +1,5 @@
-"""The suite's scheduler over xdist workers (tests/parallel.py), driven with two stand-in workers: a unit's tests go
-to one worker, in the queue's order, an `ALONE` unit runs beside light units only (unit-tier tests and tests marked
+"""The suite's scheduler over xdist workers (tests/parallel.py), driven with two or three stand-in workers (the test
+command runs three): a unit's tests go to one worker, in the queue's order, an `ALONE` unit runs beside light units only (unit-tier tests and tests marked
 `small`), and every run ends: the stand-ins hold their last test until more work or the shutdown comes, as
 xdist's workers do."""
 
@@ -29,12 +29,12 @@ class Worker:
         self.shutting_down = True
 
 
-def _scheduler(tmp_path, units: dict[str, str], light: list[str]):
+def _scheduler(tmp_path, units: dict[str, str], light: list[str], workers: int = 2):
     path = tmp_path / "units.json"
     path.write_text(json.dumps({"units": units, "light": light}))
-    config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True), getvalue=lambda name: ["2*popen"])
+    config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True), getvalue=lambda name: [f"{workers}*popen"])
     sched = unit_scheduling(config, None, str(path))
-    workers = [Worker("gw0"), Worker("gw1")]
+    workers = [Worker(f"gw{n}") for n in range(workers)]
     for w in workers:
         sched.add_node(w)
         sched.add_node_collection(w, list(units))
@@ -82,6 +82,31 @@ def test_every_run_ends_and_the_alone_unit_never_runs_beside_a_heavy_one(tmp_pat
     assert gw0.shutting_down and gw1.shutting_down and not sched.workqueue
     assert [ids[i] for i in gw0.done[:3]] == ids[:3]
     assert ids[gw1.sent[0]] == "test_light.py::a"  # while the real model ran, the other worker took the light unit
+
+
+def test_with_three_workers_the_two_beside_the_alone_unit_share_the_light_units_and_wait(tmp_path):
+    units = {
+        "test_real_model.py::a": REAL_MODEL,  # the workers put it first
+        "test_real_model.py::b": REAL_MODEL,
+        **{f"test_heavy{n}.py::a": f"test_heavy{n}.py" for n in range(3)},
+        "test_light0.py::a": "test_light0.py",
+        "test_light1.py::a": "test_light1.py",
+        "test_light2.py::a": "test_light2.py",
+    }
+    ids = list(units)
+    light = [f"test_light{n}.py" for n in range(3)]
+    sched, workers = _scheduler(tmp_path, units, light=light, workers=3)
+    gw0, gw1, gw2 = workers
+    assert [ids[i] for i in gw0.sent[:2]] == ids[:2]
+    beside = [ids[i] for i in gw1.sent + gw2.sent]
+    assert beside and all(t.startswith("test_light") for t in beside)  # no heavy unit beside the real model
+    _finish(sched, gw1, units)
+    _finish(sched, gw2, units)
+    assert all(ids[i].startswith("test_light") for i in gw1.sent + gw2.sent)  # the light ones done: they wait
+    _finish(sched, gw0, units)  # the real model done: the heavy units go out
+    _drive(sched, workers)
+    assert sorted(ids[i] for w in workers for i in w.sent) == sorted(ids)  # each test sent once: all ran
+    assert all(w.shutting_down for w in workers) and not sched.workqueue
 
 
 def test_units_stay_whole_and_an_alone_unit_runs_beside_light_ones_only(tmp_path):
