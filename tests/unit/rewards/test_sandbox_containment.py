@@ -28,6 +28,7 @@ from tests.unit.rewards.sandbox_helpers import (
     leftovers,
     memory_by_many_processes,
     sandbox_processes,
+    sandbox_programs,
 )
 
 # small budgets keep the hostile programs fast; generous time limits keep a loaded machine from failing a run early
@@ -177,20 +178,21 @@ def test_a_timed_out_program_leaves_no_cgroup_and_a_dead_owners_groups_are_swept
 @needs_isolation
 def test_a_killed_scoring_process_takes_its_sandbox_along():
     """A pool worker SIGKILLed at its deadline must not leave the program running, nor its cgroup and files."""
+    program = "import time\ntime.sleep(120)"
     scorer = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "from megatron_rlvr.rewards.sandbox import SandboxLimits, run_python\n"
-            "run_python('import time\\ntime.sleep(120)', '', SandboxLimits(wall_s=120, cpu_s=120, memory_mb=128))\n",
+            f"run_python({program!r}, '', SandboxLimits(wall_s=120, cpu_s=120, memory_mb=128))\n",
         ],
         cwd=Path(__file__).parents[3],
     )
     try:
         deadline = time.monotonic() + 30
-        while not sandbox_processes(scorer.pid) and time.monotonic() < deadline:
+        while not sandbox_programs(program, scorer.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert sandbox_processes(scorer.pid), "the program never started"
+        assert sandbox_programs(program, scorer.pid), "the program never started"
     finally:
         scorer.send_signal(signal.SIGKILL)
         scorer.wait()
