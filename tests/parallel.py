@@ -1,5 +1,6 @@
 """How the suite shares the machine's cores: `tools/run_tests.sh` runs it on pytest-xdist workers
-(`-n 3 --dist loadgroup` on the machine's 2 cores), and this plugin says which tests must share a worker and in what order the work goes out.
+(`-n 3 --dist loadgroup` on the machine's 2 cores), and this plugin says which tests must share a worker and in
+what order the work goes out.
 
 - **Units of work.** A test file is one unit: its module-scoped fixtures (a converted model, a worker group's
   state, an engine) are made once, in one worker. Tests that share an expensive session fixture form one unit across

@@ -1,7 +1,7 @@
 """The suite's scheduler over xdist workers (tests/parallel.py), driven with two or three stand-in workers (the test
-command runs three): a unit's tests go to one worker, in the queue's order, an `ALONE` unit runs beside light units only (unit-tier tests and tests marked
-`small`), and every run ends: the stand-ins hold their last test until more work or the shutdown comes, as
-xdist's workers do."""
+command runs three): a unit's tests go to one worker, in the queue's order, an `ALONE` unit runs beside light units
+only (unit-tier tests and tests marked `small`), and every run ends: the stand-ins hold their last test until more
+work or the shutdown comes, as xdist's workers do."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$(deps_hash)" ]; then
   SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$VENV/bin/python" -m compileall -qq -j 0 "$SITE" > /dev/null 2>&1 &
   COMPILING=$!
-  trap 'wait "$COMPILING" || true' EXIT  # a failed build below does not leave it running
+  trap 'wait "$COMPILING" || true' EXIT  # should the build below fail, the script still ends after the compile
 fi
 
 # The package itself, editable, with the C++ extension built against the venv's torch. setuptools' note on every
