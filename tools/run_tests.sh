@@ -46,7 +46,7 @@ echo "[checks] ruff check, ruff format --check, lint-imports, tools/checks/check
 .venv/bin/lint-imports --no-cache
 .venv/bin/python tools/checks/check_imports.py
 # Three xdist workers on two cores: much of the suite waits (on its subprocesses' imports, torchrun's grace, Slurm's
-# queue, a stalled rank), and a third worker's tests fill those waits: the whole command took 17m40s-19m25s against
+# queue, a stalled rank), and a third worker's tests fill those waits: the whole command took 17m25s-19m25s against
 # 21m20s-22m02s with two (docs/development.md). tests/parallel.py keeps each file (and the tests sharing the Slurm
 # cluster or the converted real model) in one worker and sends the longest first. --timeout is a per-test backstop on
 # top of the worker groups' own hang detection; --durations lists the slowest tests, and the summary the time per
