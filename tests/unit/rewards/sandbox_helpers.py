@@ -47,16 +47,14 @@ def sandbox_processes(*owners: int) -> list[int]:
 
 
 def sandbox_programs(source: str, *owners: int) -> list[int]:
-    """The programs of ``source`` among ``sandbox_processes(*owners)``: exec'd on a ``main.py`` that holds it. Nothing
-    less is steady while a sandbox starts: its launcher is found only while its cwd is the sandbox's host dir, which
-    it leaves for the new root before the program starts, and the first run of a process is the containment probe's
-    own short program."""
+    """The programs of ``source`` among ``sandbox_processes(*owners)``: run in a work dir whose ``main.py`` holds it.
+    Nothing less is steady while a sandbox starts: its launcher is found only while its cwd is the sandbox's host
+    dir, which it leaves for the new root before the program starts, and the first run of a process is the
+    containment probe's own short program."""
     found = []
     for pid in sandbox_processes(*owners):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                exec_d = f.read().split(b"\0")[-2:-1] == [b"main.py"]
-            if exec_d and Path(f"/proc/{pid}/cwd/main.py").read_text() == source:
+            if Path(f"/proc/{pid}/cwd/main.py").read_text() == source:
                 found.append(pid)
         except (OSError, UnicodeDecodeError):
             pass
